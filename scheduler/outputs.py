@@ -1,0 +1,47 @@
+"""What the iteration loop hands back to its callers (the server): one delta per step per request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+
+class FinishReason(str, Enum):
+    STOP = "stop"  # EOS, a stop token id, or a stop string the server saw (finish())
+    LENGTH = "length"  # max_tokens or the model's maximum length
+    ABORT = "abort"  # abort(): client gone, timeout, shutdown
+    ERROR = "error"  # the step failed; `error` says why
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # best first
+
+
+@dataclass
+class RequestDelta:
+    """New output of one request since its previous delta."""
+
+    request_id: str
+    token_ids: list[int]  # new tokens (several if the consumer lagged behind the loop)
+    logprobs: list[TokenLogprob] | None  # one per new token when SamplingParams.logprobs is set
+    finish_reason: FinishReason | None = None  # set on the last delta only
+    error: str | None = None  # with FinishReason.ERROR
+    num_prompt_tokens: int = 0
+    num_output_tokens: int = 0  # total so far, this delta included
+
+
+@dataclass
+class EngineStats:
+    running: int
+    waiting: int
+    kv_blocks_used: int
+    kv_blocks_total: int
+    num_preemptions: int
+    num_steps: int
+
+    @property
+    def kv_usage(self) -> float:
+        return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
