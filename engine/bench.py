@@ -1,0 +1,269 @@
+"""Decode throughput of this engine next to Hugging Face `generate` (static batching), in one run.
+
+    python -m engine.bench [--dtype auto] [--batch-sizes 1,8,32,64] [--new-tokens 32] [--prompt-len 64]
+                           [--skip-hf] [--json out.json]
+
+Both sides get the same model, dtype, prompts (random token ids, all of --prompt-len), greedy decoding
+and exactly --new-tokens new tokens (HF: min_new_tokens so EOS cannot cut it short). Only decode is
+timed: the engine times its decode steps after the prefill step; for HF the time of a prefill-only
+`generate` (one new token) is subtracted from the full one. Both count the B * (new_tokens - 1) tokens
+produced after the first. Each figure is the best of --repeats runs (the box is shared).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from engine.batch import SamplingParams, ScheduledSequence
+from engine.config import EngineConfig
+from engine.runner import TorchModelRunner
+
+GREEDY_FIXED = SamplingParams(temperature=0.0, ignore_eos=True)
+
+
+@dataclass
+class BenchRow:
+    batch_size: int
+    engine_decode_tok_s: float
+    engine_ms_per_step: float
+    engine_prefill_tok_s: float
+    hf_decode_tok_s: float | None
+    hf_ms_per_step: float | None
+
+    @property
+    def ratio(self) -> float | None:
+        return self.engine_decode_tok_s / self.hf_decode_tok_s if self.hf_decode_tok_s else None
+
+
+def make_prompts(batch_size: int, prompt_len: int, vocab_size: int, seed: int) -> list[list[int]]:
+    g = torch.Generator().manual_seed(seed)
+    # Skip the low ids, where tokenizers keep their special tokens.
+    return torch.randint(100, vocab_size, (batch_size, prompt_len), generator=g).tolist()
+
+
+def engine_prefill(
+    runner: TorchModelRunner, prompts: list[list[int]], new_tokens: int
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Run all prompts in one step; returns (block tables, outputs) ready for decode steps."""
+    blocks_per_seq = -(-(len(prompts[0]) + new_tokens) // runner.block_size)
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(prompts))]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    first = runner.step(
+        [
+            ScheduledSequence(str(i), p, 0, tables[i], True, GREEDY_FIXED, p, outputs[i])
+            for i, p in enumerate(prompts)
+        ]
+    )
+    for out, tok in zip(outputs, first, strict=True):
+        assert tok is not None
+        out.append(tok.token_id)
+    return tables, outputs
+
+
+def engine_decode_steps(
+    runner: TorchModelRunner,
+    prompts: list[list[int]],
+    tables: list[list[int]],
+    outputs: list[list[int]],
+    steps: int,
+) -> None:
+    """`steps` decode steps of the whole batch, appending to `outputs`."""
+    for _ in range(steps):
+        batch = [
+            ScheduledSequence(str(i), [o[-1]], len(p) + len(o) - 1, tables[i], True, GREEDY_FIXED, p, o)
+            for i, (p, o) in enumerate(zip(prompts, outputs, strict=True))
+        ]
+        for out, tok in zip(outputs, runner.step(batch), strict=True):
+            assert tok is not None
+            out.append(tok.token_id)
+
+
+def engine_decode(runner: TorchModelRunner, prompts: list[list[int]], new_tokens: int) -> tuple[float, float]:
+    """(prefill seconds, seconds of the new_tokens - 1 decode steps) for one batch."""
+    t0 = time.perf_counter()
+    tables, outputs = engine_prefill(runner, prompts, new_tokens)
+    t1 = time.perf_counter()
+    engine_decode_steps(runner, prompts, tables, outputs, new_tokens - 1)
+    return t1 - t0, time.perf_counter() - t1
+
+
+def hf_generate_seconds(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> float:
+    input_ids = torch.tensor(prompts)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        model.generate(
+            input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=pad_id,
+        )
+    return time.perf_counter() - t0
+
+
+def run(args: argparse.Namespace) -> tuple[list[BenchRow], dict]:
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    max_tokens = max(batch_sizes) * (-(-(args.prompt_len + args.new_tokens) // args.block_size))
+    runner = TorchModelRunner(
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            block_size=args.block_size,
+            num_kv_blocks=max_tokens,
+            attention_backend=args.attention_backend,
+        )
+    )
+    hf = None
+    if not args.skip_hf:
+        from transformers import AutoModelForCausalLM
+
+        hf = (
+            AutoModelForCausalLM.from_pretrained(runner.model_path, dtype=runner.dtype)
+            .to(runner.device)
+            .eval()
+        )
+    pad_id = min(runner.eos_token_ids) if runner.eos_token_ids else 0
+
+    # Warm-up: first calls pay for kernel selection and allocator growth.
+    warm = make_prompts(2, args.prompt_len, runner.vocab_size, seed=123)
+    engine_decode(runner, warm, 3)
+    if hf is not None:
+        hf_generate_seconds(hf, warm, 3, pad_id)
+
+    rows = []
+    for b in batch_sizes:
+        prompts = make_prompts(b, args.prompt_len, runner.vocab_size, seed=b)
+        runs = [engine_decode(runner, prompts, args.new_tokens) for _ in range(args.repeats)]
+        prefill_s = min(r[0] for r in runs)
+        decode_s = min(r[1] for r in runs)
+        decoded = b * (args.new_tokens - 1)
+        hf_tok_s = hf_ms = None
+        if hf is not None:
+            full = min(hf_generate_seconds(hf, prompts, args.new_tokens, pad_id) for _ in range(args.repeats))
+            prefill_only = min(hf_generate_seconds(hf, prompts, 1, pad_id) for _ in range(args.repeats))
+            hf_decode_s = max(full - prefill_only, 1e-9)
+            hf_tok_s = decoded / hf_decode_s
+            hf_ms = 1000 * hf_decode_s / (args.new_tokens - 1)
+        rows.append(
+            BenchRow(
+                batch_size=b,
+                engine_decode_tok_s=decoded / decode_s,
+                engine_ms_per_step=1000 * decode_s / (args.new_tokens - 1),
+                engine_prefill_tok_s=b * args.prompt_len / prefill_s,
+                hf_decode_tok_s=hf_tok_s,
+                hf_ms_per_step=hf_ms,
+            )
+        )
+    setup = {
+        "model": str(runner.model_path),
+        "dtype": str(runner.dtype).removeprefix("torch."),
+        "device": str(runner.device),
+        "attention_backend": runner.model.attn_backend.name,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.new_tokens,
+        "repeats": args.repeats,
+        "torch_threads": torch.get_num_threads(),
+    }
+    return rows, setup
+
+
+def print_table(rows: list[BenchRow], setup: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    def fmt(x: float | None, spec: str) -> str:
+        return "-" if x is None else format(x, spec)
+
+    table = Table(
+        title=(
+            f"decode throughput, {setup['dtype']} on {setup['device']} ({setup['attention_backend']}), "
+            f"prompt {setup['prompt_len']}, {setup['new_tokens']} new tokens"
+        )
+    )
+    for col in (
+        "batch",
+        "engine tok/s",
+        "engine ms/step",
+        "HF tok/s",
+        "HF ms/step",
+        "engine / HF",
+        "prefill tok/s",
+    ):
+        table.add_column(col, justify="right")
+    for r in rows:
+        table.add_row(
+            str(r.batch_size),
+            fmt(r.engine_decode_tok_s, ".1f"),
+            fmt(r.engine_ms_per_step, ".1f"),
+            fmt(r.hf_decode_tok_s, ".1f"),
+            fmt(r.hf_ms_per_step, ".1f"),
+            fmt(r.ratio, ".2f") + ("x" if r.ratio else ""),
+            fmt(r.engine_prefill_tok_s, ".0f"),
+        )
+    Console().print(table)
+
+
+def profile_decode(args: argparse.Namespace, batch_size: int, steps: int = 5) -> str:
+    """torch.profiler's top ops (by self CPU time) over `steps` decode steps at one batch size."""
+    from torch.profiler import ProfilerActivity, profile
+
+    runner = TorchModelRunner(
+        EngineConfig(
+            model=args.model,
+            dtype=args.dtype,
+            device=args.device,
+            block_size=args.block_size,
+            num_kv_blocks=batch_size * (-(-(args.prompt_len + 2 * steps + 2) // args.block_size)),
+            attention_backend=args.attention_backend,
+        )
+    )
+    prompts = make_prompts(batch_size, args.prompt_len, runner.vocab_size, seed=batch_size)
+    tables, outputs = engine_prefill(runner, prompts, 2 * steps + 1)
+    engine_decode_steps(runner, prompts, tables, outputs, steps)  # warm-up
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        engine_decode_steps(runner, prompts, tables, outputs, steps)
+    sort_by = "self_cuda_time_total" if runner.device.type == "cuda" else "self_cpu_time_total"
+    return prof.key_averages().table(sort_by=sort_by, row_limit=15)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="default")
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto")
+    p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--batch-sizes", default="1,8,32,64")
+    p.add_argument("--new-tokens", type=int, default=32)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--repeats", type=int, default=2, help="best of N runs per figure")
+    p.add_argument("--skip-hf", action="store_true", help="engine only")
+    p.add_argument("--json", type=Path, help="also write the figures here")
+    p.add_argument(
+        "--profile", type=int, metavar="BATCH", help="only profile decode steps at this batch size"
+    )
+    args = p.parse_args(argv)
+    if args.new_tokens < 2:
+        p.error("--new-tokens must be at least 2 (one prefill token plus decode steps)")
+
+    if args.profile:
+        print(profile_decode(args, args.profile))
+        return
+    rows, setup = run(args)
+    print_table(rows, setup)
+    if args.json:
+        payload = {"setup": setup, "rows": [{**asdict(r), "ratio": r.ratio} for r in rows]}
+        args.json.write_text(json.dumps(payload, indent=2))
+
+
+if __name__ == "__main__":
+    main()

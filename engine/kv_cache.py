@@ -1,0 +1,93 @@
+"""The paged KV cache: allocated once at start-up, cut into fixed-size blocks.
+
+Which blocks are free is the scheduler's business (pure Python); the engine only receives block
+tables and writes through slot ids (block_id * block_size + offset).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from models.layers.metadata import KVCache
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """The per-token shape of the cache: what a block costs."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: torch.dtype
+
+    @property
+    def bytes_per_block(self) -> int:
+        """K and V of every layer for one block."""
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        return 2 * self.num_layers * self.block_size * self.num_kv_heads * self.head_dim * elem
+
+    def num_blocks_for(self, budget_bytes: int) -> int:
+        return budget_bytes // self.bytes_per_block
+
+
+class KVCacheManager:
+    """Owns the K and V tensors, [num_layers, num_blocks, block_size, num_kv_heads, head_dim] each."""
+
+    def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str) -> None:
+        if num_blocks <= 0:
+            raise ValueError(
+                f"the KV budget holds {num_blocks} blocks of {spec.bytes_per_block} bytes; give it more memory"
+            )
+        self.spec = spec
+        self.num_blocks = num_blocks
+        self.block_size = spec.block_size
+        shape = (spec.num_layers, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        # zeros, not empty: padded block-table entries point at block 0, and a kernel that reads it
+        # (masked out) must not meet NaNs from uninitialised memory.
+        self.k_cache = torch.zeros(shape, dtype=spec.dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=spec.dtype, device=device)
+        # Per-layer views, no copies: [num_blocks, block_size, num_kv_heads, head_dim] each.
+        self.layers: list[KVCache] = [(self.k_cache[i], self.v_cache[i]) for i in range(spec.num_layers)]
+
+    @property
+    def bytes_per_block(self) -> int:
+        return self.spec.bytes_per_block
+
+    @property
+    def num_slots(self) -> int:
+        return self.num_blocks * self.block_size
+
+    @property
+    def total_bytes(self) -> int:
+        return self.num_blocks * self.bytes_per_block
+
+
+def slot_of(block_table: Sequence[int], position: int, block_size: int) -> int:
+    """The KV slot of one token position in a sequence."""
+    return block_table[position // block_size] * block_size + position % block_size
+
+
+def slot_mapping(
+    block_tables: torch.Tensor,  # [B, max_blocks] int
+    seq_index: torch.Tensor,  # [T] int64: which row of block_tables each token belongs to
+    positions: torch.Tensor,  # [T] int64
+    block_size: int,
+) -> torch.Tensor:
+    """Slots of many tokens at once: [T] int64."""
+    blocks = block_tables[seq_index, positions // block_size].long()  # [T]
+    return blocks * block_size + positions % block_size
+
+
+def default_kv_budget(device: torch.device, cpu_budget: int, cuda_fraction: float) -> int:
+    """Bytes for the cache when the config names neither a block count nor a byte budget.
+
+    On CUDA, call it after the weights are loaded: it takes a fraction of what is still free.
+    """
+    if device.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(device)
+        return int(free * cuda_fraction)
+    return cpu_budget

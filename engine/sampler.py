@@ -1,0 +1,296 @@
+"""Token sampling over a batch of logits, vectorised by groups of rows.
+
+Order of processing, per row (each step only for the rows that ask for it):
+  1. min_tokens: while a row has fewer outputs than min_tokens, its EOS and stop tokens get -inf.
+  2. logit bias (added).
+  3. repetition penalty (HF/CTRL, over prompt + output tokens): a seen token's logit is divided by the
+     penalty when positive, multiplied when negative.
+  4. presence / frequency penalties (OpenAI, over output tokens): logit -= presence * [count > 0]
+     + frequency * count.
+  5. greedy rows (temperature 0) take the exact argmax here.
+  6. temperature (sampled rows).
+  -> logprobs are the log-softmax of this "processed distribution": after 1-6 (greedy rows count as
+     temperature 1) and BEFORE the top-k / top-p / min-p truncation, so every returned value is finite
+     and top-N lists are comparable across truncation settings.
+  7. top-k, then top-p (over the top-k renormalised mass: the smallest set of tokens whose mass is
+     >= top_p), then min-p (tokens below min_p * the best token's probability): set to -inf.
+  8. draw: argmax(probs / E) with E ~ Exp(1) per token (the exponential race, equivalent to
+     sampling from probs). Rows with a seed draw E from their own generator seeded from
+     (seed, number of output tokens so far), so the same request gives the same tokens whatever else
+     shares the batch or where it sits; unseeded rows share the engine's generator.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Protocol
+
+import torch
+
+from engine.batch import SampledToken, SamplingParams
+
+MAX_LOGPROBS = 20
+_MASK64 = (1 << 64) - 1
+
+
+class SamplingRow(Protocol):
+    """What the sampler reads of a batch entry (engine.batch.ScheduledSequence has it)."""
+
+    @property
+    def sampling(self) -> SamplingParams: ...
+    @property
+    def prompt_token_ids(self) -> Sequence[int]: ...
+    @property
+    def output_token_ids(self) -> Sequence[int]: ...
+
+
+def row_seed(seed: int, num_output_tokens: int) -> int:
+    """A 64-bit generator seed from (request seed, step), mixed with splitmix64 so nearby pairs differ."""
+    x = (seed * 0x9E3779B97F4A7C15 + num_output_tokens + 1) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def validate_sampling(rows: Sequence[SamplingRow], vocab_size: int) -> None:
+    """Raise ValueError for parameters the sampler cannot apply (checked before a step runs)."""
+    for row in rows:
+        p = row.sampling
+        if p.logit_bias:
+            for tok in p.logit_bias:
+                if not 0 <= tok < vocab_size:
+                    raise ValueError(f"logit_bias token id {tok} out of range [0, {vocab_size})")
+        if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}")
+        if p.repetition_penalty <= 0:
+            raise ValueError(f"repetition_penalty must be positive, got {p.repetition_penalty}")
+
+
+class Sampler:
+    def __init__(
+        self,
+        vocab_size: int,
+        eos_token_ids: frozenset[int] = frozenset(),
+        device: torch.device | str = "cpu",
+        seed: int = 0,
+    ) -> None:
+        self.vocab_size = vocab_size
+        self.eos_token_ids = frozenset(t for t in eos_token_ids if 0 <= t < vocab_size)
+        self.device = torch.device(device)
+        self.generator = torch.Generator(device=self.device)
+        self.generator.manual_seed(seed)
+
+    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
+        """Pick one token per row. `logits` is [B, vocab] float32 and is modified in place."""
+        params = [r.sampling for r in rows]
+        num_out = [len(r.output_token_ids) for r in rows]
+        plain = all(
+            p.temperature <= 0.0
+            and p.logprobs is None
+            and not p.logit_bias
+            and not p.needs_penalties
+            and p.min_tokens <= n
+            for p, n in zip(params, num_out, strict=True)
+        )
+        if plain:
+            # The common serving case: greedy, nothing to process, one kernel and one sync.
+            return [SampledToken(t) for t in logits.argmax(dim=-1).tolist()]
+
+        self._ban_stop_tokens(logits, params, num_out)
+        self._apply_logit_bias(logits, params)
+        self._apply_repetition_penalty(logits, rows)
+        self._apply_presence_frequency(logits, rows)
+
+        greedy_rows = [i for i, p in enumerate(params) if p.temperature <= 0.0]
+        sampled_rows = [i for i, p in enumerate(params) if p.temperature > 0.0]
+        tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)  # [B]
+        if greedy_rows:
+            g = torch.tensor(greedy_rows, device=logits.device)
+            tokens[g] = logits[g].argmax(dim=-1)
+        s: torch.Tensor | None = None
+        if sampled_rows:
+            s = torch.tensor(sampled_rows, device=logits.device)
+            temps = torch.tensor([params[i].temperature for i in sampled_rows], device=logits.device)
+            logits[s] = logits[s] / temps[:, None]
+
+        logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
+        logprobs: torch.Tensor | None = None
+        if logprob_rows:
+            lp_idx = torch.tensor(logprob_rows, device=logits.device)
+            logprobs = torch.log_softmax(logits[lp_idx], dim=-1)  # [L, V]: before truncation
+
+        if sampled_rows:
+            assert s is not None
+            sub = logits[s]  # [S, V]
+            sub = self._truncate(sub, [params[i] for i in sampled_rows])
+            tokens[s] = self._draw(sub, [params[i] for i in sampled_rows], [num_out[i] for i in sampled_rows])
+
+        token_list = tokens.tolist()
+        out = [SampledToken(t) for t in token_list]
+        if logprobs is not None:
+            self._fill_logprobs(out, logprobs, logprob_rows, params, token_list)
+        return out
+
+    # --- processing -----------------------------------------------------------------------------
+
+    def _ban_stop_tokens(
+        self, logits: torch.Tensor, params: list[SamplingParams], num_out: list[int]
+    ) -> None:
+        rows: list[int] = []
+        cols: list[int] = []
+        for i, (p, n) in enumerate(zip(params, num_out, strict=True)):
+            if n < p.min_tokens:
+                banned = set(p.stop_token_ids)
+                if not p.ignore_eos:
+                    banned |= self.eos_token_ids
+                banned = {t for t in banned if 0 <= t < self.vocab_size}
+                rows.extend([i] * len(banned))
+                cols.extend(banned)
+        if rows:
+            logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = (
+                float("-inf")
+            )
+
+    def _apply_logit_bias(self, logits: torch.Tensor, params: list[SamplingParams]) -> None:
+        rows: list[int] = []
+        cols: list[int] = []
+        vals: list[float] = []
+        for i, p in enumerate(params):
+            if p.logit_bias:
+                rows.extend([i] * len(p.logit_bias))
+                cols.extend(p.logit_bias.keys())
+                vals.extend(p.logit_bias.values())
+        if rows:
+            dev = logits.device
+            logits.index_put_(
+                (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
+                torch.tensor(vals, dtype=logits.dtype, device=dev),
+                accumulate=True,
+            )
+
+    def _apply_repetition_penalty(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        idx = [i for i, r in enumerate(rows) if r.sampling.repetition_penalty != 1.0]
+        if not idx:
+            return
+        dev = logits.device
+        seen = self._token_mask(
+            [list(rows[i].prompt_token_ids) + list(rows[i].output_token_ids) for i in idx], dev
+        )  # [R, V] bool
+        penalty = torch.tensor([rows[i].sampling.repetition_penalty for i in idx], device=dev)[:, None]
+        r = torch.tensor(idx, device=dev)
+        sub = logits[r]  # [R, V]
+        penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
+        logits[r] = torch.where(seen, penalised, sub)
+
+    def _apply_presence_frequency(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> None:
+        idx = [
+            i
+            for i, r in enumerate(rows)
+            if r.sampling.presence_penalty != 0.0 or r.sampling.frequency_penalty != 0.0
+        ]
+        if not idx:
+            return
+        dev = logits.device
+        counts = self._token_counts([rows[i].output_token_ids for i in idx], dev)  # [R, V]
+        presence = torch.tensor([rows[i].sampling.presence_penalty for i in idx], device=dev)[:, None]
+        frequency = torch.tensor([rows[i].sampling.frequency_penalty for i in idx], device=dev)[:, None]
+        r = torch.tensor(idx, device=dev)
+        logits[r] = logits[r] - presence * (counts > 0) - frequency * counts
+
+    def _token_counts(self, token_lists: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+        """[R, V] float32: how often each token occurs in each row's list."""
+        counts = torch.zeros(len(token_lists), self.vocab_size, device=device)
+        row_idx = [i for i, toks in enumerate(token_lists) for _ in range(len(toks))]
+        if row_idx:
+            flat = [t for toks in token_lists for t in toks]
+            counts.index_put_(
+                (torch.tensor(row_idx, device=device), torch.tensor(flat, device=device)),
+                torch.ones(len(flat), device=device),
+                accumulate=True,
+            )
+        return counts
+
+    def _token_mask(self, token_lists: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
+        """[R, V] bool: which tokens occur in each row's list."""
+        mask = torch.zeros(len(token_lists), self.vocab_size, dtype=torch.bool, device=device)
+        row_idx = [i for i, toks in enumerate(token_lists) for _ in range(len(toks))]
+        if row_idx:
+            flat = [t for toks in token_lists for t in toks]
+            mask[torch.tensor(row_idx, device=device), torch.tensor(flat, device=device)] = True
+        return mask
+
+    # --- truncation and drawing -----------------------------------------------------------------
+
+    def _truncate(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+        """top-k, top-p, min-p over temperature-scaled logits [S, V]; dropped tokens become -inf."""
+        dev = logits.device
+        vocab = logits.shape[-1]
+        top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
+        top_p = [p.top_p for p in params]
+        if any(p < 1.0 for p in top_p):
+            # A full sort serves both top-k and top-p.
+            sorted_logits, order = logits.sort(dim=-1, descending=True)  # [S, V] each
+            ranks = torch.arange(vocab, device=dev)[None, :]
+            k = torch.tensor(top_k, device=dev)[:, None]
+            sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+            probs = sorted_logits.softmax(dim=-1)
+            mass_before = probs.cumsum(dim=-1) - probs  # mass of the better-ranked tokens
+            p = torch.tensor(top_p, device=dev, dtype=probs.dtype)[:, None]
+            # Keep a token while the better ones have not reached p yet; the best is always kept.
+            drop = (mass_before >= p) & (ranks > 0)
+            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+            logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+        elif any(k < vocab for k in top_k):
+            # top-k only: the k-th best value is the threshold (ties at the threshold are kept).
+            kmax = max(top_k)
+            best = logits.topk(kmax, dim=-1).values  # [S, kmax]
+            k = torch.tensor(top_k, device=dev)[:, None].clamp(max=kmax)
+            kth = best.gather(-1, k - 1)  # [S, 1]
+            logits = logits.masked_fill(logits < kth, float("-inf"))
+        min_p = [p.min_p for p in params]
+        if any(m > 0.0 for m in min_p):
+            # prob < min_p * max_prob  <=>  logit < max_logit + log(min_p)
+            mp = torch.tensor(min_p, device=dev, dtype=logits.dtype)[:, None]
+            threshold = logits.max(dim=-1, keepdim=True).values + torch.log(mp)  # -inf where min_p == 0
+            logits = logits.masked_fill(logits < threshold, float("-inf"))
+        return logits
+
+    def _draw(self, logits: torch.Tensor, params: list[SamplingParams], num_out: list[int]) -> torch.Tensor:
+        """One token per row of [S, V] logits by the exponential race; returns [S] int64."""
+        probs = logits.softmax(dim=-1)  # [S, V]
+        noise = torch.empty_like(probs)  # [S, V] ~ Exp(1)
+        unseeded = [i for i, p in enumerate(params) if p.seed is None]
+        if unseeded:
+            u = torch.tensor(unseeded, device=probs.device)
+            noise[u] = torch.empty(len(unseeded), probs.shape[-1], device=probs.device).exponential_(
+                generator=self.generator
+            )
+        for i, p in enumerate(params):
+            if p.seed is not None:
+                gen = torch.Generator(device=probs.device)
+                gen.manual_seed(row_seed(p.seed, num_out[i]))
+                noise[i].exponential_(generator=gen)
+        return (probs / noise).argmax(dim=-1)
+
+    def _fill_logprobs(
+        self,
+        out: list[SampledToken],
+        logprobs: torch.Tensor,  # [L, V]
+        logprob_rows: list[int],
+        params: list[SamplingParams],
+        tokens: list[int],
+    ) -> None:
+        dev = logprobs.device
+        chosen = torch.tensor([tokens[i] for i in logprob_rows], device=dev)[:, None]
+        chosen_lp = logprobs.gather(-1, chosen).squeeze(-1).tolist()  # [L]
+        n_max = max(params[i].logprobs or 0 for i in logprob_rows)
+        top_vals: list[list[float]] = [[] for _ in logprob_rows]
+        top_ids: list[list[int]] = [[] for _ in logprob_rows]
+        if n_max > 0:
+            top = logprobs.topk(min(n_max, logprobs.shape[-1]), dim=-1)
+            top_vals = top.values.tolist()
+            top_ids = top.indices.tolist()
+        for j, i in enumerate(logprob_rows):
+            n = params[i].logprobs or 0
+            out[i].logprob = chosen_lp[j]
+            out[i].top_logprobs = list(zip(top_ids[j][:n], top_vals[j][:n], strict=True))

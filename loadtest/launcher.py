@@ -1,0 +1,138 @@
+"""Start a server command on a free loopback port, wait until it is healthy, and stop it afterwards."""
+
+from __future__ import annotations
+
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from types import TracebackType
+
+import httpx
+
+LOOPBACK = "127.0.0.1"
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((LOOPBACK, 0))
+        return int(sock.getsockname()[1])
+
+
+def build_command(command: str, port: int) -> list[str]:
+    """The argv of a --launch command bound to `port` on loopback.
+
+    `{port}` in the command is replaced; otherwise `--host 127.0.0.1 --port N` is appended. A leading
+    `python`/`python3` becomes this interpreter, so `python -m server` runs in the same environment
+    (a virtualenv's python is often not on PATH).
+    """
+    argv = shlex.split(command)
+    if not argv:
+        raise ValueError("empty --launch command")
+    if argv[0] in ("python", "python3"):
+        argv[0] = sys.executable
+    if any("{port}" in a for a in argv):
+        return [a.replace("{port}", str(port)) for a in argv]
+    return [*argv, "--host", LOOPBACK, "--port", str(port)]
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+class LaunchedServer:
+    """A server process in its own session (so it and any children stop together)."""
+
+    def __init__(
+        self,
+        command: str,
+        log_path: Path,
+        health_timeout: float = 600.0,
+        stop_timeout: float = 20.0,
+    ) -> None:
+        self.command = command
+        self.port = free_port()
+        self.argv = build_command(command, self.port)
+        self.base_url = f"http://{LOOPBACK}:{self.port}"
+        self.log_path = log_path
+        self.health_timeout = health_timeout
+        self.stop_timeout = stop_timeout
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("wb")
+        try:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                start_new_session=True,
+            )
+        finally:
+            log.close()  # the child holds its own descriptor
+        try:
+            self.wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _log_tail(self, chars: int = 3000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def wait_healthy(self) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + self.health_timeout
+        with httpx.Client(base_url=self.base_url, timeout=5.0, trust_env=False) as client:
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    raise ServerStartError(
+                        f"server exited with {self.proc.returncode} before it was healthy: {self.argv}\n"
+                        f"--- {self.log_path} ---\n{self._log_tail()}"
+                    )
+                try:
+                    if client.get("/health").status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass  # not listening yet
+                time.sleep(0.25)
+        raise ServerStartError(
+            f"server not healthy after {self.health_timeout:.0f}s: {self.argv}\n"
+            f"--- {self.log_path} ---\n{self._log_tail()}"
+        )
+
+    def stop(self) -> None:
+        """SIGTERM to the server's process group; SIGKILL if it has not exited in `stop_timeout`."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return
+        try:
+            os.killpg(proc.pid, signal.SIGTERM)
+            proc.wait(timeout=self.stop_timeout)
+        except subprocess.TimeoutExpired:
+            pass
+        except ProcessLookupError:
+            return
+        # Also whatever the server forked (workers) and left behind in its session.
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait()
+
+    def __enter__(self) -> LaunchedServer:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()

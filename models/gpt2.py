@@ -1,0 +1,152 @@
+"""GPT-2 (the architecture family of the GPT-3 models in the ORCA paper) for selective batching.
+
+LayerNorm, tanh-approximated GELU, learned position embeddings, tied LM head. HF checkpoints store the
+projections as Conv1D weights [in, out]; they are transposed to nn.Linear's [out, in] while loading.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from models.base import CausalLMBase, WeightItem
+from models.layers.activation import get_gelu
+from models.layers.attention import Attention, AttentionStep
+from models.layers.linear import (
+    ColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    default_weight_loader,
+)
+from models.layers.metadata import AttentionMetadata, KVCache
+from models.layers.norm import LayerNorm
+from models.layers.parallel import SINGLE, TPContext
+
+# Causal-mask buffers of old checkpoints; the attention op does its own masking.
+_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
+_CONV1D_SUFFIXES = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
+
+
+class PositionEmbedding(nn.Module):
+    """Learned absolute positions, replicated on every rank (small next to the vocabulary)."""
+
+    def __init__(self, num_positions: int, dim: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_positions, dim, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
+
+    def forward(self, positions: torch.Tensor) -> torch.Tensor:
+        return F.embedding(positions, self.weight)
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, dtype: torch.dtype, tp: TPContext):
+        super().__init__()
+        hidden, heads = config.n_embd, config.n_head
+        head_dim = hidden // heads
+        self.c_attn = QKVParallelLinear(hidden, head_dim, heads, heads, True, dtype, tp)
+        self.c_proj = RowParallelLinear(hidden, hidden, True, dtype, tp)
+        scale = head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
+        if getattr(config, "scale_attn_by_inverse_layer_idx", False):
+            scale /= layer_idx + 1
+        self.num_heads = self.c_attn.num_heads
+        self.head_dim = head_dim
+        self.attn = Attention(self.num_heads, head_dim, self.num_heads, scale)
+
+    def forward(self, x: torch.Tensor, kv_cache: KVCache, step: AttentionStep) -> torch.Tensor:
+        t = x.shape[0]
+        qkv = self.c_attn(x).view(t, 3 * self.num_heads, self.head_dim)  # [T, 3H, D]
+        q, k, v = qkv.split(self.num_heads, dim=1)  # [T, H, D] each
+        return self.c_proj(self.attn(q, k, v, kv_cache, step))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, tp: TPContext):
+        super().__init__()
+        inner = getattr(config, "n_inner", None) or 4 * config.n_embd
+        self.c_fc = ColumnParallelLinear(config.n_embd, inner, True, dtype, tp)
+        self.act = get_gelu(config.activation_function)
+        self.c_proj = RowParallelLinear(inner, config.n_embd, True, dtype, tp)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c_proj(self.act(self.c_fc(x)))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, config: PretrainedConfig, layer_idx: int, dtype: torch.dtype, tp: TPContext):
+        super().__init__()
+        eps = config.layer_norm_epsilon
+        self.ln_1 = LayerNorm(config.n_embd, eps, dtype)
+        self.attn = GPT2Attention(config, layer_idx, dtype, tp)
+        self.ln_2 = LayerNorm(config.n_embd, eps, dtype)
+        self.mlp = GPT2MLP(config, dtype, tp)
+
+    def forward(self, hidden: torch.Tensor, kv_cache: KVCache, step: AttentionStep) -> torch.Tensor:
+        hidden = hidden + self.attn(self.ln_1(hidden), kv_cache, step)
+        return hidden + self.mlp(self.ln_2(hidden))
+
+
+class GPT2Model(nn.Module):
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, tp: TPContext):
+        super().__init__()
+        self.wte = VocabParallelEmbedding(config.vocab_size, config.n_embd, dtype, tp)
+        self.wpe = PositionEmbedding(config.n_positions, config.n_embd, dtype)
+        self.h = nn.ModuleList(GPT2Block(config, i, dtype, tp) for i in range(config.n_layer))
+        self.ln_f = LayerNorm(config.n_embd, config.layer_norm_epsilon, dtype)
+
+
+class GPT2LMHeadModel(CausalLMBase):
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype = torch.float32, tp: TPContext = SINGLE):
+        super().__init__()
+        self.config = config
+        self.tp = tp
+        self.transformer = GPT2Model(config, dtype, tp)
+        # GPT-2 always ties its head to the token embedding.
+        self.lm_head = ParallelLMHead(config.vocab_size, config.n_embd, dtype=dtype, tp=tp)
+        self.lm_head.tie_to(self.transformer.wte)
+        self.num_layers = config.n_layer
+        self.num_kv_heads = self.transformer.h[0].attn.num_heads  # no GQA: one KV head per query head
+        self.head_dim = config.n_embd // config.n_head
+        self.vocab_size = config.vocab_size
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        step = self.begin_step(input_ids, attn_metadata)
+        hidden = self.transformer.wte(input_ids) + self.transformer.wpe(positions)  # [T, hidden]
+        for block, kv_cache in zip(self.transformer.h, kv_caches, strict=True):
+            hidden = block(hidden, kv_cache, step)
+        return self.transformer.ln_f(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.load_mapped_weights(self._map_names(weights))
+
+    def _map_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[WeightItem]:
+        for hf_name, tensor in weights:
+            if hf_name.endswith(_IGNORED_SUFFIXES) or hf_name == "lm_head.weight":
+                continue  # lm_head is tied to wte
+            # Some GPT-2 checkpoints (the original "gpt2") have no "transformer." prefix.
+            name = hf_name if hf_name.startswith("transformer.") else f"transformer.{hf_name}"
+            if name.endswith(_CONV1D_SUFFIXES):
+                if tensor.dim() != 2:
+                    yield hf_name, name, tensor, None  # the loader reports the bad shape
+                    continue
+                tensor = tensor.t()  # Conv1D [in, out] -> Linear [out, in]
+            if ".c_attn." in name:
+                if tensor.shape[0] % 3 != 0:
+                    yield hf_name, name, tensor, "q"  # mis-shaped: reported by the loader
+                    continue
+                for shard, part in zip(("q", "k", "v"), tensor.chunk(3, dim=0), strict=True):
+                    yield hf_name, name, part, shard
+            else:
+                yield hf_name, name, tensor, None

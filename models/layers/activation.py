@@ -1,0 +1,30 @@
+"""Activations. Gated MLPs keep gate and up in one tensor (one fused matmul), split here."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+class SiluAndMul(nn.Module):
+    """[..., 2 * d] (gate | up) -> [..., d] = silu(gate) * up."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = x.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
+_GELU_APPROXIMATION = {
+    "gelu_new": "tanh",  # GPT-2's "new" GELU is the tanh approximation
+    "gelu_pytorch_tanh": "tanh",
+    "gelu_fast": "tanh",
+    "gelu": "none",
+}
+
+
+def get_gelu(name: str) -> nn.Module:
+    """The GELU variant a GPT-2-style config names (`activation_function`)."""
+    if name not in _GELU_APPROXIMATION:
+        raise ValueError(f"unsupported activation {name!r}; supported: {sorted(_GELU_APPROXIMATION)}")
+    return nn.GELU(approximate=_GELU_APPROXIMATION[name])

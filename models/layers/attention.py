@@ -1,0 +1,121 @@
+"""The attention op of selective batching: write the step's K/V into the paged cache, then attend each
+request's queries to that request's whole history (via one of the backends).
+
+The model calls `AttentionStep.begin(backend, metadata)` once per forward, so backend planning (index
+tensors, masks) is done once per step, not once per layer; every layer's `Attention` reads it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from models.layers.attention_backends import (
+    AttentionBackend,
+    BatchedDecodeBackend,
+    FlashAttnBackend,
+    SdpaBackend,
+    TorchVarlenBackend,
+)
+from models.layers.metadata import AttentionMetadata, KVCache
+
+BACKENDS: dict[str, type[AttentionBackend]] = {
+    "sdpa": SdpaBackend,
+    "cpu-decode": BatchedDecodeBackend,
+    "torch-varlen": TorchVarlenBackend,
+    "flash-attn": FlashAttnBackend,
+}
+CUDA_ONLY = frozenset({"torch-varlen", "flash-attn"})
+BACKEND_NAMES = ("auto", *BACKENDS)
+
+
+def torch_varlen_available() -> bool:
+    return importlib.util.find_spec("torch.nn.attention.varlen") is not None
+
+
+def flash_attn_available() -> bool:
+    return importlib.util.find_spec("flash_attn") is not None
+
+
+def available_backends(device: torch.device | str) -> list[str]:
+    """Backends that can run on this device in this environment."""
+    names = ["sdpa", "cpu-decode"]
+    if torch.device(device).type == "cuda":
+        if torch_varlen_available():
+            names.append("torch-varlen")
+        if flash_attn_available():
+            names.append("flash-attn")
+    return names
+
+
+def select_attention_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
+    """Pick a backend by name, or the fastest one available with "auto".
+
+    auto: flash-attn if importable on CUDA, else torch-varlen on CUDA, else (CPU) cpu-decode, which is
+    sdpa for prompt chunks plus one batched call for all decode tokens.
+    """
+    device = torch.device(device)
+    if name == "auto":
+        if device.type == "cuda":
+            name = (
+                "flash-attn"
+                if flash_attn_available()
+                else "torch-varlen"
+                if torch_varlen_available()
+                else "sdpa"
+            )
+        else:
+            name = "cpu-decode"
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
+    if name in CUDA_ONLY and device.type != "cuda":
+        raise ValueError(f"attention backend {name!r} needs a CUDA device, not {device}")
+    if name not in available_backends(device):
+        raise ValueError(
+            f"attention backend {name!r} is not available here (available: {', '.join(available_backends(device))})"
+        )
+    return BACKENDS[name]()
+
+
+@dataclass
+class AttentionStep:
+    """One step's backend and its plan; lives only for one forward."""
+
+    backend: AttentionBackend
+    metadata: AttentionMetadata
+    plan: Any
+
+    @classmethod
+    def begin(cls, backend: AttentionBackend, metadata: AttentionMetadata) -> AttentionStep:
+        return cls(backend, metadata, backend.plan(metadata))
+
+
+class Attention(nn.Module):
+    """Paged-cache attention for one layer. No weights: projections live in the model."""
+
+    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = head_dim
+        self.num_kv_heads = num_kv_heads
+        self.scale = scale
+
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k: torch.Tensor,  # [T, Hkv, D]
+        v: torch.Tensor,  # [T, Hkv, D]
+        kv_cache: KVCache,
+        step: AttentionStep,
+    ) -> torch.Tensor:  # [T, Hq * D]
+        k_cache, v_cache = kv_cache
+        slots = step.metadata.slot_mapping
+        # k_cache.view(-1, H, D)[slot_mapping] = k, without the advanced-indexing temporaries.
+        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
+        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
+        out = step.backend.forward(q, k_cache, v_cache, step.metadata, step.plan, self.scale)
+        return out.reshape(out.shape[0], self.num_heads * self.head_dim)

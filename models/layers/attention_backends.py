@@ -1,0 +1,253 @@
+"""Attention backends: causal attention of each request's new queries over its paged K/V history.
+
+A backend splits its work in two: `plan(metadata)` runs once per step (index tensors, masks: anything
+that is the same for every layer) and `forward(...)` runs once per layer. Only attention is per request
+(selective batching); everything here reads the paged cache, whose layout is
+[num_blocks, block_size, num_kv_heads, head_dim] (see metadata.py).
+
+CUDA-only backends import their kernels lazily, inside __init__, so importing this module never needs
+CUDA or flash-attn.
+"""
+
+from __future__ import annotations
+
+import inspect
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from models.layers.metadata import AttentionMetadata
+
+
+class AttentionBackend(ABC):
+    name: str
+
+    @abstractmethod
+    def plan(self, md: AttentionMetadata) -> Any:
+        """Per-step precomputation shared by all layers."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,  # [T, Hq, D]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D], already holding this step's K
+        v_cache: torch.Tensor,
+        md: AttentionMetadata,
+        plan: Any,
+        scale: float,
+    ) -> torch.Tensor:  # [T, Hq, D]
+        """Attention output for every query token."""
+
+
+def history_slots(md: AttentionMetadata) -> torch.Tensor:
+    """[sum(seq_lens)] int64 cache slots of every request's whole history, requests back to back
+    (the cu_seqlens_k layout). Device-side only: no host sync."""
+    total = sum(md.seq_lens_cpu)
+    device = md.block_tables.device
+    seq_ids = torch.repeat_interleave(
+        torch.arange(md.num_seqs, device=device), md.seq_lens.long(), output_size=total
+    )  # [total]
+    pos = torch.arange(total, device=device) - md.seq_start_loc.long()[seq_ids]  # position in its sequence
+    blocks = md.block_tables.long()[seq_ids, pos // md.block_size]
+    return blocks * md.block_size + pos % md.block_size
+
+
+# --------------------------------------------------------------------------------------------- sdpa
+
+
+@dataclass
+class _SeqPlan:
+    q_start: int
+    q_end: int
+    seq_len: int
+    block_ids: torch.Tensor  # [ceil(seq_len / block_size)] int64
+    mask: torch.Tensor | None  # [query_len, seq_len] bool, or None
+    is_causal: bool
+
+
+class SdpaBackend(AttentionBackend):
+    """Reference backend: one F.scaled_dot_product_attention per request over its gathered history.
+
+    The queries are the LAST query_len of seq_len positions, so query j may see keys 0..seq_len -
+    query_len + j: a causal mask aligned to the bottom right. SDPA's is_causal aligns top-left, which is
+    only right when query_len == seq_len; other prefill chunks get an explicit mask.
+    """
+
+    name = "sdpa"
+
+    def plan(self, md: AttentionMetadata) -> list[_SeqPlan]:
+        device = md.block_tables.device
+        block_tables = md.block_tables.long()
+        plans = []
+        q_start = 0
+        for i, (q_len, seq_len) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu, strict=True)):
+            num_blocks = -(-seq_len // md.block_size)
+            mask = None
+            if 1 < q_len < seq_len:
+                mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=device).tril(seq_len - q_len)
+            plans.append(
+                _SeqPlan(
+                    q_start,
+                    q_start + q_len,
+                    seq_len,
+                    block_tables[i, :num_blocks],
+                    mask,
+                    q_len == seq_len > 1,
+                )
+            )
+            q_start += q_len
+        return plans
+
+    def forward(self, q, k_cache, v_cache, md, plan, scale):
+        h_kv, d = k_cache.shape[-2:]
+        outs = []
+        for p in plan:
+            k = k_cache[p.block_ids].view(-1, h_kv, d)[: p.seq_len].transpose(0, 1)  # [Hkv, S, D]
+            v = v_cache[p.block_ids].view(-1, h_kv, d)[: p.seq_len].transpose(0, 1)
+            qi = q[p.q_start : p.q_end].transpose(0, 1)  # [Hq, q_len, D]
+            o = F.scaled_dot_product_attention(
+                qi, k, v, attn_mask=p.mask, is_causal=p.is_causal, scale=scale, enable_gqa=True
+            )
+            outs.append(o.transpose(0, 1))  # [q_len, Hq, D]
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+# --------------------------------------------------------------------------------------- cpu-decode
+
+
+@dataclass
+class _DecodePlan:
+    num_decodes: int  # the leading requests with one query token each, batched together
+    slots: torch.Tensor | None  # [num_decodes, max_len] int64 cache slots (padding: any valid slot)
+    mask: torch.Tensor | None  # [num_decodes, 1, 1, max_len] bool: key position < seq_len
+    rest: list[_SeqPlan]  # the other requests, per-request sdpa
+
+
+class BatchedDecodeBackend(AttentionBackend):
+    """Decode tokens of all requests in ONE masked sdpa over a padded [B, Hkv, max_len, D] history.
+
+    Per-request Python work is what dominates small-batch decode on a CPU; here a decode step costs a
+    fixed handful of ops per layer whatever the batch size. The engine puts decode tokens first, so the
+    leading run of one-token requests is batched; prompt chunks after it go through per-request sdpa.
+    """
+
+    name = "cpu-decode"
+
+    def __init__(self) -> None:
+        self._sdpa = SdpaBackend()
+
+    def plan(self, md: AttentionMetadata) -> _DecodePlan:
+        n = 0
+        while n < md.num_seqs and md.query_lens_cpu[n] == 1:
+            n += 1
+        rest = self._sdpa.plan(md)[n:] if n < md.num_seqs else []
+        if n == 0:
+            return _DecodePlan(0, None, None, rest)
+        max_len = max(md.seq_lens_cpu[:n])
+        device = md.block_tables.device
+        pos = torch.arange(max_len, device=device)  # [L]
+        blocks = md.block_tables.long()[:n, pos // md.block_size]  # [n, L]; padded entries are block 0
+        slots = blocks * md.block_size + pos % md.block_size
+        mask = (pos.unsqueeze(0) < md.seq_lens[:n].unsqueeze(1)).view(n, 1, 1, max_len)
+        return _DecodePlan(n, slots, mask, rest)
+
+    def forward(self, q, k_cache, v_cache, md, plan, scale):
+        n = plan.num_decodes
+        outs = []
+        if n:
+            h_kv, d = k_cache.shape[-2:]
+            k = k_cache.view(-1, h_kv, d)[plan.slots].transpose(1, 2)  # [n, Hkv, L, D]
+            v = v_cache.view(-1, h_kv, d)[plan.slots].transpose(1, 2)
+            qd = q[:n].unsqueeze(2)  # [n, Hq, 1, D]
+            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=plan.mask, scale=scale, enable_gqa=True)
+            outs.append(o.squeeze(2))  # [n, Hq, D]
+        if plan.rest:
+            outs.append(self._sdpa.forward(q, k_cache, v_cache, md, plan.rest, scale))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
+
+
+# ------------------------------------------------------------------------------------ CUDA varlen
+
+
+# flash-attn's paged kernels read the cache in place only for block sizes that are a multiple of 256;
+# smaller blocks are gathered into the contiguous cu_seqlens_k layout first.
+FLASH_PAGED_BLOCK_MULTIPLE = 256
+
+
+@dataclass
+class _VarlenPlan:
+    slots: torch.Tensor | None  # [sum(seq_lens)] gather index, None when the kernel reads pages itself
+
+
+class TorchVarlenBackend(AttentionBackend):
+    """torch.nn.attention.varlen.varlen_attn: one fused launch for all requests (CUDA)."""
+
+    name = "torch-varlen"
+
+    def __init__(self) -> None:
+        from torch.nn.attention.varlen import varlen_attn
+
+        self._attn = varlen_attn
+        params = inspect.signature(varlen_attn).parameters
+        # Older torch spelled causal as is_causal=True; newer as a (-1, 0) window. Both align the
+        # causal mask bottom-right, which is what prefill chunks against a cached prefix need.
+        self._causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
+        self._gqa = {"enable_gqa": True} if "enable_gqa" in params else {}
+
+    def plan(self, md: AttentionMetadata) -> _VarlenPlan:
+        return _VarlenPlan(history_slots(md))
+
+    def forward(self, q, k_cache, v_cache, md, plan, scale):
+        h_kv, d = k_cache.shape[-2:]
+        k = k_cache.view(-1, h_kv, d)[plan.slots]  # [sum(seq_lens), Hkv, D]
+        v = v_cache.view(-1, h_kv, d)[plan.slots]
+        if not self._gqa and q.shape[1] != h_kv:
+            k = k.repeat_interleave(q.shape[1] // h_kv, dim=1)
+            v = v.repeat_interleave(q.shape[1] // h_kv, dim=1)
+        return self._attn(
+            q,
+            k,
+            v,
+            md.query_start_loc,
+            md.seq_start_loc,
+            md.max_query_len,
+            md.max_seq_len,
+            scale=scale,
+            **self._causal,
+            **self._gqa,
+        )
+
+
+class FlashAttnBackend(AttentionBackend):
+    """flash_attn_varlen_func from the flash-attn package (CUDA), paged when the block size allows."""
+
+    name = "flash-attn"
+
+    def __init__(self) -> None:
+        from flash_attn import flash_attn_varlen_func
+
+        self._attn = flash_attn_varlen_func
+
+    def plan(self, md: AttentionMetadata) -> _VarlenPlan:
+        if md.block_size % FLASH_PAGED_BLOCK_MULTIPLE == 0:
+            return _VarlenPlan(None)
+        return _VarlenPlan(history_slots(md))
+
+    def forward(self, q, k_cache, v_cache, md, plan, scale):
+        common = dict(
+            cu_seqlens_q=md.query_start_loc,
+            cu_seqlens_k=md.seq_start_loc,
+            max_seqlen_q=md.max_query_len,
+            max_seqlen_k=md.max_seq_len,
+            softmax_scale=scale,
+            causal=True,  # flash-attn >= 2.1 aligns causal bottom-right
+        )
+        if plan.slots is None:
+            return self._attn(q, k_cache, v_cache, block_table=md.block_tables, **common)
+        h_kv, d = k_cache.shape[-2:]
+        k = k_cache.view(-1, h_kv, d)[plan.slots]  # [sum(seq_lens), Hkv, D]
+        v = v_cache.view(-1, h_kv, d)[plan.slots]
+        return self._attn(q, k, v, **common)

@@ -1,0 +1,267 @@
+"""Linear layers written so tensor parallelism can shard them (Megatron-style).
+
+Every parameter carries a `weight_loader(param, full_weight, shard_id)` that takes the *full* HF tensor
+and copies in the slice that this rank owns, so loading for rank r of n is the same code as for 1 of 1.
+Parameters are allocated with torch.empty: their values always come from a checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.layers.parallel import SINGLE, TPContext, divide
+
+WeightLoader = Callable[[nn.Parameter, torch.Tensor, Any], None]
+
+
+def _new_param(shape: Sequence[int], dtype: torch.dtype, loader: WeightLoader) -> nn.Parameter:
+    param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+    param.weight_loader = loader  # type: ignore[attr-defined]
+    return param
+
+
+def check_shape(loaded: torch.Tensor, expected: Sequence[int]) -> None:
+    if tuple(loaded.shape) != tuple(expected):
+        raise ValueError(f"has shape {tuple(loaded.shape)}, expected {tuple(expected)}")
+
+
+def adopt_or_copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
+    """Fill param with loaded (same shape), taking the tensor itself when nothing needs converting.
+
+    Tensors read from safetensors are backed by the file's page cache (mmap); adopting them skips
+    first-touching a fresh copy, which is most of the cost of loading a model on a small CPU.
+    """
+    if loaded.dtype == param.dtype and loaded.device == param.device and loaded.is_contiguous():
+        param.data = loaded
+    else:
+        param.data.copy_(loaded)
+
+
+def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    """Unsharded parameter (norm weights, biases of replicated layers, ...)."""
+    check_shape(loaded, param.shape)
+    adopt_or_copy(param, loaded)
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x W^T + b with W's output dim split across ranks; each rank returns its slice of y."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        tp: TPContext = SINGLE,
+        gather_output: bool = False,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_size = input_size
+        self.output_size = output_size
+        self.local_output_size = divide(output_size, tp.size, "output size")
+        self.gather_output = gather_output
+        self.weight = _new_param((self.local_output_size, input_size), dtype, self.weight_loader)
+        self.bias = _new_param((self.local_output_size,), dtype, self.weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        check_shape(loaded, (self.output_size, *param.shape[1:]))
+        n = self.local_output_size
+        adopt_or_copy(param, loaded.narrow(0, self.tp.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight, self.bias)
+        return self.tp.all_gather_last_dim(y) if self.gather_output else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several column-parallel linears over the same input fused into one matmul (e.g. gate and up).
+
+    Shard i of every rank holds rows [r * n_i/tp, (r+1) * n_i/tp) of HF weight i, so the fused output
+    on each rank is [gate_slice | up_slice] and activations stay local.
+    """
+
+    def __init__(
+        self,
+        input_size: int,
+        output_sizes: Sequence[int],
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        tp: TPContext = SINGLE,
+    ) -> None:
+        self.output_sizes = list(output_sizes)
+        for size in self.output_sizes:
+            divide(size, tp.size, "merged output size")
+        super().__init__(input_size, sum(self.output_sizes), bias, dtype, tp)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
+            raise ValueError(f"merged linear needs a shard index in [0, {len(self.output_sizes)})")
+        full = self.output_sizes[shard_id]
+        check_shape(loaded, (full, *param.shape[1:]))
+        n = full // self.tp.size
+        offset = sum(self.output_sizes[:shard_id]) // self.tp.size
+        param.data.narrow(0, offset, n).copy_(loaded.narrow(0, self.tp.rank * n, n))
+
+
+class QKVParallelLinear(ColumnParallelLinear):
+    """Fused q/k/v projection, sharded by attention head.
+
+    With fewer KV heads than ranks, KV heads are replicated: rank r holds KV head r // (tp / kv_heads).
+    Output layout per rank: [q (local_heads * D) | k (local_kv_heads * D) | v (local_kv_heads * D)].
+    """
+
+    def __init__(
+        self,
+        hidden_size: int,
+        head_dim: int,
+        num_heads: int,
+        num_kv_heads: int,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        tp: TPContext = SINGLE,
+    ) -> None:
+        self.head_dim = head_dim
+        self.total_num_heads = num_heads
+        self.total_num_kv_heads = num_kv_heads
+        self.num_heads = divide(num_heads, tp.size, "number of attention heads")
+        if num_kv_heads >= tp.size:
+            self.num_kv_heads = divide(num_kv_heads, tp.size, "number of KV heads")
+            self.kv_replicas = 1
+        else:
+            self.num_kv_heads = 1
+            self.kv_replicas = divide(tp.size, num_kv_heads, "tensor-parallel size over KV heads")
+        nn.Module.__init__(self)
+        self.tp = tp
+        self.input_size = hidden_size
+        self.local_output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        self.output_size = self.local_output_size * tp.size
+        self.gather_output = False
+        self.weight = _new_param((self.local_output_size, hidden_size), dtype, self.weight_loader)
+        self.bias = _new_param((self.local_output_size,), dtype, self.weight_loader) if bias else None
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        d = self.head_dim
+        if shard_id == "q":
+            full, n, offset = self.total_num_heads * d, self.q_size, 0
+            start = self.tp.rank * n
+        elif shard_id in ("k", "v"):
+            full, n = self.total_num_kv_heads * d, self.kv_size
+            offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
+            start = (self.tp.rank // self.kv_replicas) * n
+        else:
+            raise ValueError(f"QKV shard id must be 'q', 'k' or 'v', not {shard_id!r}")
+        check_shape(loaded, (full, *param.shape[1:]))
+        param.data.narrow(0, offset, n).copy_(loaded.narrow(0, start, n))
+
+
+class RowParallelLinear(nn.Module):
+    """y = x W^T + b with W's input dim split across ranks; partial outputs are summed by all-reduce."""
+
+    def __init__(
+        self,
+        input_size: int,
+        output_size: int,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        tp: TPContext = SINGLE,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_size = input_size
+        self.output_size = output_size
+        self.local_input_size = divide(input_size, tp.size, "input size")
+        self.weight = _new_param((output_size, self.local_input_size), dtype, self.weight_loader)
+        # The bias is not sharded: it is added once, after the reduction.
+        self.bias = _new_param((output_size,), dtype, default_weight_loader) if bias else None
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        check_shape(loaded, (self.output_size, self.input_size))
+        n = self.local_input_size
+        adopt_or_copy(param, loaded.narrow(1, self.tp.rank * n, n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.linear(x, self.weight, self.bias)
+        y = self.tp.all_reduce(F.linear(x, self.weight))
+        return y if self.bias is None else y + self.bias
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows; rank r owns ids [r * per_rank, (r+1) * per_rank).
+
+    The vocabulary is padded up to a multiple of the TP size (GPT-2's 50257 is prime-ish); padding rows
+    are zero and never indexed.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        dtype: torch.dtype = torch.float32,
+        tp: TPContext = SINGLE,
+    ) -> None:
+        super().__init__()
+        self.tp = tp
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.per_rank = -(-num_embeddings // tp.size)
+        self.vocab_start = tp.rank * self.per_rank
+        self.vocab_end = min(self.vocab_start + self.per_rank, num_embeddings)
+        self.weight = _new_param((self.per_rank, embedding_dim), dtype, self.weight_loader)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+        check_shape(loaded, (self.num_embeddings, self.embedding_dim))
+        n = self.vocab_end - self.vocab_start
+        if n == self.per_rank:
+            adopt_or_copy(param, loaded[self.vocab_start : self.vocab_end])
+        else:
+            param.data[:n].copy_(loaded[self.vocab_start : self.vocab_end])
+            param.data[n:].zero_()
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return F.embedding(input_ids, self.weight)
+        # Ids owned by other ranks look up row 0 and are zeroed; the all-reduce fills them in.
+        local = input_ids - self.vocab_start
+        outside = (local < 0) | (local >= self.vocab_end - self.vocab_start)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out.masked_fill_(outside.unsqueeze(-1), 0.0)
+        return self.tp.all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Output projection to the vocabulary, sharded like the embedding so the two can be tied."""
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        bias: bool = False,
+        dtype: torch.dtype = torch.float32,
+        tp: TPContext = SINGLE,
+    ) -> None:
+        super().__init__(num_embeddings, embedding_dim, dtype, tp)
+        if bias:
+            raise ValueError("an LM head with a bias is not supported")
+
+    def tie_to(self, embedding: VocabParallelEmbedding) -> None:
+        self.weight = embedding.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)  # [B, per_rank]
+        logits = self.tp.all_gather_last_dim(logits)  # [B, per_rank * tp]
+        return logits[..., : self.num_embeddings]

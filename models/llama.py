@@ -1,0 +1,166 @@
+"""Llama family (Llama 2/3, Mistral, Qwen2, SmolLM) for selective batching.
+
+All linear layers, norms and the MLP run once over the flat [T, hidden] tokens of every request in the
+step; only the attention op splits per request. q/k/v and gate/up are fused into single matmuls.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+from transformers import PretrainedConfig
+
+from models.base import CausalLMBase, WeightItem
+from models.layers.activation import SiluAndMul
+from models.layers.attention import Attention, AttentionStep
+from models.layers.linear import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+)
+from models.layers.metadata import AttentionMetadata, KVCache
+from models.layers.norm import RMSNorm
+from models.layers.parallel import SINGLE, TPContext
+from models.layers.rotary import RotaryEmbedding, rope_params_from_config
+
+# HF checkpoint names -> (our fused parameter, shard id)
+_STACKED = (
+    (".q_proj.", ".qkv_proj.", "q"),
+    (".k_proj.", ".qkv_proj.", "k"),
+    (".v_proj.", ".qkv_proj.", "v"),
+    (".gate_proj.", ".gate_up_proj.", 0),
+    (".up_proj.", ".gate_up_proj.", 1),
+)
+# Buffers some checkpoints carry that are recomputed here.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+
+
+def llama_head_dim(config: PretrainedConfig) -> int:
+    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+
+
+class LlamaAttention(nn.Module):
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, dtype: torch.dtype, tp: TPContext):
+        super().__init__()
+        head_dim = llama_head_dim(config)
+        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        # Qwen2 always has q/k/v biases (and no o_proj bias); Llama's attention_bias covers all four.
+        qkv_bias = attention_bias or config.model_type == "qwen2"
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, head_dim, config.num_attention_heads, num_kv_heads, qkv_bias, dtype, tp
+        )
+        self.o_proj = RowParallelLinear(
+            config.num_attention_heads * head_dim, config.hidden_size, attention_bias, dtype, tp
+        )
+        self.num_heads = self.qkv_proj.num_heads  # per rank
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.rotary = rotary  # shared by all layers (one cos/sin table)
+        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, step: AttentionStep):
+        t = x.shape[0]
+        qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        qk_heads = self.num_heads + self.num_kv_heads
+        qk = self.rotary(positions, qkv[:, : qk_heads * self.head_dim].view(t, qk_heads, self.head_dim))
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
+        v = qkv[:, qk_heads * self.head_dim :].view(t, self.num_kv_heads, self.head_dim)
+        return self.o_proj(self.attn(q, k, v, kv_cache, step))  # [T, hidden]
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, tp: TPContext):
+        super().__init__()
+        if getattr(config, "hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} for a Llama-family model")
+        bias = bool(getattr(config, "mlp_bias", False))
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias, dtype, tp)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, dtype, tp)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, dtype: torch.dtype, tp: TPContext):
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.self_attn = LlamaAttention(config, rotary, dtype, tp)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.mlp = LlamaMLP(config, dtype, tp)
+
+    def forward(self, positions, hidden, kv_cache: KVCache, step: AttentionStep) -> torch.Tensor:
+        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, step)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, tp: TPContext):
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
+        rotary = RotaryEmbedding(
+            llama_head_dim(config), config.max_position_embeddings, rope_params_from_config(config), dtype
+        )
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, rotary, dtype, tp) for _ in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+
+
+class LlamaForCausalLM(CausalLMBase):
+    """Also serves MistralForCausalLM and Qwen2ForCausalLM (same graph, different config flags)."""
+
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype = torch.float32, tp: TPContext = SINGLE):
+        super().__init__()
+        self.config = config
+        self.tp = tp
+        self.model = LlamaModel(config, dtype, tp)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype=dtype, tp=tp)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
+        if self.tie_word_embeddings:
+            self.lm_head.tie_to(self.model.embed_tokens)
+        attn = self.model.layers[0].self_attn
+        self.num_layers = config.num_hidden_layers
+        self.num_kv_heads = attn.num_kv_heads
+        self.head_dim = attn.head_dim
+        self.vocab_size = config.vocab_size
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVCache],
+        attn_metadata: AttentionMetadata,
+    ) -> torch.Tensor:  # [T, hidden]
+        step = self.begin_step(input_ids, attn_metadata)
+        hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
+        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+            hidden = layer(positions, hidden, kv_cache, step)
+        return self.model.norm(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        self.load_mapped_weights(self._map_names(weights))
+
+    def _map_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[WeightItem]:
+        for hf_name, tensor in weights:
+            if hf_name.endswith(_IGNORED_SUFFIXES):
+                continue
+            if hf_name == "lm_head.weight" and self.tie_word_embeddings:
+                continue  # the embedding is the head; some checkpoints store both
+            for old, new, shard in _STACKED:
+                if old in hf_name:
+                    yield hf_name, hf_name.replace(old, new), tensor, shard
+                    break
+            else:
+                yield hf_name, hf_name, tensor, None
+
+
+MistralForCausalLM = LlamaForCausalLM
+Qwen2ForCausalLM = LlamaForCausalLM

@@ -1,0 +1,129 @@
+"""Model sources -> HF directories -> built, weight-loaded models (and their tokenizers).
+
+    path = resolve_model("default" | "/some/hf-dir" | "/some/file.gguf")
+    model = load_model(path, torch.bfloat16, torch.device("cuda"))
+    tokenizer = load_tokenizer(path)
+
+Every failure is one ModelLoadError whose message names the file and what is wrong with it.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from models.errors import ModelLoadError
+from models.gguf_convert import convert_gguf, default_gguf_path
+from models.layers.parallel import TPContext
+from models.registry import model_class_for
+from models.weights_io import SafetensorsReader, safetensors_files
+
+__all__ = [
+    "ModelLoadError",
+    "load_config",
+    "load_model",
+    "load_tokenizer",
+    "max_model_len",
+    "resolve_model",
+]
+
+CONFIG_FILE = "config.json"
+
+
+def resolve_model(source: str) -> Path:
+    """A local HF directory, a .gguf file (converted once, then cached) or "default" -> an HF directory."""
+    if source == "default":
+        return convert_gguf(default_gguf_path())
+    path = Path(source).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"{path}: no such file or directory")
+    if path.is_file():
+        if path.suffix.lower() != ".gguf":
+            raise ModelLoadError(f"{path}: not a model (expected an HF directory or a .gguf file)")
+        return convert_gguf(path)
+    if not (path / CONFIG_FILE).is_file():
+        raise ModelLoadError(f"{path}: no {CONFIG_FILE} in this directory (not an HF model directory)")
+    safetensors_files(path)  # fail now, not after the engine has started, when there are no weights
+    return path
+
+
+def load_config(path: Path) -> Any:
+    from transformers import AutoConfig
+
+    config_file = Path(path) / CONFIG_FILE
+    if not config_file.is_file():
+        raise ModelLoadError(f"{config_file}: missing")
+    try:
+        return AutoConfig.from_pretrained(path)
+    except Exception as e:  # json errors, unknown model_type, ...
+        raise ModelLoadError(f"{config_file}: unreadable config ({type(e).__name__}: {e})") from None
+
+
+def load_model(
+    path: Path,
+    dtype: torch.dtype = torch.float32,
+    device: torch.device | str = "cpu",
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    tp_group: dist.ProcessGroup | None = None,
+    attention_backend: str = "auto",
+) -> nn.Module:
+    """Build the model for an HF directory on `device` and stream its safetensors weights in."""
+    path = Path(path)
+    device = torch.device(device)
+    config = load_config(path)
+    files = safetensors_files(path)
+    tp = TPContext(tp_rank, tp_size, tp_group)
+    try:
+        cls = model_class_for(config)
+        # Parameters are allocated directly on the device (torch.empty: no init, no float32 detour).
+        with torch.device(device):
+            model = cls(config, dtype=dtype, tp=tp)
+    except ModelLoadError as e:
+        raise ModelLoadError(f"{path / CONFIG_FILE}: {e}") from None
+    except ValueError as e:  # unsupported settings found while building (activation, head counts, ...)
+        raise ModelLoadError(f"{path / CONFIG_FILE}: {e}") from None
+    reader = SafetensorsReader(files, device)
+    try:
+        model.load_weights(reader)
+    except ModelLoadError as e:
+        where = reader.current if reader.current is not None else path
+        if str(where) in str(e):
+            raise
+        raise ModelLoadError(f"{where}: {e}") from None
+    model.set_attention_backend(attention_backend, device)
+    return model.eval()
+
+
+def load_tokenizer(path: Path) -> Any:
+    """The HF tokenizer of a model directory (its chat template included)."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except Exception as e:
+        raise ModelLoadError(f"{path}: cannot load tokenizer ({type(e).__name__}: {e})") from None
+
+
+def max_model_len(config: Any) -> int:
+    """Longest sequence the model supports, from its config.
+
+    Sliding-window attention is not implemented, so where a window is active (Mistral; Qwen2 with
+    use_sliding_window) the context is capped at the window: up to there full attention is exact.
+    """
+    for attr in ("max_position_embeddings", "n_positions", "n_ctx"):
+        value = getattr(config, attr, None)
+        if value:
+            n = int(value)
+            break
+    else:
+        raise ModelLoadError("config has none of max_position_embeddings, n_positions, n_ctx")
+    window = getattr(config, "sliding_window", None)
+    uses_window = getattr(config, "use_sliding_window", getattr(config, "model_type", "") == "mistral")
+    if window and uses_window:
+        n = min(n, int(window))
+    return n

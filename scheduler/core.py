@@ -1,0 +1,277 @@
+"""The synchronous scheduler: builds each iteration's batch and applies its sampled tokens.
+
+No asyncio and no threads here (scheduler.loop drives it), so every decision is testable directly:
+`schedule()` -> run the batch -> `update()`; `abort()` / `finish()` between steps.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Sequence, Set
+from dataclasses import dataclass, field
+
+from engine.batch import SampledToken, ScheduledSequence
+from scheduler.block_allocator import BlockAllocator, blocks_for_tokens
+from scheduler.config import SchedulerConfig
+from scheduler.outputs import TokenLogprob
+from scheduler.policy import make_batching_policy, make_kv_policy
+from scheduler.request import Request, RequestStatus
+from scheduler.stop import check_stop
+
+
+@dataclass
+class ScheduledStep:
+    """One iteration's batch, and what scheduling it did to other requests."""
+
+    seqs: list[ScheduledSequence] = field(default_factory=list)
+    requests: list[Request] = field(default_factory=list)  # requests[i] runs seqs[i]
+    num_prompt_tokens: int = 0  # prompt tokens, and outputs recomputed after a preemption
+    num_decode_tokens: int = 0
+    preempted: list[Request] = field(default_factory=list)
+    # Requests finished while scheduling (they can never fit) or handed back by the batching policy;
+    # the caller sends their final delta.
+    released: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.num_prompt_tokens + self.num_decode_tokens
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.seqs)
+
+
+class Scheduler:
+    """Waiting queue (FCFS, preempted requests at the front), running list (in admission order),
+    KV blocks, and the stop conditions."""
+
+    def __init__(
+        self,
+        config: SchedulerConfig,
+        num_kv_blocks: int,
+        block_size: int,
+        max_model_len: int,
+        eos_token_ids: Set[int],
+    ) -> None:
+        self.config = config
+        self.max_model_len = max_model_len
+        self.eos_token_ids = frozenset(eos_token_ids)
+        self.allocator = BlockAllocator(num_kv_blocks, block_size)
+        self.kv = make_kv_policy(config, self.allocator, max_model_len)
+        self.batching = make_batching_policy(config)
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}  # not yet handed back, finished-but-held included
+        self.num_preemptions = 0
+
+    # ---- requests in and out ----------------------------------------------------------------------
+
+    def validate(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> None:
+        """Raise ValueError for a request that must not be queued (the server maps it to HTTP 400)."""
+        if num_prompt_tokens < 1:
+            raise ValueError("the prompt is empty")
+        if max_tokens < 1:
+            raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
+        if num_prompt_tokens + max_tokens > self.max_model_len:
+            raise ValueError(
+                f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's "
+                f"maximum context length ({self.max_model_len} tokens)"
+            )
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in use")
+
+    def add(self, req: Request) -> None:
+        self.validate(req.request_id, req.num_prompt_tokens, req.sampling.max_tokens)
+        self.requests[req.request_id] = req
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def abort(self, request_id: str) -> list[Request]:
+        """End a request (client gone, shutdown). Returns the requests to send a final delta to."""
+        return self._end_external(request_id, RequestStatus.FINISHED_ABORTED)
+
+    def finish(self, request_id: str) -> list[Request]:
+        """End a request from outside as a normal stop (the server saw a stop string)."""
+        return self._end_external(request_id, RequestStatus.FINISHED_STOPPED)
+
+    def _end_external(self, request_id: str, status: RequestStatus) -> list[Request]:
+        req = self.requests.get(request_id)
+        if req is None or req.is_finished:  # unknown, or finished and held by `request` batching
+            return []
+        return self._finish(req, status, hold=status is RequestStatus.FINISHED_STOPPED)
+
+    def fail(self, reqs: Sequence[Request], message: str) -> list[Request]:
+        """Finish requests with an error (their step raised). Returns those to send a final delta."""
+        released: list[Request] = []
+        for req in reqs:
+            if not req.is_finished:
+                req.error = message
+                released += self._finish(req, RequestStatus.FINISHED_ERROR, hold=False)
+        return released
+
+    def _finish(self, req: Request, status: RequestStatus, hold: bool) -> list[Request]:
+        if req.status is RequestStatus.RUNNING:
+            self.running.remove(req)
+        elif req.status in (RequestStatus.WAITING, RequestStatus.PREEMPTED):
+            self.waiting.remove(req)
+        req.status = status
+        req.finish_time = time.monotonic()
+        self.kv.release(req)
+        released = self.batching.on_left(req, hold)
+        for r in released:
+            del self.requests[r.request_id]
+        return released
+
+    # ---- one iteration ----------------------------------------------------------------------------
+
+    def schedule(self) -> ScheduledStep:
+        """Pick this iteration's work: running decodes, then prompt chunks in progress, then new
+        requests in arrival order, under max_num_seqs, max_num_batched_tokens and the KV blocks."""
+        step = ScheduledStep()
+        # Tokens each scheduled request runs, in batch order (a dict: a victim can be taken out again).
+        chosen: dict[Request, int] = {}
+        budget = self.config.max_num_batched_tokens
+
+        decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
+        prefills = [r for r in self.running if r.num_uncomputed_tokens > 1]
+        for req in decodes + prefills:
+            if req.status is not RequestStatus.RUNNING:  # preempted as a victim earlier in this loop
+                continue
+            n = self._prompt_share(req.num_uncomputed_tokens, budget, alone=not chosen)
+            if n == 0:
+                continue
+            while not self.kv.grow(req, n):
+                if not self.kv.preempts or len(self.running) == 1:
+                    # Cannot happen when max_model_len fits the cache (AsyncEngine ensures it); fail
+                    # the request rather than loop forever.
+                    req.error = "out of KV cache blocks"
+                    step.released += self._finish(req, RequestStatus.FINISHED_ERROR, hold=False)
+                    break
+                victim = self.running[-1]  # the most recently admitted
+                budget += chosen.pop(victim, 0)
+                self._preempt(victim, step)
+                if victim is req:
+                    break
+            if req.status is RequestStatus.RUNNING:
+                chosen[req] = n
+                budget -= n
+
+        # No admission in a step that preempted: the blocks just freed would otherwise go to the next
+        # waiting request and the victim would be preempted again at once (thrashing).
+        if not step.preempted and self.batching.may_admit():
+            self._admit(step, chosen, budget)
+
+        now = time.monotonic()
+        for req, n in chosen.items():
+            start = req.num_computed_tokens
+            end = start + n
+            step.seqs.append(
+                ScheduledSequence(
+                    request_id=req.request_id,
+                    token_ids=req.token_slice(start, end),
+                    start_position=start,
+                    block_table=req.block_ids[: blocks_for_tokens(end, self.allocator.block_size)],
+                    sample=end == req.num_tokens,
+                    sampling=req.sampling,
+                    prompt_token_ids=req.prompt_token_ids,
+                    output_token_ids=req.output_token_ids,
+                )
+            )
+            step.requests.append(req)
+            if n == 1 and start >= req.num_prompt_tokens:
+                step.num_decode_tokens += 1
+            else:
+                step.num_prompt_tokens += n
+            if req.first_scheduled_time is None:
+                req.first_scheduled_time = now
+        return step
+
+    def _prompt_share(self, num_uncomputed: int, budget: int, alone: bool) -> int:
+        """Tokens of a prompt (or of a recompute) to run this step: 0 if it must wait."""
+        if self.config.chunked_prefill:
+            return min(num_uncomputed, budget)
+        if num_uncomputed <= budget:
+            return num_uncomputed
+        # Without chunking a prompt longer than the whole budget would never fit: it runs alone.
+        return num_uncomputed if alone and budget == self.config.max_num_batched_tokens else 0
+
+    def _admit(self, step: ScheduledStep, chosen: dict[Request, int], budget: int) -> None:
+        """Move waiting requests to running, first come first served; stop at the first that does not
+        fit (ORCA's Select(): never skip ahead, so a long request cannot starve)."""
+        uses_budget = self.batching.admission_uses_token_budget
+        while self.waiting and len(self.running) < self.config.max_num_seqs:
+            req = self.waiting[0]
+            n = self._prompt_share(req.num_uncomputed_tokens, budget, alone=not chosen)
+            if n == 0 and uses_budget:
+                break
+            if not self.kv.admit(req, n):
+                if self.running:
+                    break
+                # Alone and still no room: it never will fit (AsyncEngine's length check prevents it).
+                req.error = "the request does not fit in the KV cache"
+                step.released += self._finish(req, RequestStatus.FINISHED_ERROR, hold=False)
+                continue
+            self.waiting.popleft()
+            req.status = RequestStatus.RUNNING
+            self.running.append(req)
+            self.batching.on_admitted(req)
+            if n:
+                chosen[req] = n
+                budget -= n
+
+    def _preempt(self, req: Request, step: ScheduledStep) -> None:
+        """Free the request's blocks and put it at the front of the queue, to be recomputed from its
+        prompt + outputs so far (its outputs are kept, so nothing is emitted twice)."""
+        self.running.remove(req)
+        self.kv.release(req)
+        req.num_computed_tokens = 0
+        req.status = RequestStatus.PREEMPTED
+        req.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(req)
+        step.preempted.append(req)
+        for r in self.batching.on_left(req, hold=False):
+            del self.requests[r.request_id]
+            step.released.append(r)
+
+    def update(self, step: ScheduledStep, sampled: Sequence[SampledToken | None]) -> list[Request]:
+        """Apply a step's sampled tokens and check stop conditions.
+
+        Returns the requests with something to hand out: new tokens (when the batching policy
+        streams) or a final delta. Raises ValueError, changing nothing, if `sampled` does not match
+        the step (the caller then fails the step's requests).
+        """
+        self._check_sampled(step, sampled)
+        now = time.monotonic()
+        out: list[Request] = []
+        for req, seq, tok in zip(step.requests, step.seqs, sampled, strict=True):
+            if req.status is not RequestStatus.RUNNING:
+                continue
+            req.num_computed_tokens += seq.num_tokens
+            if tok is None:  # a prompt chunk that is not the last
+                continue
+            req.output_token_ids.append(tok.token_id)
+            if req.sampling.logprobs is not None:
+                assert tok.logprob is not None  # checked by _check_sampled
+                req.output_logprobs.append(TokenLogprob(tok.token_id, tok.logprob, tok.top_logprobs or []))
+            if req.first_token_time is None:
+                req.first_token_time = now
+            status = check_stop(req, self.eos_token_ids, self.max_model_len)
+            if status is not None:
+                out += self._finish(req, status, hold=True)
+            elif self.batching.streams:
+                out.append(req)
+        return out
+
+    @staticmethod
+    def _check_sampled(step: ScheduledStep, sampled: Sequence[SampledToken | None]) -> None:
+        if len(sampled) != len(step.seqs):
+            raise ValueError(f"the runner returned {len(sampled)} results for {len(step.seqs)} sequences")
+        for seq, tok in zip(step.seqs, sampled, strict=True):
+            if seq.sample and tok is None:
+                raise ValueError(f"the runner sampled no token for {seq.request_id!r}")
+            if tok is not None and seq.sampling.logprobs is not None and tok.logprob is None:
+                raise ValueError(f"the runner returned no logprob for {seq.request_id!r}")

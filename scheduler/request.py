@@ -1,0 +1,95 @@
+"""One request's state as the scheduler sees it: status, tokens, KV blocks, timestamps."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from engine.batch import SamplingParams
+from scheduler.outputs import FinishReason, TokenLogprob
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"  # waiting again, to be recomputed from prompt + outputs so far
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def is_finished(self) -> bool:
+        return self in _FINISH_REASONS
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return _FINISH_REASONS.get(self)
+
+
+_FINISH_REASONS: dict[RequestStatus, FinishReason] = {
+    RequestStatus.FINISHED_STOPPED: FinishReason.STOP,
+    RequestStatus.FINISHED_LENGTH: FinishReason.LENGTH,
+    RequestStatus.FINISHED_ABORTED: FinishReason.ABORT,
+    RequestStatus.FINISHED_ERROR: FinishReason.ERROR,
+}
+
+
+@dataclass(eq=False)  # identity semantics: requests live in sets and deques
+class Request:
+    request_id: str
+    prompt_token_ids: Sequence[int]
+    sampling: SamplingParams
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    # One per output token, only when sampling.logprobs is set.
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Tokens of prompt + outputs whose K/V are in the cache. Reset to 0 by preemption (recompute).
+    num_computed_tokens: int = 0
+    block_ids: list[int] = field(default_factory=list)
+    # Output tokens already handed to the client, so a recomputed request never re-emits them.
+    num_emitted_tokens: int = 0
+    num_preemptions: int = 0
+    error: str | None = None
+    # Timestamps (time.monotonic()) for metrics: TTFT = first_token - arrival, queueing = first
+    # scheduled - arrival, end-to-end = finish - arrival.
+    arrival_time: float = field(default_factory=time.monotonic)
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finish_time: float | None = None
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens to run before the next sample: the whole prompt (+ outputs, after preemption) or 1."""
+        return self.num_tokens - self.num_computed_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status.is_finished
+
+    @property
+    def finish_reason(self) -> FinishReason | None:
+        return self.status.finish_reason
+
+    def token_slice(self, start: int, end: int) -> Sequence[int]:
+        """Tokens [start, end) of prompt + outputs, without copying the prompt when it is enough."""
+        n_prompt = len(self.prompt_token_ids)
+        if end <= n_prompt:
+            return self.prompt_token_ids[start:end]
+        if start >= n_prompt:
+            return self.output_token_ids[start - n_prompt : end - n_prompt]
+        return [*self.prompt_token_ids[start:], *self.output_token_ids[: end - n_prompt]]

@@ -1,0 +1,42 @@
+"""The FastAPI app factory: state, lifespan (background model loading), error handlers, routes."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from server.config import ServerConfig
+from server.errors import install_error_handlers
+from server.routes import chat, completions, misc
+from server.state import ModelLoader, ServerState
+
+
+def create_app(config: ServerConfig, loader: ModelLoader | None = None) -> FastAPI:
+    """An app serving `config.model`. `loader` builds the runner and tokenizer (in a worker thread);
+    the default loads the real engine. The model loads during the lifespan's startup without
+    blocking it, so the server answers (/health: 503) while the weights load."""
+    if loader is None:
+        from server.loader import load_model
+
+        loader = functools.partial(load_model, config)
+    state = ServerState(config, loader)
+
+    @asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        state.start_loading()
+        try:
+            yield
+        finally:
+            await state.shutdown()
+
+    app = FastAPI(title="orca-serve", version="0.1.0", lifespan=lifespan)
+    app.state.server = state
+    install_error_handlers(app)
+    app.include_router(misc.public)
+    app.include_router(misc.router)
+    app.include_router(completions.router)
+    app.include_router(chat.router)
+    return app

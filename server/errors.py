@@ -1,0 +1,130 @@
+"""OpenAI-shaped errors: one exception type for the routes, and handlers that turn every failure into
+`{"error": {"message", "type", "param", "code"}}` with the right status (never a 422, never a bare 500
+for bad input)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class APIError(Exception):
+    """An error to send back to the client as it stands."""
+
+    message: str
+    status_code: int = HTTPStatus.BAD_REQUEST
+    type: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status_code)
+
+
+def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
+    return APIError(message, HTTPStatus.BAD_REQUEST, "invalid_request_error", param, code)
+
+
+def not_ready() -> APIError:
+    return APIError(
+        "The model is still loading; retry when GET /health answers 200.",
+        HTTPStatus.SERVICE_UNAVAILABLE,
+        "server_error",
+        None,
+        "model_not_ready",
+    )
+
+
+def model_not_found(name: str) -> APIError:
+    return APIError(
+        f"The model `{name}` does not exist.",
+        HTTPStatus.NOT_FOUND,
+        "invalid_request_error",
+        "model",
+        "model_not_found",
+    )
+
+
+def context_length_exceeded(max_len: int, prompt_tokens: int, completion_tokens: int) -> APIError:
+    # OpenAI's wording, word for word, so clients that parse it keep working.
+    return invalid(
+        f"This model's maximum context length is {max_len} tokens. However, you requested "
+        f"{prompt_tokens + completion_tokens} tokens ({prompt_tokens} in the messages, "
+        f"{completion_tokens} in the completion). Please reduce the length of the messages or completion.",
+        param="messages",
+        code="context_length_exceeded",
+    )
+
+
+def _param_of(loc: tuple[Any, ...]) -> str | None:
+    """("body", "messages", 0, "content") -> "messages.0.content"; the body itself -> None."""
+    parts = [str(p) for p in loc if p not in ("body", "query", "path", "header")]
+    # Pydantic names the union member it tried ("str", "list[int]", "function-after[...]"); the
+    # client wants the field.
+    parts = [p for p in parts if not (p.startswith(("list[", "function-", "dict[")) or p in ("str", "int"))]
+    return ".".join(parts) or None
+
+
+def validation_error(exc: RequestValidationError) -> APIError:
+    errors = exc.errors()
+    if any(e.get("type") == "json_invalid" for e in errors):
+        return invalid("The request body is not valid JSON.", code="invalid_json")
+    # For a union (prompt: str | list[...]) pydantic reports every member; the deepest location is the
+    # member that got furthest, which names the actual fault.
+    first = (
+        max(errors, key=lambda e: len(e.get("loc", ()))) if errors else {"loc": (), "msg": "invalid request"}
+    )
+    param = _param_of(tuple(first.get("loc", ())))
+    if param is None and first.get("type") in ("model_attributes_type", "dict_type"):
+        return invalid("The request body must be a JSON object (send Content-Type: application/json).")
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    if param and param.split(".")[0] == "prompt" and first.get("type") != "value_error":
+        # The union's member-by-member complaints read badly; say what the field accepts.
+        msg = (
+            "prompt must be a string, a list of strings, a list of token ids, or a list of lists of token ids"
+        )
+    if first.get("type") == "missing":
+        message = f"Missing required parameter: '{param}'." if param else "The request body is missing."
+    elif param:
+        message = f"Invalid value for '{param}': {msg}"
+    else:
+        message = f"Invalid request body: {msg}"
+    return invalid(message, param=param)
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        err = APIError(str(exc.detail), exc.status_code, kind)
+        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        err = APIError(f"Internal server error: {type(exc).__name__}", 500, "server_error")
+        return err.response()

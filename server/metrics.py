@@ -1,0 +1,212 @@
+"""Prometheus metrics under vLLM's names, in a registry of the app's own (several apps in one process
+must not clash). Engine gauges are read from AsyncEngine.stats() at scrape time; request timings are
+observed by a RequestTracker per choice; per-iteration figures come from the loop's step listener."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from scheduler.outputs import EngineStats
+
+# vLLM does the same: the `_created` series double the output and no dashboard reads them.
+disable_created_metrics()
+
+CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Buckets as vLLM's, so dashboards built for it read ours the same way.
+_TTFT_BUCKETS = (
+    0.001,
+    0.005,
+    0.01,
+    0.02,
+    0.04,
+    0.06,
+    0.08,
+    0.1,
+    0.25,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_TPOT_BUCKETS = (
+    0.01,
+    0.025,
+    0.05,
+    0.075,
+    0.1,
+    0.15,
+    0.2,
+    0.3,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
+    2.5,
+    5.0,
+    7.5,
+    10.0,
+    20.0,
+    40.0,
+    80.0,
+)
+_LATENCY_BUCKETS = (
+    0.3,
+    0.5,
+    0.8,
+    1.0,
+    1.5,
+    2.0,
+    2.5,
+    5.0,
+    10.0,
+    15.0,
+    20.0,
+    30.0,
+    40.0,
+    50.0,
+    60.0,
+    120.0,
+    240.0,
+    480.0,
+    960.0,
+)
+_ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+
+
+class _EngineCollector(Collector):
+    """Scrape-time view of the loop: queue sizes, KV usage, preemptions."""
+
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]) -> None:
+        self._model_name = model_name
+        self._stats = stats
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._stats()
+        if stats is None:  # still loading: nothing to report yet
+            return
+        labels = ["model_name"]
+        value = [self._model_name]
+        for name, doc, v in (
+            ("vllm:num_requests_running", "Requests in the running batch.", stats.running),
+            ("vllm:num_requests_waiting", "Requests waiting to be admitted.", stats.waiting),
+            ("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", stats.kv_usage),
+            ("orca:kv_cache_blocks_used", "KV cache blocks in use.", stats.kv_blocks_used),
+            ("orca:kv_cache_blocks_total", "KV cache blocks in all.", stats.kv_blocks_total),
+        ):
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(value, float(v))
+            yield g
+        for name, doc, v in (
+            (
+                "vllm:num_preemptions",
+                "Preemptions (requests recomputed for lack of KV blocks).",
+                stats.num_preemptions,
+            ),
+            ("orca:engine_steps", "Iterations run by the loop.", stats.num_steps),
+        ):
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(value, float(v))
+            yield c
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]) -> None:
+        self.model_name = model_name
+        self.registry = CollectorRegistry()
+        reg = self.registry
+        labels = ["model_name"]
+        self.prompt_tokens = Counter("vllm:prompt_tokens", "Prefill tokens processed.", labels, registry=reg)
+        self.generation_tokens = Counter("vllm:generation_tokens", "Tokens generated.", labels, registry=reg)
+        self.request_success = Counter(
+            "vllm:request_success",
+            "Requests finished, by finish reason.",
+            [*labels, "finished_reason"],
+            registry=reg,
+        )
+        self.ttft = Histogram(
+            "vllm:time_to_first_token_seconds",
+            "Time to first token.",
+            labels,
+            buckets=_TTFT_BUCKETS,
+            registry=reg,
+        )
+        self.tpot = Histogram(
+            "vllm:time_per_output_token_seconds",
+            "Mean time per output token after the first, per request.",
+            labels,
+            buckets=_TPOT_BUCKETS,
+            registry=reg,
+        )
+        self.e2e = Histogram(
+            "vllm:e2e_request_latency_seconds",
+            "End-to-end request latency.",
+            labels,
+            buckets=_LATENCY_BUCKETS,
+            registry=reg,
+        )
+        self.iteration_tokens = Histogram(
+            "vllm:iteration_tokens_total",
+            "Tokens (prompt + decode) run per iteration.",
+            labels,
+            buckets=_ITERATION_TOKEN_BUCKETS,
+            registry=reg,
+        )
+        reg.register(_EngineCollector(model_name, stats))
+
+    def tracker(self) -> RequestTracker:
+        return RequestTracker(self)
+
+    def observe_iteration(self, num_tokens: int) -> None:
+        self.iteration_tokens.labels(self.model_name).observe(num_tokens)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)
+
+
+class RequestTracker:
+    """Timings of one choice, from submission to its finish."""
+
+    def __init__(self, metrics: ServerMetrics) -> None:
+        self._m = metrics
+        self._start = time.monotonic()
+        self._first: float | None = None
+
+    def on_tokens(self, n: int, prompt_tokens: int) -> None:
+        if n <= 0:
+            return
+        now = time.monotonic()
+        name = self._m.model_name
+        if self._first is None:
+            # The first token means the prompt's prefill is done: count its tokens now, not at the end.
+            self._first = now
+            self._m.ttft.labels(name).observe(now - self._start)
+            self._m.prompt_tokens.labels(name).inc(prompt_tokens)
+        self._m.generation_tokens.labels(name).inc(n)
+
+    def on_finish(self, completion_tokens: int, reason: str) -> None:
+        now = time.monotonic()
+        name = self._m.model_name
+        self._m.e2e.labels(name).observe(now - self._start)
+        self._m.request_success.labels(name, reason).inc()
+        if self._first is not None and completion_tokens > 1:
+            self._m.tpot.labels(name).observe((now - self._first) / (completion_tokens - 1))

@@ -1,0 +1,162 @@
+"""OpenAI request bodies (pydantic, validated at the edge) for /v1/completions, /v1/chat/completions,
+/tokenize and /detokenize. Responses are built as plain dicts in server/responses.py."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+# Shared bounds, as OpenAI documents them.
+Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
+TopP = Annotated[float, Field(gt=0.0, le=1.0)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+MAX_N = 128
+MAX_STOP_STRINGS = 4
+MAX_LOGPROBS = 20
+
+
+class OpenAIModel(BaseModel):
+    # Unknown fields are ignored, as vLLM does: clients send vendor extras (store, metadata, ...).
+    model_config = ConfigDict(extra="ignore")
+
+
+class StreamOptions(OpenAIModel):
+    include_usage: bool | None = False
+
+
+class SamplingFields(OpenAIModel):
+    """Fields both endpoints share, with OpenAI's bounds and vLLM's extras."""
+
+    model: str | None = None
+    temperature: Temperature | None = None
+    top_p: TopP | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
+    stream: bool | None = False
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    seed: int | None = None
+    user: str | None = None
+    # vLLM's extras
+    top_k: Annotated[int, Field(ge=-1)] | None = None
+    min_p: Annotated[float, Field(ge=0.0, le=1.0)] | None = None
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=10.0)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = 0
+    ignore_eos: bool | None = False
+    stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
+    skip_special_tokens: bool | None = True
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, v: str | list[str] | None) -> list[str] | None:
+        if v is None:
+            return None
+        stops = [v] if isinstance(v, str) else v
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(stops)}")
+        if any(s == "" for s in stops):
+            raise ValueError("stop sequences must not be empty strings")
+        return stops
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _check_logit_bias(cls, v: dict[str, float] | None) -> dict[str, float] | None:
+        for key in v or {}:
+            if not key.lstrip("-").isdigit() or int(key) < 0:
+                raise ValueError(f"keys must be token ids (non-negative integers as strings), got {key!r}")
+        return v
+
+    @property
+    def stop_strings(self) -> list[str]:
+        return list(self.stop or [])  # normalised to a list by _check_stop
+
+    @property
+    def include_usage(self) -> bool:
+        return bool(self.stream and self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
+    max_tokens: Annotated[int, Field(ge=0)] | None = 16
+    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    echo: bool | None = False
+    suffix: str | None = None
+    best_of: Annotated[int, Field(ge=1)] | None = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, v: Any) -> Any:
+        if isinstance(v, list) and len(v) == 0:
+            raise ValueError("prompt must not be empty")
+        if isinstance(v, list) and any(isinstance(p, list) and len(p) == 0 for p in v):
+            raise ValueError("token id prompts must not be empty")
+        return v
+
+
+class TextPart(OpenAIModel):
+    type: str
+    text: str | None = None
+
+    @model_validator(mode="after")
+    def _only_text(self) -> TextPart:
+        if self.type != "text":
+            raise ValueError(f"content parts of type {self.type!r} are not supported; only 'text' is")
+        if self.text is None:
+            raise ValueError("a text content part needs a 'text' field")
+        return self
+
+
+class ChatMessage(OpenAIModel):
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[Any] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> ChatMessage:
+        if self.tool_calls:
+            raise ValueError("tool calls are not supported by this server")
+        if self.content is None:
+            raise ValueError(f"a {self.role} message needs 'content'")
+        return self
+
+    def text(self) -> str:
+        if isinstance(self.content, str):
+            return self.content
+        return "".join(part.text or "" for part in self.content or [])
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    max_tokens: Annotated[int, Field(ge=1)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
+    logprobs: bool | None = False
+    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    tools: list[Any] | None = None
+    tool_choice: Any | None = None
+    response_format: dict[str, Any] | None = None
+
+    @property
+    def requested_max_tokens(self) -> int | None:
+        # max_completion_tokens replaces the deprecated max_tokens; either may come.
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeCompletionRequest(OpenAIModel):
+    model: str | None = None
+    prompt: str
+    add_special_tokens: bool = True
+
+
+class TokenizeChatRequest(OpenAIModel):
+    model: str | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)]
+    add_generation_prompt: bool = True
+
+
+class DetokenizeRequest(OpenAIModel):
+    model: str | None = None
+    tokens: list[Annotated[int, Field(ge=0)]]

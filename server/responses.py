@@ -1,0 +1,143 @@
+"""OpenAI response shapes (completions, chat, their stream chunks, usage, both logprobs formats)."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+from server.generation import LogprobEntry
+from server.tokenizer import ServerTokenizer
+
+SYSTEM_FINGERPRINT = "fp_orca_serve_0_1"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"
+
+
+@dataclass
+class ResponseMeta:
+    """What every object and chunk of one response repeats."""
+
+    id: str
+    model: str
+    created: int
+
+    @classmethod
+    def new(cls, prefix: str, model: str) -> ResponseMeta:
+        return cls(new_id(prefix), model, int(time.time()))
+
+    def header(self, obj: str) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "object": obj,
+            "created": self.created,
+            "model": self.model,
+            "system_fingerprint": SYSTEM_FINGERPRINT,
+        }
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {
+        "prompt_tokens": prompt_tokens,
+        "completion_tokens": completion_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+    }
+
+
+# --- logprobs ---
+def completion_logprobs(
+    entries: list[LogprobEntry], tokenizer: ServerTokenizer, offset_base: int = 0
+) -> dict[str, Any]:
+    """The legacy shape: parallel lists; top_logprobs holds the top k and the chosen token (OpenAI)."""
+    tops: list[dict[str, float]] = []
+    for e in entries:
+        top = {tokenizer.token_text(tid): lp for tid, lp in e.top}
+        top.setdefault(e.token, e.logprob)
+        tops.append(top)
+    return {
+        "tokens": [e.token for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": tops,
+        "text_offset": [offset_base + e.text_offset for e in entries],
+    }
+
+
+def chat_logprobs(entries: list[LogprobEntry], tokenizer: ServerTokenizer) -> dict[str, Any]:
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        return {
+            "token": tokenizer.token_text(token_id),
+            "logprob": logprob,
+            "bytes": list(tokenizer.token_bytes(token_id)),
+        }
+
+    content = []
+    for e in entries:
+        entry = item(e.token_id, e.logprob)
+        entry["top_logprobs"] = [item(tid, lp) for tid, lp in e.top]
+        content.append(entry)
+    return {"content": content, "refusal": None}
+
+
+# --- completions ---
+def completion_choice(
+    index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
+) -> dict[str, Any]:
+    return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def completion_response(
+    meta: ResponseMeta, choices: list[dict[str, Any]], use: dict[str, int]
+) -> dict[str, Any]:
+    return {**meta.header("text_completion"), "choices": choices, "usage": use}
+
+
+def completion_chunk(
+    meta: ResponseMeta,
+    choices: list[dict[str, Any]],
+    use: dict[str, int] | None = None,
+    with_usage: bool = False,
+) -> dict[str, Any]:
+    chunk = {**meta.header("text_completion"), "choices": choices}
+    if with_usage:  # OpenAI sends "usage": null on every chunk once include_usage is on
+        chunk["usage"] = use
+    return chunk
+
+
+# --- chat ---
+def chat_choice(
+    index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
+) -> dict[str, Any]:
+    return {
+        "index": index,
+        "message": {"role": "assistant", "content": text, "refusal": None},
+        "logprobs": logprobs,
+        "finish_reason": finish_reason,
+    }
+
+
+def chat_response(meta: ResponseMeta, choices: list[dict[str, Any]], use: dict[str, int]) -> dict[str, Any]:
+    return {**meta.header("chat.completion"), "choices": choices, "usage": use}
+
+
+def chat_chunk_choice(
+    index: int,
+    delta: dict[str, Any],
+    logprobs: dict[str, Any] | None = None,
+    finish_reason: str | None = None,
+) -> dict[str, Any]:
+    return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def chat_chunk(
+    meta: ResponseMeta,
+    choices: list[dict[str, Any]],
+    use: dict[str, int] | None = None,
+    with_usage: bool = False,
+) -> dict[str, Any]:
+    chunk = {**meta.header("chat.completion.chunk"), "choices": choices}
+    if with_usage:
+        chunk["usage"] = use
+    return chunk

@@ -1,0 +1,205 @@
+"""What the generation routes share: state lookup, auth, model and context checks, sampling params,
+cancellation on client disconnect, and SSE framing."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import replace
+from http import HTTPStatus
+from typing import Any, TypeVar
+
+from fastapi import Request
+from fastapi.responses import Response
+from sse_starlette import EventSourceResponse
+from starlette.background import BackgroundTask
+
+from engine.batch import SamplingParams
+from server.errors import APIError, context_length_exceeded, invalid, model_not_found
+from server.generation import ChoiceSpec, EngineClient, GenerationError
+from server.protocol import SamplingFields
+from server.state import ServerState
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+# Prompts longer than this (characters) are tokenized / rendered in a worker thread: the event loop
+# keeps streaming other requests' tokens meanwhile. Short ones are cheaper inline than a thread hop.
+OFFLOAD_CHARS = 4096
+
+
+def get_state(request: Request) -> ServerState:
+    return request.app.state.server
+
+
+async def require_api_key(request: Request) -> None:
+    """401 unless `Authorization: Bearer <--api-key>` (when the server has a key)."""
+    key = get_state(request).config.api_key
+    if not key:
+        return
+    scheme, _, token = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError(
+            "Incorrect or missing API key. Send it as `Authorization: Bearer <key>`.",
+            HTTPStatus.UNAUTHORIZED,
+            "invalid_request_error",
+            None,
+            "invalid_api_key",
+        )
+
+
+def check_model(state: ServerState, name: str | None) -> None:
+    # A missing model means the one served (vLLM does the same); any other name is a 404.
+    if name is not None and name != state.config.model_name:
+        raise model_not_found(name)
+
+
+async def offload(fn: Callable[..., T], *args: Any, size: int) -> T:
+    return await asyncio.to_thread(fn, *args) if size > OFFLOAD_CHARS else fn(*args)
+
+
+def check_token_ids(ids: list[int], vocab_size: int, param: str) -> None:
+    bad = [i for i in ids if i >= vocab_size]
+    if bad:
+        raise invalid(f"token id {bad[0]} is out of range (vocabulary size {vocab_size})", param=param)
+
+
+def check_context(max_model_len: int, prompt_tokens: int, max_tokens: int) -> None:
+    if prompt_tokens + max_tokens > max_model_len:
+        raise context_length_exceeded(max_model_len, prompt_tokens, max_tokens)
+
+
+def sampling_params(
+    body: SamplingFields, max_tokens: int, logprobs: int | None, vocab_size: int
+) -> SamplingParams:
+    """SamplingParams for choice 0 (choice i gets seed + i, see choice_specs)."""
+    if body.stream_options is not None and not body.stream:
+        raise invalid("stream_options is only allowed when stream is true.", param="stream_options")
+    logit_bias = {int(k): v for k, v in (body.logit_bias or {}).items()} or None
+    if logit_bias:
+        check_token_ids(list(logit_bias), vocab_size, "logit_bias")
+    stop_ids = tuple(body.stop_token_ids or ())
+    check_token_ids(list(stop_ids), vocab_size, "stop_token_ids")
+    min_tokens = body.min_tokens or 0
+    if min_tokens > max_tokens:
+        raise invalid(
+            f"min_tokens ({min_tokens}) must not exceed max_tokens ({max_tokens})", param="min_tokens"
+        )
+    return SamplingParams(
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=max(body.top_k or 0, 0),  # -1 (vLLM's "off") and 0 mean the same
+        min_p=body.min_p or 0.0,
+        repetition_penalty=1.0 if body.repetition_penalty is None else body.repetition_penalty,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        logit_bias=logit_bias,
+        seed=body.seed,
+        logprobs=logprobs,
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        stop_token_ids=stop_ids,
+        ignore_eos=bool(body.ignore_eos),
+    )
+
+
+def choice_specs(
+    request_prefix: str,
+    prompts: list[list[int]],
+    n: int,
+    params: SamplingParams,
+    stops: list[str],
+    skip_special_tokens: bool,
+) -> list[ChoiceSpec]:
+    """n choices per prompt, indexed prompt-major as OpenAI does. With a seed, choice j uses seed + j:
+    the same seed for all n would make the n choices identical."""
+    specs = []
+    for p, prompt in enumerate(prompts):
+        for j in range(n):
+            index = p * n + j
+            seeded = params if params.seed is None else replace(params, seed=params.seed + j)
+            specs.append(
+                ChoiceSpec(index, f"{request_prefix}-{index}", prompt, seeded, stops, skip_special_tokens)
+            )
+    return specs
+
+
+def abort_all(engine: EngineClient, specs: list[ChoiceSpec]) -> None:
+    """Idempotent: requests already finished are left alone by the loop."""
+    for spec in specs:
+        engine.abort(spec.request_id)
+
+
+def engine_error(exc: Exception) -> APIError:
+    if isinstance(exc, GenerationError):
+        return APIError(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR, "server_error", None, "generation_failed")
+    return APIError(f"The engine is not running: {exc}", HTTPStatus.SERVICE_UNAVAILABLE, "server_error")
+
+
+class ClientDisconnected(Exception):
+    pass
+
+
+async def cancel_on_disconnect(request: Request, work: Coroutine[Any, Any, T]) -> T:
+    """Run `work`; if the client goes away first, cancel it (which aborts its requests in the loop)."""
+    task = asyncio.ensure_future(work)
+
+    async def watch() -> None:
+        # The body is read already, so the next ASGI message is http.disconnect, whenever it comes.
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                return
+
+    watcher = asyncio.ensure_future(watch())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        if not task.done():
+            task.cancel()
+        watcher.cancel()
+    if task.cancelled() or not task.done():
+        try:
+            await task
+        except asyncio.CancelledError:
+            pass
+        raise ClientDisconnected()
+    return task.result()
+
+
+def disconnected_response() -> Response:
+    # Nobody reads it; 499 is nginx's "client closed request", which is what access logs should say.
+    return Response(status_code=499)
+
+
+def sse(events: AsyncIterator[dict[str, Any] | str], cleanup: Callable[[], None]) -> EventSourceResponse:
+    """`data: {json}` events, then `data: [DONE]`. An error mid-stream arrives as an event holding the
+    OpenAI error object (the status line is long gone), followed by [DONE]. `cleanup` runs once the
+    response is over however it ended: a client gone before the first event never starts `events`,
+    so their own `finally` would not run."""
+
+    async def after() -> None:
+        cleanup()
+
+    async def frames() -> AsyncIterator[dict[str, str]]:
+        try:
+            async for event in events:
+                yield {
+                    "data": event
+                    if isinstance(event, str)
+                    else json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+                }
+        except APIError as exc:
+            yield {"data": json.dumps(exc.body())}
+        except Exception as exc:  # GenerationError, EngineDeadError, or a bug: the client must hear of it
+            if not isinstance(exc, GenerationError):
+                logger.exception("stream failed")
+            yield {"data": json.dumps(engine_error(exc).body())}
+        yield {"data": "[DONE]"}
+
+    # Pings are SSE comments (": ping"), which every SSE parser (the openai client's included) skips;
+    # they keep proxies from closing a stream whose prefill takes long.
+    return EventSourceResponse(frames(), sep="\n", ping=15, background=BackgroundTask(after))

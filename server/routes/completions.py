@@ -1,0 +1,223 @@
+"""POST /v1/completions."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import APIRouter, Depends, Request
+from fastapi.responses import JSONResponse, Response
+
+from scheduler.loop import EngineDeadError
+from server.errors import invalid
+from server.generation import (
+    ChoiceDelta,
+    ChoiceSpec,
+    EngineClient,
+    GenerationError,
+    LogprobEntry,
+    generate_choice,
+    merge_choices,
+    open_choices,
+)
+from server.protocol import CompletionRequest
+from server.responses import (
+    ResponseMeta,
+    completion_choice,
+    completion_chunk,
+    completion_logprobs,
+    completion_response,
+    usage,
+)
+from server.routes.common import (
+    ClientDisconnected,
+    abort_all,
+    cancel_on_disconnect,
+    check_context,
+    check_model,
+    check_token_ids,
+    choice_specs,
+    disconnected_response,
+    engine_error,
+    get_state,
+    offload,
+    require_api_key,
+    sampling_params,
+    sse,
+)
+from server.state import ServerState
+from server.tokenizer import ServerTokenizer
+
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+async def _prompt_ids(
+    body: CompletionRequest, tokenizer: ServerTokenizer, vocab_size: int
+) -> list[list[int]]:
+    """Every accepted prompt form as lists of token ids."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        texts: list[str] | None = [prompt]
+    elif all(isinstance(p, str) for p in prompt):
+        texts = list(prompt)  # type: ignore[arg-type]
+    else:
+        texts = None
+    if texts is not None:
+        ids = [await offload(tokenizer.encode, t, size=len(t)) for t in texts]
+    elif all(isinstance(p, int) for p in prompt):
+        ids = [list(prompt)]  # type: ignore[arg-type]
+    else:
+        ids = [list(p) for p in prompt]  # type: ignore[union-attr]
+    for p in ids:
+        if not p:
+            raise invalid("The prompt is empty (it encodes to no tokens).", param="prompt")
+        check_token_ids(p, vocab_size, "prompt")
+    return ids
+
+
+@router.post("/v1/completions", response_model=None)
+async def create_completion(body: CompletionRequest, request: Request) -> Response:
+    state = get_state(request)
+    engine, tokenizer = state.require_ready()
+    check_model(state, body.model)
+    n = body.n or 1
+    if body.suffix:
+        raise invalid("suffix is not supported by this server.", param="suffix")
+    if body.best_of is not None and body.best_of > n:
+        raise invalid("best_of greater than n is not supported by this server.", param="best_of")
+    if body.echo and body.logprobs is not None:
+        raise invalid(
+            "echo together with logprobs (prompt logprobs) is not supported by this server.", param="echo"
+        )
+    max_tokens = 16 if body.max_tokens is None else body.max_tokens
+    if max_tokens == 0 and not body.echo:
+        raise invalid("max_tokens must be at least 1 (0 is only allowed with echo).", param="max_tokens")
+
+    prompts = await _prompt_ids(body, tokenizer, state.vocab_size)
+    for p in prompts:
+        check_context(engine.max_model_len, len(p), max_tokens)
+    meta = ResponseMeta.new("cmpl", state.config.model_name)
+    echoes = [_echo_text(body, tokenizer, i, p) for i, p in enumerate(prompts)] if body.echo else None
+
+    if max_tokens == 0:  # echo only: the prompt back, nothing generated (OpenAI's prompt-scoring form)
+        return _echo_only(meta, prompts, echoes or [], n)
+
+    params = sampling_params(body, max_tokens, body.logprobs, state.vocab_size)
+    specs = choice_specs(meta.id, prompts, n, params, body.stop_strings, bool(body.skip_special_tokens))
+    try:
+        streams = open_choices(engine, specs)
+    except ValueError as exc:
+        raise invalid(str(exc)) from None
+    except EngineDeadError as exc:
+        raise engine_error(exc) from None
+    gens = [
+        generate_choice(engine, tokenizer, s, st, state.metrics.tracker())
+        for s, st in zip(specs, streams, strict=True)
+    ]
+    prompt_tokens = sum(len(p) for p in prompts)
+    if body.stream:
+        return sse(
+            _stream(state, engine, specs, gens, meta, body, echoes, prompt_tokens),
+            lambda: abort_all(engine, specs),
+        )
+    try:
+        result = await cancel_on_disconnect(
+            request, _collect(state, engine, specs, gens, meta, body, echoes, prompt_tokens)
+        )
+    except ClientDisconnected:
+        abort_all(engine, specs)  # in case the work was cancelled before it started
+        return disconnected_response()
+    except (GenerationError, EngineDeadError) as exc:
+        raise engine_error(exc) from None
+    return JSONResponse(result)
+
+
+def _echo_text(body: CompletionRequest, tokenizer: ServerTokenizer, index: int, prompt_ids: list[int]) -> str:
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
+        return prompt[index]  # type: ignore[return-value]
+    return tokenizer.decode(prompt_ids, skip_special_tokens=False)
+
+
+def _echo_only(meta: ResponseMeta, prompts: list[list[int]], echoes: list[str], n: int) -> Response:
+    choices = [
+        completion_choice(p * n + j, echoes[p], None, "length") for p in range(len(prompts)) for j in range(n)
+    ]
+    return JSONResponse(completion_response(meta, choices, usage(sum(len(p) for p in prompts), 0)))
+
+
+def _logprobs_of(
+    state: ServerState, body: CompletionRequest, entries: list[LogprobEntry]
+) -> dict[str, Any] | None:
+    if body.logprobs is None:
+        return None
+    assert state.tokenizer is not None
+    return completion_logprobs(entries, state.tokenizer)
+
+
+async def _collect(
+    state: ServerState,
+    engine: EngineClient,
+    specs: list[ChoiceSpec],
+    gens: list[AsyncIterator[ChoiceDelta]],
+    meta: ResponseMeta,
+    body: CompletionRequest,
+    echoes: list[str] | None,
+    prompt_tokens: int,
+) -> dict[str, Any]:
+    n = body.n or 1
+    texts: dict[int, list[str]] = {s.index: [] for s in specs}
+    entries: dict[int, list[LogprobEntry]] = {s.index: [] for s in specs}
+    finish: dict[int, str | None] = {}
+    completion_tokens: dict[int, int] = {}
+    try:
+        async for d in merge_choices(gens):
+            texts[d.index].append(d.text)
+            entries[d.index].extend(d.logprobs)
+            completion_tokens[d.index] = d.completion_tokens
+            if d.finish_reason is not None:
+                finish[d.index] = d.finish_reason
+    finally:
+        abort_all(engine, specs)
+    choices = []
+    for s in specs:
+        prefix = echoes[s.index // n] if echoes else ""
+        text = prefix + "".join(texts[s.index])
+        choices.append(
+            completion_choice(s.index, text, _logprobs_of(state, body, entries[s.index]), finish.get(s.index))
+        )
+    return completion_response(meta, choices, usage(prompt_tokens, sum(completion_tokens.values())))
+
+
+async def _stream(
+    state: ServerState,
+    engine: EngineClient,
+    specs: list[ChoiceSpec],
+    gens: list[AsyncIterator[ChoiceDelta]],
+    meta: ResponseMeta,
+    body: CompletionRequest,
+    echoes: list[str] | None,
+    prompt_tokens: int,
+) -> AsyncIterator[dict[str, Any]]:
+    n = body.n or 1
+    with_usage = body.include_usage
+    completion_tokens: dict[int, int] = {}
+    try:
+        if echoes:
+            for s in specs:
+                choice = completion_choice(s.index, echoes[s.index // n], None, None)
+                yield completion_chunk(meta, [choice], with_usage=with_usage)
+        async for d in merge_choices(gens):
+            completion_tokens[d.index] = d.completion_tokens
+            choice = completion_choice(
+                d.index, d.text, _logprobs_of(state, body, d.logprobs), d.finish_reason
+            )
+            yield completion_chunk(meta, [choice], with_usage=with_usage)
+    finally:
+        abort_all(engine, specs)
+    if with_usage:
+        yield completion_chunk(
+            meta, [], usage(prompt_tokens, sum(completion_tokens.values())), with_usage=True
+        )

@@ -1,0 +1,100 @@
+"""GET /health, /metrics, /v1/models; POST /tokenize, /detokenize (vLLM's shapes)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter, Body, Depends, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from pydantic import ValidationError
+
+from server.errors import APIError, not_ready
+from server.metrics import CONTENT_TYPE
+from server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
+from server.routes.chat import encode_chat
+from server.routes.common import check_model, check_token_ids, get_state, offload, require_api_key
+from server.state import ServerState
+
+public = APIRouter()
+router = APIRouter(dependencies=[Depends(require_api_key)])
+
+
+@public.get("/health", response_model=None)
+async def health(request: Request) -> Response:
+    state = get_state(request)
+    if state.ready:
+        return JSONResponse({"status": "ok"})
+    if state.load_error is not None:
+        err = APIError(
+            f"Loading the model failed: {state.load_error}", 503, "server_error", None, "model_load_failed"
+        )
+        return err.response()
+    if state.engine is not None:  # loaded once, and the loop has stopped since
+        return APIError("The engine is not running.", 503, "server_error", None, "engine_dead").response()
+    return not_ready().response()
+
+
+@public.get("/metrics", response_model=None)
+async def metrics(request: Request) -> Response:
+    return Response(get_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+
+def _model_card(state: ServerState) -> dict[str, Any]:
+    engine, _ = state.require_ready()
+    return {
+        "id": state.config.model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "orca-serve",
+        "root": state.config.model,
+        "parent": None,
+        "max_model_len": engine.max_model_len,
+    }
+
+
+@router.get("/v1/models", response_model=None)
+async def list_models(request: Request) -> Response:
+    return JSONResponse({"object": "list", "data": [_model_card(get_state(request))]})
+
+
+@router.get("/v1/models/{model_id:path}", response_model=None)
+async def retrieve_model(model_id: str, request: Request) -> Response:
+    state = get_state(request)
+    card = _model_card(state)
+    check_model(state, model_id)
+    return JSONResponse(card)
+
+
+def _parse(model: type, payload: Any) -> Any:
+    try:
+        return model.model_validate(payload)
+    except ValidationError as exc:
+        raise RequestValidationError(exc.errors()) from None
+
+
+@router.post("/tokenize", response_model=None)
+async def tokenize(request: Request, payload: dict[str, Any] = Body(...)) -> Response:
+    """{prompt, add_special_tokens} or {messages, add_generation_prompt} -> {count, max_model_len, tokens}."""
+    state = get_state(request)
+    engine, tokenizer = state.require_ready()
+    if "messages" in payload:
+        chat = _parse(TokenizeChatRequest, payload)
+        check_model(state, chat.model)
+        ids = await encode_chat(tokenizer, chat.messages, chat.add_generation_prompt)
+    else:
+        plain = _parse(TokenizeCompletionRequest, payload)
+        check_model(state, plain.model)
+        ids = await offload(tokenizer.encode, plain.prompt, plain.add_special_tokens, size=len(plain.prompt))
+    return JSONResponse(
+        {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
+    )
+
+
+@router.post("/detokenize", response_model=None)
+async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
+    state = get_state(request)
+    _, tokenizer = state.require_ready()
+    check_model(state, body.model)
+    check_token_ids(body.tokens, state.vocab_size, "tokens")
+    return JSONResponse({"prompt": tokenizer.decode(body.tokens, skip_special_tokens=False)})

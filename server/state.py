@@ -1,0 +1,126 @@
+"""The app's lifetime: load the model in a worker thread (the HTTP server answers meanwhile: /health
+says 503), then start the AsyncEngine on the event loop; shut it down at exit."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from engine.batch import ModelRunner
+from scheduler.config import SchedulerConfig
+from scheduler.loop import AsyncEngine
+from scheduler.outputs import EngineStats, StepReport
+from server.config import ServerConfig
+from server.errors import not_ready
+from server.generation import EngineClient
+from server.metrics import ServerMetrics
+from server.tokenizer import ServerTokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    runner: ModelRunner
+    tokenizer: ServerTokenizer
+    vocab_size: int  # the model's (embedding rows); token ids at or above it are rejected
+
+
+# Blocking: runs in a worker thread while the event loop keeps answering /health.
+ModelLoader = Callable[[], LoadedModel]
+
+
+class ServerState:
+    def __init__(self, config: ServerConfig, loader: ModelLoader) -> None:
+        self.config = config
+        self._loader = loader
+        self.engine: AsyncEngine | None = None
+        self.tokenizer: ServerTokenizer | None = None
+        self.vocab_size = 0
+        self.load_error: str | None = None
+        self.created = int(time.time())
+        self.metrics = ServerMetrics(config.model_name, self._stats)
+        self._load_task: asyncio.Task[None] | None = None
+        # Called when loading fails (the CLI stops the server: a server without a model is useless).
+        self.on_load_failed: Callable[[str], None] | None = None
+
+    @property
+    def ready(self) -> bool:
+        return self.engine is not None and self.engine.is_running
+
+    def require_ready(self) -> tuple[EngineClient, ServerTokenizer]:
+        if self.engine is None or self.tokenizer is None:
+            raise not_ready()
+        return self.engine, self.tokenizer
+
+    def _stats(self) -> EngineStats | None:
+        return self.engine.stats() if self.engine is not None else None
+
+    def _on_step(self, report: StepReport) -> None:
+        self.metrics.observe_iteration(report.num_tokens)
+
+    # --- lifecycle ---
+    def start_loading(self) -> None:
+        if self._load_task is not None:  # a second lifespan startup (the app embedded twice): load once
+            return
+        self._load_task = asyncio.get_running_loop().create_task(self._load(), name="orca-model-load")
+
+    async def wait_ready(self) -> None:
+        """Until the model is loaded (or its loading failed); for tests and embedders."""
+        if self._load_task is not None:
+            await asyncio.shield(self._load_task)
+
+    async def _load(self) -> None:
+        t0 = time.monotonic()
+        try:
+            loaded = await asyncio.to_thread(self._loader)
+            cfg = self.config
+            engine = AsyncEngine(
+                loaded.runner,
+                SchedulerConfig(
+                    max_num_seqs=cfg.max_num_seqs,
+                    max_num_batched_tokens=cfg.max_num_batched_tokens,
+                    chunked_prefill=cfg.chunked_prefill,
+                    scheduling=cfg.scheduling,  # type: ignore[arg-type]
+                    kv_policy=cfg.kv_policy,  # type: ignore[arg-type]
+                    max_model_len=cfg.max_model_len,
+                ),
+            )
+            await engine.start()
+            engine.add_step_listener(self._on_step)
+        except Exception as exc:
+            self.load_error = f"{type(exc).__name__}: {exc}"
+            logger.error("loading the model failed: %s", self.load_error, exc_info=exc)
+            if self.on_load_failed is not None:
+                self.on_load_failed(self.load_error)
+            return
+        self.tokenizer = loaded.tokenizer
+        self.vocab_size = loaded.vocab_size
+        self.engine = engine
+        logger.info(
+            "model %r ready in %.1fs (max_model_len=%d); try:\n  %s",
+            cfg.model_name,
+            time.monotonic() - t0,
+            engine.max_model_len,
+            self.example_curl(),
+        )
+
+    def example_curl(self) -> str:
+        host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::") else self.config.host
+        # The key itself stays out of the logs.
+        auth = ' -H "Authorization: Bearer $ORCA_API_KEY"' if self.config.api_key else ""
+        return (
+            f"curl http://{host}:{self.config.port}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
+            f'-d \'{{"model": "{self.config.model_name}", "messages": [{{"role": "user", "content": "Hello!"}}], '
+            f'"max_tokens": 32}}\''
+        )
+
+    async def shutdown(self) -> None:
+        if self._load_task is not None and not self._load_task.done():
+            # The worker thread cannot be interrupted; the task is dropped and the thread finishes alone.
+            self._load_task.cancel()
+        if self.engine is not None:
+            await self.engine.shutdown()

@@ -1,0 +1,86 @@
+"""The paged KV cache: budget -> block count, shapes, views, slot mapping."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kv_cache import KVCacheManager, KVCacheSpec, default_kv_budget, slot_mapping, slot_of
+
+
+def spec(**kw) -> KVCacheSpec:
+    args = dict(num_layers=3, num_kv_heads=2, head_dim=8, block_size=4, dtype=torch.float32)
+    args.update(kw)
+    return KVCacheSpec(**args)
+
+
+def test_bytes_per_block_counts_k_and_v_of_every_layer():
+    # 2 (K, V) * 3 layers * 4 tokens * 2 heads * 8 dims * 4 bytes
+    assert spec().bytes_per_block == 2 * 3 * 4 * 2 * 8 * 4
+    assert spec(dtype=torch.bfloat16).bytes_per_block == 2 * 3 * 4 * 2 * 8 * 2
+
+
+def test_budget_to_block_count_rounds_down():
+    s = spec()
+    assert s.num_blocks_for(10 * s.bytes_per_block) == 10
+    assert s.num_blocks_for(10 * s.bytes_per_block + s.bytes_per_block - 1) == 10
+    assert s.num_blocks_for(s.bytes_per_block - 1) == 0
+
+
+def test_budget_too_small_is_an_error():
+    with pytest.raises(ValueError, match="blocks"):
+        KVCacheManager(spec(), 0, "cpu")
+
+
+def test_shapes_views_and_size():
+    s = spec()
+    cache = KVCacheManager(s, num_blocks=5, device="cpu")
+    assert cache.k_cache.shape == (3, 5, 4, 2, 8)
+    assert cache.v_cache.shape == (3, 5, 4, 2, 8)
+    assert cache.num_slots == 20
+    assert cache.total_bytes == 5 * s.bytes_per_block
+    assert cache.k_cache.numel() * 4 * 2 == cache.total_bytes
+    assert len(cache.layers) == 3
+    k1, v1 = cache.layers[1]
+    assert k1.shape == (5, 4, 2, 8)
+    # Views, not copies: a write through the layer view lands in the big tensor.
+    k1[2, 3].fill_(7.0)
+    v1[0, 0].fill_(-1.0)
+    assert torch.all(cache.k_cache[1, 2, 3] == 7.0)
+    assert torch.all(cache.v_cache[1, 0, 0] == -1.0)
+    assert cache.k_cache.sum() == 7.0 * 2 * 8
+
+
+def test_slot_of():
+    table = [7, 2, 9]
+    assert slot_of(table, 0, 4) == 28
+    assert slot_of(table, 3, 4) == 31
+    assert slot_of(table, 4, 4) == 8
+    assert slot_of(table, 10, 4) == 38
+
+
+def test_slot_mapping_writes_land_in_the_right_block():
+    cache = KVCacheManager(spec(num_layers=1, num_kv_heads=1, head_dim=1), num_blocks=6, device="cpu")
+    tables = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32)  # two sequences
+    # Sequence 0: positions 3..5 (crosses its first block boundary); sequence 1: position 9.
+    seq_index = torch.tensor([0, 0, 0, 1])
+    positions = torch.tensor([3, 4, 5, 9])
+    slots = slot_mapping(tables, seq_index, positions, block_size=4)
+    assert slots.tolist() == [4 * 4 + 3, 1 * 4 + 0, 1 * 4 + 1, 3 * 4 + 1]
+    for s, (i, p) in zip(
+        slots.tolist(), zip(seq_index.tolist(), positions.tolist(), strict=True), strict=True
+    ):
+        assert s == slot_of(tables[i].tolist(), p, 4)
+
+    k, _ = cache.layers[0]  # [num_blocks, block_size, 1, 1]
+    values = torch.tensor([10.0, 11.0, 12.0, 13.0])
+    k.view(-1, 1, 1).index_copy_(0, slots, values.view(-1, 1, 1))
+    assert k[4, 3].item() == 10.0
+    assert k[1, 0].item() == 11.0
+    assert k[1, 1].item() == 12.0
+    assert k[3, 1].item() == 13.0
+    assert (k != 0).sum().item() == 4
+
+
+def test_default_budget_on_cpu_is_the_fixed_one():
+    assert default_kv_budget(torch.device("cpu"), cpu_budget=123, cuda_fraction=0.9) == 123

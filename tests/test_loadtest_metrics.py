@@ -1,0 +1,138 @@
+"""loadtest.metrics on synthetic timelines whose answers are known by hand."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from loadtest import metrics
+from loadtest.metrics import SLO, capacity_at_latency, distribution, summarize
+from loadtest.records import ErrorKind, RequestRecord
+
+
+def timeline(
+    send: float, tokens: list[float], index: int = 0, max_tokens: int | None = None, prompt_len: int = 10
+) -> RequestRecord:
+    """A completed request: sent at `send`, one streamed token at each time in `tokens`."""
+    return RequestRecord(
+        index=index,
+        prompt_len=prompt_len,
+        max_tokens=len(tokens) if max_tokens is None else max_tokens,
+        scheduled_time=send,
+        send_time=send,
+        first_token_time=tokens[0],
+        token_times=list(tokens),
+        end_time=tokens[-1],
+        output_tokens=len(tokens),
+    )
+
+
+def failed(send: float, kind: str, index: int = 0) -> RequestRecord:
+    return RequestRecord(index, 10, 4, send, send_time=send, error_kind=kind, error="boom")
+
+
+def test_per_request_metrics():
+    r = timeline(1.0, [1.5, 1.7, 2.0, 2.1])
+    assert metrics.ttft(r) == pytest.approx(0.5)
+    assert metrics.e2e_latency(r) == pytest.approx(1.1)
+    assert metrics.tpot(r) == pytest.approx((1.1 - 0.5) / 3)  # (e2e - ttft) / (tokens - 1)
+    assert metrics.itls(r) == pytest.approx([0.2, 0.3, 0.1])
+    assert metrics.normalized_latency(r) == pytest.approx(1.1 / 4)  # the paper's ms/token, in seconds
+
+
+def test_usage_count_drives_tpot_when_chunks_hold_several_tokens():
+    r = timeline(0.0, [0.1, 0.5])
+    r.output_tokens = 5  # the server's usage says 5 tokens arrived in 2 chunks
+    assert metrics.tpot(r) == pytest.approx(0.4 / 4)
+    assert metrics.normalized_latency(r) == pytest.approx(0.5 / 5)
+    assert metrics.itls(r) == pytest.approx([0.4])  # ITL stays per chunk, as in vLLM
+
+
+def test_single_token_request_has_no_tpot_and_meets_a_tpot_slo():
+    r = timeline(0.0, [0.2])
+    assert metrics.tpot(r) is None
+    assert metrics.itls(r) == []
+    assert SLO("tpot", 1.0).met_by(r)
+    assert not SLO("ttft", 100.0).met_by(r)  # 200 ms > 100 ms
+
+
+def test_failed_requests_have_no_latencies():
+    r = failed(0.0, ErrorKind.TIMEOUT)
+    assert not r.ok
+    for fn in (metrics.ttft, metrics.e2e_latency, metrics.tpot, metrics.normalized_latency):
+        assert fn(r) is None
+    assert not metrics.meets_slos(r, [])
+
+
+def test_distribution_percentiles_match_linear_interpolation():
+    d = distribution(range(1, 101))
+    assert (d.count, d.mean, d.min, d.max) == (100, 50.5, 1, 100)
+    assert d.p50 == pytest.approx(50.5)
+    assert d.p90 == pytest.approx(90.1)
+    assert d.p99 == pytest.approx(99.01)
+    assert distribution([0.25], scale=1000.0).p99 == pytest.approx(250.0)
+    empty = distribution([])
+    assert empty.count == 0 and math.isnan(empty.p50)
+
+
+def test_slo_parsing():
+    assert SLO.parse("ttft:500") == SLO("ttft", 500.0)
+    assert SLO.parse("TPOT: 50.5") == SLO("tpot", 50.5)
+    for bad in ("ttft", "speed:3", "ttft:-1", "ttft:x"):
+        with pytest.raises(ValueError):
+            SLO.parse(bad)
+
+
+def test_summary_throughputs_goodput_and_errors():
+    fast = timeline(0.0, [0.1, 0.2, 0.3, 0.4], index=0)  # ttft 100 ms, tpot 100 ms
+    slow_start = timeline(0.5, [1.2, 1.3], index=1)  # ttft 700 ms, tpot 100 ms
+    slow_decode = timeline(1.0, [1.1, 1.6, 2.0], index=2, max_tokens=5)  # tpot 450 ms; short output
+    records = [
+        fast,
+        slow_start,
+        slow_decode,
+        failed(1.5, ErrorKind.http_error(503), 3),
+        failed(1.6, ErrorKind.TIMEOUT, 4),
+    ]
+    slos = [SLO("ttft", 500.0), SLO("tpot", 200.0)]
+    s = summarize(records, slos)
+    assert s.duration_s == pytest.approx(2.0)  # first arrival at 0 to the last end
+    assert (s.num_requests, s.completed) == (5, 3)
+    assert s.request_throughput == pytest.approx(3 / 2.0)
+    assert s.output_token_throughput == pytest.approx((4 + 2 + 3) / 2.0)
+    assert s.total_token_throughput == pytest.approx((30 + 9) / 2.0)
+    assert s.goodput == pytest.approx(1 / 2.0)  # only `fast` meets both SLOs
+    assert s.errors == {"http_503": 1, "timeout": 1}
+    assert s.short_outputs == 1
+    assert s.ttft_ms.count == 3 and s.ttft_ms.p50 == pytest.approx(100.0)
+    assert s.itl_ms.count == 3 + 1 + 2  # gaps pooled over completed requests
+    assert s.normalized_latency_ms.p50 == pytest.approx(1000.0 * 1.0 / 3)  # of 100, 333 and 400 ms
+    assert summarize(records).goodput is None  # no SLOs, no goodput
+
+
+def test_summary_round_trips_through_json_with_empty_distributions():
+    s = summarize([failed(0.0, ErrorKind.CONNECTION)])
+    data = s.to_dict()
+    assert data["ttft_ms"]["p50"] is None  # NaN is not JSON
+    again = metrics.Summary.from_dict(data)
+    assert math.isnan(again.ttft_ms.p50) and again.errors == {"connection": 1}
+
+
+def test_prompt_length_mismatches_are_counted():
+    r = timeline(0.0, [0.1, 0.2], prompt_len=10)
+    r.prompt_tokens_reported = 11
+    assert summarize([r, timeline(0.0, [0.1])]).prompt_len_mismatches == 1
+
+
+def test_capacity_at_latency_interpolates_between_rates():
+    points = [(1.0, 10.0), (2.0, 20.0), (3.0, 40.0)]
+    cap = capacity_at_latency(points, 30.0)
+    assert cap is not None and cap.crossed and cap.throughput == pytest.approx(2.5)
+    under_all = capacity_at_latency(points, 50.0)
+    assert under_all is not None and not under_all.crossed and under_all.throughput == 3.0
+    assert capacity_at_latency(points, 5.0) is None
+    # Overload: achieved throughput falls back while latency climbs; the best point under the bound wins.
+    overloaded = [(1.0, 10.0), (2.0, 15.0), (1.8, 90.0)]
+    best = capacity_at_latency(overloaded, 20.0)
+    assert best is not None and best.throughput == pytest.approx(2.0)

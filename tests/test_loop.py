@@ -1,0 +1,314 @@
+"""AsyncEngine (scheduler.loop) with the fake runner: streaming, aborts, failures, the worker thread.
+
+Order of events and step counters only; the timeouts below are guards against a hang, not assertions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+
+import pytest
+
+from engine.batch import SamplingParams
+from scheduler.config import SchedulerConfig
+from scheduler.fake_runner import FakeRunner, hash_next_token
+from scheduler.loop import AsyncEngine, EngineDeadError
+from scheduler.outputs import FinishReason, RequestDelta, StepReport
+
+GUARD_S = 20  # a hang fails the test instead of stalling the suite
+
+
+def expected_outputs(prompt, n):
+    context = list(prompt)
+    for _ in range(n):
+        context.append(hash_next_token(context))
+    return context[len(prompt) :]
+
+
+def prompt(n: int, seed: int = 0) -> list[int]:
+    return [100 + (seed * 31 + i * 7) % 500 for i in range(n)]
+
+
+async def collect(stream: AsyncIterator[RequestDelta]) -> list[RequestDelta]:
+    async def run():
+        return [d async for d in stream]
+
+    return await asyncio.wait_for(run(), GUARD_S)
+
+
+async def until(cond, turns: int = 10_000) -> None:
+    """Yield to the event loop until cond() holds (counted in loop turns, not seconds)."""
+    for _ in range(turns):
+        if cond():
+            return
+        await asyncio.sleep(0)
+    raise AssertionError("condition never held")
+
+
+async def in_thread_wait(event: threading.Event) -> None:
+    assert await asyncio.wait_for(asyncio.to_thread(event.wait, GUARD_S), GUARD_S)
+
+
+@pytest.fixture
+async def make_engine():
+    engines: list[AsyncEngine] = []
+
+    async def make(runner: FakeRunner | None = None, **cfg) -> AsyncEngine:
+        engine = AsyncEngine(runner or FakeRunner(), SchedulerConfig(**cfg) if cfg else None)
+        await engine.start()
+        engines.append(engine)
+        return engine
+
+    yield make
+    for e in engines:
+        await asyncio.wait_for(e.shutdown(), GUARD_S)
+
+
+async def test_streams_one_delta_per_token_in_order(make_engine):
+    engine = await make_engine()
+    p = prompt(9)
+    deltas = []
+    async for d in engine.generate(p, SamplingParams(max_tokens=6), "a"):
+        deltas.append(d)
+        await asyncio.sleep(0)
+    tokens = [t for d in deltas for t in d.token_ids]
+    assert tokens == expected_outputs(p, 6)
+    assert [d.num_output_tokens for d in deltas][-1] == 6 and all(d.num_prompt_tokens == 9 for d in deltas)
+    assert [d.finish_reason for d in deltas] == [None] * (len(deltas) - 1) + [FinishReason.LENGTH]
+    assert len(deltas) > 1  # streamed, not returned at the end
+    assert engine.stats().running == 0 and engine.stats().kv_blocks_used == 0
+
+
+async def test_lagging_consumer_gets_coalesced_deltas_without_loss(make_engine):
+    engine = await make_engine()
+    p = prompt(5)
+    stream = engine.generate(p, SamplingParams(max_tokens=8, logprobs=1), "a")
+    await until(lambda: engine.stats().num_steps >= 8)  # finished before we read anything
+    deltas = await collect(stream)
+    assert len(deltas) == 1 and deltas[0].token_ids == expected_outputs(p, 8)
+    assert deltas[0].finish_reason is FinishReason.LENGTH
+    assert (
+        deltas[0].logprobs is not None and [lp.token_id for lp in deltas[0].logprobs] == deltas[0].token_ids
+    )
+
+
+async def test_many_concurrent_requests_with_preemption_lose_and_repeat_nothing(make_engine):
+    # 10 blocks of 4 tokens for 6 requests of up to 30 tokens: lazy allocation must preempt.
+    engine = await make_engine(FakeRunner(num_kv_blocks=10, block_size=4, max_model_len=40), max_num_seqs=6)
+    specs = [(f"r{i}", prompt(6 + i, seed=i), 12 + i) for i in range(6)]
+    streams = [engine.generate(p, SamplingParams(max_tokens=m), rid) for rid, p, m in specs]
+    results = await asyncio.gather(*(collect(s) for s in streams))
+    for (_, p, m), deltas in zip(specs, results, strict=True):
+        assert [t for d in deltas for t in d.token_ids] == expected_outputs(p, m)
+        assert deltas[-1].finish_reason is FinishReason.LENGTH
+    stats = engine.stats()
+    assert stats.num_preemptions > 0 and stats.kv_blocks_used == 0 and stats.running == stats.waiting == 0
+
+
+async def test_generate_rejects_bad_requests_at_once(make_engine):
+    engine = await make_engine(FakeRunner(max_model_len=32))
+    with pytest.raises(ValueError):
+        engine.generate([], SamplingParams(), "a")
+    with pytest.raises(ValueError):
+        engine.generate(prompt(30), SamplingParams(max_tokens=3), "a")
+    with pytest.raises(ValueError, match="out of range"):
+        engine.generate([5, 49152], SamplingParams(), "a")  # would fail every request in its step
+    with pytest.raises(ValueError, match="out of range"):
+        engine.generate([5], SamplingParams(logit_bias={-1: 1.0}), "a")
+    stream = engine.generate(prompt(3), SamplingParams(max_tokens=3), "a")
+    with pytest.raises(ValueError):
+        engine.generate(prompt(3), SamplingParams(), "a")
+    await collect(stream)
+    assert engine.max_model_len == 32
+
+
+async def test_abort_frees_blocks_before_the_next_step(make_engine):
+    gate = threading.Event()
+    runner = FakeRunner(gate=gate)
+    engine = await make_engine(runner)
+    seen: list[tuple[set[str], int, int]] = []  # per step: request ids, blocks used, blocks in batch
+    inner = runner.step
+
+    def step(batch):
+        seen.append(
+            (
+                {s.request_id for s in batch},
+                engine.stats().kv_blocks_used,
+                sum(len(s.block_table) for s in batch),
+            )
+        )
+        return inner(batch)
+
+    runner.step = step  # type: ignore[method-assign]
+    a = engine.generate(prompt(10), SamplingParams(max_tokens=50), "a")
+    b = engine.generate(prompt(10, seed=1), SamplingParams(max_tokens=5), "b")
+    await in_thread_wait(runner.step_started)  # the first step (both prompts) is in flight
+    engine.abort("a")  # mid-step: applied only once the step is over
+    gate.set()
+    deltas_a = await collect(a)
+    await collect(b)
+    assert deltas_a[-1].finish_reason is FinishReason.ABORT
+    assert seen[0][0] == {"a", "b"}
+    # From the next step on, a is gone and only b's blocks are in use.
+    for ids, used, in_batch in seen[1:]:
+        assert ids == {"b"} and used == in_batch
+    assert engine.stats().kv_blocks_used == 0
+
+
+async def test_abort_from_another_thread_and_unknown_ids(make_engine):
+    engine = await make_engine()
+    stream = engine.generate(prompt(4), SamplingParams(max_tokens=10_000 // 100), "a")
+    first = await asyncio.wait_for(stream.__anext__(), GUARD_S)
+    t = threading.Thread(target=engine.abort, args=("a",))
+    t.start()
+    t.join()
+    engine.abort("a")  # idempotent
+    engine.abort("never-seen")
+    rest = await collect(stream)
+    assert first.finish_reason is None and rest[-1].finish_reason is FinishReason.ABORT
+    assert engine.stats().kv_blocks_used == 0 and engine.is_running
+
+
+async def test_closing_the_iterator_aborts(make_engine):
+    engine = await make_engine()
+    stream = engine.generate(prompt(4), SamplingParams(max_tokens=100), "a")
+    await asyncio.wait_for(stream.__anext__(), GUARD_S)
+    await stream.aclose()
+    await until(lambda: engine.stats().running == 0)
+    assert engine.stats().kv_blocks_used == 0
+
+
+async def test_cancelling_the_consumer_task_aborts(make_engine):
+    engine = await make_engine()
+    stream = engine.generate(prompt(4), SamplingParams(max_tokens=100), "a")
+    got_one = asyncio.Event()
+
+    async def consume():
+        async for _ in stream:
+            got_one.set()
+
+    task = asyncio.create_task(consume())
+    await asyncio.wait_for(got_one.wait(), GUARD_S)
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    await until(lambda: engine.stats().running == 0)
+    assert engine.stats().kv_blocks_used == 0
+    # the id is free again once the request is gone
+    await collect(engine.generate(prompt(4), SamplingParams(max_tokens=2), "a"))
+
+
+async def test_event_loop_keeps_answering_during_a_slow_step(make_engine):
+    gate = threading.Event()
+    runner = FakeRunner(gate=gate)
+    engine = await make_engine(runner)
+    stream = engine.generate(prompt(4), SamplingParams(max_tokens=2), "a")
+    await in_thread_wait(runner.step_started)
+    progress = 0
+    for _ in range(50):  # another coroutine runs many turns while the step is held in the worker
+        await asyncio.sleep(0)
+        progress += 1
+    assert progress == 50 and runner.num_steps == 0 and engine.stats().running == 1
+    gate.set()
+    deltas = await collect(stream)
+    assert deltas[-1].finish_reason is FinishReason.LENGTH
+
+
+async def test_idle_loop_does_not_step(make_engine):
+    runner = FakeRunner()
+    engine = await make_engine(runner)
+    for _ in range(200):
+        await asyncio.sleep(0)
+    assert engine.stats().num_steps == 0 and runner.num_steps == 0 and engine.is_running
+    await collect(engine.generate(prompt(4), SamplingParams(max_tokens=3), "a"))
+    steps = engine.stats().num_steps
+    for _ in range(200):
+        await asyncio.sleep(0)
+    assert engine.stats().num_steps == steps == runner.num_steps
+
+
+async def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(make_engine):
+    runner = FakeRunner(fail_when=lambda batch: any(s.request_id == "bad" for s in batch))
+    engine = await make_engine(runner)
+    deltas = await collect(engine.generate(prompt(4), SamplingParams(max_tokens=5), "bad"))
+    assert deltas[-1].finish_reason is FinishReason.ERROR and "injected step failure" in (
+        deltas[-1].error or ""
+    )
+    assert engine.is_running and engine.stats().kv_blocks_used == 0
+    good = await collect(engine.generate(prompt(4), SamplingParams(max_tokens=5), "good"))
+    assert [t for d in good for t in d.token_ids] == expected_outputs(prompt(4), 5)
+
+
+async def test_a_dead_loop_fails_every_request_and_refuses_new_ones(make_engine):
+    gate = threading.Event()
+    runner = FakeRunner(gate=gate)
+    engine = await make_engine(runner)
+    a = engine.generate(prompt(4), SamplingParams(max_tokens=50), "a")
+    await in_thread_wait(runner.step_started)
+    b = engine.generate(prompt(4), SamplingParams(max_tokens=50), "b")  # waiting
+
+    def broken_update(step, sampled):
+        raise AssertionError("scheduler bug")
+
+    engine._scheduler.update = broken_update  # type: ignore[method-assign]
+    engine._scheduler.fail = broken_update  # type: ignore[method-assign]
+    gate.set()
+    for stream in (a, b):
+        deltas = await collect(stream)
+        assert deltas[-1].finish_reason is FinishReason.ERROR and "scheduler bug" in (deltas[-1].error or "")
+    assert not engine.is_running
+    with pytest.raises(EngineDeadError):
+        engine.generate(prompt(4), SamplingParams(), "c")
+
+
+async def test_finish_ends_a_request_as_a_stop(make_engine):
+    engine = await make_engine()
+    stream = engine.generate(prompt(4), SamplingParams(max_tokens=100), "a")
+    first = await asyncio.wait_for(stream.__anext__(), GUARD_S)
+    engine.finish("a")
+    rest = await collect(stream)
+    assert first.finish_reason is None and rest[-1].finish_reason is FinishReason.STOP
+    assert rest[-1].num_output_tokens < 100 and engine.stats().kv_blocks_used == 0
+
+
+async def test_shutdown_aborts_everything_and_stops(make_engine):
+    engine = await make_engine()
+    a = engine.generate(prompt(4), SamplingParams(max_tokens=100), "a")
+    await asyncio.wait_for(a.__anext__(), GUARD_S)
+    b = engine.generate(prompt(4), SamplingParams(max_tokens=100), "b")
+    await asyncio.wait_for(engine.shutdown(), GUARD_S)
+    assert (await collect(a))[-1].finish_reason is FinishReason.ABORT
+    assert (await collect(b))[-1].finish_reason is FinishReason.ABORT
+    assert not engine.is_running and engine.stats().kv_blocks_used == 0
+    with pytest.raises(EngineDeadError):
+        engine.generate(prompt(4), SamplingParams(), "c")
+
+
+async def test_step_listener_sees_every_step(make_engine):
+    engine = await make_engine(max_num_batched_tokens=64)
+    reports: list[StepReport] = []
+    engine.add_step_listener(reports.append)
+    engine.add_step_listener(lambda r: 1 / 0)  # a broken listener does not stop the loop
+    await collect(engine.generate(prompt(7), SamplingParams(max_tokens=4), "a"))
+    assert len(reports) == engine.stats().num_steps == 4
+    assert (reports[0].num_prompt_tokens, reports[0].num_decode_tokens, reports[0].num_seqs) == (7, 0, 1)
+    assert all((r.num_tokens, r.num_decode_tokens) == (1, 1) for r in reports[1:])
+    assert reports[-1].num_finished == 1 and not any(r.failed for r in reports)
+
+
+async def test_request_level_batching_returns_early_finishers_with_their_batch(make_engine):
+    engine = await make_engine(scheduling="request", kv_policy="reserve")
+    done_at: dict[str, int] = {}  # engine step count when each request's last delta arrived
+
+    async def run(rid, n):
+        deltas = await collect(engine.generate(prompt(4, seed=n), SamplingParams(max_tokens=n), rid))
+        done_at[rid] = engine.stats().num_steps
+        return deltas
+
+    short_deltas, long_deltas = await asyncio.gather(run("short", 2), run("long", 12))
+    # one delta each with all its tokens; the short one comes back with the batch, not after 2 steps
+    assert len(short_deltas) == 1 and len(short_deltas[0].token_ids) == 2
+    assert len(long_deltas) == 1 and len(long_deltas[0].token_ids) == 12
+    assert done_at == {"short": 12, "long": 12}

@@ -1,0 +1,450 @@
+"""Model-level parity: our selective-batching models against transformers, plus backend agreement.
+
+Several sequences of different lengths run flat in ONE forward over a paged KV cache built here, and
+every position's logits must match transformers' per-sequence forward (float32, atol 1e-4). A second
+forward with one decode token per sequence against the cached history must match too.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+from conftest import build_hf_model, tiny_gpt2_config, tiny_llama_config
+
+from models.layers.attention import available_backends, select_attention_backend
+from models.layers.metadata import AttentionMetadata, KVCache
+from models.registry import model_class_for
+
+ATOL = 1e-4
+BLOCK_SIZE = 4
+NUM_BLOCKS = 64
+SMALL_VOCAB = 512  # the tokenizer doesn't matter here; small vocab keeps the tests fast
+
+
+@dataclass
+class PagedBatch:
+    """A step's flat inputs for sequences that each already have `cached[i]` tokens in the cache."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+
+
+class PagedCacheHarness:
+    """Owns a paged KV cache and per-sequence block tables drawn from a shuffled free list, so
+    sequences' blocks are interleaved and non-contiguous like under a real allocator."""
+
+    def __init__(self, model, num_seqs: int, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        shape = (NUM_BLOCKS, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
+        self.kv_caches: list[KVCache] = [
+            (torch.zeros(shape), torch.zeros(shape)) for _ in range(model.num_layers)
+        ]
+        self.free = torch.randperm(NUM_BLOCKS, generator=g).tolist()
+        self.block_tables: list[list[int]] = [[] for _ in range(num_seqs)]
+        self.seq_lens = [0] * num_seqs
+
+    def step(self, tokens_per_seq: list[list[int]]) -> PagedBatch:
+        ids, positions, slots, q_lens = [], [], [], []
+        for i, toks in enumerate(tokens_per_seq):
+            start = self.seq_lens[i]
+            for pos in range(start, start + len(toks)):
+                if pos // BLOCK_SIZE >= len(self.block_tables[i]):
+                    self.block_tables[i].append(self.free.pop())
+                slots.append(self.block_tables[i][pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
+                positions.append(pos)
+            ids += toks
+            q_lens.append(len(toks))
+            self.seq_lens[i] = start + len(toks)
+        width = max(len(t) for t in self.block_tables)
+        tables = [t + [0] * (width - len(t)) for t in self.block_tables]
+        cu_q = torch.tensor([0] + q_lens).cumsum(0).int()
+        cu_k = torch.tensor([0] + self.seq_lens).cumsum(0).int()
+        md = AttentionMetadata(
+            slot_mapping=torch.tensor(slots),
+            query_start_loc=cu_q,
+            seq_start_loc=cu_k,
+            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            query_lens_cpu=q_lens,
+            seq_lens_cpu=list(self.seq_lens),
+            max_query_len=max(q_lens),
+            max_seq_len=max(self.seq_lens),
+            block_size=BLOCK_SIZE,
+        )
+        return PagedBatch(torch.tensor(ids), torch.tensor(positions), md)
+
+
+def build_pair(config, seed: int = 0):
+    """A random HF model and our model loaded from its state dict."""
+    hf = build_hf_model(config, seed)
+    ours = model_class_for(config)(config, dtype=torch.float32)
+    ours.load_weights(hf.state_dict().items())
+    return hf, ours.eval()
+
+
+def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        return hf(torch.tensor([tokens])).logits[0].float()  # [len, vocab]
+
+
+CONFIGS = {
+    "llama-gqa-tied": lambda: tiny_llama_config(vocab_size=SMALL_VOCAB),
+    "llama-untied-attn-bias": lambda: tiny_llama_config(
+        vocab_size=SMALL_VOCAB, tie_word_embeddings=False, attention_bias=True, mlp_bias=True
+    ),
+    "llama3-rope-scaling": lambda: tiny_llama_config(
+        vocab_size=SMALL_VOCAB,
+        rope_theta=500000.0,
+        rope_scaling={
+            "rope_type": "llama3",
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 64,
+        },
+    ),
+    "qwen2-qkv-bias": lambda: _qwen2_config(),
+    "mistral": lambda: _mistral_config(),
+    "gpt2": lambda: tiny_gpt2_config(vocab_size=SMALL_VOCAB),
+}
+
+
+def _qwen2_config():
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        vocab_size=SMALL_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        tie_word_embeddings=False,
+        architectures=["Qwen2ForCausalLM"],
+    )
+
+
+def _mistral_config():
+    from transformers import MistralConfig
+
+    return MistralConfig(
+        vocab_size=SMALL_VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=1,
+        head_dim=16,
+        max_position_embeddings=512,
+        sliding_window=4096,
+        architectures=["MistralForCausalLM"],
+    )
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("backend", ["sdpa", "cpu-decode"])
+def test_flat_batch_matches_transformers(name: str, backend: str) -> None:
+    hf, ours = build_pair(CONFIGS[name]())
+    ours.set_attention_backend(backend)
+    g = torch.Generator().manual_seed(1)
+    lengths = [7, 1, 13, 4]  # different lengths; 13 spans several blocks
+    prompts = [torch.randint(0, SMALL_VOCAB, (n,), generator=g).tolist() for n in lengths]
+    harness = PagedCacheHarness(ours, len(prompts))
+
+    batch = harness.step(prompts)
+    with torch.no_grad():
+        logits = ours.compute_logits(
+            ours(batch.input_ids, batch.positions, harness.kv_caches, batch.metadata)
+        )
+    assert logits.shape == (sum(lengths), SMALL_VOCAB) and logits.dtype == torch.float32
+    start = 0
+    for prompt in prompts:
+        torch.testing.assert_close(
+            logits[start : start + len(prompt)], hf_logits(hf, prompt), atol=ATOL, rtol=0
+        )
+        start += len(prompt)
+
+    # One decode token per sequence, attending to the history cached by the first forward.
+    next_tokens = [[int(t)] for t in torch.randint(0, SMALL_VOCAB, (len(prompts),), generator=g)]
+    batch = harness.step(next_tokens)
+    assert batch.metadata.is_decode_only
+    with torch.no_grad():
+        logits = ours.compute_logits(
+            ours(batch.input_ids, batch.positions, harness.kv_caches, batch.metadata)
+        )
+    for i, prompt in enumerate(prompts):
+        expected = hf_logits(hf, prompt + next_tokens[i])[-1]
+        torch.testing.assert_close(logits[i], expected, atol=ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "cpu-decode"])
+def test_chunked_prefill_mixed_with_decodes(backend: str) -> None:
+    """A step that mixes decodes (first) with prompt chunks whose queries are the LAST positions of a
+    longer cached history: the causal mask must be aligned bottom-right."""
+    hf, ours = build_pair(CONFIGS["llama-gqa-tied"]())
+    ours.set_attention_backend(backend)
+    g = torch.Generator().manual_seed(2)
+    full = [torch.randint(0, SMALL_VOCAB, (n,), generator=g).tolist() for n in (9, 5, 11)]
+    harness = PagedCacheHarness(ours, 3)
+    with torch.no_grad():
+        b = harness.step([full[0][:8], full[1][:4], full[2][:3]])
+        ours(b.input_ids, b.positions, harness.kv_caches, b.metadata)
+        # seq 0 and 1 decode one token; seq 2 runs a chunk of 8 against 3 cached tokens.
+        b = harness.step([full[0][8:], full[1][4:], full[2][3:]])
+        logits = ours.compute_logits(ours(b.input_ids, b.positions, harness.kv_caches, b.metadata))
+    torch.testing.assert_close(logits[0], hf_logits(hf, full[0])[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits[1], hf_logits(hf, full[1])[-1], atol=ATOL, rtol=0)
+    torch.testing.assert_close(logits[2:], hf_logits(hf, full[2])[3:], atol=ATOL, rtol=0)
+
+
+def _random_step(model, seed: int, decode_only: bool):
+    """Random cache contents and a random step (decodes first, then prompt chunks)."""
+    g = torch.Generator().manual_seed(seed)
+    harness = PagedCacheHarness(model, 5, seed)
+    for k, v in harness.kv_caches:
+        k.normal_(generator=g)
+        v.normal_(generator=g)
+    cached = [6, 1, 17, 3, 9]
+    harness.step([[0] * n for n in cached])  # allocates blocks; contents stay random
+    q_lens = [1] * 5 if decode_only else [1, 1, 5, 2, 9]
+    batch = harness.step([[0] * n for n in q_lens])
+    t = batch.input_ids.shape[0]
+    h_q, h_kv, d = 4, model.num_kv_heads, model.head_dim
+    q = torch.randn(t, h_q, d, generator=g)
+    return harness, batch, q, h_kv
+
+
+@pytest.mark.parametrize("backend", [b for b in available_backends("cpu") if b != "sdpa"])
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_backend_matches_sdpa(backend: str, decode_only: bool) -> None:
+    _, ours = build_pair(CONFIGS["llama-gqa-tied"]())
+    harness, batch, q, _ = _random_step(ours, 3, decode_only)
+    k_cache, v_cache = harness.kv_caches[0]
+    ref_backend = select_attention_backend("sdpa")
+    other = select_attention_backend(backend)
+    md = batch.metadata
+    ref = ref_backend.forward(q, k_cache, v_cache, md, ref_backend.plan(md), 0.25)
+    out = other.forward(q, k_cache, v_cache, md, other.plan(md), 0.25)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+@pytest.mark.cuda
+@cuda
+@pytest.mark.parametrize("backend", ["torch-varlen", "flash-attn"])
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_cuda_backend_matches_sdpa(backend: str, decode_only: bool) -> None:
+    if backend not in available_backends("cuda"):
+        pytest.skip(f"{backend} is not available here")
+    _, ours = build_pair(CONFIGS["llama-gqa-tied"]())
+    harness, batch, q, _ = _random_step(ours, 4, decode_only)
+    dev = torch.device("cuda")
+    md = batch.metadata
+    md_cuda = AttentionMetadata(
+        **{
+            k: (getattr(md, k).to(dev) if isinstance(getattr(md, k), torch.Tensor) else getattr(md, k))
+            for k in md.__dataclass_fields__
+        }
+    )
+    k_cache, v_cache = (c.to(dev, torch.bfloat16) for c in harness.kv_caches[0])
+    qc = q.to(dev, torch.bfloat16)
+    ref_backend = select_attention_backend("sdpa", dev)
+    other = select_attention_backend(backend, dev)
+    ref = ref_backend.forward(qc, k_cache, v_cache, md_cuda, ref_backend.plan(md_cuda), 0.25)
+    out = other.forward(qc, k_cache, v_cache, md_cuda, other.plan(md_cuda), 0.25)
+    torch.testing.assert_close(out.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+# ------------------------------------------------------------------------------- tensor parallel
+
+
+def test_tp_shards_partition_the_checkpoint() -> None:
+    """Loading for rank r of n takes rank r's heads / rows / columns: the shards of all ranks put back
+    together are the full HF weights (KV heads replicated when there are fewer than ranks)."""
+    from models.layers.parallel import TPContext
+
+    config = CONFIGS["llama-gqa-tied"]()  # 4 query heads, 2 KV heads, head_dim 16
+    hf = build_hf_model(config)
+    full = hf.state_dict()
+    d = 16
+    for size in (2, 4):
+        ranks = []
+        for rank in range(size):
+            model = model_class_for(config)(config, dtype=torch.float32, tp=TPContext(rank, size))
+            model.load_weights(full.items())
+            ranks.append(dict(model.named_parameters()))
+        pre = "model.layers.1."
+        q_rows = 4 // size * d
+        kv_rows = max(2 // size, 1) * d
+        qkv = [r[pre + "self_attn.qkv_proj.weight"] for r in ranks]
+        assert torch.equal(torch.cat([w[:q_rows] for w in qkv]), full[pre + "self_attn.q_proj.weight"])
+        for rank, w in enumerate(qkv):
+            kv_head = rank * 2 // size  # with 4 ranks and 2 KV heads, ranks 0,1 share head 0
+            k_full = full[pre + "self_attn.k_proj.weight"]
+            assert torch.equal(w[q_rows : q_rows + kv_rows], k_full[kv_head * d : kv_head * d + kv_rows])
+        o = torch.cat([r[pre + "self_attn.o_proj.weight"] for r in ranks], dim=1)
+        assert torch.equal(o, full[pre + "self_attn.o_proj.weight"])
+        inter = config.intermediate_size // size
+        up = torch.cat([r[pre + "mlp.gate_up_proj.weight"][inter:] for r in ranks])
+        assert torch.equal(up, full[pre + "mlp.up_proj.weight"])
+        emb = torch.cat([r["model.embed_tokens.weight"] for r in ranks])
+        assert torch.equal(emb, full["model.embed_tokens.weight"])
+
+
+def _tp_worker(rank: int, world: int, port: int, name: str) -> None:
+    import torch.distributed as dist
+
+    from models.layers.parallel import TPContext
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        config = TP_CONFIGS[name]()
+        hf = build_hf_model(config)  # same seed on every rank: same weights
+        ours = model_class_for(config)(config, dtype=torch.float32, tp=TPContext(rank, world))
+        ours.load_weights(hf.state_dict().items())
+        ours.set_attention_backend("sdpa")
+        prompts = [[3, 1, 4, 1, 5, 9, 2], [6, 5], [3, 5, 8, 9, 7]]
+        harness = PagedCacheHarness(ours, len(prompts))
+        batch = harness.step(prompts)
+        with torch.no_grad():
+            hidden = ours(batch.input_ids, batch.positions, harness.kv_caches, batch.metadata)
+            logits = ours.compute_logits(hidden)
+        expected = torch.cat([hf_logits(hf, p) for p in prompts])
+        torch.testing.assert_close(logits, expected, atol=ATOL, rtol=0)
+    finally:
+        dist.destroy_process_group()
+
+
+TP_CONFIGS = {
+    "llama": lambda: tiny_llama_config(vocab_size=SMALL_VOCAB, tie_word_embeddings=False),
+    "gpt2-odd-vocab": lambda: tiny_gpt2_config(vocab_size=SMALL_VOCAB - 3),  # padded vocab shards
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(TP_CONFIGS))
+def test_tensor_parallel_forward_matches_transformers(name: str) -> None:
+    """Two gloo ranks on the CPU: column/row-parallel linears, all-reduce and the gathered vocab give
+    the same logits as the unsharded transformers model."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_tp_worker, args=(2, port, name), nprocs=2, join=True)
+
+
+# ------------------------------------------------------------------------- layers and selection
+
+
+def test_llama3_inverse_frequencies_match_transformers() -> None:
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    from models.layers.rotary import inverse_frequencies, rope_params_from_config
+
+    config = CONFIGS["llama3-rope-scaling"]()
+    params = rope_params_from_config(config)
+    assert params.rope_type == "llama3" and params.theta == 500000.0 and params.factor == 8.0
+    expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
+    ours = inverse_frequencies(params, 16, config.max_position_embeddings)
+    torch.testing.assert_close(ours, expected.float(), atol=0, rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("attrs", "theta", "rope_type"),
+    [
+        ({"rope_theta": 5e5, "rope_scaling": None}, 5e5, "default"),  # transformers 4 style
+        ({"rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 2.0}}, 1e4, "linear"),
+        ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e5}}, 1e5, "default"),  # 5 style
+    ],
+)
+def test_rope_params_old_and_new_config_styles(attrs: dict, theta: float, rope_type: str) -> None:
+    from types import SimpleNamespace
+
+    from models.layers.rotary import rope_params_from_config
+
+    params = rope_params_from_config(SimpleNamespace(**attrs))
+    assert (params.theta, params.rope_type) == (theta, rope_type)
+
+
+def test_unsupported_rope_type_is_a_clear_error() -> None:
+    from types import SimpleNamespace
+
+    from models.errors import ModelLoadError
+    from models.layers.rotary import rope_params_from_config
+
+    with pytest.raises(ModelLoadError, match="yarn"):
+        rope_params_from_config(SimpleNamespace(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4}))
+
+
+def test_backend_selection() -> None:
+    assert select_attention_backend("auto", "cpu").name == "cpu-decode"
+    assert select_attention_backend("sdpa", "cpu").name == "sdpa"
+    with pytest.raises(ValueError, match="sdpa"):  # the message lists the valid names
+        select_attention_backend("paged-magic", "cpu")
+    with pytest.raises(ValueError, match="CUDA"):
+        select_attention_backend("flash-attn", "cpu")
+    assert available_backends("cpu") == ["sdpa", "cpu-decode"]
+
+
+def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
+    """Per-sequence bottom-right-causal attention over contiguous cu_seqlens layouts."""
+    outs = []
+    for i in range(len(cu_q) - 1):
+        qi = q[cu_q[i] : cu_q[i + 1]].transpose(0, 1)
+        ki = k[cu_k[i] : cu_k[i + 1]].transpose(0, 1)
+        vi = v[cu_k[i] : cu_k[i + 1]].transpose(0, 1)
+        ql, sl = qi.shape[1], ki.shape[1]
+        mask = torch.ones(ql, sl, dtype=torch.bool).tril(sl - ql)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        outs.append(o.transpose(0, 1))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_varlen_backends_gather_and_arguments(decode_only: bool) -> None:
+    """The CUDA backends' CPU-side plumbing (history gather to the cu_seqlens_k layout, argument order)
+    with the kernel replaced by a reference implementation, so it is checked on any machine."""
+    from models.layers.attention_backends import FlashAttnBackend, TorchVarlenBackend
+
+    _, ours = build_pair(CONFIGS["llama-gqa-tied"]())
+    harness, batch, q, _ = _random_step(ours, 5, decode_only)
+    k_cache, v_cache = harness.kv_caches[0]
+    md = batch.metadata
+    sdpa = select_attention_backend("sdpa")
+    ref = sdpa.forward(q, k_cache, v_cache, md, sdpa.plan(md), 0.25)
+
+    varlen = TorchVarlenBackend.__new__(TorchVarlenBackend)
+    varlen._causal, varlen._gqa = {"window_size": (-1, 0)}, {"enable_gqa": True}
+
+    def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa):
+        assert window_size == (-1, 0) and enable_gqa
+        assert (max_q, max_k) == (md.max_query_len, md.max_seq_len)
+        return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+
+    varlen._attn = fake_varlen
+    torch.testing.assert_close(varlen.forward(q, k_cache, v_cache, md, varlen.plan(md), 0.25), ref)
+
+    flash = FlashAttnBackend.__new__(FlashAttnBackend)
+
+    def fake_flash(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
+        assert causal
+        return _reference_varlen(
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale
+        )
+
+    flash._attn = fake_flash
+    plan = flash.plan(md)
+    assert plan.slots is not None  # block size 4: not a multiple of 256, so the history is gathered
+    torch.testing.assert_close(flash.forward(q, k_cache, v_cache, md, plan, 0.25), ref)
