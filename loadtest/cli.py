@@ -43,6 +43,7 @@ from loadtest.records import RequestRecord
 from loadtest.report import make_console, print_report
 from loadtest.results import BenchmarkResults, RunResult, format_rate, machine_info
 from loadtest.runner import RunConfig, make_client, run_load, warm_up
+from loadtest.server_metrics import counter_deltas, scrape
 from loadtest.tokenizer import PromptTokenizer, resolve_tokenizer
 from loadtest.workload import UniformLengths, Workload, load_jsonl, random_lengths
 
@@ -225,8 +226,16 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         parser.error("several --label values need as many --launch commands")
     if not args.launch and not args.allow_remote and not is_loopback(args.base_url):
         parser.error(f"{args.base_url} is not loopback; pass --allow-remote to benchmark another machine")
-    if args.workload == "file" and args.dataset_path is None:
-        parser.error("--workload file needs --dataset-path")
+    # Workload mistakes are caught here, before any server is started for them.
+    try:
+        if args.workload == "file":
+            if args.dataset_path is None:
+                parser.error("--workload file needs --dataset-path")
+            load_jsonl(args.dataset_path)
+        else:
+            make_lengths(args)
+    except (OSError, ValueError) as exc:
+        parser.error(str(exc))
     if args.endpoint == "chat" and args.prompt_format == "ids":
         parser.error("the chat endpoint takes text prompts; use --prompt-format text or auto")
     if args.num_requests is None and args.duration is None:
@@ -242,6 +251,12 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             parser.error(str(exc))
 
 
+def make_lengths(args: argparse.Namespace) -> UniformLengths:
+    if args.workload == "random":
+        return random_lengths(args.random_input_len, args.random_output_len, args.random_range_ratio)
+    return UniformLengths(args.input_len_min, args.input_len_max, args.output_len_min, args.output_len_max)
+
+
 def make_workload(args: argparse.Namespace, tokenizer: PromptTokenizer, as_text: bool) -> Workload:
     builder = PromptBuilder(tokenizer)
     if args.workload == "file":
@@ -249,13 +264,7 @@ def make_workload(args: argparse.Namespace, tokenizer: PromptTokenizer, as_text:
         return Workload(
             "file", builder, args.seed, as_text, entries=entries, default_output_len=args.file_output_len
         )
-    if args.workload == "random":
-        lengths = random_lengths(args.random_input_len, args.random_output_len, args.random_range_ratio)
-    else:
-        lengths = UniformLengths(
-            args.input_len_min, args.input_len_max, args.output_len_min, args.output_len_max
-        )
-    return Workload(args.workload, builder, args.seed, as_text, lengths=lengths)
+    return Workload(args.workload, builder, args.seed, as_text, lengths=make_lengths(args))
 
 
 class BenchmarkError(RuntimeError):
@@ -345,8 +354,11 @@ async def _run_rates(
                     errors += record.error_kind is not None
                     progress.update(task_id, advance=1, errors=errors)
 
+                before = await scrape(client)
                 records = await run_load(client, target, workload, run_cfg, on_done=done)
+                after = await scrape(client)
             summary = summarize(records, args.slo)
+            summary.extras["server"] = counter_deltas(before, after)
             extras = {
                 "command": _redact(config.command),
                 "base_url": target.base_url,
@@ -372,6 +384,7 @@ def bench_config(
     on_run: Callable[[RunResult], None],
 ) -> None:
     server: LaunchedServer | None = None
+    tokenizer: PromptTokenizer | None = None
     if config.command is not None:
         server = LaunchedServer(config.command, log_path, health_timeout=args.launch_timeout)
         console.print(f"[bold]{config.label}[/]: starting {' '.join(server.argv)} (log: {log_path})")
@@ -387,6 +400,9 @@ def bench_config(
         console.print(f"[bold]{config.label}[/]: model {model}, tokenizer {tokenizer.description}")
         asyncio.run(_run_rates(args, config, target, workload, tokenizer, console, on_run))
     finally:
+        closer = getattr(tokenizer, "close", None)  # the server tokenizer's HTTP client
+        if closer is not None:
+            closer()
         if server is not None:
             server.stop()
 

@@ -12,6 +12,7 @@ Records hold seconds; summaries report milliseconds.
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Iterable, Sequence
@@ -238,28 +239,26 @@ def summarize(
 
 @dataclass(frozen=True)
 class Capacity:
-    """Throughput a configuration sustains under a latency bound (see `capacity_at_latency`)."""
+    """The load a configuration sustains under a latency bound (see `capacity_at_latency`)."""
 
-    throughput: float
-    crossed: bool  # False: even the highest measured rate stayed under the bound, so this is a lower bound
+    load: float  # offered rate or achieved throughput (req/s), whichever the points were given in
+    crossed: bool  # False: even the highest measured load stayed under the bound, so this is a lower bound
 
 
 def capacity_at_latency(points: Sequence[tuple[float, float]], latency: float) -> Capacity | None:
-    """Highest request throughput at median normalized latency <= `latency`, read off a rate sweep.
+    """The load (req/s) up to which median normalized latency stays <= `latency`, from a rate sweep.
 
-    `points` are (request throughput, median normalized latency) pairs. Between the last point under
-    the bound and the first one over it the curve is interpolated linearly, which is how one reads
-    "throughput at the same latency" off the paper's figures. None if no point is under the bound.
+    `points` are (load, median normalized latency) pairs, the load being the offered request rate or
+    the achieved request throughput. Walking up the loads, the curve is followed to its first point
+    over the bound and interpolated linearly to the crossing, which is how one reads "throughput at
+    the same latency" off the paper's figures. A noisy point under the bound beyond the crossing does
+    not count: the configuration did not sustain the loads in between. None if even the lightest
+    load is over the bound.
     """
-    pts = sorted((t, lat) for t, lat in points if not (math.isnan(t) or math.isnan(lat)))
-    under = [i for i, (_, lat) in enumerate(pts) if lat <= latency]
-    if not under:
+    pts = sorted((x, lat) for x, lat in points if math.isfinite(x) and not math.isnan(lat))
+    if not pts or pts[0][1] > latency:
         return None
-    best = Capacity(max(pts[i][0] for i in under), crossed=len(under) < len(pts))
-    for i in under:
-        if i + 1 < len(pts) and pts[i + 1][1] > latency:
-            (t0, l0), (t1, l1) = pts[i], pts[i + 1]
-            crossing = t0 + (t1 - t0) * (latency - l0) / (l1 - l0)
-            if crossing > best.throughput:
-                best = Capacity(crossing, crossed=True)
-    return best
+    for (x0, l0), (x1, l1) in itertools.pairwise(pts):
+        if l1 > latency:
+            return Capacity(x0 + (x1 - x0) * (latency - l0) / (l1 - l0), crossed=True)
+    return Capacity(pts[-1][0], crossed=False)

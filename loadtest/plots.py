@@ -17,44 +17,59 @@ from loadtest import metrics  # noqa: E402
 from loadtest.results import RunResult, format_rate  # noqa: E402
 
 
-def plot_throughput_latency(runs: Sequence[RunResult], path: Path, title: str | None = None) -> Path:
-    """Request throughput (x) against median normalized latency (y, ms/token): one curve per config."""
-    fig, ax = plt.subplots(figsize=(6.4, 4.4), dpi=120)
+def _latency_panel(ax: plt.Axes, runs: Sequence[RunResult], x: str) -> None:
+    """One curve per configuration: x is achieved throughput or offered rate; y the median ms/token."""
     top_x, top_y = 0.0, 0.0
     by_label: dict[str, list[RunResult]] = {}
     for run in sorted(runs, key=lambda r: r.rate):
         by_label.setdefault(run.label, []).append(run)
     for label, label_runs in by_label.items():
         pts = [
-            (r.summary.request_throughput, r.summary.normalized_latency_ms.p50, r.rate)
+            (
+                r.summary.request_throughput if x == "throughput" else r.rate,
+                r.summary.normalized_latency_ms.p50,
+                r.rate,
+            )
             for r in label_runs
             if not math.isnan(r.summary.normalized_latency_ms.p50)
+            and math.isfinite(r.rate if x == "rate" else 0.0)
         ]
         if not pts:
             continue
-        xs, ys, rates_offered = zip(*pts, strict=True)
+        xs, ys, _ = zip(*pts, strict=True)
         (line,) = ax.plot(xs, ys, marker="o", label=label)
-        # The offered rate beside each point: achieved throughput falls short of it under overload.
-        for x, y, rate in pts:
-            ax.annotate(
-                format_rate(rate),
-                (x, y),
-                textcoords="offset points",
-                xytext=(4, 4),
-                fontsize=7,
-                color=line.get_color(),
-            )
+        if x == "throughput":
+            # The offered rate beside each point: achieved throughput falls short of it under overload.
+            for px, py, rate in pts:
+                ax.annotate(
+                    format_rate(rate),
+                    (px, py),
+                    textcoords="offset points",
+                    xytext=(4, 4),
+                    fontsize=7,
+                    color=line.get_color(),
+                )
         top_x, top_y = max(top_x, *xs), max(top_y, *ys)
-    rates = [format_rate(r) for r in sorted({r.rate for r in runs})]
-    ax.set_xlabel("request throughput (req/s)")
+    ax.set_xlabel("request throughput (req/s)" if x == "throughput" else "offered request rate (req/s)")
     ax.set_ylabel("median normalized latency (ms/token)")
-    ax.set_title(title or f"throughput vs latency (offered rates: {', '.join(rates)} req/s)", fontsize=9)
     ax.grid(True, alpha=0.3)
     # From zero, as in the paper, with headroom so the top points are not cut by the frame.
     ax.set_xlim(0, top_x * 1.1 or 1.0)
     ax.set_ylim(0, top_y * 1.15 or 1.0)
     if ax.get_legend_handles_labels()[0]:
-        ax.legend()
+        ax.legend(fontsize=8)
+
+
+def plot_throughput_latency(runs: Sequence[RunResult], path: Path, title: str | None = None) -> Path:
+    """Median normalized latency (ms/token) against request throughput (the paper's end-to-end
+    figures; points labelled with their offered rate) and, beside it, against the offered rate."""
+    fig, (ax_thr, ax_rate) = plt.subplots(1, 2, figsize=(11, 4.4), dpi=110)
+    _latency_panel(ax_thr, runs, "throughput")
+    _latency_panel(ax_rate, runs, "rate")
+    ax_thr.set_title("against achieved throughput (labels: offered rate)", fontsize=9)
+    ax_rate.set_title("against offered rate", fontsize=9)
+    if title:
+        fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path)

@@ -9,7 +9,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from models.errors import ModelLoadError
+from models.errors import MissingWeightsError, ModelLoadError
 from models.layers.attention import AttentionStep, select_attention_backend
 from models.layers.attention_backends import AttentionBackend
 from models.layers.linear import MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear
@@ -70,7 +70,7 @@ class CausalLMBase(nn.Module):
         if missing:
             shown = ", ".join(sorted(missing)[:8])
             more = f" and {len(missing) - 8} more" if len(missing) > 8 else ""
-            raise ModelLoadError(f"missing weights for {type(self).__name__}: {shown}{more}")
+            raise MissingWeightsError(f"missing weights for {type(self).__name__}: {shown}{more}")
 
     def _expected(self) -> set[tuple[str, Any]]:
         """Every (parameter, shard) that a complete checkpoint fills in."""

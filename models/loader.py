@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from models.errors import ModelLoadError
+from models.errors import MissingWeightsError, ModelLoadError
 from models.gguf_convert import convert_gguf, default_gguf_path
 from models.layers.parallel import TPContext
 from models.registry import model_class_for
@@ -91,7 +91,8 @@ def load_model(
     try:
         model.load_weights(reader)
     except ModelLoadError as e:
-        where = reader.current if reader.current is not None else path
+        # A missing weight is the directory's fault; anything else, the file being read.
+        where = path if isinstance(e, MissingWeightsError) or reader.current is None else reader.current
         if str(where) in str(e):
             raise
         raise ModelLoadError(f"{where}: {e}") from None

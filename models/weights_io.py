@@ -47,7 +47,7 @@ class SafetensorsReader:
             self.current = path
             try:
                 with safe_open(path, framework="pt", device=self.device) as f:
-                    for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    for name in f.keys():
                         yield name, f.get_tensor(name)
             except ModelLoadError:
                 raise

@@ -45,6 +45,7 @@ def _merge(a: RequestDelta, b: RequestDelta) -> RequestDelta:
         error=b.error,
         num_prompt_tokens=b.num_prompt_tokens,
         num_output_tokens=b.num_output_tokens,
+        queue_time_s=a.queue_time_s if a.queue_time_s is not None else b.queue_time_s,
     )
 
 
@@ -245,7 +246,12 @@ class AsyncEngine:
                 sampled = await loop.run_in_executor(self._executor, self._runner.step, step.seqs)
                 updated = sched.update(step, sampled)
             except Exception as exc:
-                logger.exception("step %d failed; failing its %d requests", self._num_steps, step.num_seqs)
+                logger.exception(
+                    "step %d failed; failing its %d requests: %s",
+                    self._num_steps,
+                    step.num_seqs,
+                    ", ".join(r.request_id for r in step.requests),
+                )
                 updated = sched.fail(step.requests, f"{type(exc).__name__}: {exc}")
                 failed = True
             duration = time.perf_counter() - t0
@@ -296,6 +302,12 @@ class AsyncEngine:
         if queue is None:
             return
         logprobs = req.output_logprobs[start:] if req.sampling.logprobs is not None else None
+        # Only the first delta carries the queue time (start == 0: nothing emitted before it).
+        queue_time = (
+            req.first_scheduled_time - req.arrival_time
+            if start == 0 and req.first_scheduled_time is not None
+            else None
+        )
         queue.put_nowait(
             RequestDelta(
                 request_id=req.request_id,
@@ -305,6 +317,7 @@ class AsyncEngine:
                 error=req.error,
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_output_tokens=req.num_output_tokens,
+                queue_time_s=queue_time,
             )
         )
         req.num_emitted_tokens = req.num_output_tokens

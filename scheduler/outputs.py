@@ -31,6 +31,9 @@ class RequestDelta:
     error: str | None = None  # with FinishReason.ERROR
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far, this delta included
+    # On the request's first delta only (None after): seconds from arrival to its first scheduling,
+    # vLLM's request_queue_time. None also when the request ended before it was ever scheduled.
+    queue_time_s: float | None = None
 
 
 @dataclass

@@ -7,9 +7,11 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from fastapi.middleware.cors import CORSMiddleware
 
 from server.config import ServerConfig
 from server.errors import install_error_handlers
+from server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
 from server.routes import chat, completions, misc
 from server.state import ModelLoader, ServerState
 
@@ -35,6 +37,20 @@ def create_app(config: ServerConfig, loader: ModelLoader | None = None) -> FastA
     app = FastAPI(title="orca-serve", version="0.1.0", lifespan=lifespan)
     app.state.server = state
     install_error_handlers(app)
+    # add_middleware puts each one outside the previous: the request id is outermost so that every
+    # answer (401 and 413 included) carries it; CORS sits outside the key check so that a browser
+    # can read a 401; the key check comes before the body is read.
+    app.add_middleware(BodySizeLimitMiddleware, limit=config.max_body_bytes)
+    app.add_middleware(APIKeyMiddleware, keys=config.all_api_keys)
+    if config.allowed_origins is not None:
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=list(config.allowed_origins),
+            allow_methods=["GET", "POST", "OPTIONS"],
+            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+            expose_headers=["X-Request-Id", "Retry-After"],
+        )
+    app.add_middleware(RequestIdMiddleware)
     app.include_router(misc.public)
     app.include_router(misc.router)
     app.include_router(completions.router)

@@ -4,10 +4,22 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
+import signal
 import sys
 from collections.abc import Sequence
+from pathlib import Path
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
-from server.config import ServerConfig, parse_size
+from server.config import ServerConfig, parse_size, read_key_file
+
+if TYPE_CHECKING:
+    from server.state import ServerState
+
+# The key can come from the environment (containers, secrets managers) instead of the command line,
+# where every user of the machine can read it in the process list.
+API_KEY_ENV = "ORCA_API_KEY"
 
 
 def _size(text: str) -> int:
@@ -60,16 +72,74 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--api-key",
+        action="append",
+        default=[],
+        help=f"require `Authorization: Bearer <key>` on all routes but /health, /metrics; repeat for "
+        f"several keys (also read from ${API_KEY_ENV})",
+    )
+    p.add_argument("--api-key-file", type=Path, default=None, help="file with one API key per line")
+    p.add_argument(
+        "--allowed-origins",
+        nargs="+",
         default=None,
-        help="require `Authorization: Bearer <key>` (all routes but /health, /metrics)",
+        help="enable CORS for these origins ('*' for any); off by default",
+    )
+    p.add_argument(
+        "--max-queue-len",
+        type=int,
+        default=d.max_queue_len,
+        help="requests allowed to wait for admission; more get 429 + Retry-After (0: unbounded)",
+    )
+    p.add_argument(
+        "--request-timeout",
+        type=float,
+        default=None,
+        help="seconds a request may run before it is aborted with 408 (default: no limit)",
+    )
+    p.add_argument("--max-body-size", type=_size, default=d.max_body_bytes, help="request body limit (413)")
+    p.add_argument("--max-n", type=int, default=d.max_n, help="largest n a request may ask for")
+    p.add_argument(
+        "--max-choices", type=int, default=d.max_choices, help="largest prompts x n of one request"
+    )
+    p.add_argument("--max-logprobs", type=int, default=d.max_logprobs, help="largest (top_)logprobs")
+    p.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings)
+    p.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens of a request")
+    p.add_argument(
+        "--shutdown-grace",
+        type=float,
+        default=d.shutdown_grace_s,
+        help="on SIGTERM, seconds in-flight requests get to finish before they are cut",
+    )
+    p.add_argument(
+        "--log-stats-interval",
+        type=float,
+        default=d.log_stats_interval_s,
+        help="seconds between throughput / queue / KV log lines (0: off)",
     )
     p.add_argument("--seed", type=int, default=d.seed, help="seed for requests that send none")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     return p
 
 
+def _api_keys(parser: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[str, ...]:
+    keys = list(a.api_key)
+    if os.environ.get(API_KEY_ENV):
+        keys.append(os.environ[API_KEY_ENV])
+    if a.api_key_file is not None:
+        try:
+            keys.extend(read_key_file(a.api_key_file))
+        except (OSError, ValueError) as exc:
+            parser.error(f"--api-key-file: {exc}")
+    return tuple(dict.fromkeys(k.strip() for k in keys if k.strip()))
+
+
 def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
-    a = build_parser().parse_args(argv)
+    parser = build_parser()
+    a = parser.parse_args(argv)
+    for name in ("max_n", "max_choices", "max_logprobs", "max_stop_strings"):
+        if getattr(a, name) < 0:
+            parser.error(f"--{name.replace('_', '-')} must not be negative")
+    keys = _api_keys(parser, a)
     return ServerConfig(
         model=a.model,
         served_model_name=a.served_model_name,
@@ -87,27 +157,74 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
         kv_policy=a.kv_policy,
         chunked_prefill=not a.no_chunked_prefill,
         attention_backend=a.attention_backend,
-        api_key=a.api_key,
+        api_key=keys[0] if keys else None,
+        api_keys=keys[1:],
+        allowed_origins=tuple(a.allowed_origins) if a.allowed_origins is not None else None,
+        max_queue_len=a.max_queue_len or None,
+        request_timeout_s=a.request_timeout,
+        max_body_bytes=a.max_body_size,
+        max_n=a.max_n,
+        max_choices=a.max_choices,
+        max_logprobs=a.max_logprobs,
+        max_stop_strings=a.max_stop_strings,
+        max_tokens=a.max_tokens_limit,
+        shutdown_grace_s=a.shutdown_grace,
+        log_stats_interval_s=a.log_stats_interval,
         seed=a.seed,
         log_level=a.log_level,
     )
 
 
+def configure_logging(level: str) -> None:
+    """One stderr handler whose lines carry the id of the request they are about ("-" otherwise)."""
+    from server.middleware import RequestIdFilter
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s [%(request_id)s] %(message)s"))
+    handler.addFilter(RequestIdFilter())
+    logging.basicConfig(level=level.upper(), handlers=[handler], force=True)
+
+
+def make_server(app: Any, config: ServerConfig) -> Any:
+    """uvicorn.Server that drains on SIGTERM: the app stops taking requests (503, /health 503), those
+    in flight get `shutdown_grace_s` to finish, then the engine shuts down and the process exits 0."""
+    import uvicorn
+    from sse_starlette.sse import AppStatus
+
+    # sse-starlette ends every open stream as soon as SIGTERM arrives; streams should finish instead
+    # (uvicorn cancels what is left when the grace period ends).
+    AppStatus.disable_automatic_graceful_drain()
+    state: ServerState = app.state.server
+
+    class DrainingServer(uvicorn.Server):
+        def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+            state.start_draining()
+            super().handle_exit(sig, frame)
+            if sig == signal.SIGTERM:
+                # uvicorn re-raises a caught signal once it has shut down, which would end the process
+                # with -SIGTERM; a drain that completed is a clean exit.
+                captured = getattr(self, "_captured_signals", None)
+                if isinstance(captured, list) and sig in captured:
+                    captured.remove(sig)
+
+    return DrainingServer(
+        uvicorn.Config(
+            app,
+            host=config.host,
+            port=config.port,
+            log_level=config.log_level,
+            timeout_graceful_shutdown=config.shutdown_grace_s,
+        )
+    )
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(argv)
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-    )
-    import uvicorn
-
+    configure_logging(config.log_level)
     from server.app import create_app
 
     app = create_app(config)
-    server = uvicorn.Server(
-        uvicorn.Config(app, host=config.host, port=config.port, log_level=config.log_level)
-    )
+    server = make_server(app, config)
     failed: list[str] = []
 
     def stop(reason: str) -> None:

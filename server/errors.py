@@ -5,7 +5,7 @@ for bad input)."""
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from http import HTTPStatus
 from typing import Any
 
@@ -26,6 +26,7 @@ class APIError(Exception):
     type: str = "invalid_request_error"
     param: str | None = None
     code: str | None = None
+    headers: dict[str, str] | None = field(default=None, compare=False)  # e.g. Retry-After
 
     def __post_init__(self) -> None:
         super().__init__(self.message)
@@ -34,7 +35,7 @@ class APIError(Exception):
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code)
+        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -48,6 +49,58 @@ def not_ready() -> APIError:
         "server_error",
         None,
         "model_not_ready",
+    )
+
+
+def queue_full(max_queue_len: int, retry_after_s: int) -> APIError:
+    return APIError(
+        f"The server is busy: more than {max_queue_len} requests are waiting. Retry after {retry_after_s} s.",
+        HTTPStatus.TOO_MANY_REQUESTS,
+        "rate_limit_error",
+        None,
+        "rate_limit_exceeded",
+        {"Retry-After": str(retry_after_s)},
+    )
+
+
+def draining(retry_after_s: int) -> APIError:
+    return APIError(
+        "The server is shutting down and takes no new requests; retry on another replica.",
+        HTTPStatus.SERVICE_UNAVAILABLE,
+        "server_error",
+        None,
+        "server_shutting_down",
+        {"Retry-After": str(retry_after_s)},
+    )
+
+
+def request_timeout(timeout_s: float) -> APIError:
+    return APIError(
+        f"The request did not finish within the server's limit of {timeout_s:g} s.",
+        HTTPStatus.REQUEST_TIMEOUT,
+        "timeout_error",
+        None,
+        "request_timeout",
+    )
+
+
+def payload_too_large(limit: int) -> APIError:
+    return APIError(
+        f"The request body is larger than the server's limit of {limit} bytes.",
+        HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
+        "invalid_request_error",
+        None,
+        "payload_too_large",
+    )
+
+
+def unauthorized() -> APIError:
+    return APIError(
+        "Incorrect or missing API key. Send it as `Authorization: Bearer <key>`.",
+        HTTPStatus.UNAUTHORIZED,
+        "invalid_request_error",
+        None,
+        "invalid_api_key",
     )
 
 

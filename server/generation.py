@@ -106,6 +106,8 @@ async def generate_choice(
             if delta.finish_reason is FinishReason.ABORT:
                 raise GenerationError("the request was aborted by the server")
             prompt_tokens = delta.num_prompt_tokens or prompt_tokens
+            if delta.queue_time_s is not None:
+                tracker.on_queue_time(delta.queue_time_s)
             tracker.on_tokens(len(delta.token_ids), prompt_tokens)
             pieces = []
             for i, token_id in enumerate(delta.token_ids):

@@ -19,7 +19,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from scheduler.outputs import EngineStats
+from scheduler.outputs import EngineStats, StepReport
 
 # vLLM does the same: the `_created` series double the output and no dashboard reads them.
 disable_created_metrics()
@@ -91,6 +91,9 @@ _LATENCY_BUCKETS = (
     960.0,
 )
 _ITERATION_TOKEN_BUCKETS = (1, 8, 16, 32, 64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384)
+# vLLM's request_queue_time_seconds buckets are its latency ones.
+_QUEUE_TIME_BUCKETS = _LATENCY_BUCKETS
+REJECT_REASONS = ("queue_full", "draining", "timeout")
 
 
 class _EngineCollector(Collector):
@@ -171,13 +174,38 @@ class ServerMetrics:
             buckets=_ITERATION_TOKEN_BUCKETS,
             registry=reg,
         )
+        self.queue_time = Histogram(
+            "vllm:request_queue_time_seconds",
+            "Time from arrival to first scheduling (in the waiting queue).",
+            labels,
+            buckets=_QUEUE_TIME_BUCKETS,
+            registry=reg,
+        )
+        # No vLLM counterpart: requests refused by admission control or cut by the server's timeout.
+        self.rejected = Counter(
+            "orca:requests_rejected",
+            "Requests refused (queue_full: 429, draining: 503 during shutdown) or timed out (408).",
+            [*labels, "reason"],
+            registry=reg,
+        )
+        for reason in REJECT_REASONS:  # present at 0, so a rate() over them works from the start
+            self.rejected.labels(model_name, reason)
         reg.register(_EngineCollector(model_name, stats))
+        # Running totals of the loop's own token counts, for the periodic throughput log line.
+        self.step_prompt_tokens = 0
+        self.step_decode_tokens = 0
 
     def tracker(self) -> RequestTracker:
         return RequestTracker(self)
 
-    def observe_iteration(self, num_tokens: int) -> None:
-        self.iteration_tokens.labels(self.model_name).observe(num_tokens)
+    def observe_iteration(self, report: StepReport) -> None:
+        self.iteration_tokens.labels(self.model_name).observe(report.num_tokens)
+        if not report.failed:
+            self.step_prompt_tokens += report.num_prompt_tokens
+            self.step_decode_tokens += report.num_decode_tokens
+
+    def count_rejected(self, reason: str) -> None:
+        self.rejected.labels(self.model_name, reason).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
@@ -190,6 +218,9 @@ class RequestTracker:
         self._m = metrics
         self._start = time.monotonic()
         self._first: float | None = None
+
+    def on_queue_time(self, seconds: float) -> None:
+        self._m.queue_time.labels(self._m.model_name).observe(seconds)
 
     def on_tokens(self, n: int, prompt_tokens: int) -> None:
         if n <= 0:

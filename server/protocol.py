@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import logging
+import threading
 from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -16,9 +18,43 @@ MAX_STOP_STRINGS = 4
 MAX_LOGPROBS = 20
 
 
+logger = logging.getLogger(__name__)
+
+
+class _UnknownFieldLog:
+    """Logs each unknown field name once per process. Bounded: a client inventing new names in every
+    request must neither grow memory nor flood the log."""
+
+    LIMIT = 256
+
+    def __init__(self) -> None:
+        self._seen: set[tuple[str, str]] = set()
+        self._lock = threading.Lock()  # bodies are also validated in worker threads (tokenize)
+
+    def note(self, model: str, key: str) -> None:
+        entry = (model, key[:64])
+        with self._lock:
+            if entry in self._seen or len(self._seen) >= self.LIMIT:
+                return
+            self._seen.add(entry)
+        logger.warning("ignoring unknown field %r in %s (logged once per field)", entry[1], model)
+
+
+unknown_fields = _UnknownFieldLog()
+
+
 class OpenAIModel(BaseModel):
     # Unknown fields are ignored, as vLLM does: clients send vendor extras (store, metadata, ...).
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _log_unknown_fields(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            for key in data:
+                if isinstance(key, str) and key not in cls.model_fields:
+                    unknown_fields.note(cls.__name__, key)
+        return data
 
 
 class StreamOptions(OpenAIModel):

@@ -17,6 +17,7 @@ from server.config import ServerConfig
 from server.errors import not_ready
 from server.generation import EngineClient
 from server.metrics import ServerMetrics
+from server.stats_log import StatsLogger
 from server.tokenizer import ServerTokenizer
 
 logger = logging.getLogger(__name__)
@@ -44,12 +45,20 @@ class ServerState:
         self.created = int(time.time())
         self.metrics = ServerMetrics(config.model_name, self._stats)
         self._load_task: asyncio.Task[None] | None = None
+        self._stats_task: asyncio.Task[None] | None = None
+        # Set on SIGTERM (server.cli): new requests get 503 while those in flight finish.
+        self.draining = False
         # Called when loading fails (the CLI stops the server: a server without a model is useless).
         self.on_load_failed: Callable[[str], None] | None = None
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and self.engine.is_running
+        return self.engine is not None and self.engine.is_running and not self.draining
+
+    def start_draining(self) -> None:
+        if not self.draining:
+            logger.info("draining: no new requests; those in flight may finish")
+        self.draining = True
 
     def require_ready(self) -> tuple[EngineClient, ServerTokenizer]:
         if self.engine is None or self.tokenizer is None:
@@ -60,7 +69,7 @@ class ServerState:
         return self.engine.stats() if self.engine is not None else None
 
     def _on_step(self, report: StepReport) -> None:
-        self.metrics.observe_iteration(report.num_tokens)
+        self.metrics.observe_iteration(report)
 
     # --- lifecycle ---
     def start_loading(self) -> None:
@@ -100,6 +109,11 @@ class ServerState:
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.vocab_size
         self.engine = engine
+        if cfg.log_stats_interval_s > 0:
+            stats_logger = StatsLogger(self.metrics, self._stats)
+            self._stats_task = asyncio.get_running_loop().create_task(
+                stats_logger.run(cfg.log_stats_interval_s), name="orca-stats-log"
+            )
         logger.info(
             "model %r ready in %.1fs (max_model_len=%d); try:\n  %s",
             cfg.model_name,
@@ -111,7 +125,7 @@ class ServerState:
     def example_curl(self) -> str:
         host = "127.0.0.1" if self.config.host in ("0.0.0.0", "::") else self.config.host
         # The key itself stays out of the logs.
-        auth = ' -H "Authorization: Bearer $ORCA_API_KEY"' if self.config.api_key else ""
+        auth = ' -H "Authorization: Bearer $ORCA_API_KEY"' if self.config.all_api_keys else ""
         return (
             f"curl http://{host}:{self.config.port}/v1/chat/completions -H 'Content-Type: application/json'{auth} "
             f'-d \'{{"model": "{self.config.model_name}", "messages": [{{"role": "user", "content": "Hello!"}}], '
@@ -119,6 +133,9 @@ class ServerState:
         )
 
     async def shutdown(self) -> None:
+        self.draining = True
+        if self._stats_task is not None:
+            self._stats_task.cancel()
         if self._load_task is not None and not self._load_task.done():
             # The worker thread cannot be interrupted; the task is dropped and the thread finishes alone.
             self._load_task.cancel()

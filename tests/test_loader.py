@@ -191,7 +191,8 @@ def test_missing_weight(tmp_path: Path) -> None:
     tensors = load_file(path / "model.safetensors")
     del tensors["model.layers.0.mlp.up_proj.weight"]
     save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
-    _expect_error(path, "missing", "model.layers.0.mlp.gate_up_proj.weight")
+    err = _expect_error(path, str(path), "missing", "model.layers.0.mlp.gate_up_proj.weight[1]")
+    assert "model.safetensors" not in str(err)  # the file is fine; the directory lacks a weight
 
 
 def test_not_a_model_file(tmp_path: Path) -> None:
@@ -244,6 +245,97 @@ def test_gguf_converted_once_and_atomically(tmp_path: Path, monkeypatch) -> None
     assert first == second and first.parent == tmp_path / "cache" and first.name.startswith("tiny-")
     assert calls == ["crash", "convert"]
     load_model(second, torch.float32, "cpu")
+
+
+def _byte_level_alphabet() -> list[str]:
+    """GPT-2's byte-to-unicode table: the 256 base tokens of a byte-level BPE vocabulary."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    others = [b for b in range(256) if b not in printable]
+    return [chr(c) for c in printable] + [chr(256 + i) for i in range(len(others))]
+
+
+def write_tiny_gguf(path: Path, seed: int = 0) -> None:
+    """A 1-layer float32 Llama GGUF with a byte-level BPE tokenizer and a chat template."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *_byte_level_alphabet(), "Ġt", "he"]
+    vocab, hidden, ff, heads, kv_heads = len(tokens), 16, 32, 2, 1
+    head_dim = hidden // heads
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(1)
+    w.add_context_length(64)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    w.add_rope_dimension_count(head_dim)
+    w.add_file_type(0)  # all float32
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3] + [1] * (vocab - 3))  # 3: control tokens
+    w.add_token_merges(["Ġ t", "h e"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
+    w.add_chat_template(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    )
+
+    def rand(*shape: int) -> np.ndarray:
+        return (rng.standard_normal(shape) * 0.1).astype(np.float32)
+
+    w.add_tensor("token_embd.weight", rand(vocab, hidden))  # no output.weight: tied head
+    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
+    w.add_tensor("blk.0.attn_norm.weight", np.ones(hidden, np.float32))
+    w.add_tensor("blk.0.ffn_norm.weight", np.ones(hidden, np.float32))
+    w.add_tensor("blk.0.attn_q.weight", rand(heads * head_dim, hidden))
+    w.add_tensor("blk.0.attn_k.weight", rand(kv_heads * head_dim, hidden))
+    w.add_tensor("blk.0.attn_v.weight", rand(kv_heads * head_dim, hidden))
+    w.add_tensor("blk.0.attn_output.weight", rand(hidden, heads * head_dim))
+    w.add_tensor("blk.0.ffn_gate.weight", rand(ff, hidden))
+    w.add_tensor("blk.0.ffn_up.weight", rand(ff, hidden))
+    w.add_tensor("blk.0.ffn_down.weight", rand(hidden, ff))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+def test_tiny_gguf_converts_and_matches_transformers(tmp_path: Path, monkeypatch) -> None:
+    """A real conversion through transformers' GGUF reader: config, weights, tokenizer and chat
+    template land in the cache; the second resolve converts nothing."""
+    from transformers import AutoModelForCausalLM
+
+    monkeypatch.setenv("ORCA_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_file = tmp_path / "tiny-llama.gguf"
+    write_tiny_gguf(gguf_file)
+    path = resolve_model(str(gguf_file))
+    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {f.name for f in path.iterdir()}
+
+    def must_not_run(src: Path, out: Path) -> None:
+        raise AssertionError("converted again instead of using the cache")
+
+    monkeypatch.setattr(gguf_convert, "_convert_into", must_not_run)
+    assert resolve_model(str(gguf_file)) == path
+
+    model = load_model(path, torch.float32, "cpu")
+    tok = load_tokenizer(path)
+    assert tok.chat_template and tok.eos_token == "<|im_end|>"
+    ids = tok("the cat sat")["input_ids"]
+    hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=gguf_file.name, dtype=torch.float32).eval()
+    with torch.no_grad():
+        expected = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(_single_seq_logits(model, ids), expected, atol=1e-4, rtol=0)
 
 
 @pytest.mark.slow

@@ -128,11 +128,43 @@ def test_prompt_length_mismatches_are_counted():
 def test_capacity_at_latency_interpolates_between_rates():
     points = [(1.0, 10.0), (2.0, 20.0), (3.0, 40.0)]
     cap = capacity_at_latency(points, 30.0)
-    assert cap is not None and cap.crossed and cap.throughput == pytest.approx(2.5)
+    assert cap is not None and cap.crossed and cap.load == pytest.approx(2.5)
     under_all = capacity_at_latency(points, 50.0)
-    assert under_all is not None and not under_all.crossed and under_all.throughput == 3.0
+    assert under_all is not None and not under_all.crossed and under_all.load == 3.0
     assert capacity_at_latency(points, 5.0) is None
-    # Overload: achieved throughput falls back while latency climbs; the best point under the bound wins.
-    overloaded = [(1.0, 10.0), (2.0, 15.0), (1.8, 90.0)]
-    best = capacity_at_latency(overloaded, 20.0)
-    assert best is not None and best.throughput == pytest.approx(2.0)
+    # An infinite offered rate has no place on a rate axis.
+    with_inf = capacity_at_latency([(1.0, 10.0), (math.inf, 12.0)], 30.0)
+    assert with_inf is not None and with_inf.load == 1.0
+    # Noise: a point back under the bound beyond the first crossing does not extend the capacity.
+    noisy = [(1.0, 10.0), (2.0, 15.0), (3.0, 25.0), (4.0, 18.0)]
+    cap = capacity_at_latency(noisy, 20.0)
+    assert cap is not None and cap.crossed and cap.load == pytest.approx(2.5)
+
+
+def test_server_counters_from_prometheus_text():
+    from loadtest.server_metrics import counter_deltas, parse_counters
+
+    def exposition(steps: float, preempted: float, prompt: float, generated: float) -> str:
+        return (
+            "# TYPE orca:engine_steps counter\n"
+            f'orca:engine_steps_total{{model_name="m"}} {steps}\n'
+            "# TYPE vllm:num_preemptions counter\n"
+            f'vllm:num_preemptions_total{{model_name="m"}} {preempted}\n'
+            "# TYPE vllm:prompt_tokens counter\n"
+            f'vllm:prompt_tokens_total{{model_name="m"}} {prompt}\n'
+            f'vllm:prompt_tokens_created{{model_name="m"}} 1.7e9\n'
+            "# TYPE vllm:generation_tokens counter\n"
+            f'vllm:generation_tokens_total{{model_name="m",x="a"}} {generated / 2}\n'
+            f'vllm:generation_tokens_total{{model_name="m",x="b"}} {generated / 2}\n'
+            "# TYPE vllm:num_requests_running gauge\n"
+            'vllm:num_requests_running{model_name="m"} 3\n'
+        )
+
+    before = parse_counters(exposition(10, 0, 100, 20))
+    assert before == {"steps": 10, "preemptions": 0, "prompt_tokens": 100, "generation_tokens": 20}
+    after = parse_counters(exposition(30, 2, 400, 120))
+    deltas = counter_deltas(before, after)
+    assert deltas["steps"] == 20 and deltas["preemptions"] == 2
+    assert deltas["tokens_per_step"] == pytest.approx((300 + 100) / 20)
+    assert deltas["generation_tokens_per_step"] == pytest.approx(100 / 20)
+    assert counter_deltas(None, after) == {}

@@ -37,3 +37,7 @@ def test_short_run_against_the_real_server(tmp_path, tiny_llama_dir):
         assert record.output_tokens == record.max_tokens  # ignore_eos + min_tokens honoured
         assert record.send_time <= record.first_token_time <= record.end_time
     assert run.summary.goodput == pytest.approx(run.summary.request_throughput)
+    # The server's own counters over the run (its /metrics, before and after) agree with the client.
+    server = run.summary.extras["server"]
+    assert server["steps"] > 0 and server["preemptions"] == 0
+    assert server["generation_tokens"] == sum(r.output_tokens for r in run.records)

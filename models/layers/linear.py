@@ -34,9 +34,11 @@ def adopt_or_copy(param: nn.Parameter, loaded: torch.Tensor) -> None:
     """Fill param with loaded (same shape), taking the tensor itself when nothing needs converting.
 
     Tensors read from safetensors are backed by the file's page cache (mmap); adopting them skips
-    first-touching a fresh copy, which is most of the cost of loading a model on a small CPU.
+    first-touching a fresh copy, which is most of the cost of loading a model on a small CPU. A shard
+    (a view into a bigger tensor) is copied, or it would keep the whole tensor alive on the device.
     """
-    if loaded.dtype == param.dtype and loaded.device == param.device and loaded.is_contiguous():
+    whole = loaded.untyped_storage().nbytes() == loaded.numel() * loaded.element_size()
+    if whole and loaded.dtype == param.dtype and loaded.device == param.device and loaded.is_contiguous():
         param.data = loaded
     else:
         param.data.copy_(loaded)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from scheduler.loop import EngineDeadError
@@ -32,23 +32,26 @@ from server.responses import (
 )
 from server.routes.common import (
     ClientDisconnected,
+    Deadline,
     abort_all,
+    admit,
     cancel_on_disconnect,
     check_context,
+    check_draining,
+    check_limits,
     check_model,
     choice_specs,
     disconnected_response,
     engine_error,
     get_state,
     offload,
-    require_api_key,
     sampling_params,
     sse,
 )
 from server.state import ServerState
 from server.tokenizer import ServerTokenizer
 
-router = APIRouter(dependencies=[Depends(require_api_key)])
+router = APIRouter()  # the API key is checked by server.middleware.APIKeyMiddleware
 
 
 def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
@@ -91,8 +94,17 @@ def _check_unsupported(body: ChatCompletionRequest) -> None:
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
     state = get_state(request)
     engine, tokenizer = state.require_ready()
+    check_draining(state)
     check_model(state, body.model)
     _check_unsupported(body)
+    check_limits(
+        state,
+        n=body.n or 1,
+        num_prompts=1,
+        logprobs=body.top_logprobs,
+        num_stops=len(body.stop_strings),
+        max_tokens=body.requested_max_tokens,
+    )
     prompt = await encode_chat(tokenizer, body.messages)
     limit = engine.max_model_len
     requested = body.requested_max_tokens
@@ -100,6 +112,8 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         if len(prompt) >= limit:
             raise context_length_exceeded(limit, len(prompt), 1)
         max_tokens = limit - len(prompt)
+        if state.config.max_tokens is not None:
+            max_tokens = min(max_tokens, state.config.max_tokens)
     else:
         check_context(limit, len(prompt), requested)
         max_tokens = requested
@@ -109,19 +123,23 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     specs = choice_specs(
         meta.id, [prompt], body.n or 1, params, body.stop_strings, bool(body.skip_special_tokens)
     )
+    admit(state, engine, len(specs))
     try:
         streams = open_choices(engine, specs)
     except ValueError as exc:
         raise invalid(str(exc)) from None
     except EngineDeadError as exc:
         raise engine_error(exc) from None
+    deadline = Deadline(state, engine, specs, state.config.request_timeout_s)
     gens = [
         generate_choice(engine, tokenizer, s, st, state.metrics.tracker())
         for s, st in zip(specs, streams, strict=True)
     ]
     if body.stream:
         return sse(
-            _stream(state, engine, specs, gens, meta, body, len(prompt)), lambda: abort_all(engine, specs)
+            _stream(state, engine, specs, gens, meta, body, len(prompt)),
+            lambda: (deadline.cancel(), abort_all(engine, specs)),
+            deadline.error_for,
         )
     try:
         result = await cancel_on_disconnect(
@@ -131,7 +149,9 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         abort_all(engine, specs)  # in case the work was cancelled before it started
         return disconnected_response()
     except (GenerationError, EngineDeadError) as exc:
-        raise engine_error(exc) from None
+        raise deadline.error_for(exc) from None
+    finally:
+        deadline.cancel()
     return JSONResponse(result)
 
 

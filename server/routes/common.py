@@ -1,10 +1,10 @@
-"""What the generation routes share: state lookup, auth, model and context checks, sampling params,
-cancellation on client disconnect, and SSE framing."""
+"""What the generation routes share: state lookup, model, limit and context checks, admission (queue
+bound, draining), sampling params, per-request deadlines, cancellation on client disconnect, and SSE
+framing."""
 
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 from collections.abc import AsyncIterator, Callable, Coroutine
@@ -18,7 +18,15 @@ from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 
 from engine.batch import SamplingParams
-from server.errors import APIError, context_length_exceeded, invalid, model_not_found
+from server.errors import (
+    APIError,
+    context_length_exceeded,
+    draining,
+    invalid,
+    model_not_found,
+    queue_full,
+    request_timeout,
+)
 from server.generation import ChoiceSpec, EngineClient, GenerationError
 from server.protocol import SamplingFields
 from server.state import ServerState
@@ -35,20 +43,50 @@ def get_state(request: Request) -> ServerState:
     return request.app.state.server
 
 
-async def require_api_key(request: Request) -> None:
-    """401 unless `Authorization: Bearer <--api-key>` (when the server has a key)."""
-    key = get_state(request).config.api_key
-    if not key:
-        return
-    scheme, _, token = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), key.encode()):
-        raise APIError(
-            "Incorrect or missing API key. Send it as `Authorization: Bearer <key>`.",
-            HTTPStatus.UNAUTHORIZED,
-            "invalid_request_error",
-            None,
-            "invalid_api_key",
+def check_limits(
+    state: ServerState,
+    *,
+    n: int,
+    num_prompts: int,
+    logprobs: int | None,
+    num_stops: int,
+    max_tokens: int | None,
+) -> None:
+    """The server's caps on what one request may ask for (the protocol's bounds are wider)."""
+    cfg = state.config
+    if n > cfg.max_n:
+        raise invalid(f"n must be at most {cfg.max_n} on this server, got {n}.", param="n")
+    if n * num_prompts > cfg.max_choices:
+        raise invalid(
+            f"A request may ask for at most {cfg.max_choices} choices (prompts x n), got {n * num_prompts}.",
+            param="n" if num_prompts == 1 else "prompt",
         )
+    if logprobs is not None and logprobs > cfg.max_logprobs:
+        raise invalid(f"logprobs must be at most {cfg.max_logprobs} on this server.", param="logprobs")
+    if num_stops > cfg.max_stop_strings:
+        raise invalid(f"At most {cfg.max_stop_strings} stop sequences are allowed.", param="stop")
+    if max_tokens is not None and cfg.max_tokens is not None and max_tokens > cfg.max_tokens:
+        raise invalid(f"max_tokens must be at most {cfg.max_tokens} on this server.", param="max_tokens")
+
+
+def check_draining(state: ServerState) -> None:
+    if state.draining:
+        state.metrics.count_rejected("draining")
+        raise draining(state.config.retry_after_s)
+
+
+def admit(state: ServerState, engine: EngineClient, num_choices: int) -> None:
+    """Refuse a request (429 + Retry-After) whose choices would overflow the waiting queue. Checked and
+    followed by generate() in the same event-loop turn, so concurrent requests cannot overshoot."""
+    check_draining(state)
+    limit = state.config.max_queue_len
+    if limit is None:
+        return
+    waiting = engine.stats().waiting
+    if waiting + num_choices > limit:
+        state.metrics.count_rejected("queue_full")
+        logger.warning("queue full (%d waiting, limit %d): refusing %d choices", waiting, limit, num_choices)
+        raise queue_full(limit, state.config.retry_after_s)
 
 
 def check_model(state: ServerState, name: str | None) -> None:
@@ -139,6 +177,37 @@ def engine_error(exc: Exception) -> APIError:
     return APIError(f"The engine is not running: {exc}", HTTPStatus.SERVICE_UNAVAILABLE, "server_error")
 
 
+class Deadline:
+    """The server's per-request timeout: when it passes, the request's choices are aborted, and the
+    abort reaches the client as a 408 (or an error event mid-stream) instead of a generic failure."""
+
+    def __init__(
+        self, state: ServerState, engine: EngineClient, specs: list[ChoiceSpec], timeout_s: float | None
+    ) -> None:
+        self.timeout_s = timeout_s
+        self.expired = False
+        self._state = state
+        self._handle: asyncio.TimerHandle | None = None
+        if timeout_s is not None:
+            # The callback runs in this request's context, so its log line carries the request id.
+            self._handle = asyncio.get_running_loop().call_later(timeout_s, self._expire, engine, specs)
+
+    def _expire(self, engine: EngineClient, specs: list[ChoiceSpec]) -> None:
+        self.expired = True
+        self._state.metrics.count_rejected("timeout")
+        logger.warning("request timed out after %g s; aborting its %d choices", self.timeout_s, len(specs))
+        abort_all(engine, specs)
+
+    def cancel(self) -> None:
+        if self._handle is not None:
+            self._handle.cancel()
+
+    def error_for(self, exc: Exception) -> APIError:
+        if self.expired and self.timeout_s is not None:
+            return request_timeout(self.timeout_s)
+        return engine_error(exc)
+
+
 class ClientDisconnected(Exception):
     pass
 
@@ -175,7 +244,11 @@ def disconnected_response() -> Response:
     return Response(status_code=499)
 
 
-def sse(events: AsyncIterator[dict[str, Any] | str], cleanup: Callable[[], None]) -> EventSourceResponse:
+def sse(
+    events: AsyncIterator[dict[str, Any] | str],
+    cleanup: Callable[[], None],
+    error_for: Callable[[Exception], APIError] = engine_error,
+) -> EventSourceResponse:
     """`data: {json}` events, then `data: [DONE]`. An error mid-stream arrives as an event holding the
     OpenAI error object (the status line is long gone), followed by [DONE]. `cleanup` runs once the
     response is over however it ended: a client gone before the first event never starts `events`,
@@ -197,7 +270,7 @@ def sse(events: AsyncIterator[dict[str, Any] | str], cleanup: Callable[[], None]
         except Exception as exc:  # GenerationError, EngineDeadError, or a bug: the client must hear of it
             if not isinstance(exc, GenerationError):
                 logger.exception("stream failed")
-            yield {"data": json.dumps(engine_error(exc).body())}
+            yield {"data": json.dumps(error_for(exc).body())}
         yield {"data": "[DONE]"}
 
     # Pings are SSE comments (": ping"), which every SSE parser (the openai client's included) skips;

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from fastapi import APIRouter, Depends, Request
+from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
 from scheduler.loop import EngineDeadError
@@ -31,9 +31,13 @@ from server.responses import (
 )
 from server.routes.common import (
     ClientDisconnected,
+    Deadline,
     abort_all,
+    admit,
     cancel_on_disconnect,
     check_context,
+    check_draining,
+    check_limits,
     check_model,
     check_token_ids,
     choice_specs,
@@ -41,14 +45,13 @@ from server.routes.common import (
     engine_error,
     get_state,
     offload,
-    require_api_key,
     sampling_params,
     sse,
 )
 from server.state import ServerState
 from server.tokenizer import ServerTokenizer
 
-router = APIRouter(dependencies=[Depends(require_api_key)])
+router = APIRouter()  # the API key is checked by server.middleware.APIKeyMiddleware
 
 
 async def _prompt_ids(
@@ -79,8 +82,17 @@ async def _prompt_ids(
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
     state = get_state(request)
     engine, tokenizer = state.require_ready()
+    check_draining(state)
     check_model(state, body.model)
     n = body.n or 1
+    check_limits(
+        state,
+        n=n,
+        num_prompts=_num_prompts(body),
+        logprobs=body.logprobs,
+        num_stops=len(body.stop_strings),
+        max_tokens=body.max_tokens,
+    )
     if body.suffix:
         raise invalid("suffix is not supported by this server.", param="suffix")
     if body.best_of is not None and body.best_of > n:
@@ -104,12 +116,14 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 
     params = sampling_params(body, max_tokens, body.logprobs, state.vocab_size)
     specs = choice_specs(meta.id, prompts, n, params, body.stop_strings, bool(body.skip_special_tokens))
+    admit(state, engine, len(specs))
     try:
         streams = open_choices(engine, specs)
     except ValueError as exc:
         raise invalid(str(exc)) from None
     except EngineDeadError as exc:
         raise engine_error(exc) from None
+    deadline = Deadline(state, engine, specs, state.config.request_timeout_s)
     gens = [
         generate_choice(engine, tokenizer, s, st, state.metrics.tracker())
         for s, st in zip(specs, streams, strict=True)
@@ -118,7 +132,8 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if body.stream:
         return sse(
             _stream(state, engine, specs, gens, meta, body, echoes, prompt_tokens),
-            lambda: abort_all(engine, specs),
+            lambda: (deadline.cancel(), abort_all(engine, specs)),
+            deadline.error_for,
         )
     try:
         result = await cancel_on_disconnect(
@@ -128,8 +143,18 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         abort_all(engine, specs)  # in case the work was cancelled before it started
         return disconnected_response()
     except (GenerationError, EngineDeadError) as exc:
-        raise engine_error(exc) from None
+        raise deadline.error_for(exc) from None
+    finally:
+        deadline.cancel()
     return JSONResponse(result)
+
+
+def _num_prompts(body: CompletionRequest) -> int:
+    """How many prompts the body holds, from its shape alone (before any tokenization)."""
+    prompt = body.prompt
+    if isinstance(prompt, str) or all(isinstance(p, int) for p in prompt):
+        return 1
+    return len(prompt)
 
 
 def _echo_text(body: CompletionRequest, tokenizer: ServerTokenizer, index: int, prompt_ids: list[int]) -> str:

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 from typing import Any
 
-from fastapi import APIRouter, Body, Depends, Request
+from fastapi import APIRouter, Body, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from pydantic import ValidationError
 
-from server.errors import APIError, not_ready
+from server.errors import APIError, draining, not_ready
 from server.metrics import CONTENT_TYPE
 from server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
 from server.routes.chat import encode_chat
-from server.routes.common import check_model, check_token_ids, get_state, offload, require_api_key
+from server.routes.common import check_model, check_token_ids, get_state, offload
 from server.state import ServerState
 
-public = APIRouter()
-router = APIRouter(dependencies=[Depends(require_api_key)])
+public = APIRouter()  # no API key needed (server.middleware.PUBLIC_PATHS)
+router = APIRouter()
 
 
 @public.get("/health", response_model=None)
@@ -25,6 +25,8 @@ async def health(request: Request) -> Response:
     state = get_state(request)
     if state.ready:
         return JSONResponse({"status": "ok"})
+    if state.draining:  # load balancers take this replica out while in-flight requests finish
+        return draining(state.config.retry_after_s).response()
     if state.load_error is not None:
         err = APIError(
             f"Loading the model failed: {state.load_error}", 503, "server_error", None, "model_load_failed"

@@ -1,0 +1,60 @@
+"""What the server itself counted during a run, from its Prometheus `/metrics` (before minus after).
+
+The client sees latencies; the server's counters say why: how many iterations it ran, how many tokens
+went through them (tokens per iteration is the batch it managed to form), and how many requests it
+preempted for lack of KV blocks. Names are vLLM's, which orca-serve also exports; a server without
+`/metrics` just gives none.
+"""
+
+from __future__ import annotations
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+# Result key -> Prometheus counter name (without its `_total` suffix).
+WATCHED: dict[str, str] = {
+    "steps": "orca:engine_steps",
+    "preemptions": "vllm:num_preemptions",
+    "prompt_tokens": "vllm:prompt_tokens",
+    "generation_tokens": "vllm:generation_tokens",
+}
+
+
+def parse_counters(text: str) -> dict[str, float]:
+    """The watched counters in a Prometheus exposition, each summed over its label sets.
+
+    Matched by sample name (`name` or `name_total`, never `name_created`): parsers group a counter's
+    samples under different family names depending on the exposition's TYPE lines.
+    """
+    wanted = {family: key for key, family in WATCHED.items()}
+    out: dict[str, float] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            name = sample.name.removesuffix("_total")
+            key = wanted.get(name)
+            if key is not None:
+                out[key] = out.get(key, 0.0) + float(sample.value)
+    return out
+
+
+async def scrape(client: httpx.AsyncClient) -> dict[str, float] | None:
+    try:
+        resp = await client.get("/metrics")
+        if resp.status_code != 200:
+            return None
+        return parse_counters(resp.text)
+    except (httpx.HTTPError, ValueError):
+        return None
+
+
+def counter_deltas(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
+    """Per counter, after minus before; plus tokens per step when both are known."""
+    if not before or not after:
+        return {}
+    out = {key: after[key] - before.get(key, 0.0) for key in after}
+    steps = out.get("steps", 0.0)
+    tokens = out.get("prompt_tokens", 0.0) + out.get("generation_tokens", 0.0)
+    if steps > 0 and tokens > 0:
+        out["tokens_per_step"] = tokens / steps
+        out["generation_tokens_per_step"] = out.get("generation_tokens", 0.0) / steps
+    return out

@@ -1,0 +1,147 @@
+"""Pure ASGI middleware, outermost first: a request id for every log line, API-key checks, and a cap
+on body size. Pure ASGI (not BaseHTTPMiddleware) so SSE streams and disconnect messages pass through
+untouched."""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import hmac
+import logging
+import re
+import uuid
+from collections.abc import Iterable
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from server.errors import APIError, payload_too_large, unauthorized
+
+# The id of the request being handled in this task ("-" outside a request); RequestIdFilter puts it
+# in every log record, and generation tasks inherit it (asyncio copies the context into new tasks).
+request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("orca_request_id", default="-")
+
+# A client's own X-Request-Id is echoed when it looks like an id; anything else (log injection,
+# megabyte headers) is replaced by a fresh one.
+_CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+
+# Routes that probes and scrapers call without a key.
+PUBLIC_PATHS = frozenset({"/health", "/metrics"})
+
+
+class RequestIdFilter(logging.Filter):
+    """Adds `request_id` to every record, so a format can say `[%(request_id)s]`."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = request_id_var.get()
+        return True
+
+
+async def _send_error(send: Send, err: APIError) -> None:
+    response = err.response()
+    await response({"type": "http"}, _no_receive, send)
+
+
+async def _no_receive() -> Message:
+    return {"type": "http.disconnect"}
+
+
+class RequestIdMiddleware:
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        client_id = _header(scope, b"x-request-id")
+        rid = client_id if client_id and _CLIENT_ID_RE.match(client_id) else uuid.uuid4().hex
+        token = request_id_var.set(rid)
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                message = {
+                    **message,
+                    "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())],
+                }
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_with_id)
+        finally:
+            request_id_var.reset(token)
+
+
+class APIKeyMiddleware:
+    """`Authorization: Bearer <key>` on every route but PUBLIC_PATHS (and CORS preflights, which
+    browsers send without credentials). Keys are compared as SHA-256 digests with
+    hmac.compare_digest, against every key without stopping at a match, so neither the length nor
+    the position of a key shows in the timing."""
+
+    def __init__(self, app: ASGIApp, keys: Iterable[str]) -> None:
+        self.app = app
+        self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+
+    def accepts(self, authorization: str | None) -> bool:
+        scheme, _, token = (authorization or "").partition(" ")
+        digest = hashlib.sha256(token.strip().encode()).digest()
+        matched = False
+        for key in self._digests:
+            matched |= hmac.compare_digest(digest, key)
+        return matched and scheme.lower() == "bearer"
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if (
+            scope["type"] != "http"
+            or not self._digests
+            or scope["path"] in PUBLIC_PATHS
+            or scope["method"] == "OPTIONS"
+            or self.accepts(_header(scope, b"authorization"))
+        ):
+            await self.app(scope, receive, send)
+            return
+        await _send_error(send, unauthorized())
+
+
+class BodySizeLimitMiddleware:
+    """413 for a body over `limit` bytes: at once from Content-Length, or as soon as a chunked body
+    passes the limit. The body is buffered (at most `limit` bytes) and replayed to the app; later
+    messages (http.disconnect, which the routes watch for) come from the real receive."""
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
+            await self.app(scope, receive, send)
+            return
+        declared = _header(scope, b"content-length")
+        if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
+            await _send_error(send, payload_too_large(self.limit))
+            return
+        buffered: list[Message] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left while sending
+                return
+            size += len(message.get("body", b""))
+            if size > self.limit:
+                await _send_error(send, payload_too_large(self.limit))
+                return
+            buffered.append(message)
+            if not message.get("more_body", False):
+                break
+
+        async def replay() -> Message:
+            return buffered.pop(0) if buffered else await receive()
+
+        await self.app(scope, replay, send)
+
+
+def _header(scope: Scope, name: bytes) -> str | None:
+    headers: list[tuple[bytes, bytes]] = scope.get("headers", [])
+    for key, value in headers:
+        if key == name:
+            return value.decode("latin-1")
+    return None
