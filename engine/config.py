@@ -29,8 +29,10 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's own maximum
     attention_backend: str = "auto"
     seed: int = 0  # seeds the engine generator used by unseeded sampled rows
-    tensor_parallel_size: int = 1
-    pipeline_parallel_size: int = 1
+    tensor_parallel_size: int = 1  # ranks that shard every layer (engine.parallel_runner)
+    pipeline_parallel_size: int = 1  # stages the layers are split into (engine.parallel_runner)
+    # Seconds a rank waits on a peer inside a step (and at start-up) before the engine declares it dead.
+    distributed_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
@@ -43,10 +45,13 @@ class EngineConfig:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if self.max_model_len is not None and self.max_model_len <= 0:
             raise ValueError(f"max_model_len must be positive, got {self.max_model_len}")
-        if self.tensor_parallel_size != 1 or self.pipeline_parallel_size != 1:
+        if self.tensor_parallel_size < 1 or self.pipeline_parallel_size < 1:
             raise ValueError(
-                "tensor/pipeline parallelism is not supported by this engine yet (sizes must be 1)"
+                f"tensor/pipeline parallel sizes must be >= 1, got {self.tensor_parallel_size} / "
+                f"{self.pipeline_parallel_size}"
             )
+        if self.distributed_timeout_s <= 0:
+            raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
 
 
 def resolve_device(name: str) -> torch.device:

@@ -47,6 +47,8 @@ class TorchModelRunner:
     def __init__(self, config: EngineConfig) -> None:
         from models.loader import load_model, max_model_len
 
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+            raise ValueError("TorchModelRunner runs one process; tensor/pipeline parallel sizes must be 1")
         self.config = config
         self.device = resolve_device(config.device)
         self.dtype = resolve_dtype(config.dtype, self.device)

@@ -10,41 +10,24 @@ Without --launch it benchmarks the server at --base-url. See docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import datetime as dt
 import ipaddress
 import math
 import os
-import re
 import shlex
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
-import httpx
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    SpinnerColumn,
-    TextColumn,
-    TimeElapsedColumn,
-)
-
-from loadtest.client import Target
-from loadtest.launcher import LaunchedServer, ServerStartError
-from loadtest.metrics import SLO, summarize
+from loadtest.metrics import SLO
 from loadtest.prompts import PromptBuilder
-from loadtest.records import RequestRecord
 from loadtest.report import make_console, print_report
-from loadtest.results import BenchmarkResults, RunResult, format_rate, machine_info
-from loadtest.runner import RunConfig, make_client, run_load, warm_up
-from loadtest.server_metrics import counter_deltas, scrape
-from loadtest.tokenizer import PromptTokenizer, resolve_tokenizer
+from loadtest.results import BenchmarkResults, RunResult, machine_info
+from loadtest.runner import RunConfig
+from loadtest.sweep import Config, SweepOptions, redact, run_sweep
+from loadtest.tokenizer import PromptTokenizer
 from loadtest.workload import UniformLengths, Workload, load_jsonl, random_lengths
 
 DEFAULT_BASE_URL = "http://127.0.0.1:8000"
@@ -86,6 +69,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     g.add_argument("--label", action="append", default=[], help="name of each --launch configuration")
     g.add_argument("--launch-timeout", type=float, default=600.0, help="seconds to wait for /health")
+    g.add_argument(
+        "--interleave",
+        action="store_true",
+        help="start every --launch server at once and run the configurations in turn at each rate, so "
+        "drift in a shared machine's load falls on all of them alike",
+    )
     g.add_argument(
         "--allow-remote",
         action="store_true",
@@ -210,15 +199,6 @@ def auto_labels(commands: Sequence[str]) -> list[str]:
     return labels
 
 
-@dataclass
-class Config:
-    """One thing to benchmark: a running server, or a command that starts one."""
-
-    label: str
-    command: str | None  # None: the server at base_url is already running
-    base_url: str
-
-
 def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     if args.label and args.launch and len(args.label) != len(args.launch):
         parser.error("give one --label per --launch (or none)")
@@ -267,146 +247,6 @@ def make_workload(args: argparse.Namespace, tokenizer: PromptTokenizer, as_text:
     return Workload(args.workload, builder, args.seed, as_text, lengths=make_lengths(args))
 
 
-class BenchmarkError(RuntimeError):
-    pass
-
-
-def list_models(base_url: str, headers: dict[str, str]) -> dict[str, str | None]:
-    """Served model ids, in the server's order, each with its `root` (where it was loaded from)."""
-    with httpx.Client(base_url=base_url, headers=headers, timeout=30.0, trust_env=False) as client:
-        resp = client.get("/v1/models")
-        resp.raise_for_status()
-        cards = resp.json().get("data") or []
-    return {str(c["id"]): (str(c["root"]) if c.get("root") else None) for c in cards}
-
-
-def pick_model(requested: str | None, base_url: str, headers: dict[str, str]) -> tuple[str, str | None]:
-    """--model, or the first served model; with the path it was loaded from, if the server says."""
-    try:
-        served = list_models(base_url, headers)
-    except (httpx.HTTPError, ValueError, KeyError):
-        if requested is None:
-            raise
-        return requested, None  # a server without /v1/models can still be benchmarked by name
-    if requested is not None:
-        return requested, served.get(requested)
-    if not served:
-        raise BenchmarkError(f"{base_url}/v1/models lists no model; pass --model")
-    return next(iter(served.items()))
-
-
-def _refused_ids(records: Sequence[RequestRecord]) -> bool:
-    return bool(records) and all(r.error_kind in ("http_400", "http_422") for r in records)
-
-
-async def _warm_up(
-    args: argparse.Namespace, target: Target, workload: Workload, console: Console
-) -> Workload:
-    """Warm the server up; in auto mode also learn whether it takes token-id prompts."""
-    count = max(args.warmup_requests, 1 if args.prompt_format == "auto" and not workload.as_text else 0)
-    if count == 0:
-        return workload
-    async with make_client(target.base_url, args.api_key, args.request_timeout) as client:
-        records = await warm_up(client, target, workload, count)
-        if args.prompt_format == "auto" and not workload.as_text and _refused_ids(records):
-            console.print("[yellow]server refused token-id prompts; sending text prompts of exact length")
-            workload = workload.with_text_prompts()
-            records = await warm_up(client, target, workload, count)
-    failed = [r for r in records if not r.ok]
-    if failed and len(failed) == len(records):
-        raise BenchmarkError(f"every warm-up request failed, e.g. {failed[0].error_kind}: {failed[0].error}")
-    return workload
-
-
-async def _run_rates(
-    args: argparse.Namespace,
-    config: Config,
-    target: Target,
-    workload: Workload,
-    tokenizer: PromptTokenizer,
-    console: Console,
-    on_run: Callable[[RunResult], None],
-) -> None:
-    workload = await _warm_up(args, target, workload, console)
-    async with make_client(target.base_url, args.api_key, args.request_timeout) as client:
-        for rate in args.request_rates:
-            run_cfg = RunConfig(
-                rate, args.num_requests, args.duration, args.burstiness, args.max_concurrency, args.seed
-            )
-            with Progress(
-                SpinnerColumn(),
-                TextColumn("{task.description}"),
-                BarColumn(),
-                MofNCompleteColumn(),
-                TextColumn("errors {task.fields[errors]}"),
-                TimeElapsedColumn(),
-                console=console,
-                disable=args.no_progress,
-                transient=False,
-            ) as progress:
-                task = progress.add_task(
-                    f"{config.label} @ {format_rate(rate)} req/s", total=args.num_requests, errors=0
-                )
-                errors = 0
-
-                def done(record: RequestRecord, task_id: Any = task) -> None:
-                    nonlocal errors
-                    errors += record.error_kind is not None
-                    progress.update(task_id, advance=1, errors=errors)
-
-                before = await scrape(client)
-                records = await run_load(client, target, workload, run_cfg, on_done=done)
-                after = await scrape(client)
-            summary = summarize(records, args.slo)
-            summary.extras["server"] = counter_deltas(before, after)
-            extras = {
-                "command": _redact(config.command),
-                "base_url": target.base_url,
-                "model": target.model,
-                "endpoint": target.endpoint,
-                "prompt_format": "text" if workload.as_text else "ids",
-                "tokenizer": tokenizer.description,
-                "workload": workload.name,
-            }
-            on_run(RunResult(config.label, rate, summary, records, extras))
-            if summary.errors:
-                first = next(r for r in records if r.error_kind is not None)
-                console.print(
-                    f"[red]{config.label} @ {format_rate(rate)}: {summary.errors}; first: {first.error}"
-                )
-
-
-def bench_config(
-    args: argparse.Namespace,
-    config: Config,
-    log_path: Path,
-    console: Console,
-    on_run: Callable[[RunResult], None],
-) -> None:
-    server: LaunchedServer | None = None
-    tokenizer: PromptTokenizer | None = None
-    if config.command is not None:
-        server = LaunchedServer(config.command, log_path, health_timeout=args.launch_timeout)
-        console.print(f"[bold]{config.label}[/]: starting {' '.join(server.argv)} (log: {log_path})")
-        server.start()
-        config.base_url = server.base_url
-    try:
-        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        model, root = pick_model(args.model, config.base_url, headers)
-        tokenizer = resolve_tokenizer(args.tokenizer, config.base_url, model, headers, hint=root)
-        as_text = args.endpoint == "chat" or args.prompt_format == "text"
-        workload = make_workload(args, tokenizer, as_text)
-        target = Target(config.base_url, model, args.endpoint, args.temperature, args.request_timeout)
-        console.print(f"[bold]{config.label}[/]: model {model}, tokenizer {tokenizer.description}")
-        asyncio.run(_run_rates(args, config, target, workload, tokenizer, console, on_run))
-    finally:
-        closer = getattr(tokenizer, "close", None)  # the server tokenizer's HTTP client
-        if closer is not None:
-            closer()
-        if server is not None:
-            server.stop()
-
-
 def _jsonable(value: Any) -> Any:
     if isinstance(value, Path):
         return str(value)
@@ -431,17 +271,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     if args.launch:
         labels = args.label or auto_labels(args.launch)
-        configs = [Config(label, cmd, "") for label, cmd in zip(labels, args.launch, strict=True)]
+        configs = [
+            Config(label, cmd, "", _log_path(args, stem, label))
+            for label, cmd in zip(labels, args.launch, strict=True)
+        ]
     else:
         configs = [Config(args.label[0] if args.label else "server", None, args.base_url)]
 
     results = BenchmarkResults(
         config={
-            "argv": _redact(list(sys.argv[1:] if argv is None else argv)),
+            "argv": redact(list(sys.argv[1:] if argv is None else argv)),
             "started_utc": started.isoformat(timespec="seconds"),
             "machine": machine_info(),
             # The API key stays out of a file that is meant to be shared.
-            "args": {k: _redact(_jsonable(v)) for k, v in vars(args).items() if k != "api_key"},
+            "args": {k: redact(_jsonable(v)) for k, v in vars(args).items() if k != "api_key"},
         }
     )
 
@@ -449,15 +292,33 @@ def main(argv: Sequence[str] | None = None) -> int:
         results.runs.append(run)
         results.save(output)  # after every run, so a sweep that fails later keeps what it measured
 
-    failures = 0
-    for config in configs:
-        log_name = f"{stem.name}-server-{_slug(config.label)}.log"
-        log_path = args.log_dir / log_name if args.log_dir else stem.with_name(log_name)
-        try:
-            bench_config(args, config, log_path, console, record_run)
-        except (ServerStartError, BenchmarkError, httpx.HTTPError, OSError, RuntimeError) as exc:
-            failures += 1
-            console.print(f"[red]{config.label}: {exc}")
+    opts = SweepOptions(
+        rates=args.request_rates,
+        num_requests=args.num_requests,
+        duration=args.duration,
+        burstiness=args.burstiness,
+        max_concurrency=args.max_concurrency,
+        seed=args.seed,
+        model=args.model,
+        api_key=args.api_key,
+        endpoint=args.endpoint,
+        temperature=args.temperature,
+        request_timeout=args.request_timeout,
+        launch_timeout=args.launch_timeout,
+        tokenizer=args.tokenizer,
+        prompt_format=args.prompt_format,
+        warmup_requests=args.warmup_requests,
+        slos=args.slo,
+        show_progress=not args.no_progress,
+    )
+    failures = run_sweep(
+        configs,
+        opts,
+        lambda tokenizer, as_text: make_workload(args, tokenizer, as_text),
+        console,
+        record_run,
+        interleave=args.interleave,
+    )
     if not results.runs:
         console.print("[red]no run completed")
         return 1
@@ -472,20 +333,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 1 if failures else 0
 
 
-_API_KEY = re.compile(r"(--api-key[= ])\S+")
-
-
-def _redact(value: Any) -> Any:
-    """API keys out of what is written to the results file (argv, --launch commands)."""
-    if isinstance(value, str):
-        return _API_KEY.sub(r"\1***", value)
-    if isinstance(value, list):
-        redacted = [_redact(v) for v in value]
-        for i, word in enumerate(redacted[:-1]):
-            if word == "--api-key":
-                redacted[i + 1] = "***"
-        return redacted
-    return value
+def _log_path(args: argparse.Namespace, stem: Path, label: str) -> Path:
+    name = f"{stem.name}-server-{_slug(label)}.log"
+    return args.log_dir / name if args.log_dir else stem.with_name(name)
 
 
 def _slug(label: str) -> str:

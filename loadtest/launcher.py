@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import shlex
 import signal
 import socket
@@ -23,21 +24,35 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def build_command(command: str, port: int) -> list[str]:
-    """The argv of a --launch command bound to `port` on loopback.
+_ENV_WORD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 
+
+def split_env(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """Leading NAME=VALUE words (as a shell reads them) -> environment for the command, and the rest."""
+    env: dict[str, str] = {}
+    while argv and _ENV_WORD.match(argv[0]):
+        name, _, value = argv[0].partition("=")
+        env[name] = value
+        argv = argv[1:]
+    return env, argv
+
+
+def build_command(command: str, port: int) -> tuple[dict[str, str], list[str]]:
+    """The environment additions and argv of a --launch command bound to `port` on loopback.
+
+    Leading NAME=VALUE words set environment variables (`OMP_NUM_THREADS=1 python -m server`).
     `{port}` in the command is replaced; otherwise `--host 127.0.0.1 --port N` is appended. A leading
     `python`/`python3` becomes this interpreter, so `python -m server` runs in the same environment
     (a virtualenv's python is often not on PATH).
     """
-    argv = shlex.split(command)
+    env, argv = split_env(shlex.split(command))
     if not argv:
-        raise ValueError("empty --launch command")
+        raise ValueError(f"--launch {command!r} has no command")
     if argv[0] in ("python", "python3"):
         argv[0] = sys.executable
     if any("{port}" in a for a in argv):
-        return [a.replace("{port}", str(port)) for a in argv]
-    return [*argv, "--host", LOOPBACK, "--port", str(port)]
+        return env, [a.replace("{port}", str(port)) for a in argv]
+    return env, [*argv, "--host", LOOPBACK, "--port", str(port)]
 
 
 class ServerStartError(RuntimeError):
@@ -56,7 +71,7 @@ class LaunchedServer:
     ) -> None:
         self.command = command
         self.port = free_port()
-        self.argv = build_command(command, self.port)
+        self.env, self.argv = build_command(command, self.port)
         self.base_url = f"http://{LOOPBACK}:{self.port}"
         self.log_path = log_path
         self.health_timeout = health_timeout
@@ -69,6 +84,7 @@ class LaunchedServer:
         try:
             self.proc = subprocess.Popen(
                 self.argv,
+                env={**os.environ, **self.env},
                 stdout=log,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

@@ -90,11 +90,16 @@ def curves(runs: Sequence[RunResult], x: str = "throughput") -> dict[str, list[t
 def default_latency_bounds(runs: Sequence[RunResult]) -> list[float]:
     """Latencies at which to compare configurations when none are given.
 
-    Twice the slowest configuration's lowest median normalized latency: a bound every configuration
-    can meet at light load, loose enough that the faster ones show how far they scale under it.
+    Twice the highest light-load latency of any configuration (its latency at its lowest offered
+    rate, or at its lowest achieved throughput if higher): every configuration starts under it, and
+    it is loose enough that the faster ones show how far they scale under it.
     """
-    floors = [min(lat for _, lat in pts) for pts in curves(runs).values() if pts]
-    floors = [f for f in floors if not math.isnan(f)]
+    floors = []
+    for x in ("rate", "throughput"):
+        for pts in curves(runs, x).values():
+            finite = sorted(p for p in pts if math.isfinite(p[0]) and not math.isnan(p[1]))
+            if finite:
+                floors.append(finite[0][1])
     return [2.0 * max(floors)] if floors else []
 
 

@@ -92,7 +92,8 @@ class BenchmarkResults:
         """Written atomically, so a sweep that dies midway leaves its finished runs readable."""
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(self.to_dict(), indent=1, allow_nan=False))
+        # Compact: a sweep holds thousands of timelines (`jq .` pretty-prints it when needed).
+        tmp.write_text(json.dumps(self.to_dict(), separators=(",", ":"), allow_nan=False))
         tmp.replace(path)
 
     @classmethod

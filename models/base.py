@@ -3,7 +3,7 @@ weight-loading loop (HF names -> our, possibly fused and sharded, parameters).""
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
@@ -14,24 +14,45 @@ from models.layers.attention import AttentionStep, select_attention_backend
 from models.layers.attention_backends import AttentionBackend
 from models.layers.linear import MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear
 from models.layers.metadata import AttentionMetadata
+from models.layers.parallel import PPContext
 
 # (HF name it came from, our parameter name, full tensor, shard id or None)
 WeightItem = tuple[str, str, torch.Tensor, Any]
 
 
+class PPMissingLayer(nn.Identity):
+    """Stands in for a decoder layer held by another pipeline stage: keeps the global layer indices
+    (and so the checkpoint's parameter names) of the layers this stage does hold."""
+
+
+def stage_layers(num_layers: int, pp: PPContext, build: Callable[[int], nn.Module]) -> nn.ModuleList:
+    """All layer slots, built only for this stage's range (the others are PPMissingLayer)."""
+    owned = pp.layer_range(num_layers)
+    return nn.ModuleList(build(i) if i in owned else PPMissingLayer() for i in range(num_layers))
+
+
+def absent_layer_prefixes(prefix: str, num_layers: int, pp: PPContext) -> tuple[str, ...]:
+    """Parameter-name prefixes ("model.layers.7.") of the layers other stages hold."""
+    owned = pp.layer_range(num_layers)
+    return tuple(f"{prefix}{i}." for i in range(num_layers) if i not in owned)
+
+
 class CausalLMBase(nn.Module):
-    """Subclasses set: config, num_layers, num_kv_heads (per TP rank), head_dim, vocab_size, lm_head."""
+    """Subclasses set: config, num_layers (held by this pipeline stage), num_kv_heads (per TP rank),
+    head_dim, vocab_size, lm_head (None except on the last pipeline stage), and absent_prefixes (the
+    parameter-name prefixes of modules another pipeline stage holds: their weights are skipped)."""
 
     config: Any
     num_layers: int
     num_kv_heads: int
     head_dim: int
     vocab_size: int
-    lm_head: ParallelLMHead
+    lm_head: ParallelLMHead | None
 
     def __init__(self) -> None:
         super().__init__()
         self.attn_backend: AttentionBackend | None = None
+        self.absent_prefixes: tuple[str, ...] = ()
 
     def set_attention_backend(
         self, backend: str | AttentionBackend, device: torch.device | str = "cpu"
@@ -45,7 +66,9 @@ class CausalLMBase(nn.Module):
         return AttentionStep.begin(self.attn_backend, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[B, hidden] -> [B, vocab] float32."""
+        """[B, hidden] -> [B, vocab] float32 (last pipeline stage only)."""
+        if self.lm_head is None:
+            raise RuntimeError("only the last pipeline stage holds the LM head")
         return self.lm_head(hidden).float()
 
     def load_mapped_weights(self, items: Iterable[WeightItem]) -> None:
@@ -54,6 +77,8 @@ class CausalLMBase(nn.Module):
         params = dict(self.named_parameters())
         loaded: set[tuple[str, Any]] = set()
         for hf_name, name, tensor, shard in items:
+            if self.absent_prefixes and name.startswith(self.absent_prefixes):
+                continue  # held by another pipeline stage
             param = params.get(name)
             if param is None:
                 raise ModelLoadError(

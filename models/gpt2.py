@@ -13,7 +13,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from models.base import CausalLMBase, WeightItem
+from models.base import CausalLMBase, WeightItem, absent_layer_prefixes, stage_layers
 from models.layers.activation import get_gelu
 from models.layers.attention import Attention, AttentionStep
 from models.layers.linear import (
@@ -26,7 +26,7 @@ from models.layers.linear import (
 )
 from models.layers.metadata import AttentionMetadata, KVCache
 from models.layers.norm import LayerNorm
-from models.layers.parallel import SINGLE, TPContext
+from models.layers.parallel import SINGLE, SINGLE_STAGE, PPContext, TPContext
 
 # Causal-mask buffers of old checkpoints; the attention op does its own masking.
 _IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
@@ -51,7 +51,7 @@ class GPT2Attention(nn.Module):
         hidden, heads = config.n_embd, config.n_head
         head_dim = hidden // heads
         self.c_attn = QKVParallelLinear(hidden, head_dim, heads, heads, True, dtype, tp)
-        self.c_proj = RowParallelLinear(hidden, hidden, True, dtype, tp)
+        self.c_proj = RowParallelLinear(hidden, hidden, True, dtype, tp, input_shard=self.c_attn.q_shard)
         scale = head_dim**-0.5 if getattr(config, "scale_attn_weights", True) else 1.0
         if getattr(config, "scale_attn_by_inverse_layer_idx", False):
             scale /= layer_idx + 1
@@ -93,40 +93,73 @@ class GPT2Block(nn.Module):
 
 
 class GPT2Model(nn.Module):
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, tp: TPContext):
+    """Token and position embeddings on the first pipeline stage, this stage's blocks, ln_f on the last."""
+
+    def __init__(
+        self, config: PretrainedConfig, dtype: torch.dtype, tp: TPContext, pp: PPContext = SINGLE_STAGE
+    ):
         super().__init__()
-        self.wte = VocabParallelEmbedding(config.vocab_size, config.n_embd, dtype, tp)
-        self.wpe = PositionEmbedding(config.n_positions, config.n_embd, dtype)
-        self.h = nn.ModuleList(GPT2Block(config, i, dtype, tp) for i in range(config.n_layer))
-        self.ln_f = LayerNorm(config.n_embd, config.layer_norm_epsilon, dtype)
+        first, last = pp.is_first, pp.is_last
+        self.wte = VocabParallelEmbedding(config.vocab_size, config.n_embd, dtype, tp) if first else None
+        self.wpe = PositionEmbedding(config.n_positions, config.n_embd, dtype) if first else None
+        self.h = stage_layers(config.n_layer, pp, lambda i: GPT2Block(config, i, dtype, tp))
+        self.ln_f = LayerNorm(config.n_embd, config.layer_norm_epsilon, dtype) if last else None
 
 
 class GPT2LMHeadModel(CausalLMBase):
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype = torch.float32, tp: TPContext = SINGLE):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        dtype: torch.dtype = torch.float32,
+        tp: TPContext = SINGLE,
+        pp: PPContext = SINGLE_STAGE,
+    ):
         super().__init__()
         self.config = config
         self.tp = tp
-        self.transformer = GPT2Model(config, dtype, tp)
-        # GPT-2 always ties its head to the token embedding.
-        self.lm_head = ParallelLMHead(config.vocab_size, config.n_embd, dtype=dtype, tp=tp)
-        self.lm_head.tie_to(self.transformer.wte)
-        self.num_layers = config.n_layer
-        self.num_kv_heads = self.transformer.h[0].attn.num_heads  # no GQA: one KV head per query head
+        self.pp = pp
+        self.transformer = GPT2Model(config, dtype, tp, pp)
+        # GPT-2 always ties its head to the token embedding (a last stage without the embedding loads
+        # its own copy of wte into the head).
+        self.lm_head = (
+            ParallelLMHead(config.vocab_size, config.n_embd, dtype=dtype, tp=tp) if pp.is_last else None
+        )
+        if self.lm_head is not None and self.transformer.wte is not None:
+            self.lm_head.tie_to(self.transformer.wte)
+        self.stage_layers = pp.layer_range(config.n_layer)
+        self.num_layers = len(self.stage_layers)  # this stage's: one KV cache per layer held here
+        # No GQA: one KV head per query head.
+        self.num_kv_heads = self.transformer.h[self.stage_layers.start].attn.num_heads
         self.head_dim = config.n_embd // config.n_head
+        self.hidden_size = config.n_embd
         self.vocab_size = config.vocab_size
+        self.absent_prefixes = absent_layer_prefixes("transformer.h.", config.n_layer, pp)
+        if not pp.is_first:
+            self.absent_prefixes += ("transformer.wte.", "transformer.wpe.")
+        if not pp.is_last:
+            self.absent_prefixes += ("transformer.ln_f.",)
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[KVCache],
+        kv_caches: list[KVCache],  # this stage's layers only
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden]
+        hidden_states: torch.Tensor | None = None,  # [T, hidden]: the previous stage's output
+    ) -> torch.Tensor:  # [T, hidden]: after ln_f on the last stage, the residual stream on the others
         step = self.begin_step(input_ids, attn_metadata)
-        hidden = self.transformer.wte(input_ids) + self.transformer.wpe(positions)  # [T, hidden]
-        for block, kv_cache in zip(self.transformer.h, kv_caches, strict=True):
+        t = self.transformer
+        if t.wte is not None and t.wpe is not None:
+            hidden = t.wte(input_ids) + t.wpe(positions)  # [T, hidden]
+        elif hidden_states is not None:
+            hidden = hidden_states
+        else:
+            raise ValueError("a pipeline stage after the first needs the previous stage's hidden_states")
+        for block, kv_cache in zip(
+            t.h[self.stage_layers.start : self.stage_layers.stop], kv_caches, strict=True
+        ):
             hidden = block(hidden, kv_cache, step)
-        return self.transformer.ln_f(hidden)
+        return hidden if t.ln_f is None else t.ln_f(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.load_mapped_weights(self._map_names(weights))
@@ -137,6 +170,9 @@ class GPT2LMHeadModel(CausalLMBase):
                 continue  # lm_head is tied to wte
             # Some GPT-2 checkpoints (the original "gpt2") have no "transformer." prefix.
             name = hf_name if hf_name.startswith("transformer.") else f"transformer.{hf_name}"
+            if name == "transformer.wte.weight" and not self.pp.is_first and self.pp.is_last:
+                yield hf_name, "lm_head.weight", tensor, None  # the tied head's own copy
+                continue
             if name.endswith(_CONV1D_SUFFIXES):
                 if tensor.dim() != 2:
                     yield hf_name, name, tensor, None  # the loader reports the bad shape

@@ -12,7 +12,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from models.base import CausalLMBase, WeightItem
+from models.base import CausalLMBase, WeightItem, absent_layer_prefixes, stage_layers
 from models.layers.activation import SiluAndMul
 from models.layers.attention import Attention, AttentionStep
 from models.layers.linear import (
@@ -24,7 +24,7 @@ from models.layers.linear import (
 )
 from models.layers.metadata import AttentionMetadata, KVCache
 from models.layers.norm import RMSNorm
-from models.layers.parallel import SINGLE, TPContext
+from models.layers.parallel import SINGLE, SINGLE_STAGE, PPContext, TPContext
 from models.layers.rotary import RotaryEmbedding, rope_params_from_config
 
 # HF checkpoint names -> (our fused parameter, shard id)
@@ -55,7 +55,12 @@ class LlamaAttention(nn.Module):
             config.hidden_size, head_dim, config.num_attention_heads, num_kv_heads, qkv_bias, dtype, tp
         )
         self.o_proj = RowParallelLinear(
-            config.num_attention_heads * head_dim, config.hidden_size, attention_bias, dtype, tp
+            config.num_attention_heads * head_dim,
+            config.hidden_size,
+            attention_bias,
+            dtype,
+            tp,
+            input_shard=self.qkv_proj.q_shard,
         )
         self.num_heads = self.qkv_proj.num_heads  # per rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads
@@ -102,48 +107,77 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, tp: TPContext):
+    """Embedding on the first pipeline stage, this stage's decoder layers, final norm on the last."""
+
+    def __init__(
+        self, config: PretrainedConfig, dtype: torch.dtype, tp: TPContext, pp: PPContext = SINGLE_STAGE
+    ):
         super().__init__()
-        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, tp)
+        self.embed_tokens = (
+            VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, tp) if pp.is_first else None
+        )
         rotary = RotaryEmbedding(
             llama_head_dim(config), config.max_position_embeddings, rope_params_from_config(config), dtype
         )
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, rotary, dtype, tp) for _ in range(config.num_hidden_layers)
+        self.layers = stage_layers(
+            config.num_hidden_layers, pp, lambda _: LlamaDecoderLayer(config, rotary, dtype, tp)
         )
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if pp.is_last else None
 
 
 class LlamaForCausalLM(CausalLMBase):
     """Also serves MistralForCausalLM and Qwen2ForCausalLM (same graph, different config flags)."""
 
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype = torch.float32, tp: TPContext = SINGLE):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        dtype: torch.dtype = torch.float32,
+        tp: TPContext = SINGLE,
+        pp: PPContext = SINGLE_STAGE,
+    ):
         super().__init__()
         self.config = config
         self.tp = tp
-        self.model = LlamaModel(config, dtype, tp)
-        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, dtype=dtype, tp=tp)
+        self.pp = pp
+        self.model = LlamaModel(config, dtype, tp, pp)
+        self.lm_head = (
+            ParallelLMHead(config.vocab_size, config.hidden_size, dtype=dtype, tp=tp) if pp.is_last else None
+        )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings:
+        if self.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
             self.lm_head.tie_to(self.model.embed_tokens)
-        attn = self.model.layers[0].self_attn
-        self.num_layers = config.num_hidden_layers
+        self.stage_layers = pp.layer_range(config.num_hidden_layers)
+        attn = self.model.layers[self.stage_layers.start].self_attn
+        self.num_layers = len(self.stage_layers)  # this stage's: one KV cache per layer held here
         self.num_kv_heads = attn.num_kv_heads
         self.head_dim = attn.head_dim
+        self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
+        self.absent_prefixes = absent_layer_prefixes("model.layers.", config.num_hidden_layers, pp)
+        if not pp.is_first:
+            self.absent_prefixes += ("model.embed_tokens.",)
+        if not pp.is_last:
+            self.absent_prefixes += ("model.norm.", "lm_head.")
 
     def forward(
         self,
         input_ids: torch.Tensor,  # [T]
         positions: torch.Tensor,  # [T]
-        kv_caches: list[KVCache],
+        kv_caches: list[KVCache],  # this stage's layers only
         attn_metadata: AttentionMetadata,
-    ) -> torch.Tensor:  # [T, hidden]
+        hidden_states: torch.Tensor | None = None,  # [T, hidden]: the previous stage's output
+    ) -> torch.Tensor:  # [T, hidden]: normed on the last stage, raw residual stream on the others
         step = self.begin_step(input_ids, attn_metadata)
-        hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
-        for layer, kv_cache in zip(self.model.layers, kv_caches, strict=True):
+        if self.model.embed_tokens is not None:
+            hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
+        elif hidden_states is not None:
+            hidden = hidden_states
+        else:
+            raise ValueError("a pipeline stage after the first needs the previous stage's hidden_states")
+        layers = self.model.layers[self.stage_layers.start : self.stage_layers.stop]
+        for layer, kv_cache in zip(layers, kv_caches, strict=True):
             hidden = layer(positions, hidden, kv_cache, step)
-        return self.model.norm(hidden)
+        return hidden if self.model.norm is None else self.model.norm(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         self.load_mapped_weights(self._map_names(weights))
@@ -154,6 +188,11 @@ class LlamaForCausalLM(CausalLMBase):
                 continue
             if hf_name == "lm_head.weight" and self.tie_word_embeddings:
                 continue  # the embedding is the head; some checkpoints store both
+            if hf_name == "model.embed_tokens.weight" and self.tie_word_embeddings and not self.pp.is_first:
+                # A later stage holds a tied head but not the embedding: the head loads its own copy.
+                if self.pp.is_last:
+                    yield hf_name, "lm_head.weight", tensor, None
+                continue
             for old, new, shard in _STACKED:
                 if old in hf_name:
                     yield hf_name, hf_name.replace(old, new), tensor, shard

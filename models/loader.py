@@ -18,7 +18,7 @@ from torch import nn
 
 from models.errors import MissingWeightsError, ModelLoadError
 from models.gguf_convert import convert_gguf, default_gguf_path
-from models.layers.parallel import TPContext
+from models.layers.parallel import PPContext, TPContext
 from models.registry import model_class_for
 from models.weights_io import SafetensorsReader, safetensors_files
 
@@ -71,18 +71,24 @@ def load_model(
     tp_size: int = 1,
     tp_group: dist.ProcessGroup | None = None,
     attention_backend: str = "auto",
+    pp_rank: int = 0,
+    pp_size: int = 1,
 ) -> nn.Module:
-    """Build the model for an HF directory on `device` and stream its safetensors weights in."""
+    """Build the model for an HF directory on `device` and stream its safetensors weights in.
+
+    With tp_size > 1 this process holds shard tp_rank of every sharded layer; with pp_size > 1 only
+    pipeline stage pp_rank's layers (and the embedding / LM head if it is the first / last stage)."""
     path = Path(path)
     device = torch.device(device)
     config = load_config(path)
     files = safetensors_files(path)
     tp = TPContext(tp_rank, tp_size, tp_group)
+    pp = PPContext(pp_rank, pp_size)
     try:
         cls = model_class_for(config)
         # Parameters are allocated directly on the device (torch.empty: no init, no float32 detour).
         with torch.device(device):
-            model = cls(config, dtype=dtype, tp=tp)
+            model = cls(config, dtype=dtype, tp=tp, pp=pp)
     except ModelLoadError as e:
         raise ModelLoadError(f"{path / CONFIG_FILE}: {e}") from None
     except ValueError as e:  # unsupported settings found while building (activation, head counts, ...)

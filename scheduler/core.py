@@ -127,17 +127,25 @@ class Scheduler:
 
     # ---- one iteration ----------------------------------------------------------------------------
 
-    def schedule(self) -> ScheduledStep:
+    def schedule(self, in_flight: Set[str] = frozenset(), max_seqs: int | None = None) -> ScheduledStep:
         """Pick this iteration's work: running decodes, then prompt chunks in progress, then new
-        requests in arrival order, under max_num_seqs, max_num_batched_tokens and the KV blocks."""
+        requests in arrival order, under max_num_seqs, max_num_batched_tokens and the KV blocks.
+
+        `in_flight`: ids of requests in batches that are still running (pipeline parallelism keeps
+        several batches in flight, as ORCA does). They are neither scheduled again nor preempted until
+        their batch's tokens are applied: a request is in at most one in-flight batch. `max_seqs` caps
+        this batch below max_num_seqs (the pipelined loop spreads the requests over its batches)."""
         step = ScheduledStep()
         # Tokens each scheduled request runs, in batch order (a dict: a victim can be taken out again).
         chosen: dict[Request, int] = {}
         budget = self.config.max_num_batched_tokens
 
-        decodes = [r for r in self.running if r.num_uncomputed_tokens == 1]
-        prefills = [r for r in self.running if r.num_uncomputed_tokens > 1]
+        ready = [r for r in self.running if r.request_id not in in_flight] if in_flight else self.running
+        decodes = [r for r in ready if r.num_uncomputed_tokens == 1]
+        prefills = [r for r in ready if r.num_uncomputed_tokens > 1]
         for req in decodes + prefills:
+            if max_seqs is not None and len(chosen) >= max_seqs:
+                break
             if req.status is not RequestStatus.RUNNING:  # preempted as a victim earlier in this loop
                 continue
             n = self._prompt_share(req.num_uncomputed_tokens, budget, alone=not chosen)
@@ -150,7 +158,8 @@ class Scheduler:
                     req.error = "out of KV cache blocks"
                     step.released += self._finish(req, RequestStatus.FINISHED_ERROR, hold=False)
                     break
-                victim = self.running[-1]  # the most recently admitted
+                # The most recently admitted (that is not in flight: its batch still writes its blocks).
+                victim = next(r for r in reversed(self.running) if r.request_id not in in_flight)
                 budget += chosen.pop(victim, 0)
                 self._preempt(victim, step)
                 if victim is req:
@@ -162,7 +171,7 @@ class Scheduler:
         # No admission in a step that preempted: the blocks just freed would otherwise go to the next
         # waiting request and the victim would be preempted again at once (thrashing).
         if not step.preempted and self.batching.may_admit():
-            self._admit(step, chosen, budget)
+            self._admit(step, chosen, budget, max_seqs)
 
         now = time.monotonic()
         for req, n in chosen.items():
@@ -198,11 +207,15 @@ class Scheduler:
         # Without chunking a prompt longer than the whole budget would never fit: it runs alone.
         return num_uncomputed if alone and budget == self.config.max_num_batched_tokens else 0
 
-    def _admit(self, step: ScheduledStep, chosen: dict[Request, int], budget: int) -> None:
+    def _admit(
+        self, step: ScheduledStep, chosen: dict[Request, int], budget: int, max_seqs: int | None = None
+    ) -> None:
         """Move waiting requests to running, first come first served; stop at the first that does not
         fit (ORCA's Select(): never skip ahead, so a long request cannot starve)."""
         uses_budget = self.batching.admission_uses_token_budget
         while self.waiting and len(self.running) < self.config.max_num_seqs:
+            if max_seqs is not None and len(chosen) >= max_seqs:
+                break
             req = self.waiting[0]
             n = self._prompt_share(req.num_uncomputed_tokens, budget, alone=not chosen)
             if n == 0 and uses_budget:

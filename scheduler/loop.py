@@ -14,7 +14,7 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal
+from typing import Any, Literal
 
 from engine.batch import ModelRunner, SamplingParams
 from scheduler.config import SchedulerConfig
@@ -114,7 +114,18 @@ class AsyncEngine:
 
     @property
     def is_running(self) -> bool:
-        return self._task is not None and not self._task.done() and not self._closed
+        return (
+            self._task is not None
+            and not self._task.done()
+            and not self._closed
+            and self._runner_down() is None
+        )
+
+    def _runner_down(self) -> str | None:
+        """Why the runner can take no more steps (a multi-process runner whose worker died), if it
+        says so; a plain runner has no `dead_reason` and is never down."""
+        reason = getattr(self._runner, "dead_reason", None)
+        return reason if isinstance(reason, str) else None
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -127,6 +138,9 @@ class AsyncEngine:
         id) and EngineDeadError once the engine is shut down. Closing the iterator before the last
         delta (aclose(), a cancelled task, a client gone) aborts the request.
         """
+        down = self._runner_down()
+        if down is not None:
+            raise EngineDeadError(f"the engine is not running: {down}")
         if self._closed:
             raise EngineDeadError("the engine is not running")
         prompt = tuple(prompt_ids)
@@ -224,6 +238,10 @@ class AsyncEngine:
             self._fail_all(FinishReason.ERROR, f"the scheduler loop died: {type(exc).__name__}: {exc}")
 
     async def _iterate(self) -> None:
+        depth = getattr(self._runner, "pipeline_depth", 1)
+        if isinstance(depth, int) and depth > 1:
+            await self._iterate_pipelined(depth)
+            return
         loop = asyncio.get_running_loop()
         assert self._executor is not None
         sched = self._scheduler
@@ -254,11 +272,85 @@ class AsyncEngine:
                 )
                 updated = sched.fail(step.requests, f"{type(exc).__name__}: {exc}")
                 failed = True
+                if getattr(exc, "fatal", False):
+                    # The runner cannot recover (a worker process died): stop, failing every request.
+                    self._emit_all(updated)
+                    raise
             duration = time.perf_counter() - t0
             self._num_steps += 1
             self._emit_all(updated)
             if self._listeners:
                 self._report(step, updated, duration, failed)
+
+    async def _iterate_pipelined(self, depth: int) -> None:
+        """ORCA's pipelined loop: keep up to `depth` batches in flight (one per pipeline stage) and wait
+        only when that many are outstanding. The runner has submit(seqs) -> handle (returns once the
+        first stage has its share) and collect(handle) -> sampled tokens, called in submission order.
+        A request is in at most one in-flight batch: the scheduler skips those in flight."""
+        loop = asyncio.get_running_loop()
+        assert self._executor is not None
+        runner: Any = self._runner
+        sched = self._scheduler
+        in_flight: deque[tuple[ScheduledStep, Any, float]] = deque()
+        busy: set[str] = set()
+        while in_flight or not self._stopping:
+            self._drain_control()
+            if not self._stopping and len(in_flight) < depth and sched.has_work():
+                # Spread the requests over the batches in flight: one batch holding all of them would
+                # leave the other stages idle (each request waits for its batch before it runs again).
+                per_batch = -(-(len(sched.running) + len(sched.waiting)) // depth)
+                step = sched.schedule(in_flight=busy, max_seqs=per_batch)
+                self._emit_all(step.released)
+                if step.seqs:
+                    t0 = time.perf_counter()
+                    try:
+                        handle = await loop.run_in_executor(self._executor, runner.submit, step.seqs)
+                    except Exception as exc:
+                        self._step_failed(step, exc, t0)
+                        continue
+                    in_flight.append((step, handle, t0))
+                    busy.update(r.request_id for r in step.requests)
+                    continue
+                if (step.released or step.preempted) and not in_flight:
+                    continue
+            if in_flight:
+                step, handle, t0 = in_flight.popleft()
+                try:
+                    sampled = await loop.run_in_executor(self._executor, runner.collect, handle)
+                    updated = sched.update(step, sampled)
+                except Exception as exc:
+                    self._step_failed(step, exc, t0)
+                    continue
+                finally:
+                    busy.difference_update(r.request_id for r in step.requests)
+                self._num_steps += 1
+                self._emit_all(updated)
+                if self._listeners:
+                    self._report(step, updated, time.perf_counter() - t0, False)
+                continue
+            if not sched.has_work():
+                self._wake.clear()
+                if not self._control and not self._stopping:
+                    await self._wake.wait()
+                continue
+            raise RuntimeError("the scheduler has work but scheduled nothing")
+
+    def _step_failed(self, step: ScheduledStep, exc: Exception, t0: float) -> None:
+        """Fail a step's requests; re-raise (ending the loop) if the runner cannot recover."""
+        logger.error(
+            "step %d failed; failing its %d requests: %s",
+            self._num_steps,
+            step.num_seqs,
+            ", ".join(r.request_id for r in step.requests),
+            exc_info=exc,
+        )
+        updated = self._scheduler.fail(step.requests, f"{type(exc).__name__}: {exc}")
+        self._num_steps += 1
+        self._emit_all(updated)
+        if getattr(exc, "fatal", False):
+            raise exc
+        if self._listeners:
+            self._report(step, updated, time.perf_counter() - t0, True)
 
     def _drain_control(self) -> None:
         sched = self._scheduler

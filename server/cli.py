@@ -214,16 +214,14 @@ def make_server(app: Any, config: ServerConfig) -> Any:
             port=config.port,
             log_level=config.log_level,
             timeout_graceful_shutdown=config.shutdown_grace_s,
+            # server.middleware writes the access log itself, with the request id.
+            access_log=False,
         )
     )
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    config = parse_args(argv)
-    configure_logging(config.log_level)
-    from server.app import create_app
-
-    app = create_app(config)
+def serve(app: Any, config: ServerConfig) -> int:
+    """Run the app until SIGTERM / SIGINT (0) or a failed model load (1)."""
     server = make_server(app, config)
     failed: list[str] = []
 
@@ -235,3 +233,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     app.state.server.on_load_failed = stop
     server.run()
     return 1 if failed else 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    config = parse_args(argv)
+    configure_logging(config.log_level)
+    from server.app import create_app
+
+    return serve(create_app(config), config)

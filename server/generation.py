@@ -137,8 +137,14 @@ async def generate_choice(
             if delta.finish_reason is not None:
                 tail = matcher.flush()
                 out.text += tail
-                out.logprobs = pending
-                out.finish_reason = "stop" if delta.finish_reason is FinishReason.STOP else "length"
+                emitted_len += len(tail)
+                if matcher.matched is not None:
+                    # A stop string had completed but waited on a longer one that began earlier.
+                    out.logprobs = [e for e in pending if e.text_offset < emitted_len]
+                    out.finish_reason = "stop"
+                else:
+                    out.logprobs = pending
+                    out.finish_reason = "stop" if delta.finish_reason is FinishReason.STOP else "length"
                 tracker.on_finish(delta.num_output_tokens, out.finish_reason)
                 yield out
                 return

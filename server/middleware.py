@@ -9,6 +9,7 @@ import hashlib
 import hmac
 import logging
 import re
+import time
 import uuid
 from collections.abc import Iterable
 
@@ -24,6 +25,8 @@ request_id_var: contextvars.ContextVar[str] = contextvars.ContextVar("orca_reque
 # megabyte headers) is replaced by a fresh one.
 _CLIENT_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 
+access_logger = logging.getLogger("server.access")
+
 # Routes that probes and scrapers call without a key.
 PUBLIC_PATHS = frozenset({"/health", "/metrics"})
 
@@ -36,9 +39,9 @@ class RequestIdFilter(logging.Filter):
         return True
 
 
-async def _send_error(send: Send, err: APIError) -> None:
-    response = err.response()
-    await response({"type": "http"}, _no_receive, send)
+async def _send_error(scope: Scope, send: Send, err: APIError) -> None:
+    # The app below never runs, so the answer is sent here (the request body is never read).
+    await err.response()(scope, _no_receive, send)
 
 
 async def _no_receive() -> Message:
@@ -46,6 +49,10 @@ async def _no_receive() -> Message:
 
 
 class RequestIdMiddleware:
+    """Sets the request id for the request's logs, returns it as X-Request-Id, and writes the access
+    log line (uvicorn's own access log runs outside the request and cannot carry the id). Streams are
+    logged when they end, with their full duration."""
+
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
@@ -56,9 +63,13 @@ class RequestIdMiddleware:
         client_id = _header(scope, b"x-request-id")
         rid = client_id if client_id and _CLIENT_ID_RE.match(client_id) else uuid.uuid4().hex
         token = request_id_var.set(rid)
+        status = 0
+        start = time.perf_counter()
 
         async def send_with_id(message: Message) -> None:
+            nonlocal status
             if message["type"] == "http.response.start":
+                status = message["status"]
                 message = {
                     **message,
                     "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())],
@@ -68,6 +79,16 @@ class RequestIdMiddleware:
         try:
             await self.app(scope, receive, send_with_id)
         finally:
+            if scope["path"] not in PUBLIC_PATHS or status >= 400:  # probes and scrapes stay quiet
+                client = scope.get("client")
+                access_logger.info(
+                    "%s %s %s %d %.1fms",
+                    client[0] if client else "-",
+                    scope["method"],
+                    scope["path"],
+                    status,
+                    (time.perf_counter() - start) * 1000,
+                )
             request_id_var.reset(token)
 
 
@@ -99,7 +120,7 @@ class APIKeyMiddleware:
         ):
             await self.app(scope, receive, send)
             return
-        await _send_error(send, unauthorized())
+        await _send_error(scope, send, unauthorized())
 
 
 class BodySizeLimitMiddleware:
@@ -117,7 +138,7 @@ class BodySizeLimitMiddleware:
             return
         declared = _header(scope, b"content-length")
         if declared is not None and (not declared.isdigit() or int(declared) > self.limit):
-            await _send_error(send, payload_too_large(self.limit))
+            await _send_error(scope, send, payload_too_large(self.limit))
             return
         buffered: list[Message] = []
         size = 0
@@ -127,7 +148,7 @@ class BodySizeLimitMiddleware:
                 return
             size += len(message.get("body", b""))
             if size > self.limit:
-                await _send_error(send, payload_too_large(self.limit))
+                await _send_error(scope, send, payload_too_large(self.limit))
                 return
             buffered.append(message)
             if not message.get("more_body", False):

@@ -8,8 +8,9 @@ gate holds a step "in flight" and wait_until polls for states.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 
 import httpx
 import pytest
@@ -60,6 +61,20 @@ def metric(text: str, name: str, **labels: str) -> float:
     return total
 
 
+@contextlib.asynccontextmanager
+async def serving(app, runner: FakeRunner) -> AsyncIterator[httpx.AsyncClient]:
+    """running_app that opens the runner's gate before shutting down, so a failing test that left
+    a step held cannot hang the engine's shutdown."""
+    try:
+        async with running_app(app) as client:
+            try:
+                yield client
+            finally:
+                runner.gate.set()
+    finally:
+        runner.gate.set()
+
+
 def engine_of(app):
     return app.state.server.engine
 
@@ -81,7 +96,7 @@ async def drained(app) -> None:
 async def test_queue_bound_answers_429_with_retry_after(tokenizer):
     runner = FakeRunner()
     app = make_app(tokenizer, runner, max_queue_len=3, max_num_seqs=1, retry_after_s=2)
-    async with running_app(app) as client:
+    async with serving(app, runner) as client:
         engine = engine_of(app)
         runner.gate.clear()  # the first request's step stays in flight; the others wait
         req = {"prompt": "hello", "max_tokens": 2}
@@ -108,7 +123,7 @@ async def test_flood_keeps_memory_bounded(tokenizer):
     requests, the rest get 429, and afterwards nothing is left behind."""
     runner = FakeRunner()
     app = make_app(tokenizer, runner, max_queue_len=8, max_num_seqs=4)
-    async with running_app(app) as client:
+    async with serving(app, runner) as client:
         engine = engine_of(app)
         runner.gate.clear()
         peak = 0
@@ -134,7 +149,7 @@ async def test_flood_keeps_memory_bounded(tokenizer):
 async def test_request_timeout_is_408_and_frees_blocks(tokenizer):
     runner = FakeRunner()
     app = make_app(tokenizer, runner, request_timeout_s=0.05)
-    async with running_app(app) as client:
+    async with serving(app, runner) as client:
         runner.gate.clear()  # the step never ends while the gate is closed: the deadline must fire
         err = error_of(await client.post("/v1/completions", json={"prompt": "slow", "max_tokens": 5}), 408)
         assert err["code"] == "request_timeout"
@@ -226,7 +241,7 @@ async def test_step_exception_fails_only_that_step(tokenizer):
 async def test_loop_death_turns_health_503_and_errors_waiting_clients(tokenizer, monkeypatch):
     runner = FakeRunner()
     app = make_app(tokenizer, runner)
-    async with running_app(app) as client:
+    async with serving(app, runner) as client:
         engine = engine_of(app)
         runner.gate.clear()
         req = {"prompt": "doomed", "max_tokens": 50, "ignore_eos": True}
@@ -451,14 +466,15 @@ async def test_request_id_in_every_log_line_about_a_request(tokenizer, caplog):
     runner = FakeRunner()
     app = make_app(tokenizer, runner, max_queue_len=1, max_num_seqs=1)
     caplog.handler.addFilter(RequestIdFilter())
-    async with running_app(app) as client:
+    async with serving(app, runner) as client:
         runner.gate.clear()
-        tasks = [
-            asyncio.create_task(client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1}))
-            for _ in range(2)
-        ]
-        await wait_until(lambda: engine_of(app).stats().running + engine_of(app).stats().waiting == 2)
-        with caplog.at_level(logging.WARNING):
+        engine = engine_of(app)
+        req = {"prompt": "a", "max_tokens": 1}
+        tasks = [asyncio.create_task(client.post("/v1/completions", json=req))]
+        await wait_until(lambda: engine.stats().running == 1)
+        tasks.append(asyncio.create_task(client.post("/v1/completions", json=req)))
+        await wait_until(lambda: engine.stats().waiting == 1)
+        with caplog.at_level(logging.INFO):
             r = await client.post(
                 "/v1/completions", json={"prompt": "a"}, headers={"X-Request-Id": "abc-123"}
             )
@@ -470,6 +486,9 @@ async def test_request_id_in_every_log_line_about_a_request(tokenizer, caplog):
         assert r.headers["x-request-id"] != "x\nFAKE LOG LINE" and len(r.headers["x-request-id"]) == 32
     [line] = [rec for rec in caplog.records if "queue full" in rec.getMessage()]
     assert line.request_id == "abc-123"
+    # The access log line is written inside the request too, so it carries the same id.
+    [access] = [rec for rec in caplog.records if rec.name == "server.access" and rec.request_id == "abc-123"]
+    assert "POST /v1/completions 429" in access.getMessage()
 
 
 async def test_periodic_stats_line(tokenizer):
@@ -493,3 +512,72 @@ async def test_periodic_stats_line(tokenizer):
             "KV cache usage",
         ):
             assert part in line
+
+
+# --- the loop's queue time (scheduler.outputs.RequestDelta.queue_time_s) -------------------------
+
+
+async def test_queue_time_on_the_first_delta_only():
+    from engine.batch import SamplingParams
+    from scheduler.config import SchedulerConfig
+    from scheduler.fake_runner import FakeRunner as LoopRunner
+    from scheduler.loop import AsyncEngine
+
+    engine = AsyncEngine(LoopRunner(), SchedulerConfig(max_num_seqs=1))
+    await engine.start()
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        streams = [engine.generate([5, 6, 7], params, f"r{i}") for i in range(2)]
+
+        async def deltas(stream):
+            return [d async for d in stream]
+
+        first, second = await asyncio.wait_for(asyncio.gather(*map(deltas, streams)), 20)
+        for ds in (first, second):
+            assert ds[0].queue_time_s is not None and ds[0].queue_time_s >= 0
+            assert all(d.queue_time_s is None for d in ds[1:])
+        # max_num_seqs=1: the second request waited for the whole first one.
+        assert second[0].queue_time_s >= first[0].queue_time_s
+    finally:
+        await engine.shutdown()
+
+
+# --- the soak script, briefly, against the fake runner ---------------------------------------------
+
+
+async def test_soak_reports_and_leaves_no_blocks(tokenizer, smollm2_tokenizer_dir):
+    from loadtest.soak import Soak, build_parser
+
+    runner = FakeRunner(num_kv_blocks=512)
+    app = make_app(tokenizer, runner)
+    async with live_server(app) as url:
+        args = build_parser().parse_args(
+            ["--duration", "1.5", "--concurrency", "6", "--tokenizer", str(smollm2_tokenizer_dir)]
+            + ["--input-max", "64", "--output-max", "24", "--disconnect", "0.4"]
+        )
+        report = await Soak(args, url, None, MODEL).run()
+    assert report.requests_served > 0 and report.disconnects > 0
+    assert report.requests_sent >= report.requests_served + report.disconnects
+    assert report.errors == {}
+    assert report.kv_blocks_used_end == 0 and report.requests_running_end == 0
+    assert any(line.startswith("KV blocks in use at the end: 0") for line in report.lines())
+
+
+# --- stop strings: the cut must not depend on how text is chunked (a lagging client) -------------
+
+
+@pytest.mark.parametrize("chunks", [["aba"], ["ab", "a"], ["a", "b", "a"], ["a", "ba"]])
+def test_stop_cut_is_the_same_for_every_chunking(chunks):
+    from server.stop import StopStringMatcher
+
+    m = StopStringMatcher(["b", "aba"])
+    out = "".join(m.feed(c) for c in chunks)
+    assert (out, m.matched) == ("", "aba")  # "aba" starts first, though "b" completes first
+
+
+def test_stop_that_completed_while_a_longer_one_was_pending_is_applied_at_the_end():
+    from server.stop import StopStringMatcher
+
+    m = StopStringMatcher(["b", "aba"])
+    assert m.feed("ab") == "" and m.matched is None  # "aba" may still come
+    assert m.flush() == "a" and m.matched == "b"  # the text ended: "b" it is

@@ -146,22 +146,28 @@ def test_launch_compares_configurations_and_plot_cli(tmp_path, capsys, smollm2_t
     rc = cli.main(
         [
             "--launch", f"{fake} --scheduling iteration", "--launch", f"{fake} --scheduling request",
-            "--tokenizer", "server", "--prompt-format", "text", "--request-rates", "200", "--num-requests", "8",
-            "--output", str(out), "--no-progress", *SMALL,
+            "--tokenizer", "server", "--prompt-format", "text", "--request-rates", "200,400", "--num-requests", "6",
+            "--interleave", "--output", str(out), "--no-progress", *SMALL,
         ]
     )  # fmt: skip
     assert rc == 0
     results = BenchmarkResults.load(out)
     # Labels come from what sets the commands apart; each got its own server, now stopped.
-    labels = {r.label for r in results.runs}
-    assert labels == {"scheduling=iteration", "scheduling=request"}
-    assert all(r.summary.completed == 8 for r in results.runs)
+    # Interleaved: both servers up at once, the configurations take turns at each rate.
+    assert [(r.label, r.rate) for r in results.runs] == [
+        ("scheduling=iteration", 200.0),
+        ("scheduling=request", 200.0),
+        ("scheduling=iteration", 400.0),
+        ("scheduling=request", 400.0),
+    ]
+    assert all(r.summary.completed == 6 for r in results.runs)
     commands = {r.extras["command"] for r in results.runs}
     assert len(commands) == 2
     log = tmp_path / "sweep-server-scheduling_iteration.log"  # the server's output, for post-mortems
     assert log.exists()
     assert all(r.prompt_tokens_reported == r.prompt_len for run in results.runs for r in run.records)
-    assert "(1.0x)" in capsys.readouterr().out  # the equal-latency comparison, against the last config
+    printed = capsys.readouterr().out
+    assert "offered rate" in printed and "(1.0x)" in printed  # the equal-latency comparison
 
     again = tmp_path / "again.json"
     again.write_text(out.read_text())
@@ -184,10 +190,12 @@ def test_auto_labels_name_what_differs():
 def test_build_command_binds_loopback_and_uses_this_python():
     import sys
 
-    argv = build_command("python -m server --model default", 4242)
-    assert argv[0] == sys.executable
+    env, argv = build_command("python -m server --model default", 4242)
+    assert env == {} and argv[0] == sys.executable
     assert argv[-4:] == ["--host", "127.0.0.1", "--port", "4242"]
-    assert build_command("srv --listen 127.0.0.1:{port}", 7) == ["srv", "--listen", "127.0.0.1:7"]
+    assert build_command("srv --listen 127.0.0.1:{port}", 7) == ({}, ["srv", "--listen", "127.0.0.1:7"])
+    env, argv = build_command("OMP_NUM_THREADS=1 A=b=c python -m server", 1)
+    assert env == {"OMP_NUM_THREADS": "1", "A": "b=c"} and argv[0] == sys.executable
 
 
 def test_non_loopback_targets_are_refused(capsys):

@@ -168,3 +168,38 @@ def test_server_counters_from_prometheus_text():
     assert deltas["tokens_per_step"] == pytest.approx((300 + 100) / 20)
     assert deltas["generation_tokens_per_step"] == pytest.approx(100 / 20)
     assert counter_deltas(None, after) == {}
+
+
+def test_token_gaps_classify_iterations_by_batch_and_prefill():
+    from loadtest.timeline import token_gaps
+
+    a = timeline(0.0, [0.1, 0.2, 0.3, 0.5], index=0)  # alone, then joined by b's prefill in (0.3, 0.5]
+    b = RequestRecord(1, 40, 2, 0.25, send_time=0.25, first_token_time=0.5, token_times=[0.5, 0.6])
+    b.end_time, b.output_tokens = 0.6, 2
+    gaps = sorted(token_gaps([a, b]), key=lambda g: (g.seconds, g.decoding))
+    assert [(round(g.seconds, 3), g.decoding, g.prefill_tokens) for g in gaps] == [
+        (0.1, 1, 0),  # a alone
+        (0.1, 1, 0),
+        (0.1, 1, 0),  # b's own gap: a had ended at 0.5, so b decodes alone
+        (0.2, 1, 40),  # a's last gap: the step that ran b's 40-token prefill
+    ]
+
+
+def test_default_latency_bound_starts_every_configuration_under_it():
+    from loadtest.report import default_latency_bounds
+    from loadtest.results import RunResult
+
+    def run(label: str, rate: float, throughput: float, nlat_s: float) -> RunResult:
+        r = timeline(0.0, [nlat_s])  # one token: normalized latency = e2e
+        s = summarize([r])
+        s.request_throughput = throughput
+        return RunResult(label, rate, s, [r])
+
+    # "b" is noisy: slower at its lowest rate than at the next.
+    runs = [
+        run("a", 1.0, 0.9, 0.010),
+        run("a", 2.0, 1.8, 0.012),
+        run("b", 1.0, 0.9, 0.030),
+        run("b", 2.0, 1.7, 0.020),
+    ]
+    assert default_latency_bounds(runs) == pytest.approx([60.0])  # 2 x b's 30 ms at its lowest rate

@@ -123,7 +123,9 @@ def test_config_validation():
     with pytest.raises(ValueError, match="block_size"):
         EngineConfig(block_size=0)
     with pytest.raises(ValueError, match="parallel"):
-        EngineConfig(tensor_parallel_size=2)
+        EngineConfig(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="one process"):
+        TorchModelRunner(EngineConfig(tensor_parallel_size=2))
 
 
 def test_auto_dtype_follows_native_bf16(monkeypatch: pytest.MonkeyPatch):

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.layers.parallel import SINGLE, TPContext, divide
+from models.layers.parallel import SINGLE, TPContext, balanced_shard, divide
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, Any], None]
 
@@ -114,7 +114,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 class QKVParallelLinear(ColumnParallelLinear):
     """Fused q/k/v projection, sharded by attention head.
 
-    With fewer KV heads than ranks, KV heads are replicated: rank r holds KV head r // (tp / kv_heads).
+    With at least as many KV heads as ranks, each rank takes a contiguous run of KV heads and the
+    query heads that attend to them (whole GQA groups). When the KV heads do not divide evenly the
+    runs differ by one KV head: SmolLM2-135M's 3 KV heads (9 query heads) on 2 ranks give rank 0 two
+    groups (6 query heads) and rank 1 one (3), so the attention output projection is split to match
+    (`q_shard`). With fewer KV heads than ranks, KV heads are replicated: rank r holds KV head
+    r // (tp / kv_heads), and the query heads split evenly.
     Output layout per rank: [q (local_heads * D) | k (local_kv_heads * D) | v (local_kv_heads * D)].
     """
 
@@ -131,18 +136,22 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.head_dim = head_dim
         self.total_num_heads = num_heads
         self.total_num_kv_heads = num_kv_heads
-        self.num_heads = divide(num_heads, tp.size, "number of attention heads")
         if num_kv_heads >= tp.size:
-            self.num_kv_heads = divide(num_kv_heads, tp.size, "number of KV heads")
+            group = divide(num_heads, num_kv_heads, "number of attention heads over KV heads")
+            self.kv_start, self.num_kv_heads = balanced_shard(num_kv_heads, tp.size, tp.rank)
+            self.q_start, self.num_heads = self.kv_start * group, self.num_kv_heads * group
             self.kv_replicas = 1
         else:
+            self.num_heads = divide(num_heads, tp.size, "number of attention heads")
+            self.q_start = tp.rank * self.num_heads
             self.num_kv_heads = 1
             self.kv_replicas = divide(tp.size, num_kv_heads, "tensor-parallel size over KV heads")
+            self.kv_start = tp.rank // self.kv_replicas
         nn.Module.__init__(self)
         self.tp = tp
         self.input_size = hidden_size
         self.local_output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        self.output_size = self.local_output_size * tp.size
+        self.output_size = (num_heads + 2 * num_kv_heads) * head_dim
         self.gather_output = False
         self.weight = _new_param((self.local_output_size, hidden_size), dtype, self.weight_loader)
         self.bias = _new_param((self.local_output_size,), dtype, self.weight_loader) if bias else None
@@ -155,15 +164,20 @@ class QKVParallelLinear(ColumnParallelLinear):
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def q_shard(self) -> tuple[int, int]:
+        """(start, size) of this rank's slice of the attention output (the o_proj input)."""
+        return self.q_start * self.head_dim, self.q_size
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         d = self.head_dim
         if shard_id == "q":
             full, n, offset = self.total_num_heads * d, self.q_size, 0
-            start = self.tp.rank * n
+            start = self.q_start * d
         elif shard_id in ("k", "v"):
             full, n = self.total_num_kv_heads * d, self.kv_size
             offset = self.q_size if shard_id == "k" else self.q_size + self.kv_size
-            start = (self.tp.rank // self.kv_replicas) * n
+            start = self.kv_start * d
         else:
             raise ValueError(f"QKV shard id must be 'q', 'k' or 'v', not {shard_id!r}")
         check_shape(loaded, (full, *param.shape[1:]))
@@ -171,7 +185,11 @@ class QKVParallelLinear(ColumnParallelLinear):
 
 
 class RowParallelLinear(nn.Module):
-    """y = x W^T + b with W's input dim split across ranks; partial outputs are summed by all-reduce."""
+    """y = x W^T + b with W's input dim split across ranks; partial outputs are summed by all-reduce.
+
+    `input_shard` = (start, size) of this rank's input columns when they are not an even split (the
+    attention output of unevenly sharded heads); by default rank r takes the r-th equal slice.
+    """
 
     def __init__(
         self,
@@ -180,20 +198,24 @@ class RowParallelLinear(nn.Module):
         bias: bool = False,
         dtype: torch.dtype = torch.float32,
         tp: TPContext = SINGLE,
+        input_shard: tuple[int, int] | None = None,
     ) -> None:
         super().__init__()
         self.tp = tp
         self.input_size = input_size
         self.output_size = output_size
-        self.local_input_size = divide(input_size, tp.size, "input size")
+        if input_shard is None:
+            self.local_input_size = divide(input_size, tp.size, "input size")
+            self.input_start = tp.rank * self.local_input_size
+        else:
+            self.input_start, self.local_input_size = input_shard
         self.weight = _new_param((output_size, self.local_input_size), dtype, self.weight_loader)
         # The bias is not sharded: it is added once, after the reduction.
         self.bias = _new_param((output_size,), dtype, default_weight_loader) if bias else None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         check_shape(loaded, (self.output_size, self.input_size))
-        n = self.local_input_size
-        adopt_or_copy(param, loaded.narrow(1, self.tp.rank * n, n))
+        adopt_or_copy(param, loaded.narrow(1, self.input_start, self.local_input_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:

@@ -102,6 +102,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         n=body.n or 1,
         num_prompts=1,
         logprobs=body.top_logprobs,
+        logprobs_param="top_logprobs",
         num_stops=len(body.stop_strings),
         max_tokens=body.requested_max_tokens,
     )
@@ -130,28 +131,25 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         raise invalid(str(exc)) from None
     except EngineDeadError as exc:
         raise engine_error(exc) from None
-    deadline = Deadline(state, engine, specs, state.config.request_timeout_s)
+    deadline = Deadline(state, state.config.request_timeout_s)
     gens = [
         generate_choice(engine, tokenizer, s, st, state.metrics.tracker())
         for s, st in zip(specs, streams, strict=True)
     ]
     if body.stream:
         return sse(
-            _stream(state, engine, specs, gens, meta, body, len(prompt)),
-            lambda: (deadline.cancel(), abort_all(engine, specs)),
-            deadline.error_for,
+            deadline.iterate(_stream(state, engine, specs, gens, meta, body, len(prompt))),
+            lambda: abort_all(engine, specs),
         )
     try:
         result = await cancel_on_disconnect(
-            request, _collect(state, engine, specs, gens, meta, body, len(prompt))
+            request, deadline.run(_collect(state, engine, specs, gens, meta, body, len(prompt)))
         )
     except ClientDisconnected:
         abort_all(engine, specs)  # in case the work was cancelled before it started
         return disconnected_response()
     except (GenerationError, EngineDeadError) as exc:
-        raise deadline.error_for(exc) from None
-    finally:
-        deadline.cancel()
+        raise engine_error(exc) from None
     return JSONResponse(result)
 
 

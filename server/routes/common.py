@@ -51,6 +51,7 @@ def check_limits(
     logprobs: int | None,
     num_stops: int,
     max_tokens: int | None,
+    logprobs_param: str = "logprobs",
 ) -> None:
     """The server's caps on what one request may ask for (the protocol's bounds are wider)."""
     cfg = state.config
@@ -62,7 +63,9 @@ def check_limits(
             param="n" if num_prompts == 1 else "prompt",
         )
     if logprobs is not None and logprobs > cfg.max_logprobs:
-        raise invalid(f"logprobs must be at most {cfg.max_logprobs} on this server.", param="logprobs")
+        raise invalid(
+            f"{logprobs_param} must be at most {cfg.max_logprobs} on this server.", param=logprobs_param
+        )
     if num_stops > cfg.max_stop_strings:
         raise invalid(f"At most {cfg.max_stop_strings} stop sequences are allowed.", param="stop")
     if max_tokens is not None and cfg.max_tokens is not None and max_tokens > cfg.max_tokens:
@@ -178,34 +181,45 @@ def engine_error(exc: Exception) -> APIError:
 
 
 class Deadline:
-    """The server's per-request timeout: when it passes, the request's choices are aborted, and the
-    abort reaches the client as a 408 (or an error event mid-stream) instead of a generic failure."""
+    """The server's per-request timeout, from the request's admission to its last token. Work run
+    through it is cancelled when the time is up, which closes the choices' streams (so the loop
+    aborts them) even while a step is in flight; the client gets a 408, or an error event mid-stream."""
 
-    def __init__(
-        self, state: ServerState, engine: EngineClient, specs: list[ChoiceSpec], timeout_s: float | None
-    ) -> None:
-        self.timeout_s = timeout_s
-        self.expired = False
+    def __init__(self, state: ServerState, timeout_s: float | None) -> None:
         self._state = state
-        self._handle: asyncio.TimerHandle | None = None
-        if timeout_s is not None:
-            # The callback runs in this request's context, so its log line carries the request id.
-            self._handle = asyncio.get_running_loop().call_later(timeout_s, self._expire, engine, specs)
+        self.timeout_s = timeout_s
+        self._end = None if timeout_s is None else asyncio.get_running_loop().time() + timeout_s
 
-    def _expire(self, engine: EngineClient, specs: list[ChoiceSpec]) -> None:
-        self.expired = True
+    def _remaining(self) -> float | None:
+        return None if self._end is None else max(self._end - asyncio.get_running_loop().time(), 0.0)
+
+    def _expired(self) -> APIError:
+        assert self.timeout_s is not None
         self._state.metrics.count_rejected("timeout")
-        logger.warning("request timed out after %g s; aborting its %d choices", self.timeout_s, len(specs))
-        abort_all(engine, specs)
+        logger.warning("request timed out after %g s; aborted", self.timeout_s)
+        return request_timeout(self.timeout_s)
 
-    def cancel(self) -> None:
-        if self._handle is not None:
-            self._handle.cancel()
+    async def run(self, work: Coroutine[Any, Any, T]) -> T:
+        try:
+            return await asyncio.wait_for(work, self._remaining())
+        except asyncio.TimeoutError:
+            raise self._expired() from None
 
-    def error_for(self, exc: Exception) -> APIError:
-        if self.expired and self.timeout_s is not None:
-            return request_timeout(self.timeout_s)
-        return engine_error(exc)
+    async def iterate(self, events: AsyncIterator[T]) -> AsyncIterator[T]:
+        """`events`, each one awaited under the time left; closing this closes `events`."""
+        try:
+            while True:
+                try:
+                    item = await asyncio.wait_for(anext(events), self._remaining())
+                except StopAsyncIteration:
+                    return
+                except asyncio.TimeoutError:
+                    raise self._expired() from None
+                yield item
+        finally:
+            aclose = getattr(events, "aclose", None)
+            if aclose is not None:
+                await aclose()
 
 
 class ClientDisconnected(Exception):
@@ -244,11 +258,7 @@ def disconnected_response() -> Response:
     return Response(status_code=499)
 
 
-def sse(
-    events: AsyncIterator[dict[str, Any] | str],
-    cleanup: Callable[[], None],
-    error_for: Callable[[Exception], APIError] = engine_error,
-) -> EventSourceResponse:
+def sse(events: AsyncIterator[dict[str, Any] | str], cleanup: Callable[[], None]) -> EventSourceResponse:
     """`data: {json}` events, then `data: [DONE]`. An error mid-stream arrives as an event holding the
     OpenAI error object (the status line is long gone), followed by [DONE]. `cleanup` runs once the
     response is over however it ended: a client gone before the first event never starts `events`,
@@ -270,7 +280,7 @@ def sse(
         except Exception as exc:  # GenerationError, EngineDeadError, or a bug: the client must hear of it
             if not isinstance(exc, GenerationError):
                 logger.exception("stream failed")
-            yield {"data": json.dumps(error_for(exc).body())}
+            yield {"data": json.dumps(engine_error(exc).body())}
         yield {"data": "[DONE]"}
 
     # Pings are SSE comments (": ping"), which every SSE parser (the openai client's included) skips;

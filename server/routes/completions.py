@@ -123,7 +123,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         raise invalid(str(exc)) from None
     except EngineDeadError as exc:
         raise engine_error(exc) from None
-    deadline = Deadline(state, engine, specs, state.config.request_timeout_s)
+    deadline = Deadline(state, state.config.request_timeout_s)
     gens = [
         generate_choice(engine, tokenizer, s, st, state.metrics.tracker())
         for s, st in zip(specs, streams, strict=True)
@@ -131,21 +131,18 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     prompt_tokens = sum(len(p) for p in prompts)
     if body.stream:
         return sse(
-            _stream(state, engine, specs, gens, meta, body, echoes, prompt_tokens),
-            lambda: (deadline.cancel(), abort_all(engine, specs)),
-            deadline.error_for,
+            deadline.iterate(_stream(state, engine, specs, gens, meta, body, echoes, prompt_tokens)),
+            lambda: abort_all(engine, specs),
         )
     try:
         result = await cancel_on_disconnect(
-            request, _collect(state, engine, specs, gens, meta, body, echoes, prompt_tokens)
+            request, deadline.run(_collect(state, engine, specs, gens, meta, body, echoes, prompt_tokens))
         )
     except ClientDisconnected:
         abort_all(engine, specs)  # in case the work was cancelled before it started
         return disconnected_response()
     except (GenerationError, EngineDeadError) as exc:
-        raise deadline.error_for(exc) from None
-    finally:
-        deadline.cancel()
+        raise engine_error(exc) from None
     return JSONResponse(result)
 
 

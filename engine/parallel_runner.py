@@ -1,0 +1,503 @@
+"""Tensor- and pipeline-parallel model runner on torch.distributed.
+
+Rank 0, the driver, lives in the server process: it runs the scheduler, holds tensor shard 0 of the
+first pipeline stage, and samples. Ranks 1..N-1 are worker processes (started here with torch
+multiprocessing, or by torchrun across machines) that loop: receive a step message, run their part,
+pass the result on.
+
+One step, for TP=t and PP=p:
+  driver: validate the batch, build its inputs, broadcast the step message to stage 0's other ranks,
+          run stage 0, send (message, hidden states) to stage 1 (each TP rank to its counterpart)
+  stage s: receive, run its layers on its own KV cache, send on; the last stage gathers the vocab
+          shards of the logits at the sampled positions and its TP rank 0 sends them to the driver
+  driver: receive the logits, sample.
+`submit()` returns after stage 0 so the scheduler can put up to p batches in flight (ORCA); `collect()`
+waits for a batch's logits and samples. `step()` is submit + collect.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import multiprocessing.connection
+import multiprocessing.process
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from engine.batch import SampledToken, ScheduledSequence
+from engine.config import (
+    CPU_DEFAULT_KV_BYTES,
+    CUDA_KV_MEMORY_FRACTION,
+    EngineConfig,
+    resolve_device,
+    resolve_dtype,
+    resolve_model_path,
+)
+from engine.distributed import (
+    OP_SHUTDOWN,
+    RankGroups,
+    Topology,
+    WorkerDiedError,
+    agree_on_min,
+    broadcast_message,
+    decode_batch,
+    encode_batch,
+    free_tcp_port,
+    init_groups,
+    launched_by_torchrun,
+    recv_message,
+    send_message,
+    shutdown_message,
+)
+from engine.inputs import InputLimits, StepInputs, build_step_inputs
+from engine.kv_cache import KVCacheManager, KVCacheSpec, default_kv_budget
+from engine.runner import read_eos_token_ids
+from engine.sampler import Sampler, validate_sampling
+
+logger = logging.getLogger(__name__)
+
+# After a failed collective, how long to wait for a local worker to be seen exiting.
+DEATH_GRACE_S = 1.0
+# How often start-up checks that the workers are still alive.
+STARTUP_POLL_S = 0.2
+# How often a driver on CUDA checks a pending receive (and its workers) while it waits.
+NCCL_POLL_S = 0.0005
+
+T = TypeVar("T")
+
+
+def rank_device(config: EngineConfig, local_rank: int) -> torch.device:
+    """Each rank's device: the CPU, or the local_rank-th GPU of its machine."""
+    device = resolve_device(config.device)
+    if device.type == "cuda":
+        return torch.device("cuda", (device.index or 0) + local_rank)
+    return device
+
+
+def share_cpu_threads(local_world_size: int) -> None:
+    """Ranks on one CPU split its cores; torch's default (all cores each) oversubscribes them."""
+    cores = os.cpu_count() or 1
+    torch.set_num_threads(max(1, cores // local_world_size))
+
+
+class StageExecutor:
+    """One rank's share of the model: its TP shard of its stage's layers, their KV cache, the forward."""
+
+    def __init__(self, config: EngineConfig, model_path: Path, groups: RankGroups) -> None:
+        from models.loader import load_model, max_model_len
+
+        self.groups = groups
+        self.device = groups.device
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        topo = groups.topology
+        self.model = load_model(
+            model_path,
+            self.dtype,
+            self.device,
+            tp_rank=groups.tp_rank,
+            tp_size=topo.tp_size,
+            tp_group=groups.tp,
+            attention_backend=config.attention_backend,
+            pp_rank=groups.stage,
+            pp_size=topo.pp_size,
+        )
+        hf_config = self.model.config
+        model_max = max_model_len(hf_config)
+        if config.max_model_len is not None and config.max_model_len > model_max:
+            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's maximum {model_max}")
+        self.max_model_len: int = config.max_model_len or model_max
+        self.vocab_size: int = self.model.vocab_size
+        self.hidden_size: int = self.model.hidden_size
+        spec = KVCacheSpec(
+            num_layers=self.model.num_layers,  # this stage's layers
+            num_kv_heads=self.model.num_kv_heads,  # this TP rank's heads
+            head_dim=self.model.head_dim,
+            block_size=config.block_size,
+            dtype=self.dtype,
+        )
+        if config.num_kv_blocks is not None:
+            num_blocks = config.num_kv_blocks
+        else:
+            budget = config.kv_cache_memory or default_kv_budget(
+                self.device, CPU_DEFAULT_KV_BYTES, CUDA_KV_MEMORY_FRACTION
+            )
+            num_blocks = spec.num_blocks_for(budget)
+        # Block ids mean the same on every rank, so all ranks use the smallest count any can hold.
+        num_blocks = agree_on_min(num_blocks, groups.cpu)
+        self.kv_cache = KVCacheManager(spec, num_blocks, self.device)
+        self.num_kv_blocks = num_blocks
+        self.block_size = config.block_size
+        self.limits = InputLimits(num_blocks, config.block_size, self.max_model_len, self.vocab_size)
+
+    def forward(self, inputs: StepInputs, hidden_in: torch.Tensor | None) -> torch.Tensor:
+        """This stage's layers over the step: [T, hidden] in (None on stage 0), [T, hidden] out."""
+        return self.model(
+            inputs.input_ids,
+            inputs.positions,
+            self.kv_cache.layers,
+            inputs.attn_metadata,
+            hidden_states=hidden_in,
+        )
+
+    def sampled_logits(self, inputs: StepInputs, hidden: torch.Tensor) -> torch.Tensor:
+        """[S, vocab] float32 at each sampling row's last token (a TP all-gather of the vocab shards)."""
+        return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    def recv_hidden(self, num_tokens: int) -> torch.Tensor:
+        hidden = torch.empty(
+            num_tokens, self.hidden_size, dtype=self.dtype, device=self.device
+        )  # [T, hidden]
+        dist.recv(hidden, self.groups.prev_rank, group=self.groups.data)
+        return hidden
+
+    def serve(self) -> None:
+        """The worker loop: run steps until the shutdown message."""
+        g = self.groups
+        with torch.inference_mode():
+            while True:
+                if g.is_first_stage:
+                    assert g.stage0_control is not None  # workers of stage 0 exist only with TP > 1
+                    msg = broadcast_message(None, 0, g.stage0_control)
+                else:
+                    msg = recv_message(g.prev_rank, g.control)
+                if msg.op == OP_SHUTDOWN:
+                    if not g.is_last_stage:
+                        send_message(msg, g.next_rank, g.control)
+                    return
+                hidden_in = None if g.is_first_stage else self.recv_hidden(msg.num_tokens)
+                inputs = build_step_inputs(decode_batch(msg), self.limits, self.device)
+                hidden = self.forward(inputs, hidden_in)
+                if not g.is_last_stage:
+                    send_message(msg, g.next_rank, g.control)
+                    dist.send(hidden, g.next_rank, group=g.data)
+                elif msg.num_sample:
+                    logits = self.sampled_logits(inputs, hidden)  # every TP rank takes part
+                    if g.rank == g.last_stage_head:
+                        dist.send(logits, 0, group=g.data)
+
+
+# ---- worker processes ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What a spawned worker needs (picklable)."""
+
+    rank: int
+    topology: Topology
+    init_method: str
+    engine: EngineConfig
+    model_path: str
+    local_world_size: int
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    """Entry point of a worker process started by the driver."""
+    # Ctrl-C reaches the whole foreground process group; the driver decides when workers stop (it
+    # drains in-flight requests first), so they ignore it.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank{spec.rank} %(levelname)s %(message)s")
+    device = rank_device(spec.engine, spec.rank)
+    if device.type == "cpu":
+        share_cpu_threads(spec.local_world_size)
+    groups = init_groups(
+        spec.rank, spec.topology, spec.init_method, device, spec.engine.distributed_timeout_s
+    )
+    try:
+        StageExecutor(spec.engine, Path(spec.model_path), groups).serve()
+    finally:
+        dist.destroy_process_group()
+
+
+def run_torchrun_worker(config: EngineConfig) -> None:
+    """Entry point of ranks 1..N-1 under torchrun (`python -m server` on every rank; see docs)."""
+    rank = int(os.environ["RANK"])
+    topology = Topology(config.tensor_parallel_size, config.pipeline_parallel_size)
+    if int(os.environ["WORLD_SIZE"]) != topology.world_size:
+        raise ValueError(
+            f"torchrun started {os.environ['WORLD_SIZE']} processes, but tensor x pipeline parallel "
+            f"size is {topology.world_size}"
+        )
+    local_rank = int(os.environ.get("LOCAL_RANK", rank))
+    device = rank_device(config, local_rank)
+    if device.type == "cpu":
+        share_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
+    model_path = resolve_model_path(config.model)
+    groups = init_groups(rank, topology, "env://", device, config.distributed_timeout_s)
+    try:
+        StageExecutor(config, model_path, groups).serve()
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- the driver ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class PendingStep:
+    """A batch between submit() and collect()."""
+
+    batch: Sequence[ScheduledSequence]
+    sample_rows: list[int] = field(default_factory=list)
+    logits: torch.Tensor | None = None  # [S, vocab] float32; being received while `recv` is pending
+    recv: Any = None  # dist.Work of the logits' irecv (pipeline parallel)
+    sends: list[Any] = field(default_factory=list)  # dist.Work of the isends to stage 1
+    keep: list[torch.Tensor] = field(default_factory=list)  # tensors the isends read from
+
+
+class ParallelModelRunner:
+    """engine.batch.ModelRunner over tensor_parallel_size x pipeline_parallel_size ranks."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if dist.is_initialized():
+            raise ValueError(
+                "this process already belongs to a process group: one parallel engine per process"
+            )
+        self.config = config
+        self.topology = Topology(config.tensor_parallel_size, config.pipeline_parallel_size)
+        # ORCA: as many batches in flight as there are stages (the scheduler loop reads this).
+        self.pipeline_depth: int = self.topology.pp_size
+        self.model_path = resolve_model_path(config.model)  # converts a GGUF once, before any worker starts
+        self._procs: list[multiprocessing.process.BaseProcess] = []
+        self._dead_reason: str | None = None
+        self._closed = False
+        world = self.topology.world_size
+        if launched_by_torchrun():
+            if int(os.environ["RANK"]) != 0:
+                raise ValueError(
+                    "ParallelModelRunner is rank 0; other torchrun ranks run run_torchrun_worker"
+                )
+            if int(os.environ["WORLD_SIZE"]) != world:
+                raise ValueError(
+                    f"torchrun started {os.environ['WORLD_SIZE']} processes, but tensor x pipeline "
+                    f"parallel size is {world}"
+                )
+            init_method = "env://"
+            local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+            device = rank_device(config, int(os.environ.get("LOCAL_RANK", 0)))
+        else:
+            init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
+            local_world = world
+            device = rank_device(config, 0)
+            self._spawn_workers(init_method, world)
+        if device.type == "cpu":
+            share_cpu_threads(local_world)
+        try:
+            self._groups = self._watching_workers(
+                lambda: init_groups(0, self.topology, init_method, device, config.distributed_timeout_s)
+            )
+            self._stage = self._watching_workers(lambda: StageExecutor(config, self.model_path, self._groups))
+        except BaseException:
+            self._kill_workers()
+            raise
+        atexit.register(self.close)
+        s = self._stage
+        self.device = device
+        self.dtype = s.dtype
+        self.num_kv_blocks: int = s.num_kv_blocks
+        self.block_size: int = s.block_size
+        self.max_model_len: int = s.max_model_len
+        self.vocab_size: int = s.vocab_size
+        self.eos_token_ids: frozenset[int] = read_eos_token_ids(self.model_path, s.model.config)
+        self.sampler = Sampler(self.vocab_size, self.eos_token_ids, device, config.seed)
+
+    def _spawn_workers(self, init_method: str, world: int) -> None:
+        ctx = mp.get_context("spawn")
+        for rank in range(1, world):
+            spec = WorkerSpec(rank, self.topology, init_method, self.config, str(self.model_path), world)
+            # daemon: a driver that exits normally takes its workers with it.
+            proc = ctx.Process(target=worker_main, args=(spec,), name=f"orca-rank{rank}", daemon=True)
+            proc.start()
+            self._procs.append(proc)
+
+    def _watching_workers(self, start: Callable[[], T]) -> T:
+        """Run a start-up phase that waits on every rank (rendezvous, loading) in a helper thread, and
+        fail at once, naming the worker, if a worker process exits meanwhile (a worker that cannot
+        load its shard would otherwise leave the driver waiting for the whole timeout)."""
+        result: list[T] = []
+        error: list[BaseException] = []
+        done = threading.Event()
+
+        def run() -> None:
+            try:
+                result.append(start())
+            except BaseException as exc:  # handed to the caller's thread
+                error.append(exc)
+            finally:
+                done.set()
+
+        threading.Thread(target=run, name="orca-parallel-start", daemon=True).start()
+        while not done.wait(STARTUP_POLL_S):
+            if self.dead_reason is not None:
+                raise WorkerDiedError(f"start-up failed: {self.dead_reason} (see its log above)")
+        if error:
+            raise error[0]
+        return result[0]
+
+    # ---- health ---------------------------------------------------------------------------------
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why this engine can run no more steps (None while it can). Cheap: the scheduler loop and the
+        server's health check read it; a worker that exited is noticed here even while idle."""
+        if self._dead_reason is None:
+            for proc in self._procs:
+                if not proc.is_alive():
+                    self._dead_reason = (
+                        f"worker {proc.name} (pid {proc.pid}) exited with code {proc.exitcode}"
+                    )
+                    break
+        return self._dead_reason
+
+    def _check_alive(self) -> None:
+        reason = self.dead_reason
+        if reason is not None:
+            raise WorkerDiedError(f"the parallel engine is down: {reason}")
+
+    def _fail(self, exc: BaseException) -> WorkerDiedError:
+        """A collective failed mid-step: the group is broken for good."""
+        # The failure is usually a peer's socket closing as it dies; give the process a moment to be
+        # reaped so the error names the worker rather than the socket.
+        if self._procs:
+            gone = multiprocessing.connection.wait([p.sentinel for p in self._procs], DEATH_GRACE_S)
+            for proc in self._procs:
+                if proc.sentinel in gone:
+                    # The sentinel closes a moment before the exit status can be collected.
+                    proc.join(DEATH_GRACE_S)
+        if self.dead_reason is None:
+            self._dead_reason = f"a distributed operation failed ({type(exc).__name__}: {exc})"
+        return WorkerDiedError(f"the parallel engine is down: {self.dead_reason}")
+
+    # ---- steps ----------------------------------------------------------------------------------
+
+    def step(self, batch: Sequence[ScheduledSequence]) -> list[SampledToken | None]:
+        return self.collect(self.submit(batch))
+
+    def submit(self, batch: Sequence[ScheduledSequence]) -> PendingStep:
+        """Start a step: validate, tell every rank, run stage 0. Returns once stage 0's part is sent on.
+
+        A bad batch raises ValueError before any rank hears of it (the engine stays usable); any failure
+        after that raises WorkerDiedError, because the ranks are no longer in step with each other.
+        """
+        if self._closed:
+            raise WorkerDiedError("the parallel engine is shut down")
+        self._check_alive()
+        pending = PendingStep(batch)
+        if not batch:
+            return pending
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)  # per thread: the step thread is not the one that started
+        g, stage = self._groups, self._stage
+        validate_sampling([s for s in batch if s.sample], self.vocab_size)
+        inputs = build_step_inputs(batch, stage.limits, self.device)
+        msg = encode_batch(batch)
+        pending.sample_rows = inputs.sample_rows
+        num_sample = len(inputs.sample_rows)
+        try:
+            with torch.inference_mode():
+                if g.stage0_control is not None:
+                    broadcast_message(msg, 0, g.stage0_control)
+                hidden = stage.forward(inputs, None)  # [T, hidden]
+                if g.is_last_stage:  # no pipeline: this rank also holds (a shard of) the LM head
+                    if num_sample:
+                        pending.logits = stage.sampled_logits(inputs, hidden)
+                    return pending
+                pending.keep = [msg.header, msg.payload, hidden]
+                pending.sends = [dist.isend(msg.header, g.next_rank, group=g.control)]
+                if msg.payload.numel():
+                    pending.sends.append(dist.isend(msg.payload, g.next_rank, group=g.control))
+                pending.sends.append(dist.isend(hidden, g.next_rank, group=g.data))
+                if num_sample:
+                    pending.logits = torch.empty(
+                        num_sample, self.vocab_size, dtype=torch.float32, device=self.device
+                    )
+                    pending.recv = dist.irecv(pending.logits, g.last_stage_head, group=g.data)
+        except Exception as exc:
+            raise self._fail(exc) from exc
+        return pending
+
+    def collect(self, pending: PendingStep) -> list[SampledToken | None]:
+        """Wait for a submitted step's logits (pipeline: from the last stage) and sample."""
+        out: list[SampledToken | None] = [None] * len(pending.batch)
+        try:
+            for work in pending.sends:
+                self._wait(work)
+            if pending.recv is not None:
+                self._wait(pending.recv)
+        except WorkerDiedError:
+            raise
+        except Exception as exc:
+            raise self._fail(exc) from exc
+        pending.keep.clear()
+        if pending.logits is None:
+            return out
+        with torch.inference_mode():
+            sampled = self.sampler(pending.logits, [pending.batch[i] for i in pending.sample_rows])
+        for i, tok in zip(pending.sample_rows, sampled, strict=True):
+            out[i] = tok
+        return out
+
+    def _wait(self, work: Any) -> None:
+        """Wait for a point-to-point operation. gloo fails at once when a peer's socket closes, but
+        NCCL waits for a dead peer until its watchdog timeout, so on CUDA the driver polls the
+        operation and its local workers' liveness instead of blocking."""
+        if self.device.type == "cuda" and self._procs:
+            while not work.is_completed():
+                self._check_alive()
+                time.sleep(NCCL_POLL_S)
+        work.wait()
+
+    # ---- shutdown -------------------------------------------------------------------------------
+
+    def close(self, timeout_s: float = 10.0) -> None:
+        """Stop the workers (a shutdown message when the group is healthy, else kill) and leave the group."""
+        if self._closed:
+            return
+        self._closed = True
+        atexit.unregister(self.close)
+        g = self._groups
+        if self._dead_reason is None and all(p.is_alive() for p in self._procs):
+            try:
+                msg = shutdown_message()
+                if g.stage0_control is not None:
+                    broadcast_message(msg, 0, g.stage0_control)
+                if not g.is_last_stage:
+                    send_message(msg, g.next_rank, g.control)
+                for proc in self._procs:
+                    proc.join(timeout_s)
+            except Exception:  # a broken group: the workers are killed below
+                logger.warning("workers did not take the shutdown message; killing them", exc_info=True)
+        self._kill_workers()
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a group left broken by a dead worker may fail to tear down; nothing to do
+            logger.debug("destroy_process_group failed", exc_info=True)
+
+    def _kill_workers(self) -> None:
+        for proc in self._procs:
+            if proc.is_alive():
+                proc.kill()
+            proc.join(5.0)
+
+
+def create_runner(config: EngineConfig) -> Any:
+    """The runner for a config: one process (TorchModelRunner) or several (ParallelModelRunner)."""
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        return ParallelModelRunner(config)
+    from engine.runner import TorchModelRunner
+
+    return TorchModelRunner(config)

@@ -1,0 +1,470 @@
+"""Tensor and pipeline parallelism on torch.distributed (gloo, CPU, 2 processes, a tiny float32 Llama):
+the same greedy tokens as one process, directly, through the pipelined scheduler loop and over HTTP;
+a dead worker makes the server unhealthy and fails requests with a clear error.
+
+The pieces without processes (stage splitting, the step message, the pipelined loop on a fake runner)
+are tested first, in milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import os
+import shutil
+import signal
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import torch
+from conftest import build_hf_model, tiny_gpt2_config, tiny_llama_config
+from fakes import FakeRunner, live_server, wait_until
+
+from engine.batch import SampledToken, SamplingParams, ScheduledSequence
+from engine.config import EngineConfig
+from engine.distributed import Topology, decode_batch, encode_batch
+from engine.parallel_runner import ParallelModelRunner
+from engine.runner import TorchModelRunner
+from models.layers.parallel import PPContext
+from models.loader import load_tokenizer
+from models.registry import model_class_for
+from scheduler.config import SchedulerConfig
+from scheduler.loop import AsyncEngine
+from server.app import create_app
+from server.config import ServerConfig
+from server.state import LoadedModel
+from server.tokenizer import ServerTokenizer
+
+NUM_KV_BLOCKS = 128
+
+
+def UNEVEN_CONFIG() -> Any:
+    """Heads that do not split evenly over 2 ranks, like the default model's (9 query, 3 KV heads)."""
+    return tiny_llama_config(hidden_size=96, num_attention_heads=6, num_key_value_heads=3)
+
+
+PROMPTS = [
+    [3, 1, 4, 1, 5, 9, 2, 6],
+    [5, 3, 5],
+    [8, 9, 7, 9, 3, 2, 3, 8, 4, 6, 2, 6, 4, 3, 3, 8, 3, 2, 7, 9],  # longer than the token budget: chunked
+    [2, 7, 1, 8],
+]
+MAX_TOKENS = 6
+# A small budget, so the long prompt runs in chunks alongside the others' decodes.
+SCHED = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16)
+
+
+# ---------------------------------------------------------------------------- no processes needed
+
+
+def test_layer_ranges_partition_the_layers() -> None:
+    for layers in (2, 5, 30):
+        for size in (1, 2, 3):
+            if layers < size:
+                continue
+            ranges = [PPContext(r, size).layer_range(layers) for r in range(size)]
+            assert [i for r in ranges for i in r] == list(range(layers))
+            assert max(map(len, ranges)) - min(map(len, ranges)) <= 1
+    with pytest.raises(ValueError, match="cannot be split"):
+        PPContext(0, 3).layer_range(2)
+
+
+@pytest.mark.parametrize("family", ["llama", "llama-untied", "gpt2"])
+def test_pipeline_stages_chained_equal_the_whole_model(family: str) -> None:
+    """Stage 0 (embedding + first layers) then stage 1 (last layers, norm, head), each loading only its
+    own weights from the full checkpoint, give the logits of the unsplit model."""
+    from test_models import PagedCacheHarness
+
+    config = {
+        "llama": lambda: tiny_llama_config(vocab_size=512, num_hidden_layers=3),
+        "llama-untied": lambda: tiny_llama_config(vocab_size=512, tie_word_embeddings=False),
+        "gpt2": lambda: tiny_gpt2_config(vocab_size=509, n_layer=3),
+    }[family]()
+    weights = build_hf_model(config).state_dict()
+    cls = model_class_for(config)
+    whole = cls(config, dtype=torch.float32)
+    whole.load_weights(weights.items())
+    stages = [cls(config, dtype=torch.float32, pp=PPContext(s, 2)) for s in range(2)]
+    for stage in stages:
+        stage.load_weights(weights.items())
+    assert stages[0].lm_head is None and stages[1].lm_head is not None
+    assert stages[0].num_layers + stages[1].num_layers == whole.num_layers
+
+    prompts = [[3, 1, 4, 1, 5], [9, 2]]
+    ref, split = PagedCacheHarness(whole, len(prompts)), [PagedCacheHarness(s, len(prompts)) for s in stages]
+    batch = ref.step(prompts)
+    with torch.no_grad():
+        expected = whole.compute_logits(
+            whole(batch.input_ids, batch.positions, ref.kv_caches, batch.metadata)
+        )
+        hidden = stages[0](batch.input_ids, batch.positions, split[0].kv_caches, batch.metadata)
+        hidden = stages[1](
+            batch.input_ids, batch.positions, split[1].kv_caches, batch.metadata, hidden_states=hidden
+        )
+        logits = stages[1].compute_logits(hidden)
+    torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+
+
+def test_uneven_heads_shard_by_whole_kv_groups() -> None:
+    """SmolLM2-135M's shape (3 KV heads, 3 query heads each) on 2 ranks: rank 0 takes two groups and
+    rank 1 one; the o_proj columns follow, and the shards put together are the checkpoint."""
+    from models.layers.parallel import TPContext
+
+    config = UNEVEN_CONFIG()
+    full = build_hf_model(config).state_dict()
+    ranks = []
+    for rank in range(2):
+        model = model_class_for(config)(config, dtype=torch.float32, tp=TPContext(rank, 2))
+        model.load_weights(full.items())
+        ranks.append(model)
+    attn = [m.model.layers[0].self_attn for m in ranks]
+    assert [(a.num_heads, a.num_kv_heads) for a in attn] == [(4, 2), (2, 1)]
+    pre = "model.layers.0.self_attn."
+    q = torch.cat([a.qkv_proj.weight[: a.num_heads * 16] for a in attn])
+    assert torch.equal(q, full[pre + "q_proj.weight"])
+    k = torch.cat([a.qkv_proj.weight[a.num_heads * 16 : (a.num_heads + a.num_kv_heads) * 16] for a in attn])
+    assert torch.equal(k, full[pre + "k_proj.weight"])
+    assert torch.equal(torch.cat([a.o_proj.weight for a in attn], dim=1), full[pre + "o_proj.weight"])
+
+
+def test_step_message_round_trip() -> None:
+    batch = [
+        ScheduledSequence("a", [5, 6, 7], 0, [3], True),
+        ScheduledSequence("b", [9], 20, [1, 4], True),
+        ScheduledSequence("c", [1, 2], 16, [0, 2, 7], False),
+    ]
+    msg = encode_batch(batch)
+    # Compact: header + tokens + 3 ints per sequence + the padded block tables, all int64.
+    assert msg.payload.numel() == 6 + 3 * 3 + 3 * 3 and msg.num_sample == 2
+    back = decode_batch(msg)
+    assert [list(s.token_ids) for s in back] == [[5, 6, 7], [9], [1, 2]]
+    assert [s.start_position for s in back] == [0, 20, 16]
+    assert [s.sample for s in back] == [True, True, False]
+    assert [list(s.block_table) for s in back] == [[3, 0, 0], [1, 4, 0], [0, 2, 7]]
+
+
+def test_communication_volume_of_the_default_model_shape() -> None:
+    """The per-sequence figures docs/parallelism.md quotes for SmolLM2-135M (30 layers, hidden 576,
+    vocabulary 49152, float32) in a decode step."""
+    from engine.parallel_bench import comm_volume
+
+    shape = dict(num_layers=30, hidden=576, vocab=49152, act_bytes=4, tokens=1, seqs=1, blocks=5)
+    tp2, pp2 = comm_volume(2, 1, **shape), comm_volume(1, 2, **shape)
+    assert tp2.tensor_parallel == 61 * 2 * 576 * 4 + 49152 * 4 and tp2.pipeline == 0
+    assert pp2.pipeline == 576 * 4 + 49152 * 4 and pp2.tensor_parallel == 0
+    assert tp2.control == pp2.control == 8 * (8 + 1 + 3 + 5)  # one message, to one other rank
+
+
+def test_topology_is_stage_major() -> None:
+    topo = Topology(tp_size=2, pp_size=3)
+    assert topo.world_size == 6
+    assert [topo.stage_of(r) for r in range(6)] == [0, 0, 1, 1, 2, 2]
+    assert topo.stage_ranks(1) == [2, 3] and topo.rank_of(2, 1) == 5
+
+
+class PipelinedFake(FakeRunner):
+    """A FakeRunner with submit/collect: checks ORCA's invariants of the pipelined loop."""
+
+    def __init__(self, depth: int, num_kv_blocks: int = 64) -> None:
+        super().__init__(num_kv_blocks=num_kv_blocks)
+        self.pipeline_depth = depth
+        self.in_flight: list[list[ScheduledSequence]] = []
+        self.max_in_flight = 0
+        self.computed: dict[str, int] = {}  # tokens each request has had submitted
+
+    def submit(self, batch: Sequence[ScheduledSequence]) -> list[ScheduledSequence]:
+        busy = {s.request_id for b in self.in_flight for s in b}
+        for seq in batch:
+            assert seq.request_id not in busy, "a request in two in-flight batches"
+            # Preempted requests restart at 0; otherwise each batch continues where the last ended.
+            assert seq.start_position in (0, self.computed.get(seq.request_id, 0))
+            self.computed[seq.request_id] = seq.context_len
+        self.in_flight.append(list(batch))
+        self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
+        assert len(self.in_flight) <= self.pipeline_depth
+        return self.in_flight[-1]
+
+    def collect(self, handle: list[ScheduledSequence]) -> list[SampledToken | None]:
+        assert handle is self.in_flight[0], "collected out of submission order"
+        self.in_flight.pop(0)
+        return self.step(handle)
+
+
+async def greedy_through_loop(
+    runner: Any, prompts: Sequence[Sequence[int]], max_tokens: int, engine: AsyncEngine | None = None
+) -> list[list[int]]:
+    engine = engine or AsyncEngine(runner, SCHED)
+    await engine.start()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+    async def one(i: int, prompt: Sequence[int]) -> list[int]:
+        tokens: list[int] = []
+        async for delta in engine.generate(prompt, params, f"req-{i}"):
+            assert delta.error is None, delta.error
+            tokens += delta.token_ids
+        return tokens
+
+    try:
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+    finally:
+        await engine.shutdown()
+
+
+@pytest.mark.parametrize("num_kv_blocks", [64, 6], ids=["roomy", "preempting"])
+async def test_pipelined_loop_keeps_depth_batches_in_flight(num_kv_blocks: int) -> None:
+    """Same tokens as the plain loop, up to `depth` batches in flight, none sharing a request, and with
+    a tight KV cache preemptions that never hit a request whose batch is still in the pipeline."""
+    prompts = [[20 + i] * (3 + 5 * i) for i in range(6)]
+    plain = await greedy_through_loop(FakeRunner(num_kv_blocks=num_kv_blocks), prompts, 8)
+    fake = PipelinedFake(depth=2, num_kv_blocks=num_kv_blocks)
+    engine = AsyncEngine(fake, SCHED)
+    piped = await greedy_through_loop(fake, prompts, 8, engine)
+    assert piped == plain
+    assert fake.max_in_flight == 2 and not fake.in_flight
+    assert fake.max_batch_seen <= 3  # the 6 requests spread over the 2 batches in flight
+    if num_kv_blocks == 6:
+        assert engine.stats().num_preemptions > 0
+
+
+async def test_pipelined_loop_stops_on_a_fatal_step_error() -> None:
+    class Fatal(RuntimeError):
+        fatal = True
+
+    class DiesAtThirdStep(PipelinedFake):
+        def submit(self, batch: Sequence[ScheduledSequence]) -> list[ScheduledSequence]:
+            if self.num_steps >= 2:
+                raise Fatal("worker gone")
+            return super().submit(batch)
+
+    engine = AsyncEngine(DiesAtThirdStep(depth=2), SCHED)
+    await engine.start()
+    deltas = [d async for d in engine.generate([5, 6, 7], SamplingParams(max_tokens=20), "r")]
+    assert deltas[-1].error is not None and "worker gone" in deltas[-1].error
+    await wait_until(lambda: not engine.is_running)
+    await engine.shutdown()
+
+
+# ------------------------------------------------------------------------- two gloo processes
+
+
+def engine_config(model_dir: Path, tp: int = 1, pp: int = 1) -> EngineConfig:
+    return EngineConfig(
+        model=str(model_dir),
+        dtype="float32",
+        device="cpu",
+        num_kv_blocks=NUM_KV_BLOCKS,
+        tensor_parallel_size=tp,
+        pipeline_parallel_size=pp,
+        distributed_timeout_s=60.0,
+    )
+
+
+@pytest.fixture(scope="module")
+def uneven_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer_dir: Path) -> Path:
+    """A tiny random Llama (with the SmolLM2 tokenizer) whose heads split unevenly over 2 ranks."""
+    out = tmp_path_factory.mktemp("uneven-llama")
+    build_hf_model(UNEVEN_CONFIG()).save_pretrained(out, safe_serialization=True)
+    for f in smollm2_tokenizer_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="module")
+def reference_tokens(uneven_llama_dir: Path) -> list[list[int]]:
+    runner = TorchModelRunner(engine_config(uneven_llama_dir))
+    return asyncio.run(greedy_through_loop(runner, PROMPTS, MAX_TOKENS))
+
+
+@pytest.fixture(scope="module")
+def reference_texts(uneven_llama_dir: Path) -> list[str]:
+    return asyncio.run(
+        completions_over_http(TorchModelRunner(engine_config(uneven_llama_dir)), uneven_llama_dir)
+    )
+
+
+# Class scope: one runner per config at a time (a process joins one default process group at most).
+@pytest.fixture(scope="class", params=[(2, 1), (1, 2)], ids=["tp2", "pp2"])
+def parallel_runner(request: pytest.FixtureRequest, uneven_llama_dir: Path) -> Iterator[ParallelModelRunner]:
+    tp, pp = request.param
+    runner = ParallelModelRunner(engine_config(uneven_llama_dir, tp, pp))
+    try:
+        yield runner
+    finally:
+        runner.close()
+
+
+class InFlightProbe:
+    """Wraps a runner's submit/collect to record how many batches were in flight at once."""
+
+    def __init__(self, runner: ParallelModelRunner) -> None:
+        self._runner = runner
+        self.outstanding = 0
+        self.max_outstanding = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._runner, name)
+
+    def submit(self, batch: Sequence[ScheduledSequence]) -> Any:
+        handle = self._runner.submit(batch)
+        self.outstanding += 1
+        self.max_outstanding = max(self.max_outstanding, self.outstanding)
+        return handle
+
+    def collect(self, handle: Any) -> list[SampledToken | None]:
+        self.outstanding -= 1
+        return self._runner.collect(handle)
+
+    def step(self, batch: Sequence[ScheduledSequence]) -> list[SampledToken | None]:
+        return self.collect(self.submit(batch))
+
+
+async def completions_over_http(runner: Any, model_dir: Path) -> list[str]:
+    tokenizer = ServerTokenizer(load_tokenizer(model_dir))
+    config = ServerConfig(model=str(model_dir), served_model_name="tiny", log_stats_interval_s=0)
+    app = create_app(config, lambda: LoadedModel(runner, tokenizer, runner.vocab_size))
+    async with live_server(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
+        bodies = [
+            {"model": "tiny", "prompt": p, "max_tokens": MAX_TOKENS, "temperature": 0, "ignore_eos": True}
+            for p in ("The capital of France is", "Once upon a time", "1, 2, 3,")
+        ]
+        answers = await asyncio.gather(*(http.post("/v1/completions", json=b) for b in bodies))
+        assert all(r.status_code == 200 for r in answers), [r.text for r in answers]
+        return [r.json()["choices"][0]["text"] for r in answers]
+
+
+class TestParallelEqualsOneProcess:
+    """TP=2 and PP=2, each against the same one-process reference."""
+
+    async def test_parallel_greedy_equals_one_process(
+        self, parallel_runner: ParallelModelRunner, reference_tokens: list[list[int]]
+    ) -> None:
+        probe = InFlightProbe(parallel_runner)
+        got = await greedy_through_loop(probe, PROMPTS, MAX_TOKENS)
+        assert got == reference_tokens
+        # ORCA: with P stages the loop keeps P batches in flight; without a pipeline, one.
+        assert probe.max_outstanding == parallel_runner.topology.pp_size
+
+    def test_runner_step_and_two_submits_in_flight(
+        self, parallel_runner: ParallelModelRunner, reference_tokens: list[list[int]]
+    ) -> None:
+        """A prompt chunk that samples nothing, then two requests in two separate batches, both
+        submitted before either is collected."""
+        params = SamplingParams(temperature=0.0)
+        a, b = PROMPTS[0], PROMPTS[3]
+        assert parallel_runner.step([ScheduledSequence("a", a[:5], 0, [0], False, params, a, [])]) == [None]
+        first_a = ScheduledSequence("a", a[5:], 5, [0], True, params, a, [])
+        first_b = ScheduledSequence("b", b, 0, [1], True, params, b, [])
+        pa, pb = parallel_runner.submit([first_a]), parallel_runner.submit([first_b])
+        tok_a, tok_b = parallel_runner.collect(pa)[0], parallel_runner.collect(pb)[0]
+        assert tok_a is not None and tok_b is not None
+        assert [tok_a.token_id, tok_b.token_id] == [reference_tokens[0][0], reference_tokens[3][0]]
+        nxt = parallel_runner.step(
+            [ScheduledSequence("a", [tok_a.token_id], len(a), [0], True, params, a, [])]
+        )
+        assert nxt[0] is not None and nxt[0].token_id == reference_tokens[0][1]
+
+    async def test_parallel_server_matches_one_process(
+        self, parallel_runner: ParallelModelRunner, uneven_llama_dir: Path, reference_texts: list[str]
+    ) -> None:
+        assert await completions_over_http(parallel_runner, uneven_llama_dir) == reference_texts
+
+
+async def test_dead_worker_makes_server_unhealthy_and_fails_requests(uneven_llama_dir: Path) -> None:
+    """A worker killed in the middle of a generation: that request ends with an error naming the
+    worker (no hang), /health turns 503, and later requests are refused at once."""
+    runner = ParallelModelRunner(engine_config(uneven_llama_dir, pp=2))
+    tokenizer = ServerTokenizer(load_tokenizer(uneven_llama_dir))
+    config = ServerConfig(model=str(uneven_llama_dir), served_model_name="tiny", log_stats_interval_s=0)
+    app = create_app(config, lambda: LoadedModel(runner, tokenizer, runner.vocab_size))
+    short = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
+    long = {**short, "max_tokens": 400, "ignore_eos": True}
+    try:
+        async with live_server(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
+            assert (await http.get("/health")).status_code == 200
+            assert (await http.post("/v1/completions", json=short)).status_code == 200
+
+            engine = app.state.server.engine
+            steps_before = engine.stats().num_steps
+            in_flight = asyncio.create_task(http.post("/v1/completions", json=long))
+            await wait_until(lambda: engine.stats().num_steps >= steps_before + 3)
+            os.kill(runner.worker_pids[0], signal.SIGKILL)
+            cut = await in_flight
+            assert cut.status_code >= 500 and "orca-rank1" in cut.json()["error"]["message"]
+
+            await wait_until(lambda: runner.dead_reason is not None)
+            assert (await http.get("/health")).status_code == 503
+            refused = await http.post("/v1/completions", json=short)
+            assert refused.status_code == 503 and "exited" in refused.json()["error"]["message"]
+    finally:
+        runner.close()
+
+
+@pytest.mark.slow
+async def test_tp2_pp2_four_processes(uneven_llama_dir: Path, reference_tokens: list[list[int]]) -> None:
+    runner = ParallelModelRunner(engine_config(uneven_llama_dir, tp=2, pp=2))
+    try:
+        assert await greedy_through_loop(runner, PROMPTS, MAX_TOKENS) == reference_tokens
+    finally:
+        runner.close()
+
+
+TORCHRUN_SCRIPT = """
+import json, os, sys
+from engine.batch import SamplingParams, ScheduledSequence
+from engine.config import EngineConfig
+from engine.parallel_runner import ParallelModelRunner, run_torchrun_worker
+
+config = EngineConfig(model=sys.argv[1], dtype="float32", device="cpu", num_kv_blocks=16, pipeline_parallel_size=2)
+if int(os.environ["RANK"]) != 0:
+    run_torchrun_worker(config)
+    sys.exit(0)
+runner = ParallelModelRunner(config)
+prompt, out = json.loads(sys.argv[2]), []
+for _ in range(int(sys.argv[3])):
+    start = len(prompt) + len(out) - (1 if out else len(prompt))
+    tokens = out[-1:] if out else prompt
+    seq = ScheduledSequence("r", tokens, start, [0, 1], True, SamplingParams(temperature=0.0), prompt, out)
+    out.append(runner.step([seq])[0].token_id)
+runner.close()
+print("TOKENS", json.dumps(out))
+"""
+
+
+@pytest.mark.slow
+def test_torchrun_launch_matches_one_process(
+    tmp_path: Path, uneven_llama_dir: Path, reference_tokens: list[list[int]]
+) -> None:
+    """Ranks started by torchrun (as across machines): rank 0 drives, rank 1 runs the worker loop."""
+    import json
+    import subprocess
+    import sys
+
+    from engine.distributed import free_tcp_port
+
+    script = tmp_path / "run.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
+    cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_tcp_port())]
+    cmd += [str(script), str(uneven_llama_dir), json.dumps(PROMPTS[0]), str(MAX_TOKENS)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    line = next(x for x in done.stdout.splitlines() if x.startswith("TOKENS"))
+    assert json.loads(line.split(" ", 1)[1]) == reference_tokens[0]
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs 2 CUDA GPUs")
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+async def test_cuda_nccl_matches_one_process(tp: int, pp: int, uneven_llama_dir: Path) -> None:
+    """The same check on GPUs: NCCL for the data path, gloo for the step messages."""
+    single = dataclasses.replace(engine_config(uneven_llama_dir), device="cuda")
+    expected = await greedy_through_loop(TorchModelRunner(single), PROMPTS, MAX_TOKENS)
+    runner = ParallelModelRunner(
+        dataclasses.replace(single, tensor_parallel_size=tp, pipeline_parallel_size=pp)
+    )
+    try:
+        assert await greedy_through_loop(runner, PROMPTS, MAX_TOKENS) == expected
+    finally:
+        runner.close()
