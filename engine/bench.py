@@ -170,19 +170,26 @@ def hf_decode(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> 
     return StepTimes(len(prompts), t[1] - t[0], [b - a for a, b in zip(t[1:-1], t[2:], strict=True)])
 
 
-def run(args: argparse.Namespace) -> tuple[list[BenchRow], dict]:
-    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    max_tokens = max(batch_sizes) * (-(-(args.prompt_len + args.new_tokens) // args.block_size))
-    runner = TorchModelRunner(
+def bench_runner(args: argparse.Namespace, num_kv_blocks: int | None) -> TorchModelRunner:
+    """The runner a benchmark's command line describes (--model, --dtype, --device, --block-size,
+    --attention-backend), with a KV cache of `num_kv_blocks` (None: the engine's default budget).
+    Shared by this bench and scheduler.bench, whose flags mean the same."""
+    return TorchModelRunner(
         EngineConfig(
             model=args.model,
             dtype=args.dtype,
             device=args.device,
             block_size=args.block_size,
-            num_kv_blocks=max_tokens,
+            num_kv_blocks=num_kv_blocks,
             attention_backend=args.attention_backend,
         )
     )
+
+
+def run(args: argparse.Namespace) -> tuple[list[BenchRow], dict]:
+    batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
+    max_tokens = max(batch_sizes) * (-(-(args.prompt_len + args.new_tokens) // args.block_size))
+    runner = bench_runner(args, num_kv_blocks=max_tokens)
     hf = None
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
@@ -259,16 +266,8 @@ def profile_decode(args: argparse.Namespace, batch_size: int, steps: int = 5) ->
     """torch.profiler's top ops (by self CPU time) over `steps` decode steps at one batch size."""
     from torch.profiler import ProfilerActivity, profile
 
-    runner = TorchModelRunner(
-        EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            block_size=args.block_size,
-            num_kv_blocks=batch_size * (-(-(args.prompt_len + 2 * steps + 2) // args.block_size)),
-            attention_backend=args.attention_backend,
-        )
-    )
+    blocks_per_seq = -(-(args.prompt_len + 2 * steps + 2) // args.block_size)
+    runner = bench_runner(args, num_kv_blocks=batch_size * blocks_per_seq)
     prompts = make_prompts(batch_size, args.prompt_len, runner.vocab_size, seed=batch_size)
     tables, outputs = engine_prefill(runner, prompts, 2 * steps + 1)
     engine_decode_steps(runner, prompts, tables, outputs, steps)  # warm-up

@@ -237,6 +237,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: engine's)"
     )
     p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--attention-backend", default="auto")
     p.add_argument("--rates", default="0.25,0.5,1,2", help="request rates (req/s), comma-separated")
     p.add_argument("--num-requests", type=int, default=100, help="requests per (policy, rate) run")
     p.add_argument(
@@ -263,18 +264,10 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.num_requests = max(1, round(args.duration * max(float(r) for r in args.rates.split(","))))
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
-    from engine.config import EngineConfig
-    from engine.runner import TorchModelRunner
+    # Imported here: the scheduler package stays free of torch, only this CLI needs the real engine.
+    from engine.bench import bench_runner
 
-    runner = TorchModelRunner(
-        EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            block_size=args.block_size,
-            num_kv_blocks=args.num_kv_blocks,
-        )
-    )
+    runner = bench_runner(args, num_kv_blocks=args.num_kv_blocks)
     asyncio.run(warm_up(runner))
     rows = asyncio.run(run_all(runner, args))
     print_table(rows, args.slo_ms)

@@ -71,6 +71,19 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention-backend", default=d.attention_backend, help="auto, sdpa, torch-varlen, flash-attn, ..."
     )
     p.add_argument(
+        "--tensor-parallel-size",
+        type=int,
+        default=d.tensor_parallel_size,
+        help="ranks that split every layer; workers start on this machine, or under torchrun "
+        "(docs/parallelism.md)",
+    )
+    p.add_argument(
+        "--pipeline-parallel-size",
+        type=int,
+        default=d.pipeline_parallel_size,
+        help="stages the layers are split into; that many batches are kept in flight",
+    )
+    p.add_argument(
         "--api-key",
         action="append",
         default=[],
@@ -139,6 +152,9 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
     for name in ("max_n", "max_choices", "max_logprobs", "max_stop_strings"):
         if getattr(a, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must not be negative")
+    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        if getattr(a, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be at least 1")
     keys = _api_keys(parser, a)
     return ServerConfig(
         model=a.model,
@@ -157,6 +173,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
         kv_policy=a.kv_policy,
         chunked_prefill=not a.no_chunked_prefill,
         attention_backend=a.attention_backend,
+        tensor_parallel_size=a.tensor_parallel_size,
+        pipeline_parallel_size=a.pipeline_parallel_size,
         api_key=keys[0] if keys else None,
         api_keys=keys[1:],
         allowed_origins=tuple(a.allowed_origins) if a.allowed_origins is not None else None,
@@ -238,6 +256,11 @@ def serve(app: Any, config: ServerConfig) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(argv)
     configure_logging(config.log_level)
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        from server.loader import is_torchrun_worker, run_torchrun_worker
+
+        if is_torchrun_worker():  # torchrun started every rank with this command; rank 0 serves HTTP
+            return run_torchrun_worker(config)
     from server.app import create_app
 
     return serve(create_app(config), config)

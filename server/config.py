@@ -58,6 +58,8 @@ class ServerConfig:
     kv_policy: str = "lazy"
     chunked_prefill: bool = True
     attention_backend: str = "auto"
+    tensor_parallel_size: int = 1  # ranks that split every layer (engine.parallel_runner)
+    pipeline_parallel_size: int = 1  # pipeline stages; the loop keeps this many batches in flight
     api_key: str | None = field(default=None, repr=False)  # secrets stay out of logs and reprs
     # More keys (rotation, one per client); any of these or api_key is accepted.
     api_keys: tuple[str, ...] = field(default=(), repr=False)

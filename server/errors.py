@@ -173,8 +173,9 @@ def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(StarletteHTTPException)
     async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        err = APIError(str(exc.detail), exc.status_code, kind)
-        return JSONResponse(err.body(), status_code=exc.status_code, headers=getattr(exc, "headers", None))
+        return APIError(
+            str(exc.detail), exc.status_code, kind, headers=getattr(exc, "headers", None)
+        ).response()
 
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:

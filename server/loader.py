@@ -1,31 +1,56 @@
-"""The real model behind the server: engine.runner.TorchModelRunner and the model's tokenizer."""
+"""The real model behind the server: the engine's runner (one process, or tensor / pipeline parallel
+ranks) and the model's tokenizer."""
 
 from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING
 
 from server.config import ServerConfig
 from server.state import LoadedModel
 from server.tokenizer import ServerTokenizer
 
+if TYPE_CHECKING:
+    from engine.config import EngineConfig
+
+
+def engine_config(config: ServerConfig) -> EngineConfig:
+    from engine.config import EngineConfig
+
+    return EngineConfig(
+        model=config.model,
+        dtype=config.dtype,
+        device=config.device,
+        block_size=config.block_size,
+        num_kv_blocks=config.num_kv_blocks,
+        kv_cache_memory=config.kv_cache_memory,
+        max_model_len=config.max_model_len,
+        attention_backend=config.attention_backend,
+        seed=config.seed,
+        tensor_parallel_size=config.tensor_parallel_size,
+        pipeline_parallel_size=config.pipeline_parallel_size,
+    )
+
 
 def load_model(config: ServerConfig) -> LoadedModel:
     """Blocking (weights, GGUF conversion, KV cache allocation): call it from a worker thread."""
     # Imported here so that `python -m server --help` and the app factory stay free of torch.
-    from engine.config import EngineConfig
-    from engine.runner import TorchModelRunner
+    from engine.parallel_runner import create_runner
     from models.loader import load_tokenizer
 
-    runner = TorchModelRunner(
-        EngineConfig(
-            model=config.model,
-            dtype=config.dtype,
-            device=config.device,
-            block_size=config.block_size,
-            num_kv_blocks=config.num_kv_blocks,
-            kv_cache_memory=config.kv_cache_memory,
-            max_model_len=config.max_model_len,
-            attention_backend=config.attention_backend,
-            seed=config.seed,
-        )
-    )
+    runner = create_runner(engine_config(config))  # starts the worker ranks when parallel
     tokenizer = ServerTokenizer(load_tokenizer(runner.model_path))
     return LoadedModel(runner=runner, tokenizer=tokenizer, vocab_size=runner.vocab_size)
+
+
+def is_torchrun_worker() -> bool:
+    """True in a process torchrun started as a rank other than 0 (those run no HTTP server)."""
+    return "WORLD_SIZE" in os.environ and int(os.environ.get("RANK", "0")) != 0
+
+
+def run_torchrun_worker(config: ServerConfig) -> int:
+    """Serve this rank's shard until the driver (rank 0) shuts the group down."""
+    from engine.parallel_runner import run_torchrun_worker as run_rank
+
+    run_rank(engine_config(config))
+    return 0

@@ -26,49 +26,11 @@ disable_created_metrics()
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
-# Buckets as vLLM's, so dashboards built for it read ours the same way.
-_TTFT_BUCKETS = (
-    0.001,
-    0.005,
-    0.01,
-    0.02,
-    0.04,
-    0.06,
-    0.08,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
-_TPOT_BUCKETS = (
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.15,
-    0.2,
-    0.3,
-    0.4,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-    20.0,
-    40.0,
-    80.0,
-)
+# Buckets as vLLM's, so dashboards built for it read ours the same way. Its TTFT and TPOT buckets
+# differ below half a second and share the rest.
+_SLOW_SECONDS = (0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, *_SLOW_SECONDS)
+_TPOT_BUCKETS = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, *_SLOW_SECONDS)
 _LATENCY_BUCKETS = (
     0.3,
     0.5,

@@ -13,7 +13,6 @@ import hashlib
 import json
 import math
 import random
-import socket
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -24,6 +23,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from engine.batch import SampledToken, ScheduledSequence
+from loadtest.launcher import LOOPBACK, free_port
 from server.state import LoadedModel
 from server.tokenizer import ServerTokenizer
 
@@ -114,18 +114,12 @@ async def running_app(app: FastAPI, wait: bool = True) -> AsyncIterator[httpx.As
             yield client
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @contextlib.asynccontextmanager
 async def live_server(app: FastAPI) -> AsyncIterator[str]:
     """uvicorn serving the app on a free local port inside this event loop; yields the base URL.
     uvicorn runs the app's lifespan itself (model loading at startup, engine shutdown at exit)."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn.Config(app, host=LOOPBACK, port=port, log_level="warning"))
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():
@@ -133,7 +127,7 @@ async def live_server(app: FastAPI) -> AsyncIterator[str]:
         await asyncio.sleep(0.01)
     await app.state.server.wait_ready()
     try:
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://{LOOPBACK}:{port}"
     finally:
         server.should_exit = True
         await task

@@ -3,23 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 
-from scheduler.loop import EngineDeadError
 from server.errors import context_length_exceeded, invalid
-from server.generation import (
-    ChoiceDelta,
-    ChoiceSpec,
-    EngineClient,
-    GenerationError,
-    LogprobEntry,
-    generate_choice,
-    merge_choices,
-    open_choices,
-)
+from server.generation import ChoiceDelta, LogprobEntry
 from server.protocol import ChatCompletionRequest, ChatMessage
 from server.responses import (
     ResponseMeta,
@@ -28,25 +19,22 @@ from server.responses import (
     chat_chunk_choice,
     chat_logprobs,
     chat_response,
-    usage,
 )
 from server.routes.common import (
-    ClientDisconnected,
-    Deadline,
-    abort_all,
-    admit,
-    cancel_on_disconnect,
     check_context,
-    check_draining,
     check_limits,
-    check_model,
     choice_specs,
-    disconnected_response,
-    engine_error,
-    get_state,
     offload,
+    ready_for,
     sampling_params,
-    sse,
+)
+from server.routes.fanout import (
+    ChoiceRun,
+    CollectedChoice,
+    collect_response,
+    start_choices,
+    stream_chunks,
+    stream_response,
 )
 from server.state import ServerState
 from server.tokenizer import ServerTokenizer
@@ -92,10 +80,7 @@ def _check_unsupported(body: ChatCompletionRequest) -> None:
 
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    state = get_state(request)
-    engine, tokenizer = state.require_ready()
-    check_draining(state)
-    check_model(state, body.model)
+    state, engine, tokenizer = ready_for(request, body.model)
     _check_unsupported(body)
     check_limits(
         state,
@@ -124,33 +109,21 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     specs = choice_specs(
         meta.id, [prompt], body.n or 1, params, body.stop_strings, bool(body.skip_special_tokens)
     )
-    admit(state, engine, len(specs))
-    try:
-        streams = open_choices(engine, specs)
-    except ValueError as exc:
-        raise invalid(str(exc)) from None
-    except EngineDeadError as exc:
-        raise engine_error(exc) from None
-    deadline = Deadline(state, state.config.request_timeout_s)
-    gens = [
-        generate_choice(engine, tokenizer, s, st, state.metrics.tracker())
-        for s, st in zip(specs, streams, strict=True)
-    ]
+    run = start_choices(state, engine, tokenizer, specs, len(prompt))
     if body.stream:
-        return sse(
-            deadline.iterate(_stream(state, engine, specs, gens, meta, body, len(prompt))),
-            lambda: abort_all(engine, specs),
+        return stream_response(run, _stream(state, run, meta, body))
+
+    def build(choices: list[CollectedChoice], use: dict[str, int]) -> dict[str, Any]:
+        return chat_response(
+            meta,
+            [
+                chat_choice(c.index, c.text, _logprobs_of(state, body, c.logprobs), c.finish_reason)
+                for c in choices
+            ],
+            use,
         )
-    try:
-        result = await cancel_on_disconnect(
-            request, deadline.run(_collect(state, engine, specs, gens, meta, body, len(prompt)))
-        )
-    except ClientDisconnected:
-        abort_all(engine, specs)  # in case the work was cancelled before it started
-        return disconnected_response()
-    except (GenerationError, EngineDeadError) as exc:
-        raise engine_error(exc) from None
-    return JSONResponse(result)
+
+    return await collect_response(request, run, build)
 
 
 def _logprobs_of(
@@ -162,59 +135,15 @@ def _logprobs_of(
     return chat_logprobs(entries, state.tokenizer)
 
 
-async def _collect(
-    state: ServerState,
-    engine: EngineClient,
-    specs: list[ChoiceSpec],
-    gens: list[AsyncIterator[ChoiceDelta]],
-    meta: ResponseMeta,
-    body: ChatCompletionRequest,
-    prompt_tokens: int,
-) -> dict[str, Any]:
-    texts: dict[int, list[str]] = {s.index: [] for s in specs}
-    entries: dict[int, list[LogprobEntry]] = {s.index: [] for s in specs}
-    finish: dict[int, str | None] = {}
-    completion_tokens: dict[int, int] = {}
-    try:
-        async for d in merge_choices(gens):
-            texts[d.index].append(d.text)
-            entries[d.index].extend(d.logprobs)
-            completion_tokens[d.index] = d.completion_tokens
-            if d.finish_reason is not None:
-                finish[d.index] = d.finish_reason
-    finally:
-        abort_all(engine, specs)
-    choices = [
-        chat_choice(
-            s.index, "".join(texts[s.index]), _logprobs_of(state, body, entries[s.index]), finish.get(s.index)
-        )
-        for s in specs
-    ]
-    return chat_response(meta, choices, usage(prompt_tokens, sum(completion_tokens.values())))
-
-
-async def _stream(
-    state: ServerState,
-    engine: EngineClient,
-    specs: list[ChoiceSpec],
-    gens: list[AsyncIterator[ChoiceDelta]],
-    meta: ResponseMeta,
-    body: ChatCompletionRequest,
-    prompt_tokens: int,
+def _stream(
+    state: ServerState, run: ChoiceRun, meta: ResponseMeta, body: ChatCompletionRequest
 ) -> AsyncIterator[dict[str, Any]]:
-    with_usage = body.include_usage
-    completion_tokens: dict[int, int] = {}
-    try:
-        # The first chunk of every choice carries the role, as OpenAI's do.
-        for s in specs:
-            role = chat_chunk_choice(s.index, {"role": "assistant", "content": ""})
-            yield chat_chunk(meta, [role], with_usage=with_usage)
-        async for d in merge_choices(gens):
-            completion_tokens[d.index] = d.completion_tokens
-            delta = {"content": d.text} if d.text else {}
-            choice = chat_chunk_choice(d.index, delta, _logprobs_of(state, body, d.logprobs), d.finish_reason)
-            yield chat_chunk(meta, [choice], with_usage=with_usage)
-    finally:
-        abort_all(engine, specs)
-    if with_usage:
-        yield chat_chunk(meta, [], usage(prompt_tokens, sum(completion_tokens.values())), with_usage=True)
+    # The first chunk of every choice carries the role, as OpenAI's do.
+    roles = [chat_chunk_choice(s.index, {"role": "assistant", "content": ""}) for s in run.specs]
+
+    def choice(d: ChoiceDelta) -> dict[str, Any]:
+        delta = {"content": d.text} if d.text else {}
+        return chat_chunk_choice(d.index, delta, _logprobs_of(state, body, d.logprobs), d.finish_reason)
+
+    chunk = partial(chat_chunk, meta, with_usage=body.include_usage)
+    return stream_chunks(run, roles, choice, chunk, body.include_usage)

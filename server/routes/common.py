@@ -30,6 +30,7 @@ from server.errors import (
 from server.generation import ChoiceSpec, EngineClient, GenerationError
 from server.protocol import SamplingFields
 from server.state import ServerState
+from server.tokenizer import ServerTokenizer
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -96,6 +97,16 @@ def check_model(state: ServerState, name: str | None) -> None:
     # A missing model means the one served (vLLM does the same); any other name is a 404.
     if name is not None and name != state.config.model_name:
         raise model_not_found(name)
+
+
+def ready_for(request: Request, model: str | None) -> tuple[ServerState, EngineClient, ServerTokenizer]:
+    """What a generation route checks before reading its body further: a loaded model (503 while
+    loading), a server taking requests (503 while draining), and the model it names (404)."""
+    state = get_state(request)
+    engine, tokenizer = state.require_ready()
+    check_draining(state)
+    check_model(state, model)
+    return state, engine, tokenizer
 
 
 async def offload(fn: Callable[..., T], *args: Any, size: int) -> T:

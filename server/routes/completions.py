@@ -3,23 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
-from scheduler.loop import EngineDeadError
 from server.errors import invalid
-from server.generation import (
-    ChoiceDelta,
-    ChoiceSpec,
-    EngineClient,
-    GenerationError,
-    LogprobEntry,
-    generate_choice,
-    merge_choices,
-    open_choices,
-)
+from server.generation import ChoiceDelta, LogprobEntry
 from server.protocol import CompletionRequest
 from server.responses import (
     ResponseMeta,
@@ -30,23 +21,21 @@ from server.responses import (
     usage,
 )
 from server.routes.common import (
-    ClientDisconnected,
-    Deadline,
-    abort_all,
-    admit,
-    cancel_on_disconnect,
     check_context,
-    check_draining,
     check_limits,
-    check_model,
     check_token_ids,
     choice_specs,
-    disconnected_response,
-    engine_error,
-    get_state,
     offload,
+    ready_for,
     sampling_params,
-    sse,
+)
+from server.routes.fanout import (
+    ChoiceRun,
+    CollectedChoice,
+    collect_response,
+    start_choices,
+    stream_chunks,
+    stream_response,
 )
 from server.state import ServerState
 from server.tokenizer import ServerTokenizer
@@ -80,10 +69,7 @@ async def _prompt_ids(
 
 @router.post("/v1/completions", response_model=None)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
-    state = get_state(request)
-    engine, tokenizer = state.require_ready()
-    check_draining(state)
-    check_model(state, body.model)
+    state, engine, tokenizer = ready_for(request, body.model)
     n = body.n or 1
     check_limits(
         state,
@@ -116,34 +102,22 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 
     params = sampling_params(body, max_tokens, body.logprobs, state.vocab_size)
     specs = choice_specs(meta.id, prompts, n, params, body.stop_strings, bool(body.skip_special_tokens))
-    admit(state, engine, len(specs))
-    try:
-        streams = open_choices(engine, specs)
-    except ValueError as exc:
-        raise invalid(str(exc)) from None
-    except EngineDeadError as exc:
-        raise engine_error(exc) from None
-    deadline = Deadline(state, state.config.request_timeout_s)
-    gens = [
-        generate_choice(engine, tokenizer, s, st, state.metrics.tracker())
-        for s, st in zip(specs, streams, strict=True)
-    ]
-    prompt_tokens = sum(len(p) for p in prompts)
+    run = start_choices(state, engine, tokenizer, specs, sum(len(p) for p in prompts))
     if body.stream:
-        return sse(
-            deadline.iterate(_stream(state, engine, specs, gens, meta, body, echoes, prompt_tokens)),
-            lambda: abort_all(engine, specs),
-        )
-    try:
-        result = await cancel_on_disconnect(
-            request, deadline.run(_collect(state, engine, specs, gens, meta, body, echoes, prompt_tokens))
-        )
-    except ClientDisconnected:
-        abort_all(engine, specs)  # in case the work was cancelled before it started
-        return disconnected_response()
-    except (GenerationError, EngineDeadError) as exc:
-        raise engine_error(exc) from None
-    return JSONResponse(result)
+        return stream_response(run, _stream(state, run, meta, body, echoes))
+
+    def build(choices: list[CollectedChoice], use: dict[str, int]) -> dict[str, Any]:
+        out = []
+        for c in choices:
+            prefix = echoes[c.index // n] if echoes else ""
+            out.append(
+                completion_choice(
+                    c.index, prefix + c.text, _logprobs_of(state, body, c.logprobs), c.finish_reason
+                )
+            )
+        return completion_response(meta, out, use)
+
+    return await collect_response(request, run, build)
 
 
 def _num_prompts(body: CompletionRequest) -> int:
@@ -179,67 +153,21 @@ def _logprobs_of(
     return completion_logprobs(entries, state.tokenizer)
 
 
-async def _collect(
+def _stream(
     state: ServerState,
-    engine: EngineClient,
-    specs: list[ChoiceSpec],
-    gens: list[AsyncIterator[ChoiceDelta]],
+    run: ChoiceRun,
     meta: ResponseMeta,
     body: CompletionRequest,
     echoes: list[str] | None,
-    prompt_tokens: int,
-) -> dict[str, Any]:
-    n = body.n or 1
-    texts: dict[int, list[str]] = {s.index: [] for s in specs}
-    entries: dict[int, list[LogprobEntry]] = {s.index: [] for s in specs}
-    finish: dict[int, str | None] = {}
-    completion_tokens: dict[int, int] = {}
-    try:
-        async for d in merge_choices(gens):
-            texts[d.index].append(d.text)
-            entries[d.index].extend(d.logprobs)
-            completion_tokens[d.index] = d.completion_tokens
-            if d.finish_reason is not None:
-                finish[d.index] = d.finish_reason
-    finally:
-        abort_all(engine, specs)
-    choices = []
-    for s in specs:
-        prefix = echoes[s.index // n] if echoes else ""
-        text = prefix + "".join(texts[s.index])
-        choices.append(
-            completion_choice(s.index, text, _logprobs_of(state, body, entries[s.index]), finish.get(s.index))
-        )
-    return completion_response(meta, choices, usage(prompt_tokens, sum(completion_tokens.values())))
-
-
-async def _stream(
-    state: ServerState,
-    engine: EngineClient,
-    specs: list[ChoiceSpec],
-    gens: list[AsyncIterator[ChoiceDelta]],
-    meta: ResponseMeta,
-    body: CompletionRequest,
-    echoes: list[str] | None,
-    prompt_tokens: int,
 ) -> AsyncIterator[dict[str, Any]]:
     n = body.n or 1
-    with_usage = body.include_usage
-    completion_tokens: dict[int, int] = {}
-    try:
-        if echoes:
-            for s in specs:
-                choice = completion_choice(s.index, echoes[s.index // n], None, None)
-                yield completion_chunk(meta, [choice], with_usage=with_usage)
-        async for d in merge_choices(gens):
-            completion_tokens[d.index] = d.completion_tokens
-            choice = completion_choice(
-                d.index, d.text, _logprobs_of(state, body, d.logprobs), d.finish_reason
-            )
-            yield completion_chunk(meta, [choice], with_usage=with_usage)
-    finally:
-        abort_all(engine, specs)
-    if with_usage:
-        yield completion_chunk(
-            meta, [], usage(prompt_tokens, sum(completion_tokens.values())), with_usage=True
-        )
+    # With echo, each choice's prompt comes first, as a chunk of its own.
+    first = (
+        [completion_choice(s.index, echoes[s.index // n], None, None) for s in run.specs] if echoes else []
+    )
+
+    def choice(d: ChoiceDelta) -> dict[str, Any]:
+        return completion_choice(d.index, d.text, _logprobs_of(state, body, d.logprobs), d.finish_reason)
+
+    chunk = partial(completion_chunk, meta, with_usage=body.include_usage)
+    return stream_chunks(run, first, choice, chunk, body.include_usage)

@@ -1,0 +1,161 @@
+"""Running one request's choices: admission, submission to the loop, the per-request deadline, and the
+two ways a route consumes them (one JSON body, or an SSE stream of chunks) with their usage.
+
+/v1/chat/completions and /v1/completions differ only in how a choice and a chunk look, which they pass in
+as callables; everything about the choices' lifetime (aborting them however the response ends) is here.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from sse_starlette import EventSourceResponse
+
+from scheduler.loop import EngineDeadError
+from server.errors import invalid
+from server.generation import (
+    ChoiceDelta,
+    ChoiceSpec,
+    EngineClient,
+    GenerationError,
+    LogprobEntry,
+    generate_choice,
+    merge_choices,
+    open_choices,
+)
+from server.responses import usage
+from server.routes.common import (
+    ClientDisconnected,
+    Deadline,
+    abort_all,
+    admit,
+    cancel_on_disconnect,
+    disconnected_response,
+    engine_error,
+    sse,
+)
+from server.state import ServerState
+from server.tokenizer import ServerTokenizer
+
+# (choices, usage or None) -> one response chunk; a partial of responses.chat_chunk / completion_chunk.
+ChunkBuilder = Callable[[list[dict[str, Any]], dict[str, int] | None], dict[str, Any]]
+
+
+@dataclass
+class ChoiceRun:
+    """A request's choices, submitted to the loop and running under the request's deadline."""
+
+    engine: EngineClient
+    specs: list[ChoiceSpec]
+    gens: list[AsyncIterator[ChoiceDelta]]
+    deadline: Deadline
+    prompt_tokens: int  # over all prompts, for usage
+
+    def abort(self) -> None:
+        abort_all(self.engine, self.specs)
+
+
+@dataclass
+class CollectedChoice:
+    """One choice generated to its end, for a non-streamed response."""
+
+    index: int
+    text: str
+    logprobs: list[LogprobEntry]
+    finish_reason: str | None
+
+
+def start_choices(
+    state: ServerState,
+    engine: EngineClient,
+    tokenizer: ServerTokenizer,
+    specs: list[ChoiceSpec],
+    prompt_tokens: int,
+) -> ChoiceRun:
+    """Admit the choices (429 on a full queue) and submit them; the deadline starts now."""
+    admit(state, engine, len(specs))
+    try:
+        streams = open_choices(engine, specs)
+    except ValueError as exc:
+        raise invalid(str(exc)) from None
+    except EngineDeadError as exc:
+        raise engine_error(exc) from None
+    deadline = Deadline(state, state.config.request_timeout_s)
+    gens = [
+        generate_choice(engine, tokenizer, s, st, state.metrics.tracker())
+        for s, st in zip(specs, streams, strict=True)
+    ]
+    return ChoiceRun(engine, specs, gens, deadline, prompt_tokens)
+
+
+async def collect_choices(run: ChoiceRun) -> tuple[list[CollectedChoice], dict[str, int]]:
+    """Every choice to its end, in index order, and the request's usage."""
+    texts: dict[int, list[str]] = {s.index: [] for s in run.specs}
+    entries: dict[int, list[LogprobEntry]] = {s.index: [] for s in run.specs}
+    finish: dict[int, str | None] = {}
+    completion_tokens: dict[int, int] = {}
+    try:
+        async for d in merge_choices(run.gens):
+            texts[d.index].append(d.text)
+            entries[d.index].extend(d.logprobs)
+            completion_tokens[d.index] = d.completion_tokens
+            if d.finish_reason is not None:
+                finish[d.index] = d.finish_reason
+    finally:
+        run.abort()
+    choices = [
+        CollectedChoice(s.index, "".join(texts[s.index]), entries[s.index], finish.get(s.index))
+        for s in run.specs
+    ]
+    return choices, usage(run.prompt_tokens, sum(completion_tokens.values()))
+
+
+async def stream_chunks(
+    run: ChoiceRun,
+    first: Iterable[dict[str, Any]],
+    choice: Callable[[ChoiceDelta], dict[str, Any]],
+    chunk: ChunkBuilder,
+    with_usage: bool,
+) -> AsyncIterator[dict[str, Any]]:
+    """One chunk per choice in `first` (chat's role, completions' echo), then one per delta, then (with
+    stream_options.include_usage) a last chunk with no choices and the usage."""
+    completion_tokens: dict[int, int] = {}
+    try:
+        for c in first:
+            yield chunk([c], None)
+        async for d in merge_choices(run.gens):
+            completion_tokens[d.index] = d.completion_tokens
+            yield chunk([choice(d)], None)
+    finally:
+        run.abort()
+    if with_usage:
+        yield chunk([], usage(run.prompt_tokens, sum(completion_tokens.values())))
+
+
+def stream_response(run: ChoiceRun, events: AsyncIterator[dict[str, Any]]) -> EventSourceResponse:
+    return sse(run.deadline.iterate(events), run.abort)
+
+
+async def collect_response(
+    request: Request,
+    run: ChoiceRun,
+    build: Callable[[list[CollectedChoice], dict[str, int]], dict[str, Any]],
+) -> Response:
+    """The choices collected under the deadline into one JSON body; cancelled if the client leaves."""
+
+    async def body() -> dict[str, Any]:
+        choices, use = await collect_choices(run)
+        return build(choices, use)
+
+    try:
+        result = await cancel_on_disconnect(request, run.deadline.run(body()))
+    except ClientDisconnected:
+        run.abort()  # in case the work was cancelled before it started
+        return disconnected_response()
+    except (GenerationError, EngineDeadError) as exc:
+        raise engine_error(exc) from None
+    return JSONResponse(result)
