@@ -100,3 +100,10 @@ def resolve_model_path(model: str) -> Path:
     from models.loader import resolve_model
 
     return Path(resolve_model(model))
+
+
+def resolve_max_model_len(requested: int | None, model_max: int) -> int:
+    """--max-model-len may lower the model's own limit, never raise it (positions past it are untrained)."""
+    if requested is not None and requested > model_max:
+        raise ValueError(f"max_model_len {requested} exceeds the model's maximum {model_max}")
+    return requested or model_max

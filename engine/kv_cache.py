@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.config import CPU_DEFAULT_KV_BYTES, CUDA_KV_MEMORY_FRACTION, EngineConfig
 from models.layers.metadata import KVCache
 
 
@@ -91,3 +92,23 @@ def default_kv_budget(device: torch.device, cpu_budget: int, cuda_fraction: floa
         free, _total = torch.cuda.mem_get_info(device)
         return int(free * cuda_fraction)
     return cpu_budget
+
+
+def plan_kv_cache(
+    model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype, device: torch.device
+) -> tuple[KVCacheSpec, int]:
+    """The cache shape this process needs for `model` (its layers and KV heads: one pipeline stage and
+    one tensor shard when parallel) and how many blocks the configured budget buys."""
+    spec = KVCacheSpec(
+        num_layers=model.num_layers,
+        num_kv_heads=model.num_kv_heads,
+        head_dim=model.head_dim,
+        block_size=config.block_size,
+        dtype=dtype,
+    )
+    if config.num_kv_blocks is not None:
+        return spec, config.num_kv_blocks
+    budget = config.kv_cache_memory or default_kv_budget(
+        device, CPU_DEFAULT_KV_BYTES, CUDA_KV_MEMORY_FRACTION
+    )
+    return spec, spec.num_blocks_for(budget)

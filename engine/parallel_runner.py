@@ -36,11 +36,10 @@ import torch.multiprocessing as mp
 
 from engine.batch import SampledToken, ScheduledSequence
 from engine.config import (
-    CPU_DEFAULT_KV_BYTES,
-    CUDA_KV_MEMORY_FRACTION,
     EngineConfig,
     resolve_device,
     resolve_dtype,
+    resolve_max_model_len,
     resolve_model_path,
 )
 from engine.distributed import (
@@ -60,7 +59,7 @@ from engine.distributed import (
     shutdown_message,
 )
 from engine.inputs import InputLimits, StepInputs, build_step_inputs
-from engine.kv_cache import KVCacheManager, KVCacheSpec, default_kv_budget
+from engine.kv_cache import KVCacheManager, plan_kv_cache
 from engine.runner import read_eos_token_ids
 from engine.sampler import Sampler, validate_sampling
 
@@ -112,26 +111,11 @@ class StageExecutor:
             pp_size=topo.pp_size,
         )
         hf_config = self.model.config
-        model_max = max_model_len(hf_config)
-        if config.max_model_len is not None and config.max_model_len > model_max:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's maximum {model_max}")
-        self.max_model_len: int = config.max_model_len or model_max
+        self.max_model_len: int = resolve_max_model_len(config.max_model_len, max_model_len(hf_config))
         self.vocab_size: int = self.model.vocab_size
         self.hidden_size: int = self.model.hidden_size
-        spec = KVCacheSpec(
-            num_layers=self.model.num_layers,  # this stage's layers
-            num_kv_heads=self.model.num_kv_heads,  # this TP rank's heads
-            head_dim=self.model.head_dim,
-            block_size=config.block_size,
-            dtype=self.dtype,
-        )
-        if config.num_kv_blocks is not None:
-            num_blocks = config.num_kv_blocks
-        else:
-            budget = config.kv_cache_memory or default_kv_budget(
-                self.device, CPU_DEFAULT_KV_BYTES, CUDA_KV_MEMORY_FRACTION
-            )
-            num_blocks = spec.num_blocks_for(budget)
+        # This stage's layers and this tensor rank's KV heads.
+        spec, num_blocks = plan_kv_cache(self.model, config, self.dtype, self.device)
         # Block ids mean the same on every rank, so all ranks use the smallest count any can hold.
         num_blocks = agree_on_min(num_blocks, groups.cpu)
         self.kv_cache = KVCacheManager(spec, num_blocks, self.device)

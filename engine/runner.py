@@ -11,15 +11,14 @@ import torch
 
 from engine.batch import SampledToken, ScheduledSequence
 from engine.config import (
-    CPU_DEFAULT_KV_BYTES,
-    CUDA_KV_MEMORY_FRACTION,
     EngineConfig,
     resolve_device,
     resolve_dtype,
+    resolve_max_model_len,
     resolve_model_path,
 )
 from engine.inputs import InputLimits, StepInputs, build_step_inputs
-from engine.kv_cache import KVCacheManager, KVCacheSpec, default_kv_budget
+from engine.kv_cache import KVCacheManager, plan_kv_cache
 from engine.sampler import Sampler, validate_sampling
 
 
@@ -57,27 +56,11 @@ class TorchModelRunner:
             self.model_path, self.dtype, self.device, attention_backend=config.attention_backend
         )
         hf_config = self.model.config
-        model_max = max_model_len(hf_config)
-        if config.max_model_len is not None and config.max_model_len > model_max:
-            raise ValueError(f"max_model_len {config.max_model_len} exceeds the model's maximum {model_max}")
-        self.max_model_len: int = config.max_model_len or model_max
+        self.max_model_len: int = resolve_max_model_len(config.max_model_len, max_model_len(hf_config))
         self.vocab_size: int = self.model.vocab_size
         self.eos_token_ids: frozenset[int] = read_eos_token_ids(self.model_path, hf_config)
 
-        spec = KVCacheSpec(
-            num_layers=self.model.num_layers,
-            num_kv_heads=self.model.num_kv_heads,
-            head_dim=self.model.head_dim,
-            block_size=config.block_size,
-            dtype=self.dtype,
-        )
-        if config.num_kv_blocks is not None:
-            num_blocks = config.num_kv_blocks
-        else:
-            budget = config.kv_cache_memory or default_kv_budget(
-                self.device, CPU_DEFAULT_KV_BYTES, CUDA_KV_MEMORY_FRACTION
-            )
-            num_blocks = spec.num_blocks_for(budget)
+        spec, num_blocks = plan_kv_cache(self.model, config, self.dtype, self.device)
         self.kv_cache = KVCacheManager(spec, num_blocks, self.device)
         self.num_kv_blocks: int = num_blocks
         self.block_size: int = config.block_size
