@@ -12,9 +12,14 @@ from torch import nn
 from models.errors import MissingWeightsError, ModelLoadError
 from models.layers.attention import AttentionStep, select_attention_backend
 from models.layers.attention_backends import AttentionBackend
-from models.layers.linear import MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear
+from models.layers.linear import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    VocabParallelEmbedding,
+)
 from models.layers.metadata import AttentionMetadata
-from models.layers.parallel import PPContext
+from models.layers.parallel import PPContext, TPContext
 
 # (HF name it came from, our parameter name, full tensor, shard id or None)
 WeightItem = tuple[str, str, torch.Tensor, Any]
@@ -53,6 +58,32 @@ class CausalLMBase(nn.Module):
         super().__init__()
         self.attn_backend: AttentionBackend | None = None
         self.absent_prefixes: tuple[str, ...] = ()
+
+    def build_lm_head(
+        self,
+        hidden_size: int,
+        dtype: torch.dtype,
+        tp: TPContext,
+        pp: PPContext,
+        tie_to: VocabParallelEmbedding | None,
+    ) -> ParallelLMHead | None:
+        """The LM head, on the last pipeline stage only; shares `tie_to`'s weight when given (a tied
+        head on a stage without the embedding loads its own copy instead)."""
+        if not pp.is_last:
+            return None
+        head = ParallelLMHead(self.config.vocab_size, hidden_size, dtype=dtype, tp=tp)
+        if tie_to is not None:
+            head.tie_to(tie_to)
+        return head
+
+    @staticmethod
+    def stage_input(embedded: torch.Tensor | None, hidden_states: torch.Tensor | None) -> torch.Tensor:
+        """The first stage embeds its tokens; every later stage continues the previous one's output."""
+        if embedded is not None:
+            return embedded
+        if hidden_states is None:
+            raise ValueError("a pipeline stage after the first needs the previous stage's hidden_states")
+        return hidden_states
 
     def set_attention_backend(
         self, backend: str | AttentionBackend, device: torch.device | str = "cpu"

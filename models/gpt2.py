@@ -18,7 +18,6 @@ from models.layers.activation import get_gelu
 from models.layers.attention import Attention, AttentionStep
 from models.layers.linear import (
     ColumnParallelLinear,
-    ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -121,11 +120,7 @@ class GPT2LMHeadModel(CausalLMBase):
         self.transformer = GPT2Model(config, dtype, tp, pp)
         # GPT-2 always ties its head to the token embedding (a last stage without the embedding loads
         # its own copy of wte into the head).
-        self.lm_head = (
-            ParallelLMHead(config.vocab_size, config.n_embd, dtype=dtype, tp=tp) if pp.is_last else None
-        )
-        if self.lm_head is not None and self.transformer.wte is not None:
-            self.lm_head.tie_to(self.transformer.wte)
+        self.lm_head = self.build_lm_head(config.n_embd, dtype, tp, pp, tie_to=self.transformer.wte)
         self.stage_layers = pp.layer_range(config.n_layer)
         self.num_layers = len(self.stage_layers)  # this stage's: one KV cache per layer held here
         # No GQA: one KV head per query head.
@@ -149,12 +144,8 @@ class GPT2LMHeadModel(CausalLMBase):
     ) -> torch.Tensor:  # [T, hidden]: after ln_f on the last stage, the residual stream on the others
         step = self.begin_step(input_ids, attn_metadata)
         t = self.transformer
-        if t.wte is not None and t.wpe is not None:
-            hidden = t.wte(input_ids) + t.wpe(positions)  # [T, hidden]
-        elif hidden_states is not None:
-            hidden = hidden_states
-        else:
-            raise ValueError("a pipeline stage after the first needs the previous stage's hidden_states")
+        embedded = t.wte(input_ids) + t.wpe(positions) if t.wte is not None and t.wpe is not None else None
+        hidden = self.stage_input(embedded, hidden_states)  # [T, hidden]
         for block, kv_cache in zip(
             t.h[self.stage_layers.start : self.stage_layers.stop], kv_caches, strict=True
         ):

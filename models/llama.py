@@ -17,7 +17,6 @@ from models.layers.activation import SiluAndMul
 from models.layers.attention import Attention, AttentionStep
 from models.layers.linear import (
     MergedColumnParallelLinear,
-    ParallelLMHead,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
@@ -140,12 +139,9 @@ class LlamaForCausalLM(CausalLMBase):
         self.tp = tp
         self.pp = pp
         self.model = LlamaModel(config, dtype, tp, pp)
-        self.lm_head = (
-            ParallelLMHead(config.vocab_size, config.hidden_size, dtype=dtype, tp=tp) if pp.is_last else None
-        )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
-        if self.tie_word_embeddings and self.lm_head is not None and self.model.embed_tokens is not None:
-            self.lm_head.tie_to(self.model.embed_tokens)
+        tie_to = self.model.embed_tokens if self.tie_word_embeddings else None
+        self.lm_head = self.build_lm_head(config.hidden_size, dtype, tp, pp, tie_to=tie_to)
         self.stage_layers = pp.layer_range(config.num_hidden_layers)
         attn = self.model.layers[self.stage_layers.start].self_attn
         self.num_layers = len(self.stage_layers)  # this stage's: one KV cache per layer held here
@@ -168,12 +164,10 @@ class LlamaForCausalLM(CausalLMBase):
         hidden_states: torch.Tensor | None = None,  # [T, hidden]: the previous stage's output
     ) -> torch.Tensor:  # [T, hidden]: normed on the last stage, raw residual stream on the others
         step = self.begin_step(input_ids, attn_metadata)
-        if self.model.embed_tokens is not None:
-            hidden = self.model.embed_tokens(input_ids)  # [T, hidden]
-        elif hidden_states is not None:
-            hidden = hidden_states
-        else:
-            raise ValueError("a pipeline stage after the first needs the previous stage's hidden_states")
+        embed = self.model.embed_tokens
+        hidden = self.stage_input(
+            embed(input_ids) if embed is not None else None, hidden_states
+        )  # [T, hidden]
         layers = self.model.layers[self.stage_layers.start : self.stage_layers.stop]
         for layer, kv_cache in zip(layers, kv_caches, strict=True):
             hidden = layer(positions, hidden, kv_cache, step)
