@@ -182,6 +182,7 @@ def bench_runner(args: argparse.Namespace, num_kv_blocks: int | None) -> TorchMo
             block_size=args.block_size,
             num_kv_blocks=num_kv_blocks,
             attention_backend=args.attention_backend,
+            weight_packing=args.weight_packing,
         )
     )
 
@@ -284,6 +285,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--weight-packing", default="auto", choices=["auto", "off"])
     p.add_argument("--batch-sizes", default="1,8,32,64")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=64)

@@ -28,6 +28,9 @@ class EngineConfig:
     kv_cache_memory: int | None = None  # bytes for K and V of all layers together
     max_model_len: int | None = None  # None: the model's own maximum
     attention_backend: str = "auto"
+    # "auto": on CPU in float32, weights that are exactly group-quantized (a GGUF model's) run on the
+    # group-int8 kernel (models/weight_packing.py); "off": every weight stays float32.
+    weight_packing: str = "auto"
     seed: int = 0  # seeds the engine generator used by unseeded sampled rows
     tensor_parallel_size: int = 1  # ranks that shard every layer (engine.parallel_runner)
     pipeline_parallel_size: int = 1  # stages the layers are split into (engine.parallel_runner)
@@ -37,6 +40,8 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.weight_packing not in ("auto", "off"):
+            raise ValueError(f"weight_packing must be 'auto' or 'off', got {self.weight_packing!r}")
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:

@@ -109,6 +109,7 @@ class StageExecutor:
             attention_backend=config.attention_backend,
             pp_rank=groups.stage,
             pp_size=topo.pp_size,
+            weight_packing=config.weight_packing,
         )
         hf_config = self.model.config
         self.max_model_len: int = resolve_max_model_len(config.max_model_len, max_model_len(hf_config))

@@ -53,7 +53,11 @@ class TorchModelRunner:
         self.dtype = resolve_dtype(config.dtype, self.device)
         self.model_path = resolve_model_path(config.model)
         self.model = load_model(
-            self.model_path, self.dtype, self.device, attention_backend=config.attention_backend
+            self.model_path,
+            self.dtype,
+            self.device,
+            attention_backend=config.attention_backend,
+            weight_packing=config.weight_packing,
         )
         hf_config = self.model.config
         self.max_model_len: int = resolve_max_model_len(config.max_model_len, max_model_len(hf_config))

@@ -20,6 +20,7 @@ from models.errors import MissingWeightsError, ModelLoadError
 from models.gguf_convert import convert_gguf, default_gguf_path
 from models.layers.parallel import PPContext, TPContext
 from models.registry import model_class_for
+from models.weight_packing import pack_model_weights, should_pack
 from models.weights_io import SafetensorsReader, safetensors_files
 
 __all__ = [
@@ -73,11 +74,14 @@ def load_model(
     attention_backend: str = "auto",
     pp_rank: int = 0,
     pp_size: int = 1,
+    weight_packing: str = "auto",
 ) -> nn.Module:
     """Build the model for an HF directory on `device` and stream its safetensors weights in.
 
     With tp_size > 1 this process holds shard tp_rank of every sharded layer; with pp_size > 1 only
-    pipeline stage pp_rank's layers (and the embedding / LM head if it is the first / last stage)."""
+    pipeline stage pp_rank's layers (and the embedding / LM head if it is the first / last stage).
+    weight_packing "auto" keeps exactly group-quantized weights (GGUF's) packed for the CPU kernel
+    (models/weight_packing.py); "off" keeps every weight in float32."""
     path = Path(path)
     device = torch.device(device)
     config = load_config(path)
@@ -102,6 +106,8 @@ def load_model(
         if str(where) in str(e):
             raise
         raise ModelLoadError(f"{where}: {e}") from None
+    if should_pack(weight_packing, device, dtype):
+        pack_model_weights(model)
     model.set_attention_backend(attention_backend, device)
     return model.eval()
 

@@ -238,6 +238,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     )
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--attention-backend", default="auto")
+    p.add_argument("--weight-packing", default="auto", choices=["auto", "off"])
     p.add_argument("--rates", default="0.25,0.5,1,2", help="request rates (req/s), comma-separated")
     p.add_argument("--num-requests", type=int, default=100, help="requests per (policy, rate) run")
     p.add_argument(

@@ -71,6 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
         "--attention-backend", default=d.attention_backend, help="auto, sdpa, torch-varlen, flash-attn, ..."
     )
     p.add_argument(
+        "--weight-packing",
+        default=d.weight_packing,
+        choices=["auto", "off"],
+        help="auto: run exactly group-quantized weights (a GGUF model's) on the int8 CPU kernel, "
+        "bit-identical weights at 1.25 instead of 4 bytes each; off: keep float32",
+    )
+    p.add_argument(
         "--tensor-parallel-size",
         type=int,
         default=d.tensor_parallel_size,
@@ -173,6 +180,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
         kv_policy=a.kv_policy,
         chunked_prefill=not a.no_chunked_prefill,
         attention_backend=a.attention_backend,
+        weight_packing=a.weight_packing,
         tensor_parallel_size=a.tensor_parallel_size,
         pipeline_parallel_size=a.pipeline_parallel_size,
         api_key=keys[0] if keys else None,

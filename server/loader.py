@@ -26,6 +26,7 @@ def engine_config(config: ServerConfig) -> EngineConfig:
         kv_cache_memory=config.kv_cache_memory,
         max_model_len=config.max_model_len,
         attention_backend=config.attention_backend,
+        weight_packing=config.weight_packing,
         seed=config.seed,
         tensor_parallel_size=config.tensor_parallel_size,
         pipeline_parallel_size=config.pipeline_parallel_size,

@@ -98,6 +98,37 @@ def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     return out
 
 
+def gguf_roundtrip(weight, qtype_name: str):
+    """A weight tensor quantized to a GGUF block format and dequantized back, as gguf-py (and so
+    transformers' GGUF loader) does: float32 values with a GGUF checkpoint's exact group structure."""
+    import torch
+    from gguf import GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType[qtype_name]
+    data = weight.detach().float().numpy()
+    return torch.from_numpy(quants.dequantize(quants.quantize(data, qtype), qtype).copy())
+
+
+@pytest.fixture(scope="session")
+def tiny_gguf_llama_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    """A tiny Llama whose weights went through GGUF quantization like the default model's: Q4_1
+    projections and a Q8_0 (tied) embedding, stored dequantized as float32 safetensors."""
+    import shutil
+
+    import torch
+
+    model = build_hf_model(tiny_llama_config())
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 2:
+                param.copy_(gguf_roundtrip(param, "Q8_0" if "embed" in name else "Q4_1"))
+    out = tmp_path_factory.mktemp("tiny-gguf-llama")
+    model.save_pretrained(out, safe_serialization=True)
+    for f in smollm2_tokenizer_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    return out
+
+
 @pytest.fixture(scope="session")
 def tiny_gpt2_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     import shutil

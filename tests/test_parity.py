@@ -42,9 +42,11 @@ def hf_generate(model, prompt: Sequence[int], new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.fixture(params=["llama", "gpt2"])
-def model_dir(request, tiny_llama_dir: Path, tiny_gpt2_dir: Path) -> Path:
-    return tiny_llama_dir if request.param == "llama" else tiny_gpt2_dir
+@pytest.fixture(params=["llama", "gpt2", "gguf-llama"])
+def model_dir(request, tiny_llama_dir: Path, tiny_gpt2_dir: Path, tiny_gguf_llama_dir: Path) -> Path:
+    """gguf-llama has GGUF-structured weights, so the runner packs them (models/weight_packing.py)
+    and the group-int8 kernel runs every matmul where it builds."""
+    return {"llama": tiny_llama_dir, "gpt2": tiny_gpt2_dir, "gguf-llama": tiny_gguf_llama_dir}[request.param]
 
 
 def make_runner(path: Path | str, backend: str = "auto", num_blocks: int = 128) -> TorchModelRunner:

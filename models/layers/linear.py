@@ -14,6 +14,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.kernels import group_int8
+from models.layers.packed_weight import PackedWeight, pack_exact
 from models.layers.parallel import SINGLE, TPContext, balanced_shard, divide
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, Any], None]
@@ -50,7 +52,32 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: A
     adopt_or_copy(param, loaded)
 
 
-class ColumnParallelLinear(nn.Module):
+class PackableLinear(nn.Module):
+    """A layer whose y = x W^T may run on the group-int8 CPU kernel (see packed_weight.py).
+
+    `pack_weight()` keeps W as int8 codes + group scales when it is exactly representable that way,
+    and then drops the float32 copy unless something else shares it (a tied LM head's embedding).
+    """
+
+    weight: nn.Parameter | None
+    packed: PackedWeight | None = None
+
+    def pack_weight(self, keep_float: bool = False) -> PackedWeight | None:
+        if self.packed is None and self.weight is not None:
+            self.packed = pack_exact(self.weight.data)
+            if self.packed is not None and not keep_float:
+                self.weight = None
+        return self.packed
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if self.packed is not None:
+            p = self.packed
+            y = group_int8.group_int8_linear(x, p.codes, p.scales, p.zeros)
+            return y if bias is None else y + bias
+        return F.linear(x, self.weight, bias)
+
+
+class ColumnParallelLinear(PackableLinear):
     """y = x W^T + b with W's output dim split across ranks; each rank returns its slice of y."""
 
     def __init__(
@@ -77,7 +104,7 @@ class ColumnParallelLinear(nn.Module):
         adopt_or_copy(param, loaded.narrow(0, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight, self.bias)
+        y = self.matmul(x, self.bias)
         return self.tp.all_gather_last_dim(y) if self.gather_output else y
 
 
@@ -184,7 +211,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         param.data.narrow(0, offset, n).copy_(loaded.narrow(0, start, n))
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(PackableLinear):
     """y = x W^T + b with W's input dim split across ranks; partial outputs are summed by all-reduce.
 
     `input_shard` = (start, size) of this rank's input columns when they are not an even split (the
@@ -219,8 +246,8 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = self.tp.all_reduce(F.linear(x, self.weight))
+            return self.matmul(x, self.bias)
+        y = self.tp.all_reduce(self.matmul(x))
         return y if self.bias is None else y + self.bias
 
 
@@ -267,8 +294,14 @@ class VocabParallelEmbedding(nn.Module):
         return self.tp.all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding):
-    """Output projection to the vocabulary, sharded like the embedding so the two can be tied."""
+class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
+    """Output projection to the vocabulary, sharded like the embedding so the two can be tied.
+
+    Packing keeps the float32 weight: a tied head shares it with the embedding lookup.
+    """
+
+    def pack_weight(self, keep_float: bool = True) -> PackedWeight | None:
+        return super().pack_weight(keep_float=True)
 
     def __init__(
         self,
@@ -286,6 +319,6 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.weight = embedding.weight
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)  # [B, per_rank]
+        logits = self.matmul(hidden)  # [B, per_rank]
         logits = self.tp.all_gather_last_dim(logits)  # [B, per_rank * tp]
         return logits[..., : self.num_embeddings]
