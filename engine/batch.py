@@ -10,12 +10,16 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+# Temperatures below this are greedy (vLLM uses the same bound): dividing logits by, say, 1e-8 overflows
+# float32 to inf, and the softmax of that is NaN, which would be both the draw and the logprobs.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
 
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick tokens and when to stop, for one sequence. Validated by the server."""
 
-    temperature: float = 1.0  # 0 means greedy
+    temperature: float = 1.0  # 0 (below GREEDY_TEMPERATURE_EPS) means greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 (or -1) means off
     min_p: float = 0.0
@@ -32,7 +36,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 0.0
+        return self.temperature < GREEDY_TEMPERATURE_EPS
 
     @property
     def needs_penalties(self) -> bool:

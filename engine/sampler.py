@@ -7,7 +7,7 @@ Order of processing, per row (each step only for the rows that ask for it):
      penalty when positive, multiplied when negative.
   4. presence / frequency penalties (OpenAI, over output tokens): logit -= presence * [count > 0]
      + frequency * count.
-  5. greedy rows (temperature 0) take the exact argmax here.
+  5. greedy rows (temperature 0, or below GREEDY_TEMPERATURE_EPS) take the exact argmax here.
   6. temperature (sampled rows).
   -> logprobs are the log-softmax of this "processed distribution": after 1-6 (greedy rows count as
      temperature 1) and BEFORE the top-k / top-p / min-p truncation, so every returned value is finite
@@ -28,6 +28,8 @@ from typing import Protocol
 import torch
 
 from engine.batch import SampledToken, SamplingParams
+
+LOGPROB_FLOOR = -9999.0  # what a -inf logprob is reported as
 
 MAX_LOGPROBS = 20
 _MASK64 = (1 << 64) - 1
@@ -85,7 +87,7 @@ class Sampler:
         params = [r.sampling for r in rows]
         num_out = [len(r.output_token_ids) for r in rows]
         plain = all(
-            p.temperature <= 0.0
+            p.greedy
             and p.logprobs is None
             and not p.logit_bias
             and not p.needs_penalties
@@ -101,8 +103,8 @@ class Sampler:
         self._apply_repetition_penalty(logits, rows)
         self._apply_presence_frequency(logits, rows)
 
-        greedy_rows = [i for i, p in enumerate(params) if p.temperature <= 0.0]
-        sampled_rows = [i for i, p in enumerate(params) if p.temperature > 0.0]
+        greedy_rows = [i for i, p in enumerate(params) if p.greedy]
+        sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)  # [B]
         if greedy_rows:
             g = torch.tensor(greedy_rows, device=logits.device)
@@ -112,6 +114,9 @@ class Sampler:
             s = torch.tensor(sampled_rows, device=logits.device)
             temps = torch.tensor([params[i].temperature for i in sampled_rows], device=logits.device)
             logits[s] = logits[s] / temps[:, None]
+        # Extreme but valid settings (repetition_penalty=1e-300, a tiny temperature after a big bias)
+        # can push a logit to +inf, whose softmax is NaN for every token: cap at the largest float.
+        torch.nan_to_num_(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
 
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         logprobs: torch.Tensor | None = None
@@ -281,6 +286,9 @@ class Sampler:
         tokens: list[int],
     ) -> None:
         dev = logprobs.device
+        # A banned token (min_tokens' stop tokens) has logprob -inf, which JSON cannot carry: report
+        # it as vLLM does, as a finite floor.
+        logprobs = logprobs.clamp(min=LOGPROB_FLOOR)
         chosen = torch.tensor([tokens[i] for i in logprob_rows], device=dev)[:, None]
         chosen_lp = logprobs.gather(-1, chosen).squeeze(-1).tolist()  # [L]
         n_max = max(params[i].logprobs or 0 for i in logprob_rows)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from models.kernels import group_int8
+from models.kernels import cpu as cpu_kernels
 from models.layers.linear import PackableLinear
 
 log = logging.getLogger(__name__)
@@ -36,7 +36,7 @@ class PackingSummary:
 def should_pack(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
     if mode not in WEIGHT_PACKING_MODES:
         raise ValueError(f"weight_packing must be one of {WEIGHT_PACKING_MODES}, got {mode!r}")
-    return mode == "auto" and device.type == "cpu" and dtype == torch.float32 and group_int8.available()
+    return mode == "auto" and device.type == "cpu" and dtype == torch.float32 and cpu_kernels.available()
 
 
 def pack_model_weights(model: nn.Module) -> PackingSummary:

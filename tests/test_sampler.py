@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from engine.batch import SamplingParams
-from engine.sampler import Sampler, row_seed, validate_sampling
+from engine.sampler import LOGPROB_FLOOR, Sampler, row_seed, validate_sampling
 
 V = 10
 
@@ -237,3 +237,34 @@ def test_chosen_logprob_is_finite_under_truncation():
     assert out.token_id == 0
     assert math.isfinite(out.logprob)
     assert all(math.isfinite(v) for _, v in out.top_logprobs)
+
+
+@pytest.mark.parametrize("temperature", [1e-300, 1e-40, 1e-8])
+def test_vanishing_temperature_is_greedy_with_finite_logprobs(temperature: float):
+    # logits / 1e-8 overflows float32: without the greedy bound the draw and every logprob were NaN
+    # (found by tests/test_fuzz.py: the server could not serialise the response).
+    logits = torch.randn(V) * 5
+    out = Sampler(V)(logits[None].clone(), [Row(SamplingParams(temperature=temperature, logprobs=3))])[0]
+    assert out.token_id == int(logits.argmax())
+    assert math.isfinite(out.logprob)
+    assert all(math.isfinite(v) for _, v in out.top_logprobs)
+
+
+def test_banned_tokens_report_a_finite_logprob_floor():
+    logits = torch.zeros(V)
+    params = SamplingParams(temperature=0.0, min_tokens=1, logprobs=V)
+    out = Sampler(V, eos_token_ids=frozenset({2}))(logits[None].clone(), [Row(params)])[0]
+    by_token = dict(out.top_logprobs)
+    assert by_token[2] == LOGPROB_FLOOR  # EOS is banned (-inf) until min_tokens
+    assert all(math.isfinite(v) for v in by_token.values())
+
+
+def test_extreme_penalty_gives_finite_logprobs_and_a_real_token():
+    # repetition_penalty=5e-324 divides a positive logit into +inf (found by tests/test_fuzz.py).
+    logits = torch.randn(V).abs() + 0.1
+    for temperature in (0.0, 0.7):
+        params = SamplingParams(temperature=temperature, repetition_penalty=5e-324, logprobs=2, seed=1)
+        out = Sampler(V)(logits[None].clone(), [Row(params, prompt_token_ids=[3])])[0]
+        assert out.token_id == 3  # the penalised (inf) token is now the best
+        assert math.isfinite(out.logprob)
+        assert all(math.isfinite(v) for _, v in out.top_logprobs)

@@ -8,14 +8,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from models.kernels import group_int8
+from models.kernels import cpu as cpu_kernels
 from models.layers.linear import PackableLinear
 from models.layers.packed_weight import PackedWeight, pack_exact
 from models.loader import load_model
 from models.weight_packing import pack_model_weights, should_pack
 from tests.conftest import gguf_roundtrip
 
-needs_kernel = pytest.mark.skipif(not group_int8.available(), reason="group-int8 kernel not built here")
+needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason="group-int8 kernel not built here")
 
 
 def random_packed(n: int, k: int, seed: int = 0) -> PackedWeight:
@@ -34,7 +34,7 @@ def test_kernel_matches_float_matmul(m: int, n: int, k: int) -> None:
     # k = 1536 spans several of the buffered path's 512-column chunks.
     w = random_packed(n, k, seed=m * 1000 + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    got = group_int8.group_int8_linear(x, w.codes, w.scales, w.zeros)
+    got = cpu_kernels.group_int8_linear(x, w.codes, w.scales, w.zeros)
     expect = x.double() @ w.dequantize().double().T
     torch.testing.assert_close(got.double(), expect, atol=1e-4 * k**0.5, rtol=1e-5)
 
@@ -43,8 +43,8 @@ def test_kernel_matches_float_matmul(m: int, n: int, k: int) -> None:
 def test_kernel_keeps_leading_dims_and_empty_batches() -> None:
     w = random_packed(8, 64)
     x = torch.randn(2, 3, 64)
-    assert group_int8.group_int8_linear(x, w.codes, w.scales, w.zeros).shape == (2, 3, 8)
-    assert group_int8.group_int8_linear(x[:0], w.codes, w.scales, w.zeros).shape == (0, 3, 8)
+    assert cpu_kernels.group_int8_linear(x, w.codes, w.scales, w.zeros).shape == (2, 3, 8)
+    assert cpu_kernels.group_int8_linear(x[:0], w.codes, w.scales, w.zeros).shape == (0, 3, 8)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_0"])
@@ -88,7 +88,7 @@ def test_packing_only_on_cpu_float32() -> None:
     assert not should_pack("off", cpu, torch.float32)
     assert not should_pack("auto", cpu, torch.bfloat16)
     assert not should_pack("auto", torch.device("cuda"), torch.float32)
-    assert should_pack("auto", cpu, torch.float32) == group_int8.available()
+    assert should_pack("auto", cpu, torch.float32) == cpu_kernels.available()
     with pytest.raises(ValueError, match="weight_packing"):
         should_pack("int4", cpu, torch.float32)
 

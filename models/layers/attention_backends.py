@@ -19,6 +19,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from models.kernels import cpu as cpu_kernels
 from models.layers.metadata import AttentionMetadata
 
 
@@ -121,23 +122,30 @@ class SdpaBackend(AttentionBackend):
 @dataclass
 class _DecodePlan:
     num_decodes: int  # the leading requests with one query token each, batched together
-    slots: torch.Tensor | None  # [num_decodes, max_len] int64 cache slots (padding: any valid slot)
-    mask: torch.Tensor | None  # [num_decodes, 1, 1, max_len] bool: key position < seq_len
+    block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32, contiguous
+    seq_lens: torch.Tensor | None  # [num_decodes] int32
+    max_len: int  # longest history among them
     rest: list[_SeqPlan]  # the other requests, per-request sdpa
+    # The torch path's padded gather index and mask, built by the first layer that needs them.
+    slots: torch.Tensor | None = None  # [num_decodes, max_len] int64 cache slots (padding: a valid slot)
+    mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_len] bool: key position < seq_len
 
 
 class BatchedDecodeBackend(AttentionBackend):
-    """Decode tokens of all requests in ONE masked sdpa over a padded [B, Hkv, max_len, D] history.
+    """All decode tokens of a step in one call; prompt chunks after them through per-request sdpa.
 
     Per-request Python work is what dominates small-batch decode on a CPU; here a decode step costs a
     fixed handful of ops per layer whatever the batch size. The engine puts decode tokens first, so the
-    leading run of one-token requests is batched; prompt chunks after it go through per-request sdpa.
+    leading run of one-token requests is batched. Float32 on a CPU with the native kernels
+    (models/kernels/cpu.py) reads K/V in place from the paged cache; otherwise every history is
+    gathered into a padded [B, Hkv, max_len, D] tensor for one masked sdpa.
     """
 
     name = "cpu-decode"
 
     def __init__(self) -> None:
         self._sdpa = SdpaBackend()
+        self._native = cpu_kernels.available()
 
     def plan(self, md: AttentionMetadata) -> _DecodePlan:
         n = 0
@@ -145,24 +153,48 @@ class BatchedDecodeBackend(AttentionBackend):
             n += 1
         rest = self._sdpa.plan(md)[n:] if n < md.num_seqs else []
         if n == 0:
-            return _DecodePlan(0, None, None, rest)
-        max_len = max(md.seq_lens_cpu[:n])
-        device = md.block_tables.device
-        pos = torch.arange(max_len, device=device)  # [L]
-        blocks = md.block_tables.long()[:n, pos // md.block_size]  # [n, L]; padded entries are block 0
-        slots = blocks * md.block_size + pos % md.block_size
-        mask = (pos.unsqueeze(0) < md.seq_lens[:n].unsqueeze(1)).view(n, 1, 1, max_len)
-        return _DecodePlan(n, slots, mask, rest)
+            return _DecodePlan(0, None, None, 0, rest)
+        tables = md.block_tables[:n].to(torch.int32).contiguous()
+        lens = md.seq_lens[:n].to(torch.int32).contiguous()
+        return _DecodePlan(n, tables, lens, max(md.seq_lens_cpu[:n]), rest)
+
+    def _padded(self, plan: _DecodePlan, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        if plan.slots is None:
+            assert plan.block_tables is not None and plan.seq_lens is not None
+            n, device = plan.num_decodes, plan.block_tables.device
+            pos = torch.arange(plan.max_len, device=device)  # [L]
+            blocks = plan.block_tables.long()[:, pos // block_size]  # [n, L]; padded entries are block 0
+            plan.slots = blocks * block_size + pos % block_size
+            plan.mask = (pos.unsqueeze(0) < plan.seq_lens.unsqueeze(1)).view(n, 1, 1, plan.max_len)
+        assert plan.mask is not None
+        return plan.slots, plan.mask
+
+    def _native_fits(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+        h_kv, d = k_cache.shape[-2:]
+        return (
+            self._native
+            and q.device.type == "cpu"
+            and q.dtype == k_cache.dtype == torch.float32
+            and k_cache.is_contiguous()
+            and cpu_kernels.supports_decode_attention(d, q.shape[1], h_kv)
+        )
 
     def forward(self, q, k_cache, v_cache, md, plan, scale):
         n = plan.num_decodes
         outs = []
-        if n:
+        if n and self._native_fits(q, k_cache):
+            outs.append(
+                cpu_kernels.paged_decode_attention(
+                    q[:n], k_cache, v_cache, plan.block_tables, plan.seq_lens, scale
+                )
+            )
+        elif n:
             h_kv, d = k_cache.shape[-2:]
-            k = k_cache.view(-1, h_kv, d)[plan.slots].transpose(1, 2)  # [n, Hkv, L, D]
-            v = v_cache.view(-1, h_kv, d)[plan.slots].transpose(1, 2)
+            slots, mask = self._padded(plan, md.block_size)
+            k = k_cache.view(-1, h_kv, d)[slots].transpose(1, 2)  # [n, Hkv, L, D]
+            v = v_cache.view(-1, h_kv, d)[slots].transpose(1, 2)
             qd = q[:n].unsqueeze(2)  # [n, Hq, 1, D]
-            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=plan.mask, scale=scale, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
             outs.append(o.squeeze(2))  # [n, Hq, D]
         if plan.rest:
             outs.append(self._sdpa.forward(q, k_cache, v_cache, md, plan.rest, scale))

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.kernels import group_int8
+from models.kernels import cpu as cpu_kernels
 from models.layers.packed_weight import PackedWeight, pack_exact
 from models.layers.parallel import SINGLE, TPContext, balanced_shard, divide
 
@@ -72,7 +72,7 @@ class PackableLinear(nn.Module):
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is not None:
             p = self.packed
-            y = group_int8.group_int8_linear(x, p.codes, p.scales, p.zeros)
+            y = cpu_kernels.group_int8_linear(x, p.codes, p.scales, p.zeros)
             return y if bias is None else y + bias
         return F.linear(x, self.weight, bias)
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.kernels.group_int8 import GROUP_SIZE
+from models.kernels.cpu import GROUP_SIZE
 
 
 @dataclass

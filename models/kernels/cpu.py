@@ -1,0 +1,176 @@
+"""The native CPU kernels: build once, load, call.
+
+    group_int8_gemm.c         y = x @ W^T for group-int8 packed weights (models/layers/packed_weight.py)
+    paged_decode_attention.c  one-token-per-sequence attention read in place from the paged KV cache
+
+The C files are compiled together on first use with the system C compiler (`cc`, AVX2 + FMA + OpenMP)
+into one library in the orca-serve cache, named by a hash of the sources and flags, so an edited kernel
+is rebuilt and a finished build is reused by every later process. Plain C and ctypes rather than a
+torch C++ extension: the build takes about two seconds instead of a minute of compiling torch headers,
+and needs no ninja. ctypes releases the GIL during a call; OpenMP in the library resolves to torch's own
+libgomp (already loaded), so the kernels and torch share one thread pool.
+
+Everything here degrades to "not available" (callers keep their torch paths): a CPU without AVX2/FMA,
+no compiler, a failed build, or ORCA_DISABLE_NATIVE_KERNELS=1. The reason is logged once.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import torch
+
+from models.gguf_convert import cache_root
+
+log = logging.getLogger(__name__)
+
+SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
+GROUP_SIZE = 32  # columns of W sharing one scale and zero (GGUF's block size)
+REQUIRED_CPU_FLAGS = ("avx2", "fma")
+CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+LIBS = ("-lm",)
+DISABLE_ENV = "ORCA_DISABLE_NATIVE_KERNELS"
+
+
+def cpu_flags() -> set[str]:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _build(target: Path) -> None:
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        raise RuntimeError("no C compiler (cc/gcc) on PATH")
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", dir=target.parent)
+    os.close(fd)
+    try:
+        done = subprocess.run(
+            [compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp, *LIBS],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        if done.returncode != 0:
+            raise RuntimeError(f"{compiler} failed: {done.stderr.strip()[:500]}")
+        os.replace(tmp, target)  # atomic: a concurrent process sees no library or a whole one
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get(DISABLE_ENV):
+        log.info("native kernels disabled by %s", DISABLE_ENV)
+        return None
+    missing = [f for f in REQUIRED_CPU_FLAGS if f not in cpu_flags()]
+    if missing:
+        log.info("native CPU kernels unavailable: this CPU lacks %s", ", ".join(missing))
+        return None
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode())
+    target = cache_root() / "kernels" / f"orca_cpu_kernels-{digest.hexdigest()[:16]}.so"
+    try:
+        if not target.is_file():
+            _build(target)
+        lib = ctypes.CDLL(str(target))
+    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+        log.warning("native CPU kernels unavailable (torch paths are used instead): %s", e)
+        return None
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.orca_group_int8_linear.restype = ctypes.c_int
+    lib.orca_group_int8_linear.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr]
+    lib.orca_paged_decode_attention.restype = ctypes.c_int
+    lib.orca_paged_decode_attention.argtypes = [ptr] * 5 + [i64] * 6 + [ctypes.c_float, ptr]
+    return lib
+
+
+def available() -> bool:
+    return _library() is not None
+
+
+def _checked_library() -> ctypes.CDLL:
+    lib = _library()
+    if lib is None:
+        raise RuntimeError("the native CPU kernels are not available on this machine")
+    return lib
+
+
+def group_int8_linear(
+    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
+) -> torch.Tensor:
+    """x [..., K] float32 @ W^T with W[n, k] = scales[n, k // 32] * codes[n, k] + zeros[n, k // 32].
+
+    codes [N, K] int8, scales and zeros [N, K // 32] float32, all contiguous CPU tensors.
+    """
+    n, k = codes.shape
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k).contiguous()
+    m = x2.shape[0]
+    y = torch.empty(m, n, dtype=torch.float32)
+    if m:
+        rc = _checked_library().orca_group_int8_linear(
+            x2.data_ptr(), m, k, codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, y.data_ptr()
+        )
+        if rc:
+            raise ValueError(f"group-int8 linear: bad shapes x {tuple(x2.shape)}, codes {(n, k)}")
+    return y.view(*lead, n)
+
+
+def paged_decode_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """[n, Hq, D] attention of one query token per sequence over its whole cached history.
+
+    q [n, Hq, D] float32; caches [num_blocks, block_size, Hkv, D] float32; block_tables [n, max_blocks]
+    and seq_lens [n] int32. Sequence i's token t is at block block_tables[i, t // block_size].
+    """
+    n, hq, d = q.shape
+    _, block_size, hkv, _ = k_cache.shape
+    q = q.contiguous()
+    tables = block_tables.to(torch.int32).contiguous()
+    lens = seq_lens.to(torch.int32).contiguous()
+    out = torch.empty_like(q)
+    rc = _checked_library().orca_paged_decode_attention(
+        q.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        tables.data_ptr(),
+        lens.data_ptr(),
+        n,
+        hq,
+        hkv,
+        d,
+        block_size,
+        tables.shape[1],
+        scale,
+        out.data_ptr(),
+    )
+    if rc:
+        raise ValueError(
+            f"paged decode attention: unsupported shapes q {tuple(q.shape)}, cache {tuple(k_cache.shape)}"
+        )
+    return out
+
+
+def supports_decode_attention(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
+    """Shapes the attention kernel takes (orca_paged_decode_attention's checks)."""
+    return head_dim % 8 == 0 and head_dim <= 256 and num_heads % num_kv_heads == 0

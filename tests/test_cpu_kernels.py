@@ -1,0 +1,106 @@
+"""The native paged decode-attention kernel against per-sequence SDPA, and the cpu-decode backend's
+fallback when the kernel cannot run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from models.kernels import cpu as cpu_kernels
+from models.layers.attention_backends import BatchedDecodeBackend
+
+needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels not built here")
+
+
+def paged_case(seq_lens: list[int], hq: int, hkv: int, d: int, block_size: int, seed: int = 0):
+    """Random caches and block tables (blocks shuffled, so no sequence is contiguous)."""
+    g = torch.Generator().manual_seed(seed)
+    per_seq = [-(-n // block_size) for n in seq_lens]
+    num_blocks = sum(per_seq) + 3
+    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g) * 2
+    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g)
+    order = torch.randperm(num_blocks, generator=g).tolist()
+    tables = torch.zeros(len(seq_lens), max(per_seq) + 2, dtype=torch.int32)  # padded with block 0
+    start = 0
+    for i, nb in enumerate(per_seq):
+        tables[i, :nb] = torch.tensor(order[start : start + nb], dtype=torch.int32)
+        start += nb
+    q = torch.randn(len(seq_lens), hq, d, generator=g)
+    return q, k_cache, v_cache, tables, torch.tensor(seq_lens, dtype=torch.int32)
+
+
+def reference(q, k_cache, v_cache, tables, seq_lens, scale) -> torch.Tensor:
+    hkv, d = k_cache.shape[-2:]
+    outs = []
+    for i, n in enumerate(seq_lens.tolist()):
+        nb = -(-n // k_cache.shape[1])
+        k = k_cache[tables[i, :nb].long()].reshape(-1, hkv, d)[:n].transpose(0, 1)
+        v = v_cache[tables[i, :nb].long()].reshape(-1, hkv, d)[:n].transpose(0, 1)
+        o = F.scaled_dot_product_attention(q[i].unsqueeze(1), k, v, scale=scale, enable_gqa=True)
+        outs.append(o.squeeze(1))
+    return torch.stack(outs)
+
+
+@needs_kernel
+@pytest.mark.parametrize(
+    ("seq_lens", "hq", "hkv", "d", "block_size"),
+    [
+        ([1], 1, 1, 8, 16),
+        ([1, 7, 8, 9, 40], 4, 2, 16, 16),  # tile edges of 8 tokens, GQA 2
+        ([5, 100, 33, 64], 9, 3, 64, 16),  # SmolLM2's heads
+        ([300, 1, 129], 8, 8, 128, 32),  # no GQA, head_dim 128, long history
+        ([17, 3], 6, 1, 24, 1),  # MQA, block size 1, head_dim neither 64 nor 128
+    ],
+)
+def test_kernel_matches_sdpa(seq_lens: list[int], hq: int, hkv: int, d: int, block_size: int) -> None:
+    case = paged_case(seq_lens, hq, hkv, d, block_size, seed=len(seq_lens) + d)
+    scale = d**-0.5
+    got = cpu_kernels.paged_decode_attention(*case, scale)
+    torch.testing.assert_close(got, reference(*case, scale), atol=2e-6, rtol=1e-5)
+
+
+@needs_kernel
+def test_kernel_is_stable_for_large_scores() -> None:
+    # Scores in the hundreds: the online softmax must rescale, not overflow.
+    q, k, v, tables, lens = paged_case([50, 9], 2, 1, 16, 4)
+    got = cpu_kernels.paged_decode_attention(q * 40, k, v, tables, lens, 1.0)
+    expect = reference(q * 40, k, v, tables, lens, 1.0)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, expect, atol=1e-5, rtol=1e-5)
+
+
+def test_unsupported_head_dims_are_declined() -> None:
+    assert cpu_kernels.supports_decode_attention(64, 9, 3)
+    assert not cpu_kernels.supports_decode_attention(12, 4, 2)  # not a multiple of 8
+    assert not cpu_kernels.supports_decode_attention(512, 4, 2)  # above the kernel's register budget
+    assert not cpu_kernels.supports_decode_attention(64, 9, 2)  # heads not a multiple of KV heads
+
+
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("d", [16, 12])
+def test_backend_paths_agree(native: bool, d: int) -> None:
+    """cpu-decode with and without the kernel (and with a head_dim the kernel declines) gives SDPA."""
+    from models.layers.metadata import AttentionMetadata
+
+    seq_lens = [4, 19, 1]
+    q, k_cache, v_cache, tables, lens = paged_case(seq_lens, 4, 2, d, 8)
+    starts = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32)
+    md = AttentionMetadata(
+        slot_mapping=torch.zeros(3, dtype=torch.int64),
+        query_start_loc=torch.arange(4, dtype=torch.int32),
+        seq_start_loc=starts,
+        seq_lens=lens,
+        block_tables=tables,
+        query_lens_cpu=[1, 1, 1],
+        seq_lens_cpu=seq_lens,
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        block_size=8,
+    )
+    backend = BatchedDecodeBackend()
+    backend._native = native and cpu_kernels.available()
+    out = backend.forward(q, k_cache, v_cache, md, backend.plan(md), d**-0.5)
+    torch.testing.assert_close(
+        out, reference(q, k_cache, v_cache, tables, lens, d**-0.5), atol=2e-6, rtol=1e-5
+    )
