@@ -68,13 +68,8 @@ class LlamaAttention(nn.Module):
         self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, step: AttentionStep):
-        t = x.shape[0]
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
-        qk_heads = self.num_heads + self.num_kv_heads
-        qk = self.rotary(positions, qkv[:, : qk_heads * self.head_dim].view(t, qk_heads, self.head_dim))
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
-        v = qkv[:, qk_heads * self.head_dim :].view(t, self.num_kv_heads, self.head_dim)
-        return self.o_proj(self.attn(q, k, v, kv_cache, step))  # [T, hidden]
+        return self.o_proj(self.attn.forward_rotary_qkv(qkv, positions, self.rotary, kv_cache, step))
 
 
 class LlamaMLP(nn.Module):
@@ -101,8 +96,10 @@ class LlamaDecoderLayer(nn.Module):
         self.mlp = LlamaMLP(config, dtype, tp)
 
     def forward(self, positions, hidden, kv_cache: KVCache, step: AttentionStep) -> torch.Tensor:
-        hidden = hidden + self.self_attn(positions, self.input_layernorm(hidden), kv_cache, step)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        attn_out = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, step)
+        # The residual add is fused into the norm (hidden is the updated residual stream after it).
+        normed, hidden = self.post_attention_layernorm(attn_out, residual=hidden)
+        return hidden + self.mlp(normed)
 
 
 class LlamaModel(nn.Module):

@@ -104,3 +104,69 @@ def test_backend_paths_agree(native: bool, d: int) -> None:
     torch.testing.assert_close(
         out, reference(q, k_cache, v_cache, tables, lens, d**-0.5), atol=2e-6, rtol=1e-5
     )
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 3, 40])  # 40: past the rows at which the kernel goes parallel
+def test_rms_norm_and_fused_residual(rows: int) -> None:
+    g = torch.Generator().manual_seed(rows)
+    x, res, w = (
+        torch.randn(rows, 96, generator=g),
+        torch.randn(rows, 96, generator=g),
+        torch.rand(96, generator=g),
+    )
+    expect = F.rms_norm(x, (96,), w, 1e-5)
+    torch.testing.assert_close(cpu_kernels.rms_norm(x, w, 1e-5), expect, atol=1e-6, rtol=1e-5)
+    stream = res.clone()
+    normed = cpu_kernels.rms_norm(x, w, 1e-5, residual=stream)
+    torch.testing.assert_close(stream, x + res, atol=0, rtol=0)  # the updated residual stream
+    torch.testing.assert_close(normed, F.rms_norm(x + res, (96,), w, 1e-5), atol=1e-6, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 5, 33])
+def test_silu_and_mul(rows: int) -> None:
+    x = torch.randn(rows, 2 * 40, generator=torch.Generator().manual_seed(rows)) * 6
+    x[0, 0], x[0, 1] = -120.0, 120.0  # far outside exp's clamp on both sides
+    gate, up = x.chunk(2, dim=-1)
+    torch.testing.assert_close(cpu_kernels.silu_and_mul(x), F.silu(gate) * up, atol=1e-6, rtol=1e-5)
+
+
+def test_rms_norm_module_paths_agree() -> None:
+    """RMSNorm's native and torch paths (a non-contiguous input takes the torch one) agree, fused or not."""
+    from models.layers.norm import RMSNorm
+
+    norm = RMSNorm(64, eps=1e-6)
+    norm.weight.data = torch.rand(64)
+    x = torch.randn(6, 128)[:, ::2]  # non-contiguous: torch path
+    res = torch.randn(6, 64)
+    slow = norm(x)
+    fast = norm(x.contiguous())
+    torch.testing.assert_close(fast, slow, atol=1e-6, rtol=1e-5)
+    slow_n, slow_r = norm(x, residual=res.clone())
+    fast_n, fast_r = norm(x.contiguous(), residual=res.clone())
+    torch.testing.assert_close(fast_r, slow_r, atol=0, rtol=0)
+    torch.testing.assert_close(fast_n, slow_n, atol=1e-6, rtol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("tokens", [1, 4, 40])
+def test_rope_and_cache_matches_rotary_and_index_copy(tokens: int) -> None:
+    from models.layers.rotary import RopeParams, RotaryEmbedding
+
+    hq, hkv, d, block_size, num_blocks = 6, 2, 32, 4, 16
+    rotary = RotaryEmbedding(d, 256, RopeParams(theta=10000.0))
+    g = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=g)
+    positions = torch.randint(0, 256, (tokens,), generator=g)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    k_ref = torch.zeros(num_blocks, block_size, hkv, d)
+    v_ref = torch.zeros_like(k_ref)
+    qk = rotary(positions, qkv[:, : (hq + hkv) * d].view(tokens, hq + hkv, d))
+    k_ref.view(-1, hkv, d).index_copy_(0, slots, qk[:, hq:])
+    v_ref.view(-1, hkv, d).index_copy_(0, slots, qkv[:, (hq + hkv) * d :].view(tokens, hkv, d))
+    k_cache, v_cache = torch.zeros_like(k_ref), torch.zeros_like(v_ref)
+    cpu_kernels.rope_and_cache(qkv, positions, rotary.cos_sin_cache, slots, k_cache, v_cache, hq)
+    torch.testing.assert_close(qkv[:, : hq * d].view(tokens, hq, d), qk[:, :hq], atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(k_cache, k_ref, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(v_cache, v_ref, atol=0, rtol=0)

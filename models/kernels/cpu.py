@@ -2,6 +2,9 @@
 
     group_int8_gemm.c         y = x @ W^T for group-int8 packed weights (models/layers/packed_weight.py)
     paged_decode_attention.c  one-token-per-sequence attention read in place from the paged KV cache
+    elementwise.c             RMSNorm (with the residual add fused in), SiLU-and-mul, and rotary + KV cache
+                              write, one call each
+    simd.h                    their shared AVX2 helpers (exp, horizontal sums)
 
 The C files are compiled together on first use with the system C compiler (`cc`, AVX2 + FMA + OpenMP)
 into one library in the orca-serve cache, named by a hash of the sources and flags, so an edited kernel
@@ -33,6 +36,7 @@ from models.gguf_convert import cache_root
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
+HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 GROUP_SIZE = 32  # columns of W sharing one scale and zero (GGUF's block size)
 REQUIRED_CPU_FLAGS = ("avx2", "fma")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
@@ -81,7 +85,8 @@ def _library() -> ctypes.CDLL | None:
     if missing:
         log.info("native CPU kernels unavailable: this CPU lacks %s", ", ".join(missing))
         return None
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(CFLAGS).encode())
+    sources = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
+    digest = hashlib.sha256(sources + " ".join(CFLAGS).encode())
     target = cache_root() / "kernels" / f"orca_cpu_kernels-{digest.hexdigest()[:16]}.so"
     try:
         if not target.is_file():
@@ -95,6 +100,12 @@ def _library() -> ctypes.CDLL | None:
     lib.orca_group_int8_linear.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr]
     lib.orca_paged_decode_attention.restype = ctypes.c_int
     lib.orca_paged_decode_attention.argtypes = [ptr] * 5 + [i64] * 6 + [ctypes.c_float, ptr]
+    lib.orca_rms_norm.restype = None
+    lib.orca_rms_norm.argtypes = [ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr]
+    lib.orca_silu_and_mul.restype = None
+    lib.orca_silu_and_mul.argtypes = [ptr, i64, i64, ptr]
+    lib.orca_rope_and_cache.restype = None
+    lib.orca_rope_and_cache.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr]
     return lib
 
 
@@ -174,3 +185,81 @@ def paged_decode_attention(
 def supports_decode_attention(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
     """Shapes the attention kernel takes (orca_paged_decode_attention's checks)."""
     return head_dim % 8 == 0 and head_dim <= 256 and num_heads % num_kv_heads == 0
+
+
+def fits_rowwise(x: torch.Tensor, width: int) -> bool:
+    """Whether the row-wise kernels take x: float32 CPU, contiguous, a width that is a multiple of 8."""
+    return (
+        x.dtype == torch.float32
+        and x.device.type == "cpu"
+        and x.is_contiguous()
+        and width % 8 == 0
+        and available()
+    )
+
+
+def rms_norm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor:
+    """x / rms(x) * weight over the last dim. With `residual`, x + residual is normalised and also
+    written into `residual` (in place: the caller's next residual stream), as vLLM's fused_add_rms_norm."""
+    h = x.shape[-1]
+    out = torch.empty_like(x)
+    rows = x.numel() // h if h else 0
+    if rows:
+        res_ptr = residual.data_ptr() if residual is not None else None
+        _checked_library().orca_rms_norm(
+            x.data_ptr(), res_ptr, weight.data_ptr(), eps, rows, h, out.data_ptr()
+        )
+    return out
+
+
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2d] (gate | up) -> [..., d] = silu(gate) * up."""
+    d = x.shape[-1] // 2
+    out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
+    rows = x.numel() // (2 * d) if d else 0
+    if rows:
+        _checked_library().orca_silu_and_mul(x.data_ptr(), rows, d, out.data_ptr())
+    return out
+
+
+def fits_rope_and_cache(qkv: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    head_dim = k_cache.shape[-1]
+    return (
+        fits_rowwise(qkv, head_dim)
+        and head_dim % 16 == 0
+        and cos_sin.dtype == k_cache.dtype == torch.float32
+        and cos_sin.is_contiguous()
+        and k_cache.is_contiguous()
+    )
+
+
+def rope_and_cache(
+    qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D], rotated in place
+    positions: torch.Tensor,  # [T] int64
+    cos_sin: torch.Tensor,  # [max_pos, D]: cos | sin
+    slots: torch.Tensor,  # [T] int64
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    num_heads: int,
+) -> None:
+    """Rotary on q and k (in place in qkv), then k and v of every token into its cache slot."""
+    t = qkv.shape[0]
+    if not t:
+        return
+    hkv, d = k_cache.shape[-2:]
+    pos = positions.to(torch.int64).contiguous()
+    slot = slots.to(torch.int64).contiguous()
+    _checked_library().orca_rope_and_cache(
+        qkv.data_ptr(),
+        t,
+        num_heads,
+        hkv,
+        d,
+        pos.data_ptr(),
+        cos_sin.data_ptr(),
+        slot.data_ptr(),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+    )

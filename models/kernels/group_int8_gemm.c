@@ -11,19 +11,13 @@
  * A tile is NT output rows x MC input rows: the NT weight vectors are dequantized once per 8 columns
  * and reused for all MC rows of x, so larger batches cost FMAs, not more dequantization.
  */
-#include <immintrin.h>
 #include <stdint.h>
+
+#include "simd.h"
 
 #define GROUP 32
 /* Up to this many rows of x, the streaming path (gemv_row); from one more on, the L1 buffer. */
 #define GEMV_MAX_ROWS 8
-
-static inline float hsum(__m256 v) {
-    __m128 lo = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    lo = _mm_add_ps(lo, _mm_movehl_ps(lo, lo));
-    lo = _mm_add_ss(lo, _mm_movehdup_ps(lo));
-    return _mm_cvtss_f32(lo);
-}
 
 /* 8 int8 codes as floats. */
 static inline __m256 load8(const int8_t *q) {
@@ -66,7 +60,7 @@ static inline __attribute__((always_inline)) void tile(
 #pragma GCC unroll 8
     for (int m = 0; m < mc; m++)
 #pragma GCC unroll 8
-        for (int j = 0; j < nt; j++) y[m * ldy + j] = hsum(acc[m][j]);
+        for (int j = 0; j < nt; j++) y[m * ldy + j] = hsum8(acc[m][j]);
 }
 
 /* All rows of x against NT weight rows starting at q (a tile column of the output). */
@@ -106,7 +100,7 @@ static inline __attribute__((always_inline)) void dot_buffered(
 #pragma GCC unroll 8
     for (int m = 0; m < mc; m++)
 #pragma GCC unroll 8
-        for (int j = 0; j < NT_BUF; j++) y[m * ldy + j] += hsum(acc[m][j]);
+        for (int j = 0; j < NT_BUF; j++) y[m * ldy + j] += hsum8(acc[m][j]);
 }
 
 static void rows_buffered(const float *x, int64_t M, int64_t K, const int8_t *q, const float *s,
@@ -163,7 +157,7 @@ static inline __attribute__((always_inline)) void gemv_row(
         }
     }
 #pragma GCC unroll 8
-    for (int m = 0; m < mc; m++) y[m * ldy] = hsum(acc[m]) + zacc[m];
+    for (int m = 0; m < mc; m++) y[m * ldy] = hsum8(acc[m]) + zacc[m];
 }
 
 

@@ -6,11 +6,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.kernels import cpu as cpu_kernels
+
 
 class SiluAndMul(nn.Module):
     """[..., 2 * d] (gate | up) -> [..., d] = silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.fits_rowwise(x, x.shape[-1] // 2):
+            return cpu_kernels.silu_and_mul(x)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 

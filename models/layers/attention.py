@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from models.kernels import cpu as cpu_kernels
 from models.layers.attention_backends import (
     AttentionBackend,
     BatchedDecodeBackend,
@@ -22,6 +23,7 @@ from models.layers.attention_backends import (
     TorchVarlenBackend,
 )
 from models.layers.metadata import AttentionMetadata, KVCache
+from models.layers.rotary import RotaryEmbedding
 
 BACKENDS: dict[str, type[AttentionBackend]] = {
     "sdpa": SdpaBackend,
@@ -117,5 +119,35 @@ class Attention(nn.Module):
         # k_cache.view(-1, H, D)[slot_mapping] = k, without the advanced-indexing temporaries.
         k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
         v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
+        return self.attend(q, kv_cache, step)
+
+    def forward_rotary_qkv(
+        self,
+        qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D], the fused projection (rotated in place)
+        positions: torch.Tensor,  # [T]
+        rotary: RotaryEmbedding,
+        kv_cache: KVCache,
+        step: AttentionStep,
+    ) -> torch.Tensor:  # [T, Hq * D]
+        """Attention of a rotary model from its fused qkv: rotary on q and k, the cache write, then the
+        backend. In float32 on a CPU the first two are one native call (models/kernels/cpu.py); the
+        engine has already checked every position against the model's maximum."""
+        t, d = qkv.shape[0], self.head_dim
+        k_cache, v_cache = kv_cache
+        if cpu_kernels.fits_rope_and_cache(qkv, rotary.cos_sin_cache, k_cache):
+            slots = step.metadata.slot_mapping
+            cpu_kernels.rope_and_cache(
+                qkv, positions, rotary.cos_sin_cache, slots, k_cache, v_cache, self.num_heads
+            )
+            return self.attend(qkv[:, : self.num_heads * d].view(t, self.num_heads, d), kv_cache, step)
+        qk_heads = self.num_heads + self.num_kv_heads
+        qk = rotary(positions, qkv[:, : qk_heads * d].view(t, qk_heads, d))
+        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
+        v = qkv[:, qk_heads * d :].view(t, self.num_kv_heads, d)
+        return self.forward(q, k, v, kv_cache, step)
+
+    def attend(self, q: torch.Tensor, kv_cache: KVCache, step: AttentionStep) -> torch.Tensor:
+        """The backend over a cache that already holds this step's K/V: [T, Hq, D] -> [T, Hq * D]."""
+        k_cache, v_cache = kv_cache
         out = step.backend.forward(q, k_cache, v_cache, step.metadata, step.plan, self.scale)
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

@@ -1,4 +1,5 @@
-"""Normalisation layers on torch's fused kernels (one op each, which matters for CPU decode)."""
+"""Normalisation layers: torch's fused ops, or the native CPU kernel (models/kernels/cpu.py) in float32
+on a CPU, where per-op dispatch is what small-batch decode spends its time on."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.kernels import cpu as cpu_kernels
 from models.layers.linear import default_weight_loader
 
 
@@ -16,7 +18,22 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.empty(hidden_size, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = default_weight_loader  # type: ignore[attr-defined]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """norm(x); or, given the residual stream, (norm(x + residual), x + residual). The fused form
+        may update `residual` in place, so the caller must use the returned stream from then on."""
+        if cpu_kernels.fits_rowwise(x, x.shape[-1]) and (
+            residual is None or (residual.is_contiguous() and residual.dtype == x.dtype)
+        ):
+            normed = cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
+            return normed if residual is None else (normed, residual)
+        if residual is not None:
+            x = x + residual
+            return self._norm(x), x
+        return self._norm(x)
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
         # Like transformers: normalise in float32, cast back, then scale in the model dtype.

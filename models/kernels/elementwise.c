@@ -1,0 +1,80 @@
+/* Row-wise and elementwise ops of a decoder layer, fused: on a small CPU, decode at small batch is
+ * dominated by per-op dispatch (torch's CPU rms_norm alone is six ops, ~45 us a call at 576 floats),
+ * not by arithmetic. One call each here. AVX2 + FMA; rows split by OpenMP when there are many. */
+#include <math.h>
+#include <stdint.h>
+
+#include "simd.h"
+
+/* Rows per thread below which OpenMP's fork costs more than it saves. */
+#define PARALLEL_MIN_ROWS 16
+
+/* out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w. With residual != NULL, x[t] is first replaced by
+ * x[t] + residual[t], and that sum is also written to residual (vLLM's fused_add_rms_norm).
+ * H must be a multiple of 8. */
+void orca_rms_norm(float *x, float *residual, const float *w, float eps, int64_t T, int64_t H, float *out) {
+#pragma omp parallel for schedule(static) if (T >= PARALLEL_MIN_ROWS)
+    for (int64_t t = 0; t < T; t++) {
+        float *xr = x + t * H;
+        float *rr = residual ? residual + t * H : 0;
+        float *orow = out + t * H;
+        __m256 ss = _mm256_setzero_ps();
+        for (int64_t i = 0; i < H; i += 8) {
+            __m256 v = _mm256_loadu_ps(xr + i);
+            if (rr) {
+                v = _mm256_add_ps(v, _mm256_loadu_ps(rr + i));
+                _mm256_storeu_ps(rr + i, v);
+            }
+            ss = _mm256_fmadd_ps(v, v, ss);
+        }
+        const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum8(ss) / (float)H + eps));
+        const float *src = rr ? rr : xr;
+        for (int64_t i = 0; i < H; i += 8)
+            _mm256_storeu_ps(orow + i,
+                             _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(src + i), inv), _mm256_loadu_ps(w + i)));
+    }
+}
+
+/* out[t] = silu(x[t, :d]) * x[t, d:] for x [T, 2d] (gate | up), d a multiple of 8. */
+void orca_silu_and_mul(const float *x, int64_t T, int64_t d, float *out) {
+#pragma omp parallel for schedule(static) if (T >= PARALLEL_MIN_ROWS)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = x + t * 2 * d, *u = g + d;
+        float *o = out + t * d;
+        for (int64_t i = 0; i < d; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 sig = _mm256_div_ps(_mm256_set1_ps(1.0f),
+                                             _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), gv))));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(_mm256_mul_ps(gv, sig), _mm256_loadu_ps(u + i)));
+        }
+    }
+}
+
+/* The attention prologue of a rotary model in one call: rotate the q and k heads of the fused qkv
+ * projection in place (neox layout: pairs (i, i + D/2); cos_sin[pos] = [cos | sin], D/2 each), then
+ * copy each token's k and v heads into the paged cache at its slot. qkv is [T, (Hq + 2 Hkv) * D],
+ * caches [num_slots, Hkv, D]. D must be a multiple of 16. */
+void orca_rope_and_cache(float *qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const int64_t *positions,
+                         const float *cos_sin, const int64_t *slots, float *k_cache, float *v_cache) {
+    const int64_t width = (Hq + 2 * Hkv) * D, half = D / 2;
+#pragma omp parallel for schedule(static) if (T >= PARALLEL_MIN_ROWS)
+    for (int64_t t = 0; t < T; t++) {
+        float *row = qkv + t * width;
+        const float *cs = cos_sin + positions[t] * D;
+        for (int64_t h = 0; h < Hq + Hkv; h++) {
+            float *x = row + h * D;
+            for (int64_t i = 0; i < half; i += 8) {
+                const __m256 c = _mm256_loadu_ps(cs + i), s = _mm256_loadu_ps(cs + half + i);
+                const __m256 x1 = _mm256_loadu_ps(x + i), x2 = _mm256_loadu_ps(x + half + i);
+                _mm256_storeu_ps(x + i, _mm256_fmsub_ps(x1, c, _mm256_mul_ps(x2, s)));
+                _mm256_storeu_ps(x + half + i, _mm256_fmadd_ps(x2, c, _mm256_mul_ps(x1, s)));
+            }
+        }
+        float *kd = k_cache + slots[t] * Hkv * D, *vd = v_cache + slots[t] * Hkv * D;
+        const float *ks = row + Hq * D, *vs = row + (Hq + Hkv) * D;
+        for (int64_t i = 0; i < Hkv * D; i += 8) {
+            _mm256_storeu_ps(kd + i, _mm256_loadu_ps(ks + i));
+            _mm256_storeu_ps(vd + i, _mm256_loadu_ps(vs + i));
+        }
+    }
+}
