@@ -53,14 +53,59 @@ def _half(t: torch.Tensor) -> torch.Tensor:
 def _try_format(
     groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, qmin: int, qmax: int
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, exact) of one candidate format: codes [N, G, 32], exact [N, G] bool per group."""
+    """(codes, exact) of one candidate format: codes [N, G, 32] float, exact [N, G] bool per group.
+
+    In-place ops and a reciprocal instead of a division: this runs over every weight of the model at
+    load. The codes only need to round to the right integers, and the exactness check catches any
+    that do not. A group with scale 0 is constant and gets codes 0 (its zero, or 0, is the value)."""
     s = scale.unsqueeze(-1)
     z = zero.unsqueeze(-1)
-    safe = torch.where(s == 0, torch.ones_like(s), s)
-    codes = torch.round((groups - z) / safe).clamp_(qmin, qmax)
-    codes = torch.where(s == 0, torch.zeros_like(codes), codes)
-    exact = (codes * s + z == groups).all(dim=-1)
-    return codes, exact
+    inv = torch.where(s == 0, torch.zeros_like(s), 1.0 / s)
+    codes = groups - z
+    codes.mul_(inv).round_().clamp_(qmin, qmax)
+    recon = codes * s
+    recon.add_(z)  # multiply, then add: two roundings, as gguf-py dequantizes
+    return codes, recon.eq_(groups).all(dim=-1)
+
+
+def _candidates(groups: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
+    """(scale, zero, qmin, qmax) per group for each block format, in FORMATS order."""
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    extreme = torch.where(hi.abs() > lo.abs(), hi, lo)
+    none = torch.zeros_like(lo)
+    return [
+        (_half((hi - lo) / 15), lo, 0, 15),  # Q4_1
+        (_half(extreme.abs() / 127), none, -127, 127),  # Q8_0
+        (_half(extreme / -8), none, -8, 7),  # Q4_0
+    ]
+
+
+def _pack_groups(groups: torch.Tensor, order: list[int]) -> tuple[PackedWeight, int] | None:
+    """Try the formats in `order` group by group; (packed, first format used) if every group fits."""
+    n, g, _ = groups.shape
+    candidates = _candidates(groups)
+    codes = scales = zeros = done = None
+    for index in order:
+        scale, zero, qmin, qmax = candidates[index]
+        c, exact = _try_format(groups, scale, zero, qmin, qmax)
+        exact &= _half(zero) == zero  # Q4_1 stores its minimum as float16
+        if done is None and bool(exact.all()):  # the usual case: one format for the whole tensor
+            return PackedWeight(c.to(torch.int8).view(n, -1), scale, zero), index
+        if done is None:
+            codes = torch.zeros_like(groups, dtype=torch.int8)
+            scales, zeros = torch.zeros_like(scale), torch.zeros_like(scale)
+            done = torch.zeros_like(exact)
+        take = exact & ~done
+        codes[take] = c[take].to(torch.int8)
+        scales[take] = scale[take]
+        zeros[take] = zero[take]
+        done |= take
+        if bool(done.all()):
+            return PackedWeight(codes.view(n, -1), scales, zeros), order[0]
+    return None
+
+
+FORMATS = ("Q4_1", "Q8_0", "Q4_0")
 
 
 def pack_exact(weight: torch.Tensor) -> PackedWeight | None:
@@ -68,31 +113,15 @@ def pack_exact(weight: torch.Tensor) -> PackedWeight | None:
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] % GROUP_SIZE:
         return None
     n, k = weight.shape
-    if n > 1 and pack_exact(weight[:1]) is None:
-        return None  # a float checkpoint fails on its first row: skip the full pass
     groups = weight.detach().reshape(n, k // GROUP_SIZE, GROUP_SIZE)
-    if not torch.isfinite(groups).all():
+    # The first row decides cheaply whether to look further (a float checkpoint fails there) and
+    # which format to try first on the rest (an embedding is Q8_0 where the projections are Q4_1).
+    # NaN and infinities need no check of their own: they never reconstruct exactly.
+    first = _pack_groups(groups[:1], list(range(len(FORMATS))))
+    if first is None:
         return None
-    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
-    extreme = torch.where(hi.abs() > lo.abs(), hi, lo)
-    zeros_ = torch.zeros_like(lo)
-    candidates = (
-        (_half((hi - lo) / 15), lo, 0, 15),  # Q4_1
-        (_half(extreme.abs() / 127), zeros_, -127, 127),  # Q8_0
-        (_half(extreme / -8), zeros_, -8, 7),  # Q4_0
-    )
-    codes = torch.zeros_like(groups, dtype=torch.int8)
-    scales = torch.zeros_like(lo)
-    zeros = torch.zeros_like(lo)
-    done = torch.zeros_like(lo, dtype=torch.bool)
-    for scale, zero, qmin, qmax in candidates:
-        c, exact = _try_format(groups, scale, zero, qmin, qmax)
-        take = exact & (_half(zero) == zero) & ~done  # Q4_1 stores its minimum as float16
-        if take.any():
-            codes[take] = c[take].to(torch.int8)
-            scales[take] = scale[take]
-            zeros[take] = zero[take]
-            done |= take
-        if bool(done.all()):
-            return PackedWeight(codes.view(n, k), scales, zeros)
-    return None
+    if n == 1:
+        return first[0]
+    order = [first[1], *(i for i in range(len(FORMATS)) if i != first[1])]
+    packed = _pack_groups(groups, order)
+    return None if packed is None else packed[0]
