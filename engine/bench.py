@@ -26,8 +26,11 @@ import torch
 from engine.batch import SamplingParams, ScheduledSequence
 from engine.config import EngineConfig
 from engine.runner import TorchModelRunner
+from models.kernels import cpu as cpu_kernels
+from models.layers.linear import PackableLinear
 
 GREEDY_FIXED = SamplingParams(temperature=0.0, ignore_eos=True)
+WARMUP_SEQS, WARMUP_TOKENS = 2, 3  # first calls pay for kernel selection and allocator growth
 
 
 @dataclass
@@ -189,7 +192,9 @@ def bench_runner(args: argparse.Namespace, num_kv_blocks: int | None) -> TorchMo
 
 def run(args: argparse.Namespace) -> tuple[list[BenchRow], dict]:
     batch_sizes = [int(b) for b in args.batch_sizes.split(",")]
-    max_tokens = max(batch_sizes) * (-(-(args.prompt_len + args.new_tokens) // args.block_size))
+    # Room for the largest batch and for the warm-up (WARMUP_SEQS sequences of WARMUP_TOKENS).
+    seqs = max(*batch_sizes, WARMUP_SEQS)
+    max_tokens = seqs * (-(-(args.prompt_len + max(args.new_tokens, WARMUP_TOKENS)) // args.block_size))
     runner = bench_runner(args, num_kv_blocks=max_tokens)
     hf = None
     if not args.skip_hf:
@@ -203,10 +208,10 @@ def run(args: argparse.Namespace) -> tuple[list[BenchRow], dict]:
     pad_id = min(runner.eos_token_ids) if runner.eos_token_ids else 0
 
     # Warm-up: first calls pay for kernel selection and allocator growth.
-    warm = make_prompts(2, args.prompt_len, runner.vocab_size, seed=123)
-    engine_decode(runner, warm, 3)
+    warm = make_prompts(WARMUP_SEQS, args.prompt_len, runner.vocab_size, seed=123)
+    engine_decode(runner, warm, WARMUP_TOKENS)
     if hf is not None:
-        hf_decode(hf, warm, 3, pad_id)
+        hf_decode(hf, warm, WARMUP_TOKENS, pad_id)
 
     rows = []
     for b in batch_sizes:
@@ -221,6 +226,10 @@ def run(args: argparse.Namespace) -> tuple[list[BenchRow], dict]:
         "dtype": str(runner.dtype).removeprefix("torch."),
         "device": str(runner.device),
         "attention_backend": runner.model.attn_backend.name,
+        "native_kernels": cpu_kernels.available() and runner.device.type == "cpu",
+        "packed_weights": sum(
+            m.packed is not None for m in runner.model.modules() if isinstance(m, PackableLinear)
+        ),
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
@@ -245,7 +254,9 @@ def print_table(rows: list[BenchRow], setup: dict) -> None:
 
     table = Table(
         title=(
-            f"decode throughput, {setup['dtype']} on {setup['device']} ({setup['attention_backend']}), "
+            f"decode throughput, {setup['dtype']} on {setup['device']} ({setup['attention_backend']}, "
+            f"native kernels {'on' if setup['native_kernels'] else 'off'}, "
+            f"{setup['packed_weights']} packed weights), "
             f"prompt {setup['prompt_len']}, {setup['new_tokens']} new tokens; tok/s = batch / median step"
         )
     )
@@ -273,7 +284,7 @@ def profile_decode(args: argparse.Namespace, batch_size: int, steps: int = 5) ->
     tables, outputs = engine_prefill(runner, prompts, 2 * steps + 1)
     engine_decode_steps(runner, prompts, tables, outputs, steps)  # warm-up
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if runner.device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
+    with profile(activities=activities) as prof, cpu_kernels.labelled_for_profiler():
         engine_decode_steps(runner, prompts, tables, outputs, steps)
     sort_by = "self_cuda_time_total" if runner.device.type == "cuda" else "self_cpu_time_total"
     return prof.key_averages().table(sort_by=sort_by, row_limit=15)
