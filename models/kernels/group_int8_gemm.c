@@ -78,6 +78,7 @@ ROWS(1)
  * every row of x against it, so the dequantization is paid once per weight instead of once per three
  * rows of x. Partial dot products over each KC chunk are added into y. */
 #define KC 512
+#define M_BLOCK 96
 #define NT_BUF 4
 #define MC_BUF 3
 
@@ -189,12 +190,20 @@ int orca_group_int8_linear(const float *x, int64_t M, int64_t K, const int8_t *q
         }
         return 0;
     }
+    /* Rows of x in blocks of M_BLOCK, every weight tile against one block before the next: a block's
+     * KC-column slice (M_BLOCK x KC floats, 192 KB) stays in L2 across the tiles. Without the blocking a
+     * prompt of 1024 tokens streamed x from L3 once per 4 weight rows (115 against MKL's 170 GFLOP/s). */
     const int64_t full = N / 4;
+    for (int64_t m0 = 0; m0 < M; m0 += M_BLOCK) {
+        const int64_t mb = M - m0 < M_BLOCK ? M - m0 : M_BLOCK;
+        const float *xb = x + m0 * K;
+        float *yb = y + m0 * N;
 #pragma omp parallel for schedule(static)
-    for (int64_t t = 0; t < full; t++) {
-        const int64_t n = t * 4;
-        rows_buffered(x, M, K, q + n * K, s + n * G, z + n * G, G, y + n, N);
+        for (int64_t t = 0; t < full; t++) {
+            const int64_t n = t * 4;
+            rows_buffered(xb, mb, K, q + n * K, s + n * G, z + n * G, G, yb + n, N);
+        }
+        for (int64_t n = full * 4; n < N; n++) rows_1(xb, mb, K, q + n * K, s + n * G, z + n * G, G, yb + n, N);
     }
-    for (int64_t n = full * 4; n < N; n++) rows_1(x, M, K, q + n * K, s + n * G, z + n * G, G, y + n, N);
     return 0;
 }
