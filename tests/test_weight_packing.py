@@ -27,11 +27,12 @@ def random_packed(n: int, k: int, seed: int = 0) -> PackedWeight:
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 13, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 11, 13, 14, 64, 100])
 @pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 64), (37, 96), (64, 1536)])
 def test_kernel_matches_float_matmul(m: int, n: int, k: int) -> None:
-    # m covers the streaming path (<= 8 rows), the buffered one and its row tails; n its column tail;
-    # k = 1536 spans several of the buffered path's 512-column chunks.
+    # m: the streaming path (<= 8 rows), then the outer-product one with every tail of its 6-row
+    # micro-tile and more rows than one 96-row block; n = 37: two 16-row tiles, a 4-row and a 1-row
+    # tail (the dot-product paths); k = 1536 spans several column chunks of every path.
     w = random_packed(n, k, seed=m * 1000 + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
     got = cpu_kernels.group_int8_linear(x, w.codes, w.scales, w.zeros)

@@ -8,15 +8,19 @@
  * to the float32 checkpoint's; only the summation order differs from a float32 GEMM.
  *
  * AVX2 + FMA. Work is split over output rows by OpenMP (torch's own libgomp once torch is loaded).
- * A tile is NT output rows x MC input rows: the NT weight vectors are dequantized once per 8 columns
- * and reused for all MC rows of x, so larger batches cost FMAs, not more dequantization.
+ * Three paths, by the number of rows of x:
+ *   - up to 8 (decode at small batch, memory-bound): gemv_row streams each weight row once and
+ *     applies it to every row of x, at close to the machine's memory bandwidth;
+ *   - more (large decode batches, prompts): rows_outer, a BLIS-style micro-kernel over 16 weight rows
+ *     dequantized into an L1 buffer, at about MKL's float32 GEMM speed;
+ *   - the last N % 16 weight rows of the larger case: rows_buffered / rows_1, a dot-product form.
  */
 #include <stdint.h>
 
 #include "simd.h"
 
 #define GROUP 32
-/* Up to this many rows of x, the streaming path (gemv_row); from one more on, the L1 buffer. */
+/* Up to this many rows of x, the streaming path (gemv_row); from one more on, the buffered paths. */
 #define GEMV_MAX_ROWS 8
 
 /* 8 int8 codes as floats. */
@@ -74,9 +78,9 @@ static inline __attribute__((always_inline)) void tile(
     }
 ROWS(1)
 
-/* Larger batches: dequantize NT rows x KC columns once into a float buffer that stays in L1, then run
- * every row of x against it, so the dequantization is paid once per weight instead of once per three
- * rows of x. Partial dot products over each KC chunk are added into y. */
+/* The tail rows of the larger case: dequantize NT rows x KC columns once into a float buffer that stays
+ * in L1, then run every row of x against it as dot products. Partial sums over each KC chunk are added
+ * into y. */
 #define KC 512
 #define M_BLOCK 96
 #define NT_BUF 4
@@ -121,6 +125,91 @@ static void rows_buffered(const float *x, int64_t M, int64_t K, const int8_t *q,
         for (; m + 3 <= M; m += 3) dot_buffered(x + m * K + k0, K, w, y + m * N, N, kc, 3);
         if (M - m == 2) dot_buffered(x + m * K + k0, K, w, y + m * N, N, kc, 2);
         if (M - m == 1) dot_buffered(x + m * K + k0, K, w, y + m * N, N, kc, 1);
+    }
+}
+
+/* The main path from 9 rows of x on: a BLIS-style outer-product micro-kernel. 16 weight rows x KC_OUT
+ * columns are dequantized once into an L1 buffer laid out k-major (w[k][0..15]); then every block of
+ * MR rows of x runs y[m, 16 cols] += x[m, k] * w[k, :] over the chunk: 2 vector loads and MR
+ * broadcasts feed 2 * MR FMAs, and the 12 accumulators stay in registers for the whole chunk (no
+ * horizontal sums, unlike the dot-product form below, which only handles the last N % 16 rows). */
+#define NT_OUT 16
+#define KC_OUT 256
+#define MR 6
+
+/* In-place transpose of an 8x8 block of floats held in 8 registers. */
+static inline void transpose8(__m256 *r) {
+    const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+    const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+    const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+    const __m256 u0 = _mm256_shuffle_ps(t0, t2, 0x44), u1 = _mm256_shuffle_ps(t0, t2, 0xEE);
+    const __m256 u2 = _mm256_shuffle_ps(t1, t3, 0x44), u3 = _mm256_shuffle_ps(t1, t3, 0xEE);
+    const __m256 u4 = _mm256_shuffle_ps(t4, t6, 0x44), u5 = _mm256_shuffle_ps(t4, t6, 0xEE);
+    const __m256 u6 = _mm256_shuffle_ps(t5, t7, 0x44), u7 = _mm256_shuffle_ps(t5, t7, 0xEE);
+    r[0] = _mm256_permute2f128_ps(u0, u4, 0x20);
+    r[1] = _mm256_permute2f128_ps(u1, u5, 0x20);
+    r[2] = _mm256_permute2f128_ps(u2, u6, 0x20);
+    r[3] = _mm256_permute2f128_ps(u3, u7, 0x20);
+    r[4] = _mm256_permute2f128_ps(u0, u4, 0x31);
+    r[5] = _mm256_permute2f128_ps(u1, u5, 0x31);
+    r[6] = _mm256_permute2f128_ps(u2, u6, 0x31);
+    r[7] = _mm256_permute2f128_ps(u3, u7, 0x31);
+}
+
+static inline __attribute__((always_inline)) void outer_tile(
+    const float *x, int64_t K, const float *w, float *y, int64_t ldy, int64_t kc, int first, const int mr) {
+    __m256 acc[MR][2];
+#pragma GCC unroll 8
+    for (int m = 0; m < mr; m++) {
+        acc[m][0] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + m * ldy);
+        acc[m][1] = first ? _mm256_setzero_ps() : _mm256_loadu_ps(y + m * ldy + 8);
+    }
+    for (int64_t k = 0; k < kc; k++) {
+        const __m256 w0 = _mm256_load_ps(w + k * NT_OUT), w1 = _mm256_load_ps(w + k * NT_OUT + 8);
+#pragma GCC unroll 8
+        for (int m = 0; m < mr; m++) {
+            const __m256 xb = _mm256_broadcast_ss(x + m * K + k);
+            acc[m][0] = _mm256_fmadd_ps(xb, w0, acc[m][0]);
+            acc[m][1] = _mm256_fmadd_ps(xb, w1, acc[m][1]);
+        }
+    }
+#pragma GCC unroll 8
+    for (int m = 0; m < mr; m++) {
+        _mm256_storeu_ps(y + m * ldy, acc[m][0]);
+        _mm256_storeu_ps(y + m * ldy + 8, acc[m][1]);
+    }
+}
+
+static void rows_outer(const float *x, int64_t M, int64_t K, const int8_t *q, const float *s,
+                       const float *z, int64_t G, float *y, int64_t N) {
+    float w[KC_OUT * NT_OUT] __attribute__((aligned(32)));
+    for (int64_t k0 = 0; k0 < K; k0 += KC_OUT) {
+        const int64_t kc = K - k0 < KC_OUT ? K - k0 : KC_OUT;
+        for (int j0 = 0; j0 < NT_OUT; j0 += 8)
+            for (int64_t k = 0; k < kc; k += 8) {
+                /* 8 weight rows x 8 columns, dequantized, transposed in registers, stored k-major. */
+                const int64_t g = (k0 + k) / GROUP;
+                __m256 r[8];
+                for (int j = 0; j < 8; j++) {
+                    const int64_t row = j0 + j;
+                    r[j] = dequant8(q + row * K + k0 + k, _mm256_set1_ps(s[row * G + g]),
+                                    _mm256_set1_ps(z[row * G + g]));
+                }
+                transpose8(r);
+                for (int i = 0; i < 8; i++) _mm256_store_ps(w + (k + i) * NT_OUT + j0, r[i]);
+            }
+        const int first = k0 == 0;
+        int64_t m = 0;
+        for (; m + MR <= M; m += MR) outer_tile(x + m * K + k0, K, w, y + m * N, N, kc, first, MR);
+        switch (M - m) {
+            case 5: outer_tile(x + m * K + k0, K, w, y + m * N, N, kc, first, 5); break;
+            case 4: outer_tile(x + m * K + k0, K, w, y + m * N, N, kc, first, 4); break;
+            case 3: outer_tile(x + m * K + k0, K, w, y + m * N, N, kc, first, 3); break;
+            case 2: outer_tile(x + m * K + k0, K, w, y + m * N, N, kc, first, 2); break;
+            case 1: outer_tile(x + m * K + k0, K, w, y + m * N, N, kc, first, 1); break;
+            default: break;
+        }
     }
 }
 
@@ -191,19 +280,24 @@ int orca_group_int8_linear(const float *x, int64_t M, int64_t K, const int8_t *q
         return 0;
     }
     /* Rows of x in blocks of M_BLOCK, every weight tile against one block before the next: a block's
-     * KC-column slice (M_BLOCK x KC floats, 192 KB) stays in L2 across the tiles. Without the blocking a
+     * column slice (M_BLOCK x KC_OUT floats, 96 KB) stays in L2 across the tiles. Without the blocking a
      * prompt of 1024 tokens streamed x from L3 once per 4 weight rows (115 against MKL's 170 GFLOP/s). */
-    const int64_t full = N / 4;
+    const int64_t tiles16 = N / NT_OUT, tiles4 = (N - tiles16 * NT_OUT) / 4;
     for (int64_t m0 = 0; m0 < M; m0 += M_BLOCK) {
         const int64_t mb = M - m0 < M_BLOCK ? M - m0 : M_BLOCK;
         const float *xb = x + m0 * K;
         float *yb = y + m0 * N;
 #pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < full; t++) {
-            const int64_t n = t * 4;
+        for (int64_t t = 0; t < tiles16; t++) {
+            const int64_t n = t * NT_OUT;
+            rows_outer(xb, mb, K, q + n * K, s + n * G, z + n * G, G, yb + n, N);
+        }
+        for (int64_t t = 0; t < tiles4; t++) {  /* the last N % 16 rows: 4 at a time, then singly */
+            const int64_t n = tiles16 * NT_OUT + t * 4;
             rows_buffered(xb, mb, K, q + n * K, s + n * G, z + n * G, G, yb + n, N);
         }
-        for (int64_t n = full * 4; n < N; n++) rows_1(xb, mb, K, q + n * K, s + n * G, z + n * G, G, yb + n, N);
+        for (int64_t n = tiles16 * NT_OUT + tiles4 * 4; n < N; n++)
+            rows_1(xb, mb, K, q + n * K, s + n * G, z + n * G, G, yb + n, N);
     }
     return 0;
 }
