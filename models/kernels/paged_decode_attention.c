@@ -24,6 +24,7 @@ static inline __m256 hsum8x8(const __m256 *a) {
 }
 
 #define MAX_HEAD_DIM 256
+#define PREFETCH_TOKENS 16
 
 /* DV = head_dim / 8, a compile-time constant in the common cases so q and the output accumulator
  * stay in registers. */
@@ -37,6 +38,7 @@ static inline __attribute__((always_inline)) void one_head(
     }
     float m = -INFINITY, l = 0.0f;
     int64_t block = 0, offset = 0;
+    int64_t pf_t = 0, pf_block = 0, pf_offset = 0; /* the prefetch cursor */
     for (int64_t t0 = 0; t0 < seq_len; t0 += 8) {
         const int n = seq_len - t0 < 8 ? (int)(seq_len - t0) : 8;
         const float *kr[8], *vr[8];
@@ -48,6 +50,20 @@ static inline __attribute__((always_inline)) void one_head(
             if (++offset == block_size) {
                 offset = 0;
                 block++;
+            }
+        }
+        /* Long histories are bound by memory latency (rows scattered over blocks): keep the K and V
+         * rows PREFETCH_TOKENS ahead of this tile on their way in while it computes. */
+        for (const int64_t end = t0 + 8 + PREFETCH_TOKENS < seq_len ? t0 + 8 + PREFETCH_TOKENS : seq_len;
+             pf_t < end; pf_t++) {
+            const int64_t slot = (int64_t)table[pf_block] * block_size + pf_offset;
+            for (int64_t c = 0; c < DV * 8; c += 16) {
+                _mm_prefetch((const char *)(k_cache + slot * token_stride + c), _MM_HINT_T0);
+                _mm_prefetch((const char *)(v_cache + slot * token_stride + c), _MM_HINT_T0);
+            }
+            if (++pf_offset == block_size) {
+                pf_offset = 0;
+                pf_block++;
             }
         }
         __m256 dots[8];
