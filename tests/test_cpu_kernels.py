@@ -170,3 +170,25 @@ def test_rope_and_cache_matches_rotary_and_index_copy(tokens: int) -> None:
     torch.testing.assert_close(qkv[:, : hq * d].view(tokens, hq, d), qk[:, :hq], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(k_cache, k_ref, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(v_cache, v_ref, atol=0, rtol=0)
+
+
+@needs_kernel
+def test_wrappers_refuse_what_the_c_code_would_misread() -> None:
+    from models.layers.packed_weight import PackedWeight
+
+    w = PackedWeight(torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 2), torch.zeros(8, 2))
+    with pytest.raises(ValueError, match="x"):
+        cpu_kernels.group_int8_linear(torch.randn(2, 64).bfloat16(), w.codes, w.scales, w.zeros)
+    with pytest.raises(ValueError, match="last dim"):
+        cpu_kernels.group_int8_linear(torch.randn(2, 32), w.codes, w.scales, w.zeros)
+    with pytest.raises(ValueError, match="scales"):
+        cpu_kernels.group_int8_linear(torch.randn(2, 64), w.codes, torch.ones(8, 3), w.zeros)
+    q, k, v, tables, lens = paged_case([5, 9], 4, 2, 16, 4)
+    with pytest.raises(ValueError, match="v_cache"):
+        cpu_kernels.paged_decode_attention(q, k, v[:, :2], tables, lens, 0.25)
+    with pytest.raises(ValueError, match="do not match"):
+        cpu_kernels.paged_decode_attention(q, k, v, tables[:1], lens, 0.25)
+    with pytest.raises(ValueError, match="residual"):
+        cpu_kernels.rms_norm(torch.randn(3, 16), torch.ones(16), 1e-6, residual=torch.randn(2, 16))
+    with pytest.raises(ValueError, match="twice"):
+        cpu_kernels.silu_and_mul(torch.randn(3, 20))

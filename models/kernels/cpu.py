@@ -117,6 +117,16 @@ def available() -> bool:
     return _library() is not None
 
 
+def _require_f32(name: str, t: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
+    """The C code trusts its pointers: a wrong dtype, layout or shape would read out of bounds, so it
+    is refused here (metadata-only checks, no pass over the data). Index contents (block tables,
+    positions, slots) are the engine's to validate, which build_step_inputs does for every step."""
+    if t.dtype != torch.float32 or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(f"{name}: expected a contiguous float32 CPU tensor, got {t.dtype} on {t.device}")
+    if shape is not None and tuple(t.shape) != shape:
+        raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
+
+
 def _checked_library() -> ctypes.CDLL:
     lib = _library()
     if lib is None:
@@ -132,8 +142,15 @@ def group_int8_linear(
     codes [N, K] int8, scales and zeros [N, K // 32] float32, all contiguous CPU tensors.
     """
     n, k = codes.shape
+    if codes.dtype != torch.int8 or not codes.is_contiguous() or k % GROUP_SIZE:
+        raise ValueError(f"codes: expected contiguous int8 [N, K] with K a multiple of {GROUP_SIZE}")
+    _require_f32("scales", scales, (n, k // GROUP_SIZE))
+    _require_f32("zeros", zeros, (n, k // GROUP_SIZE))
+    if x.shape[-1] != k:
+        raise ValueError(f"x: last dim {x.shape[-1]} does not match the weight's {k}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, k).contiguous()
+    _require_f32("x", x2)
     m = x2.shape[0]
     y = torch.empty(m, n, dtype=torch.float32)
     if m:
@@ -159,10 +176,17 @@ def paged_decode_attention(
     and seq_lens [n] int32. Sequence i's token t is at block block_tables[i, t // block_size].
     """
     n, hq, d = q.shape
-    _, block_size, hkv, _ = k_cache.shape
+    num_blocks, block_size, hkv, _ = k_cache.shape
     q = q.contiguous()
+    _require_f32("q", q)
+    _require_f32("k_cache", k_cache, (num_blocks, block_size, hkv, d))
+    _require_f32("v_cache", v_cache, (num_blocks, block_size, hkv, d))
     tables = block_tables.to(torch.int32).contiguous()
     lens = seq_lens.to(torch.int32).contiguous()
+    if tables.dim() != 2 or tables.shape[0] != n or tuple(lens.shape) != (n,):
+        raise ValueError(
+            f"block_tables {tuple(tables.shape)} / seq_lens {tuple(lens.shape)} do not match {n} queries"
+        )
     out = torch.empty_like(q)
     rc = _checked_library().orca_paged_decode_attention(
         q.data_ptr(),
@@ -208,6 +232,12 @@ def rms_norm(
     """x / rms(x) * weight over the last dim. With `residual`, x + residual is normalised and also
     written into `residual` (in place: the caller's next residual stream), as vLLM's fused_add_rms_norm."""
     h = x.shape[-1]
+    _require_f32("x", x)
+    _require_f32("weight", weight, (h,))
+    if residual is not None:
+        _require_f32("residual", residual, tuple(x.shape))
+    if h % 8:
+        raise ValueError(f"rms_norm: width {h} is not a multiple of 8")
     out = torch.empty_like(x)
     rows = x.numel() // h if h else 0
     if rows:
@@ -221,6 +251,9 @@ def rms_norm(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2d] (gate | up) -> [..., d] = silu(gate) * up."""
     d = x.shape[-1] // 2
+    _require_f32("x", x)
+    if x.shape[-1] != 2 * d or d % 8:
+        raise ValueError(f"silu_and_mul: width {x.shape[-1]} is not twice a multiple of 8")
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
     rows = x.numel() // (2 * d) if d else 0
     if rows:
@@ -250,9 +283,15 @@ def rope_and_cache(
 ) -> None:
     """Rotary on q and k (in place in qkv), then k and v of every token into its cache slot."""
     t = qkv.shape[0]
+    hkv, d = k_cache.shape[-2:]
+    _require_f32("qkv", qkv, (t, (num_heads + 2 * hkv) * d))
+    _require_f32("cos_sin", cos_sin)
+    _require_f32("k_cache", k_cache)
+    _require_f32("v_cache", v_cache, tuple(k_cache.shape))
+    if cos_sin.shape[-1] != d or d % 16 or tuple(positions.shape) != (t,) or tuple(slots.shape) != (t,):
+        raise ValueError("rope_and_cache: head_dim, cos_sin, positions or slots do not match qkv")
     if not t:
         return
-    hkv, d = k_cache.shape[-2:]
     pos = positions.to(torch.int64).contiguous()
     slot = slots.to(torch.int64).contiguous()
     _checked_library().orca_rope_and_cache(
