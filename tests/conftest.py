@@ -109,19 +109,25 @@ def gguf_roundtrip(weight, qtype_name: str):
     return torch.from_numpy(quants.dequantize(quants.quantize(data, qtype), qtype).copy())
 
 
+def gguf_structured(model):
+    """The model with every matrix round-tripped through GGUF blocks like the default model's: Q8_0
+    for the (tied) embedding, Q4_1 for the projections. Its weights then pack (weight_packing.py)."""
+    import torch
+
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.dim() == 2:
+                param.copy_(gguf_roundtrip(param, "Q8_0" if "embed" in name else "Q4_1"))
+    return model
+
+
 @pytest.fixture(scope="session")
 def tiny_gguf_llama_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     """A tiny Llama whose weights went through GGUF quantization like the default model's: Q4_1
     projections and a Q8_0 (tied) embedding, stored dequantized as float32 safetensors."""
     import shutil
 
-    import torch
-
-    model = build_hf_model(tiny_llama_config())
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() == 2:
-                param.copy_(gguf_roundtrip(param, "Q8_0" if "embed" in name else "Q4_1"))
+    model = gguf_structured(build_hf_model(tiny_llama_config()))
     out = tmp_path_factory.mktemp("tiny-gguf-llama")
     model.save_pretrained(out, safe_serialization=True)
     for f in smollm2_tokenizer_dir.iterdir():

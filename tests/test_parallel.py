@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from conftest import build_hf_model, tiny_gpt2_config, tiny_llama_config
+from conftest import build_hf_model, gguf_structured, tiny_gpt2_config, tiny_llama_config
 from fakes import FakeRunner, live_server, wait_until
 
 from engine.batch import SampledToken, SamplingParams, ScheduledSequence
@@ -28,6 +28,8 @@ from engine.config import EngineConfig
 from engine.distributed import Topology, decode_batch, encode_batch
 from engine.parallel_runner import ParallelModelRunner
 from engine.runner import TorchModelRunner
+from models.kernels import cpu as cpu_kernels
+from models.layers.linear import PackableLinear
 from models.layers.parallel import PPContext
 from models.loader import load_tokenizer
 from models.registry import model_class_for
@@ -264,9 +266,11 @@ def engine_config(model_dir: Path, tp: int = 1, pp: int = 1) -> EngineConfig:
 
 @pytest.fixture(scope="module")
 def uneven_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer_dir: Path) -> Path:
-    """A tiny random Llama (with the SmolLM2 tokenizer) whose heads split unevenly over 2 ranks."""
+    """A tiny random Llama (with the SmolLM2 tokenizer) whose heads split unevenly over 2 ranks. Its
+    weights have a GGUF model's structure, so every rank packs its shards for the native kernels
+    (where they build) and the parallel tests cover sharded packed weights too."""
     out = tmp_path_factory.mktemp("uneven-llama")
-    build_hf_model(UNEVEN_CONFIG()).save_pretrained(out, safe_serialization=True)
+    gguf_structured(build_hf_model(UNEVEN_CONFIG())).save_pretrained(out, safe_serialization=True)
     for f in smollm2_tokenizer_dir.iterdir():
         shutil.copy(f, out / f.name)
     return out
@@ -365,6 +369,13 @@ class TestParallelEqualsOneProcess:
             [ScheduledSequence("a", [tok_a.token_id], len(a), [0], True, params, a, [])]
         )
         assert nxt[0] is not None and nxt[0].token_id == reference_tokens[0][1]
+
+    def test_rank_zero_runs_packed_shards(self, parallel_runner: ParallelModelRunner) -> None:
+        """The uneven shards (rank 0's o_proj input is 64 of 96 columns) still pack exactly."""
+        if not cpu_kernels.available():
+            pytest.skip("native CPU kernels not built here")
+        layers = [m for m in parallel_runner._stage.model.modules() if isinstance(m, PackableLinear)]
+        assert layers and all(m.packed is not None for m in layers)
 
     async def test_parallel_server_matches_one_process(
         self, parallel_runner: ParallelModelRunner, uneven_llama_dir: Path, reference_texts: list[str]

@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import gguf_roundtrip
 
 from models.kernels import cpu as cpu_kernels
 from models.layers.linear import PackableLinear
 from models.layers.packed_weight import PackedWeight, pack_exact
 from models.loader import load_model
 from models.weight_packing import pack_model_weights, should_pack
-from tests.conftest import gguf_roundtrip
 
 needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason="group-int8 kernel not built here")
 
