@@ -25,7 +25,7 @@ class RequestRecord:
     index: int  # position in the workload: the same index is the same prompt in every run
     prompt_len: int  # prompt tokens the workload asked for
     max_tokens: int  # output tokens asked for (with ignore_eos and min_tokens, the exact output length)
-    scheduled_time: float  # when the arrival process wanted it sent
+    scheduled_time: float  # when the arrival process wanted it sent (closed loop: when a slot freed)
     send_time: float = 0.0  # when it was sent (later than scheduled when a concurrency limit held it)
     first_token_time: float | None = None
     token_times: list[float] = field(default_factory=list)  # arrival of each streamed token chunk

@@ -89,11 +89,16 @@ async def run_load(
             await asyncio.sleep(delay)
         if slots is not None:
             await slots.acquire()
-        if times is None and config.duration is not None and time.perf_counter() - t0 >= config.duration:
-            if slots is not None:
-                slots.release()
-            break
         spec = specs[index] if times is not None else workload.spec(index)
+        if times is None:
+            # Closed loop: a request arrives when a slot frees, and none arrives once time is up. The
+            # check comes after building the spec (text prompts re-encode, which takes time), so a
+            # request admitted before the deadline is also sent before it.
+            scheduled = time.perf_counter() - t0
+            if config.duration is not None and scheduled >= config.duration:
+                if slots is not None:
+                    slots.release()
+                break
         record = RequestRecord(
             index=spec.index, prompt_len=spec.prompt_len, max_tokens=spec.output_len, scheduled_time=scheduled
         )

@@ -137,7 +137,8 @@ def test_closed_loop_keeps_concurrency(tmp_path, tokenizer, smollm2_tokenizer_di
     for r in records:
         open_ = [o for o in records if o is not r and o.send_time <= r.send_time < o.end_time]
         assert len(open_) <= 1
-    assert all(r.send_time < 1.0 for r in records)  # nothing sent after the duration
+    assert all(r.scheduled_time < 1.0 for r in records)  # nothing admitted after the duration
+    assert all(r.send_time >= r.scheduled_time for r in records)
 
 
 def test_launch_compares_configurations_and_plot_cli(tmp_path, capsys, smollm2_tokenizer_dir):
