@@ -12,15 +12,15 @@
  *   - up to 8 (decode at small batch, memory-bound): gemv_row streams each weight row once and
  *     applies it to every row of x, at close to the machine's memory bandwidth;
  *   - more (large decode batches, prompts): rows_outer, a BLIS-style micro-kernel over 16 weight rows
- *     dequantized into an L1 buffer, at about MKL's float32 GEMM speed;
- *   - the last N % 16 weight rows of the larger case: rows_buffered / rows_1, a dot-product form.
+ *     dequantized into an L1 buffer, at about MKL's float32 GEMM speed; the last N % 16 weight rows,
+ *     too few for a tile, take the streaming path, 8 rows of x at a time.
  */
 #include <stdint.h>
 
 #include "simd.h"
 
 #define GROUP 32
-/* Up to this many rows of x, the streaming path (gemv_row); from one more on, the buffered paths. */
+/* Up to this many rows of x, the streaming path (gemv_row); from one more on, rows_outer. */
 #define GEMV_MAX_ROWS 8
 
 /* 8 int8 codes as floats. */
@@ -32,110 +32,15 @@ static inline __m256 dequant8(const int8_t *q, __m256 s, __m256 z) {
     return _mm256_add_ps(_mm256_mul_ps(load8(q), s), z);
 }
 
-static inline __attribute__((always_inline)) void tile(
-    const float *x, int64_t K, const int8_t *q, const float *s, const float *z, int64_t G,
-    float *y, int64_t ldy, const int nt, const int mc) {
-    __m256 acc[4][4];
-#pragma GCC unroll 8
-    for (int m = 0; m < mc; m++)
-#pragma GCC unroll 8
-        for (int j = 0; j < nt; j++) acc[m][j] = _mm256_setzero_ps();
-    for (int64_t g = 0; g < G; g++) {
-        __m256 sv[4], zv[4];
-#pragma GCC unroll 8
-        for (int j = 0; j < nt; j++) {
-            sv[j] = _mm256_set1_ps(s[j * G + g]);
-            zv[j] = _mm256_set1_ps(z[j * G + g]);
-        }
-#pragma GCC unroll 8
-        for (int kk = 0; kk < GROUP; kk += 8) {
-            const int64_t k = g * GROUP + kk;
-            __m256 w[4];
-#pragma GCC unroll 8
-            for (int j = 0; j < nt; j++) w[j] = dequant8(q + j * K + k, sv[j], zv[j]);
-#pragma GCC unroll 8
-            for (int m = 0; m < mc; m++) {
-                const __m256 xv = _mm256_loadu_ps(x + m * K + k);
-#pragma GCC unroll 8
-                for (int j = 0; j < nt; j++) acc[m][j] = _mm256_fmadd_ps(xv, w[j], acc[m][j]);
-            }
-        }
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < mc; m++)
-#pragma GCC unroll 8
-        for (int j = 0; j < nt; j++) y[m * ldy + j] = hsum8(acc[m][j]);
-}
-
-/* All rows of x against NT weight rows starting at q (a tile column of the output). */
-#define ROWS(NT)                                                                                  \
-    static void rows_##NT(const float *x, int64_t M, int64_t K, const int8_t *q, const float *s,  \
-                          const float *z, int64_t G, float *y, int64_t N) {                       \
-        int64_t m = 0;                                                                            \
-        for (; m + 3 <= M; m += 3) tile(x + m * K, K, q, s, z, G, y + m * N, N, NT, 3);           \
-        if (M - m == 2) tile(x + m * K, K, q, s, z, G, y + m * N, N, NT, 2);                      \
-        if (M - m == 1) tile(x + m * K, K, q, s, z, G, y + m * N, N, NT, 1);                      \
-    }
-ROWS(1)
-
-/* The tail rows of the larger case: dequantize NT rows x KC columns once into a float buffer that stays
- * in L1, then run every row of x against it as dot products. Partial sums over each KC chunk are added
- * into y. */
-#define KC 512
-#define M_BLOCK 96
-#define NT_BUF 4
-#define MC_BUF 3
-
-static inline __attribute__((always_inline)) void dot_buffered(
-    const float *x, int64_t K, const float *w, float *y, int64_t ldy, int64_t kc, const int mc) {
-    __m256 acc[MC_BUF][NT_BUF];
-#pragma GCC unroll 8
-    for (int m = 0; m < mc; m++)
-#pragma GCC unroll 8
-        for (int j = 0; j < NT_BUF; j++) acc[m][j] = _mm256_setzero_ps();
-    for (int64_t k = 0; k < kc; k += 8) {
-#pragma GCC unroll 8
-        for (int m = 0; m < mc; m++) {
-            const __m256 xv = _mm256_loadu_ps(x + m * K + k);
-#pragma GCC unroll 8
-            for (int j = 0; j < NT_BUF; j++)
-                acc[m][j] = _mm256_fmadd_ps(xv, _mm256_load_ps(w + j * KC + k), acc[m][j]);
-        }
-    }
-#pragma GCC unroll 8
-    for (int m = 0; m < mc; m++)
-#pragma GCC unroll 8
-        for (int j = 0; j < NT_BUF; j++) y[m * ldy + j] += hsum8(acc[m][j]);
-}
-
-static void rows_buffered(const float *x, int64_t M, int64_t K, const int8_t *q, const float *s,
-                          const float *z, int64_t G, float *y, int64_t N) {
-    float w[NT_BUF * KC] __attribute__((aligned(32)));
-    for (int64_t m = 0; m < M; m++)
-        for (int j = 0; j < NT_BUF; j++) y[m * N + j] = 0.0f;
-    for (int64_t k0 = 0; k0 < K; k0 += KC) {
-        const int64_t kc = K - k0 < KC ? K - k0 : KC;
-        for (int j = 0; j < NT_BUF; j++)
-            for (int64_t k = 0; k < kc; k += 8) {
-                const int64_t g = (k0 + k) / GROUP;
-                _mm256_store_ps(w + j * KC + k, dequant8(q + j * K + k0 + k, _mm256_set1_ps(s[j * G + g]),
-                                                         _mm256_set1_ps(z[j * G + g])));
-            }
-        int64_t m = 0;
-        for (; m + 3 <= M; m += 3) dot_buffered(x + m * K + k0, K, w, y + m * N, N, kc, 3);
-        if (M - m == 2) dot_buffered(x + m * K + k0, K, w, y + m * N, N, kc, 2);
-        if (M - m == 1) dot_buffered(x + m * K + k0, K, w, y + m * N, N, kc, 1);
-    }
-}
-
 /* The main path from 9 rows of x on: a BLIS-style outer-product micro-kernel. 16 weight rows x KC_OUT
  * columns are dequantized once into an L1 buffer laid out k-major (w[k][0..15]); then every block of
  * MR rows of x runs y[m, 16 cols] += x[m, k] * w[k, :] over the chunk: 2 vector loads and MR
  * broadcasts feed 2 * MR FMAs, and the 12 accumulators stay in registers for the whole chunk (no
- * horizontal sums, unlike the dot-product form below, which only handles the last N % 16 rows). */
+ * horizontal sums). The last N % 16 weight rows go through the streaming path instead. */
 #define NT_OUT 16
 #define KC_OUT 256
 #define MR 6
+#define M_BLOCK 96 /* rows of x per block (see orca_group_int8_linear) */
 
 /* In-place transpose of an 8x8 block of floats held in 8 registers. */
 static inline void transpose8(__m256 *r) {
@@ -251,53 +156,54 @@ static inline __attribute__((always_inline)) void gemv_row(
 }
 
 
+/* Weight rows [n0, n1) against M <= GEMV_MAX_ROWS rows of x, on the streaming path. */
+static void gemv_range(const float *x, int64_t M, int64_t K, const int8_t *q, const float *s, const float *z,
+                       float *y, int64_t N, int64_t n0, int64_t n1, int parallel) {
+    const int64_t G = K / GROUP;
+    float xsum[GEMV_MAX_ROWS * G];
+    for (int64_t i = 0; i < M * G; i++) {
+        float t = 0.0f;
+        for (int k = 0; k < GROUP; k++) t += x[i * GROUP + k];
+        xsum[i] = t;
+    }
+#pragma omp parallel for schedule(static) if (parallel)
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *qn = q + n * K;
+        const float *sn = s + n * G, *zn = z + n * G;
+        switch (M) {
+            case 1: gemv_row(x, xsum, K, qn, sn, zn, G, y + n, N, 1); break;
+            case 2: gemv_row(x, xsum, K, qn, sn, zn, G, y + n, N, 2); break;
+            case 3: gemv_row(x, xsum, K, qn, sn, zn, G, y + n, N, 3); break;
+            case 4: gemv_row(x, xsum, K, qn, sn, zn, G, y + n, N, 4); break;
+            case 5: gemv_row(x, xsum, K, qn, sn, zn, G, y + n, N, 5); break;
+            case 6: gemv_row(x, xsum, K, qn, sn, zn, G, y + n, N, 6); break;
+            case 7: gemv_row(x, xsum, K, qn, sn, zn, G, y + n, N, 7); break;
+            default: gemv_row(x, xsum, K, qn, sn, zn, G, y + n, N, 8); break;
+        }
+    }
+}
+
 int orca_group_int8_linear(const float *x, int64_t M, int64_t K, const int8_t *q, const float *s,
                            const float *z, int64_t N, float *y) {
     if (K % GROUP != 0 || M <= 0 || N <= 0) return 1;
-    const int64_t G = K / GROUP;
     if (M <= GEMV_MAX_ROWS) {
-        float xsum[GEMV_MAX_ROWS * G];
-        for (int64_t i = 0; i < M * G; i++) {
-            float t = 0.0f;
-            for (int k = 0; k < GROUP; k++) t += x[i * GROUP + k];
-            xsum[i] = t;
-        }
-#pragma omp parallel for schedule(static)
-        for (int64_t n = 0; n < N; n++) {
-            const int8_t *qn = q + n * K;
-            const float *sn = s + n * G, *zn = z + n * G;
-            switch (M) {
-                case 1: gemv_row(x, xsum, K, qn, sn, zn, G, y + n, N, 1); break;
-                case 2: gemv_row(x, xsum, K, qn, sn, zn, G, y + n, N, 2); break;
-                case 3: gemv_row(x, xsum, K, qn, sn, zn, G, y + n, N, 3); break;
-                case 4: gemv_row(x, xsum, K, qn, sn, zn, G, y + n, N, 4); break;
-                case 5: gemv_row(x, xsum, K, qn, sn, zn, G, y + n, N, 5); break;
-                case 6: gemv_row(x, xsum, K, qn, sn, zn, G, y + n, N, 6); break;
-                case 7: gemv_row(x, xsum, K, qn, sn, zn, G, y + n, N, 7); break;
-                default: gemv_row(x, xsum, K, qn, sn, zn, G, y + n, N, 8); break;
-            }
-        }
+        gemv_range(x, M, K, q, s, z, y, N, 0, N, 1);
         return 0;
     }
     /* Rows of x in blocks of M_BLOCK, every weight tile against one block before the next: a block's
      * column slice (M_BLOCK x KC_OUT floats, 96 KB) stays in L2 across the tiles. Without the blocking a
      * prompt of 1024 tokens streamed x from L3 once per 4 weight rows (115 against MKL's 170 GFLOP/s). */
-    const int64_t tiles16 = N / NT_OUT, tiles4 = (N - tiles16 * NT_OUT) / 4;
+    const int64_t G = K / GROUP, tiled = N / NT_OUT * NT_OUT;
     for (int64_t m0 = 0; m0 < M; m0 += M_BLOCK) {
         const int64_t mb = M - m0 < M_BLOCK ? M - m0 : M_BLOCK;
         const float *xb = x + m0 * K;
         float *yb = y + m0 * N;
 #pragma omp parallel for schedule(static)
-        for (int64_t t = 0; t < tiles16; t++) {
-            const int64_t n = t * NT_OUT;
-            rows_outer(xb, mb, K, q + n * K, s + n * G, z + n * G, G, yb + n, N);
+        for (int64_t n = 0; n < tiled; n += NT_OUT) rows_outer(xb, mb, K, q + n * K, s + n * G, z + n * G, G, yb + n, N);
+        for (int64_t m = 0; m < mb && tiled < N; m += GEMV_MAX_ROWS) {
+            const int64_t rows = mb - m < GEMV_MAX_ROWS ? mb - m : GEMV_MAX_ROWS;
+            gemv_range(xb + m * K, rows, K, q, s, z, yb + m * N, N, tiled, N, 0);
         }
-        for (int64_t t = 0; t < tiles4; t++) {  /* the last N % 16 rows: 4 at a time, then singly */
-            const int64_t n = tiles16 * NT_OUT + t * 4;
-            rows_buffered(xb, mb, K, q + n * K, s + n * G, z + n * G, G, yb + n, N);
-        }
-        for (int64_t n = tiles16 * NT_OUT + tiles4 * 4; n < N; n++)
-            rows_1(xb, mb, K, q + n * K, s + n * G, z + n * G, G, yb + n, N);
     }
     return 0;
 }
