@@ -27,7 +27,7 @@ from engine.batch import SamplingParams, ScheduledSequence
 from engine.config import EngineConfig
 from engine.runner import TorchModelRunner
 from models.kernels import cpu as cpu_kernels
-from models.layers.linear import PackableLinear
+from models.weight_packing import WEIGHT_PACKING_MODES, packable_layers
 
 GREEDY_FIXED = SamplingParams(temperature=0.0, ignore_eos=True)
 WARMUP_SEQS, WARMUP_TOKENS = 2, 3  # first calls pay for kernel selection and allocator growth
@@ -227,9 +227,7 @@ def run(args: argparse.Namespace) -> tuple[list[BenchRow], dict]:
         "device": str(runner.device),
         "attention_backend": runner.model.attn_backend.name,
         "native_kernels": cpu_kernels.available() and runner.device.type == "cpu",
-        "packed_weights": sum(
-            m.packed is not None for m in runner.model.modules() if isinstance(m, PackableLinear)
-        ),
+        "packed_weights": sum(m.packed is not None for m in packable_layers(runner.model)),
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,
@@ -296,7 +294,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
     p.add_argument("--device", default="auto")
     p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--weight-packing", default="auto", choices=["auto", "off"])
+    p.add_argument("--weight-packing", default="auto", choices=WEIGHT_PACKING_MODES)
     p.add_argument("--batch-sizes", default="1,8,32,64")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=64)

@@ -7,6 +7,9 @@ from pathlib import Path
 
 import torch
 
+from models.kernels.cpu import cpu_flags
+from models.weight_packing import WEIGHT_PACKING_MODES
+
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
@@ -40,8 +43,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.weight_packing not in ("auto", "off"):
-            raise ValueError(f"weight_packing must be 'auto' or 'off', got {self.weight_packing!r}")
+        if self.weight_packing not in WEIGHT_PACKING_MODES:
+            raise ValueError(
+                f"weight_packing must be one of {WEIGHT_PACKING_MODES}, got {self.weight_packing!r}"
+            )
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
         if self.num_kv_blocks is not None and self.num_kv_blocks <= 0:
@@ -77,14 +82,9 @@ def cpu_has_native_bf16() -> bool:
     190 ms at batch 32 (raw matmuls at batch 64: 2.8 s against 0.25 s), so serving batches is far
     faster in float32 there.
     """
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    flags = set(line.split(":", 1)[1].split())
-                    return bool(flags & {"amx_bf16", "avx512_bf16"})
-    except OSError:
-        pass
+    flags = cpu_flags()
+    if flags:
+        return bool(flags & {"amx_bf16", "avx512_bf16"})
     # No /proc (macOS, Windows): torch's dispatch level is the best hint left.
     return torch.backends.cpu.get_cpu_capability() in ("AVX512_BF16", "AMX")
 

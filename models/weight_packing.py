@@ -33,6 +33,11 @@ class PackingSummary:
     seconds: float
 
 
+def packable_layers(model: nn.Module) -> list[PackableLinear]:
+    """The layers whose weight may be packed (linear layers and LM heads), in module order."""
+    return [m for m in model.modules() if isinstance(m, PackableLinear)]
+
+
 def should_pack(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
     if mode not in WEIGHT_PACKING_MODES:
         raise ValueError(f"weight_packing must be one of {WEIGHT_PACKING_MODES}, got {mode!r}")
@@ -41,7 +46,7 @@ def should_pack(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
 
 def pack_model_weights(model: nn.Module) -> PackingSummary:
     start = time.perf_counter()
-    layers = [m for m in model.modules() if isinstance(m, PackableLinear)]
+    layers = packable_layers(model)
     packed = float_bytes = packed_bytes = 0
     for layer in layers:
         numel = layer.weight.numel() if layer.weight is not None else 0

@@ -6,11 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from kernel_marks import needs_native_kernels
 
 from models.kernels import cpu as cpu_kernels
 from models.layers.attention_backends import BatchedDecodeBackend
-
-needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason="native CPU kernels not built here")
 
 
 def paged_case(seq_lens: list[int], hq: int, hkv: int, d: int, block_size: int, seed: int = 0):
@@ -42,7 +41,7 @@ def reference(q, k_cache, v_cache, tables, seq_lens, scale) -> torch.Tensor:
     return torch.stack(outs)
 
 
-@needs_kernel
+@needs_native_kernels
 @pytest.mark.parametrize(
     ("seq_lens", "hq", "hkv", "d", "block_size"),
     [
@@ -60,7 +59,7 @@ def test_kernel_matches_sdpa(seq_lens: list[int], hq: int, hkv: int, d: int, blo
     torch.testing.assert_close(got, reference(*case, scale), atol=2e-6, rtol=1e-5)
 
 
-@needs_kernel
+@needs_native_kernels
 def test_kernel_is_stable_for_large_scores() -> None:
     # Scores in the hundreds: the online softmax must rescale, not overflow.
     q, k, v, tables, lens = paged_case([50, 9], 2, 1, 16, 4)
@@ -106,7 +105,7 @@ def test_backend_paths_agree(native: bool, d: int) -> None:
     )
 
 
-@needs_kernel
+@needs_native_kernels
 @pytest.mark.parametrize("rows", [1, 3, 40])  # 40: past the rows at which the kernel goes parallel
 def test_rms_norm_and_fused_residual(rows: int) -> None:
     g = torch.Generator().manual_seed(rows)
@@ -123,7 +122,7 @@ def test_rms_norm_and_fused_residual(rows: int) -> None:
     torch.testing.assert_close(normed, F.rms_norm(x + res, (96,), w, 1e-5), atol=1e-6, rtol=1e-5)
 
 
-@needs_kernel
+@needs_native_kernels
 @pytest.mark.parametrize("rows", [1, 5, 33])
 def test_silu_and_mul(rows: int) -> None:
     x = torch.randn(rows, 2 * 40, generator=torch.Generator().manual_seed(rows)) * 6
@@ -149,7 +148,7 @@ def test_rms_norm_module_paths_agree() -> None:
     torch.testing.assert_close(fast_n, slow_n, atol=1e-6, rtol=1e-5)
 
 
-@needs_kernel
+@needs_native_kernels
 @pytest.mark.parametrize("tokens", [1, 4, 40])
 def test_rope_and_cache_matches_rotary_and_index_copy(tokens: int) -> None:
     from models.layers.rotary import RopeParams, RotaryEmbedding
@@ -172,7 +171,7 @@ def test_rope_and_cache_matches_rotary_and_index_copy(tokens: int) -> None:
     torch.testing.assert_close(v_cache, v_ref, atol=0, rtol=0)
 
 
-@needs_kernel
+@needs_native_kernels
 def test_wrappers_refuse_what_the_c_code_would_misread() -> None:
     from models.layers.packed_weight import PackedWeight
 

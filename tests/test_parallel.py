@@ -22,17 +22,17 @@ import pytest
 import torch
 from conftest import build_hf_model, gguf_structured, tiny_gpt2_config, tiny_llama_config
 from fakes import FakeRunner, live_server, wait_until
+from kernel_marks import needs_native_kernels
 
 from engine.batch import SampledToken, SamplingParams, ScheduledSequence
 from engine.config import EngineConfig
 from engine.distributed import Topology, decode_batch, encode_batch
 from engine.parallel_runner import ParallelModelRunner
 from engine.runner import TorchModelRunner
-from models.kernels import cpu as cpu_kernels
-from models.layers.linear import PackableLinear
 from models.layers.parallel import PPContext
 from models.loader import load_tokenizer
 from models.registry import model_class_for
+from models.weight_packing import packable_layers
 from scheduler.config import SchedulerConfig
 from scheduler.loop import AsyncEngine
 from server.app import create_app
@@ -370,11 +370,10 @@ class TestParallelEqualsOneProcess:
         )
         assert nxt[0] is not None and nxt[0].token_id == reference_tokens[0][1]
 
+    @needs_native_kernels
     def test_rank_zero_runs_packed_shards(self, parallel_runner: ParallelModelRunner) -> None:
         """The uneven shards (rank 0's o_proj input is 64 of 96 columns) still pack exactly."""
-        if not cpu_kernels.available():
-            pytest.skip("native CPU kernels not built here")
-        layers = [m for m in parallel_runner._stage.model.modules() if isinstance(m, PackableLinear)]
+        layers = packable_layers(parallel_runner._stage.model)
         assert layers and all(m.packed is not None for m in layers)
 
     async def test_parallel_server_matches_one_process(

@@ -8,14 +8,12 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import gguf_roundtrip
+from kernel_marks import needs_native_kernels
 
 from models.kernels import cpu as cpu_kernels
-from models.layers.linear import PackableLinear
 from models.layers.packed_weight import PackedWeight, pack_exact
 from models.loader import load_model
-from models.weight_packing import pack_model_weights, should_pack
-
-needs_kernel = pytest.mark.skipif(not cpu_kernels.available(), reason="group-int8 kernel not built here")
+from models.weight_packing import pack_model_weights, packable_layers, should_pack
 
 
 def random_packed(n: int, k: int, seed: int = 0) -> PackedWeight:
@@ -26,7 +24,7 @@ def random_packed(n: int, k: int, seed: int = 0) -> PackedWeight:
     return PackedWeight(codes, scales, zeros)
 
 
-@needs_kernel
+@needs_native_kernels
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 11, 13, 14, 64, 100])
 @pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 64), (37, 96), (64, 1536)])
 def test_kernel_matches_float_matmul(m: int, n: int, k: int) -> None:
@@ -40,7 +38,7 @@ def test_kernel_matches_float_matmul(m: int, n: int, k: int) -> None:
     torch.testing.assert_close(got.double(), expect, atol=1e-4 * k**0.5, rtol=1e-5)
 
 
-@needs_kernel
+@needs_native_kernels
 def test_kernel_keeps_leading_dims_and_empty_batches() -> None:
     w = random_packed(8, 64)
     x = torch.randn(2, 3, 64)
@@ -94,24 +92,20 @@ def test_packing_only_on_cpu_float32() -> None:
         should_pack("int4", cpu, torch.float32)
 
 
-def _layers(model) -> list[PackableLinear]:
-    return [m for m in model.modules() if isinstance(m, PackableLinear)]
-
-
-@needs_kernel
+@needs_native_kernels
 def test_gguf_model_is_packed_and_computes_the_same(tiny_gguf_llama_dir: Path) -> None:
     packed = load_model(tiny_gguf_llama_dir, torch.float32, "cpu", weight_packing="auto")
     plain = load_model(tiny_gguf_llama_dir, torch.float32, "cpu", weight_packing="off")
-    layers = _layers(packed)
+    layers = packable_layers(packed)
     assert layers and all(layer.packed is not None for layer in layers)
     # Float copies are dropped, except the tied head's, which the embedding lookup still reads.
     assert packed.lm_head.weight is packed.model.embed_tokens.weight
     assert all(layer.weight is None for layer in layers if layer is not packed.lm_head)
-    assert all(layer.packed is None for layer in _layers(plain))
-    for a, b in zip(layers, _layers(plain), strict=True):
+    assert all(layer.packed is None for layer in packable_layers(plain))
+    for a, b in zip(layers, packable_layers(plain), strict=True):
         assert torch.equal(a.packed.dequantize(), b.weight)
     x = torch.randn(5, packed.config.hidden_size)
-    for a, b in zip(layers, _layers(plain), strict=True):
+    for a, b in zip(layers, packable_layers(plain), strict=True):
         xin = torch.randn(5, a.packed.shape[1])
         torch.testing.assert_close(a.matmul(xin), b.matmul(xin), atol=1e-4, rtol=1e-5)
     torch.testing.assert_close(packed.compute_logits(x), plain.compute_logits(x), atol=1e-4, rtol=1e-5)
@@ -120,5 +114,5 @@ def test_gguf_model_is_packed_and_computes_the_same(tiny_gguf_llama_dir: Path) -
 def test_random_float_model_is_left_alone(tiny_llama_dir: Path) -> None:
     model = load_model(tiny_llama_dir, torch.float32, "cpu")
     summary = pack_model_weights(model)
-    assert summary.packed == 0 and summary.layers == len(_layers(model))
-    assert all(layer.weight is not None for layer in _layers(model))
+    assert summary.packed == 0 and summary.layers == len(packable_layers(model))
+    assert all(layer.weight is not None for layer in packable_layers(model))

@@ -16,6 +16,7 @@ Each group may match a different format. A tensor with any group that fits none 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -68,29 +69,33 @@ def _try_format(
     return codes, recon.eq_(groups).all(dim=-1)
 
 
-def _candidates(groups: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor, int, int]]:
-    """(scale, zero, qmin, qmax) per group for each block format, in FORMATS order."""
-    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
-    extreme = torch.where(hi.abs() > lo.abs(), hi, lo)
-    none = torch.zeros_like(lo)
-    return [
-        (_half((hi - lo) / 15), lo, 0, 15),  # Q4_1
-        (_half(extreme.abs() / 127), none, -127, 127),  # Q8_0
-        (_half(extreme / -8), none, -8, 7),  # Q4_0
-    ]
+# Candidate (scale, zero, qmin, qmax) per group of each block format, from the groups' min and max.
+Candidate = tuple[torch.Tensor, torch.Tensor, int, int]
 
 
-def _pack_groups(groups: torch.Tensor, order: list[int]) -> tuple[PackedWeight, int] | None:
+def _extreme(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    """The signed value of largest magnitude in each group."""
+    return torch.where(hi.abs() > lo.abs(), hi, lo)
+
+
+FORMATS: dict[str, Callable[[torch.Tensor, torch.Tensor], Candidate]] = {
+    "Q4_1": lambda lo, hi: (_half((hi - lo) / 15), lo, 0, 15),
+    "Q8_0": lambda lo, hi: (_half(_extreme(lo, hi).abs() / 127), torch.zeros_like(lo), -127, 127),
+    "Q4_0": lambda lo, hi: (_half(_extreme(lo, hi) / -8), torch.zeros_like(lo), -8, 7),
+}
+
+
+def _pack_groups(groups: torch.Tensor, order: list[str]) -> tuple[PackedWeight, str] | None:
     """Try the formats in `order` group by group; (packed, first format used) if every group fits."""
     n, g, _ = groups.shape
-    candidates = _candidates(groups)
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
     codes = scales = zeros = done = None
-    for index in order:
-        scale, zero, qmin, qmax = candidates[index]
+    for name in order:
+        scale, zero, qmin, qmax = FORMATS[name](lo, hi)
         c, exact = _try_format(groups, scale, zero, qmin, qmax)
-        exact &= _half(zero) == zero  # Q4_1 stores its minimum as float16
+        exact &= _half(zero) == zero  # Q4_1 stores its minimum as float16 (the others' zero is 0)
         if done is None and bool(exact.all()):  # the usual case: one format for the whole tensor
-            return PackedWeight(c.to(torch.int8).view(n, -1), scale, zero), index
+            return PackedWeight(c.to(torch.int8).view(n, -1), scale, zero), name
         if done is None:
             codes = torch.zeros_like(groups, dtype=torch.int8)
             scales, zeros = torch.zeros_like(scale), torch.zeros_like(scale)
@@ -105,9 +110,6 @@ def _pack_groups(groups: torch.Tensor, order: list[int]) -> tuple[PackedWeight, 
     return None
 
 
-FORMATS = ("Q4_1", "Q8_0", "Q4_0")
-
-
 def pack_exact(weight: torch.Tensor) -> PackedWeight | None:
     """The packed form of a 2-D float32 weight if every group of it is exactly representable."""
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] % GROUP_SIZE:
@@ -117,11 +119,10 @@ def pack_exact(weight: torch.Tensor) -> PackedWeight | None:
     # The first row decides cheaply whether to look further (a float checkpoint fails there) and
     # which format to try first on the rest (an embedding is Q8_0 where the projections are Q4_1).
     # NaN and infinities need no check of their own: they never reconstruct exactly.
-    first = _pack_groups(groups[:1], list(range(len(FORMATS))))
+    first = _pack_groups(groups[:1], list(FORMATS))
     if first is None:
         return None
     if n == 1:
         return first[0]
-    order = [first[1], *(i for i in range(len(FORMATS)) if i != first[1])]
-    packed = _pack_groups(groups, order)
+    packed = _pack_groups(groups, [first[1], *(name for name in FORMATS if name != first[1])])
     return None if packed is None else packed[0]
