@@ -56,16 +56,18 @@ class PackableLinear(nn.Module):
     """A layer whose y = x W^T may run on the group-int8 CPU kernel (see packed_weight.py).
 
     `pack_weight()` keeps W as int8 codes + group scales when it is exactly representable that way,
-    and then drops the float32 copy unless something else shares it (a tied LM head's embedding).
+    and then drops the float32 copy unless another module reads it (`shares_weight`: a tied LM head,
+    whose weight is the embedding table).
     """
 
     weight: nn.Parameter | None
     packed: PackedWeight | None = None
+    shares_weight: bool = False
 
-    def pack_weight(self, keep_float: bool = False) -> PackedWeight | None:
+    def pack_weight(self) -> PackedWeight | None:
         if self.packed is None and self.weight is not None:
             self.packed = pack_exact(self.weight.data)
-            if self.packed is not None and not keep_float:
+            if self.packed is not None and not self.shares_weight:
                 self.weight = None
         return self.packed
 
@@ -295,13 +297,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
-    """Output projection to the vocabulary, sharded like the embedding so the two can be tied.
-
-    Packing keeps the float32 weight: a tied head shares it with the embedding lookup.
-    """
-
-    def pack_weight(self, keep_float: bool = True) -> PackedWeight | None:
-        return super().pack_weight(keep_float=True)
+    """Output projection to the vocabulary, sharded like the embedding so the two can be tied."""
 
     def __init__(
         self,
@@ -317,6 +313,7 @@ class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
+        self.shares_weight = True  # packing must leave the embedding's table in place
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.matmul(hidden)  # [B, per_rank]
