@@ -177,11 +177,11 @@ def test_wrappers_refuse_what_the_c_code_would_misread() -> None:
 
     w = PackedWeight(torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 2), torch.zeros(8, 2))
     with pytest.raises(ValueError, match="x"):
-        cpu_kernels.group_int8_linear(torch.randn(2, 64).bfloat16(), w.codes, w.scales, w.zeros)
+        cpu_kernels.group_int8_linear(torch.randn(2, 64).bfloat16(), w)
     with pytest.raises(ValueError, match="last dim"):
-        cpu_kernels.group_int8_linear(torch.randn(2, 32), w.codes, w.scales, w.zeros)
+        cpu_kernels.group_int8_linear(torch.randn(2, 32), w)
     with pytest.raises(ValueError, match="scales"):
-        cpu_kernels.group_int8_linear(torch.randn(2, 64), w.codes, torch.ones(8, 3), w.zeros)
+        PackedWeight(w.codes, torch.ones(8, 3), w.zeros)
     q, k, v, tables, lens = paged_case([5, 9], 4, 2, 16, 4)
     with pytest.raises(ValueError, match="v_cache"):
         cpu_kernels.paged_decode_attention(q, k, v[:, :2], tables, lens, 0.25)

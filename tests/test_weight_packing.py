@@ -33,7 +33,7 @@ def test_kernel_matches_float_matmul(m: int, n: int, k: int) -> None:
     # tail (the dot-product paths); k = 1536 spans several column chunks of every path.
     w = random_packed(n, k, seed=m * 1000 + n)
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    got = cpu_kernels.group_int8_linear(x, w.codes, w.scales, w.zeros)
+    got = cpu_kernels.group_int8_linear(x, w)
     expect = x.double() @ w.dequantize().double().T
     torch.testing.assert_close(got.double(), expect, atol=1e-4 * k**0.5, rtol=1e-5)
 
@@ -42,8 +42,8 @@ def test_kernel_matches_float_matmul(m: int, n: int, k: int) -> None:
 def test_kernel_keeps_leading_dims_and_empty_batches() -> None:
     w = random_packed(8, 64)
     x = torch.randn(2, 3, 64)
-    assert cpu_kernels.group_int8_linear(x, w.codes, w.scales, w.zeros).shape == (2, 3, 8)
-    assert cpu_kernels.group_int8_linear(x[:0], w.codes, w.scales, w.zeros).shape == (0, 3, 8)
+    assert cpu_kernels.group_int8_linear(x, w).shape == (2, 3, 8)
+    assert cpu_kernels.group_int8_linear(x[:0], w).shape == (0, 3, 8)
 
 
 @pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_0"])

@@ -31,17 +31,19 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from models.gguf_convert import cache_root
 
+if TYPE_CHECKING:
+    from models.layers.packed_weight import PackedWeight
+
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
-GROUP_SIZE = 32  # columns of W sharing one scale and zero (GGUF's block size)
 REQUIRED_CPU_FLAGS = ("avx2", "fma")
 CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
@@ -136,18 +138,9 @@ def _checked_library() -> ctypes.CDLL:
     return lib
 
 
-def group_int8_linear(
-    x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, zeros: torch.Tensor
-) -> torch.Tensor:
-    """x [..., K] float32 @ W^T with W[n, k] = scales[n, k // 32] * codes[n, k] + zeros[n, k // 32].
-
-    codes [N, K] int8, scales and zeros [N, K // 32] float32, all contiguous CPU tensors.
-    """
-    n, k = codes.shape
-    if codes.dtype != torch.int8 or not codes.is_contiguous() or k % GROUP_SIZE:
-        raise ValueError(f"codes: expected contiguous int8 [N, K] with K a multiple of {GROUP_SIZE}")
-    _require_f32("scales", scales, (n, k // GROUP_SIZE))
-    _require_f32("zeros", zeros, (n, k // GROUP_SIZE))
+def group_int8_linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
+    """x [..., K] float32 @ W^T for a packed weight (validated when it was built)."""
+    n, k = w.shape
     if x.shape[-1] != k:
         raise ValueError(f"x: last dim {x.shape[-1]} does not match the weight's {k}")
     lead = x.shape[:-1]
@@ -157,7 +150,7 @@ def group_int8_linear(
     y = torch.empty(m, n, dtype=torch.float32)
     if m:
         rc = _checked_library().orca_group_int8_linear(
-            x2.data_ptr(), m, k, codes.data_ptr(), scales.data_ptr(), zeros.data_ptr(), n, y.data_ptr()
+            x2.data_ptr(), m, k, w.codes.data_ptr(), w.scales.data_ptr(), w.zeros.data_ptr(), n, y.data_ptr()
         )
         if rc:
             raise ValueError(f"group-int8 linear: bad shapes x {tuple(x2.shape)}, codes {(n, k)}")

@@ -73,8 +73,7 @@ class PackableLinear(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is not None:
-            p = self.packed
-            y = cpu_kernels.group_int8_linear(x, p.codes, p.scales, p.zeros)
+            y = cpu_kernels.group_int8_linear(x, self.packed)
             return y if bias is None else y + bias
         return F.linear(x, self.weight, bias)
 

@@ -21,16 +21,32 @@ from dataclasses import dataclass
 
 import torch
 
-from models.kernels.cpu import GROUP_SIZE
+GROUP_SIZE = 32  # columns of W sharing one scale and zero (GGUF's block size)
 
 
 @dataclass
 class PackedWeight:
-    """W[n, k] = scales[n, k // 32] * codes[n, k] + zeros[n, k // 32]."""
+    """W[n, k] = scales[n, k // 32] * codes[n, k] + zeros[n, k // 32].
+
+    Checked once here, so the kernel (models/kernels/cpu.py), which trusts its pointers, can take a
+    PackedWeight on every call without looking at it again."""
 
     codes: torch.Tensor  # [N, K] int8
     scales: torch.Tensor  # [N, K // 32] float32
     zeros: torch.Tensor  # [N, K // 32] float32
+
+    def __post_init__(self) -> None:
+        c = self.codes
+        if c.dim() != 2 or c.dtype != torch.int8 or not c.is_contiguous() or c.shape[1] % GROUP_SIZE:
+            raise ValueError(f"codes: expected contiguous int8 [N, K] with K a multiple of {GROUP_SIZE}")
+        groups = (c.shape[0], c.shape[1] // GROUP_SIZE)
+        for name, t in (("scales", self.scales), ("zeros", self.zeros)):
+            if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != groups:
+                raise ValueError(
+                    f"{name}: expected contiguous float32 {groups}, got {t.dtype} {tuple(t.shape)}"
+                )
+        if not c.device.type == self.scales.device.type == self.zeros.device.type == "cpu":
+            raise ValueError("a packed weight lives on the CPU")
 
     @property
     def shape(self) -> tuple[int, int]:
