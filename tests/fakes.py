@@ -153,3 +153,97 @@ async def wait_until(predicate: Callable[[], bool], steps: int = 2000) -> None:
             return
         await asyncio.sleep(0.005)
     raise AssertionError("condition never became true")
+
+
+# --- the app with the fake runner, and what tests read off it ------------------------------------
+
+MODEL = "fake-model"  # the served name of every fake-runner app
+
+
+def make_app(tokenizer: ServerTokenizer, runner: FakeRunner | None = None, **config: Any) -> FastAPI:
+    """The real app (real AsyncEngine) over a fake runner; the periodic stats log is off unless asked."""
+    from server.app import create_app
+    from server.config import ServerConfig
+
+    config.setdefault("log_stats_interval_s", 0)
+    return create_app(ServerConfig(model=MODEL, **config), fake_loader(tokenizer, runner or FakeRunner()))
+
+
+@contextlib.asynccontextmanager
+async def serving(app: FastAPI, runner: FakeRunner) -> AsyncIterator[httpx.AsyncClient]:
+    """running_app that opens the runner's gate before shutting down, so a failing test that left
+    a step held cannot hang the engine's shutdown."""
+    try:
+        async with running_app(app) as client:
+            try:
+                yield client
+            finally:
+                runner.gate.set()
+    finally:
+        runner.gate.set()
+
+
+def engine_of(app: FastAPI) -> Any:
+    return app.state.server.engine
+
+
+async def drained(app: FastAPI) -> None:
+    """Until the loop holds no request and no KV block."""
+    engine = engine_of(app)
+
+    def idle() -> bool:
+        s = engine.stats()
+        return s.running == 0 and s.waiting == 0 and s.kv_blocks_used == 0
+
+    await wait_until(idle)
+
+
+def error_of(r: httpx.Response, status: int = 400) -> dict:
+    """The body of an error answer, checked to be OpenAI's shape with the expected status."""
+    assert r.status_code == status, r.text
+    body = r.json()
+    assert set(body) == {"error"} and set(body["error"]) == {"message", "type", "param", "code"}
+    assert body["error"]["message"]
+    return body["error"]
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """One sample of the Prometheus exposition `text` (summed over labels not given)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total, found = 0.0, False
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()):
+                total += s.value
+                found = True
+    assert found, f"{name} {labels} not in /metrics"
+    return total
+
+
+def joined(events: list, index: int = 0, key: str = "text") -> str:
+    """The text of choice `index` over a stream's events (key "content": chat deltas)."""
+    out = []
+    for e in events:
+        if e == "[DONE]":
+            continue
+        for ch in e["choices"]:
+            if ch["index"] == index:
+                out.append(ch["delta"].get("content", "") if key == "content" else ch["text"])
+    return "".join(out)
+
+
+def finish_reasons(events: list) -> dict[int, str]:
+    return {
+        ch["index"]: ch["finish_reason"]
+        for e in events
+        if e != "[DONE]"
+        for ch in e["choices"]
+        if ch["finish_reason"]
+    }
+
+
+def scripted_client(tokenizer: ServerTokenizer, text: str, **runner_kwargs: Any):
+    """running_app over a fake runner whose output is exactly `text` (for stop strings, UTF-8)."""
+    runner = FakeRunner(script=tokenizer.encode(text, add_special_tokens=False), **runner_kwargs)
+    return running_app(make_app(tokenizer, runner))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import gguf_roundtrip
+from builders import gguf_roundtrip
 from kernel_marks import needs_native_kernels
 
 from models.kernels import cpu as cpu_kernels

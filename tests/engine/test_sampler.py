@@ -242,7 +242,7 @@ def test_chosen_logprob_is_finite_under_truncation():
 @pytest.mark.parametrize("temperature", [1e-300, 1e-40, 1e-8])
 def test_vanishing_temperature_is_greedy_with_finite_logprobs(temperature: float):
     # logits / 1e-8 overflows float32: without the greedy bound the draw and every logprob were NaN
-    # (found by tests/test_fuzz.py: the server could not serialise the response).
+    # (found by tests/server/test_fuzz.py: the server could not serialise the response).
     logits = torch.randn(V) * 5
     out = Sampler(V)(logits[None].clone(), [Row(SamplingParams(temperature=temperature, logprobs=3))])[0]
     assert out.token_id == int(logits.argmax())
@@ -260,7 +260,7 @@ def test_banned_tokens_report_a_finite_logprob_floor():
 
 
 def test_extreme_penalty_gives_finite_logprobs_and_a_real_token():
-    # repetition_penalty=5e-324 divides a positive logit into +inf (found by tests/test_fuzz.py).
+    # repetition_penalty=5e-324 divides a positive logit into +inf (found by tests/server/test_fuzz.py).
     logits = torch.randn(V).abs() + 0.1
     for temperature in (0.0, 0.7):
         params = SamplingParams(temperature=temperature, repetition_penalty=5e-324, logprobs=2, seed=1)

@@ -1,59 +1,29 @@
-"""The HTTP API over ASGI with the real AsyncEngine and a fake runner: shapes, streaming, stop strings,
-n > 1, logprobs, echo, tokenize, metrics, and what happens when the engine fails."""
+"""The OpenAI API over ASGI with the real AsyncEngine and the fake runner: response shapes of both
+endpoints, streaming, n > 1, logprobs, echo, whole UTF-8 characters, the utility routes, scheduler flags."""
 
 from __future__ import annotations
 
 import asyncio
 
-import openai
 import pytest
-from fakes import FakeRunner, fake_loader, live_server, parse_sse, running_app, wait_until
+from fakes import (
+    MODEL,
+    FakeRunner,
+    finish_reasons,
+    joined,
+    make_app,
+    parse_sse,
+    running_app,
+    scripted_client,
+)
 
-from server.app import create_app
-from server.config import ServerConfig
-from server.tokenizer import ServerTokenizer
-
-MODEL = "fake-model"
 CHAT = [{"role": "user", "content": "Say something."}]
-
-
-@pytest.fixture(scope="session")
-def tokenizer(smollm2_tokenizer_dir) -> ServerTokenizer:
-    return ServerTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
-
-
-def make_app(tokenizer: ServerTokenizer, runner: FakeRunner | None = None, **config):
-    return create_app(ServerConfig(model=MODEL, **config), fake_loader(tokenizer, runner or FakeRunner()))
 
 
 @pytest.fixture
 async def client(tokenizer):
     async with running_app(make_app(tokenizer)) as c:
         yield c
-
-
-def joined(events: list, index: int = 0, key: str = "text") -> str:
-    out = []
-    for e in events:
-        if e == "[DONE]":
-            continue
-        for ch in e["choices"]:
-            if ch["index"] == index:
-                out.append(ch["delta"].get("content", "") if key == "content" else ch["text"])
-    return "".join(out)
-
-
-def finish_reasons(events: list) -> dict[int, str]:
-    return {
-        ch["index"]: ch["finish_reason"]
-        for e in events
-        if e != "[DONE]"
-        for ch in e["choices"]
-        if ch["finish_reason"]
-    }
-
-
-# --- completions ---
 
 
 async def test_completion_shape(client):
@@ -186,9 +156,6 @@ async def test_echo(client):
     assert joined(events).startswith("Echo me")
 
 
-# --- chat ---
-
-
 async def test_chat_shape(client):
     r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": CHAT, "max_tokens": 5})
     assert r.status_code == 200, r.text
@@ -260,66 +227,9 @@ async def test_chat_logprobs_shape(client, tokenizer):
     assert all(i["top_logprobs"] == [] for i in r.json()["choices"][0]["logprobs"]["content"])
 
 
-# --- stop strings and text ---
-
-
-async def scripted_client(tokenizer, text: str, **runner_kwargs):
-    runner = FakeRunner(script=tokenizer.encode(text, add_special_tokens=False), **runner_kwargs)
-    return running_app(make_app(tokenizer, runner))
-
-
-def assert_never_emits_stop_prefix(events: list, stops: list[str]) -> None:
-    """A stream never shows a prefix of a stop string that it later completes."""
-    text = ""
-    for e in events[:-1]:
-        for ch in e["choices"]:
-            text += ch.get("text") or ch.get("delta", {}).get("content", "")
-            assert not any(s in text for s in stops)
-
-
-@pytest.mark.parametrize(
-    ("stop", "expected"),
-    [
-        ("world", "Hello "),  # one token
-        ("lo wor", "Hel"),  # split across two tokens
-        (["d. T", "zzz"], "Hello worl"),  # across three tokens; the other never matches
-        ("world!", "Hello world. The end is near."),  # a held-back prefix that never completes
-    ],
-)
-async def test_stop_strings(tokenizer, stop, expected):
-    text = "Hello world. The end is near."
-    n_tokens = len(tokenizer.encode(text, add_special_tokens=False))
-    async with await scripted_client(tokenizer, text) as client:
-        req = {"prompt": "p", "max_tokens": n_tokens, "stop": stop}
-        body = (await client.post("/v1/completions", json=req)).json()
-        assert body["choices"][0]["text"] == expected
-        matched = expected != text
-        assert body["choices"][0]["finish_reason"] == ("stop" if matched else "length")
-        events = parse_sse((await client.post("/v1/completions", json={**req, "stream": True})).text)
-        assert joined(events) == expected
-        stops = [stop] if isinstance(stop, str) else stop
-        assert_never_emits_stop_prefix(events, stops)
-        chat = (await client.post("/v1/chat/completions", json={"messages": CHAT, **req})).json()
-        assert chat["choices"][0]["message"]["content"] == expected
-
-
-async def test_stop_string_frees_the_request(tokenizer):
-    runner = FakeRunner(script=tokenizer.encode("a b c STOP d e f g h i j k", add_special_tokens=False))
-    app = make_app(tokenizer, runner)
-    async with running_app(app) as client:
-        body = (
-            await client.post("/v1/completions", json={"prompt": "p", "max_tokens": 200, "stop": " STOP"})
-        ).json()
-        assert body["choices"][0] == {"index": 0, "text": "a b c", "logprobs": None, "finish_reason": "stop"}
-        assert body["usage"]["completion_tokens"] < 10  # finish() ended it; it did not run to max_tokens
-        engine = app.state.server.engine
-        await wait_until(lambda: engine.stats().running == 0 and engine.stats().kv_blocks_used == 0)
-        assert engine.stats().waiting == 0
-
-
 async def test_multibyte_text_streams_whole_characters(tokenizer):
     text = "Grüße, 你好世界 🎉🚀 café ñandú"
-    async with await scripted_client(tokenizer, text) as client:
+    async with scripted_client(tokenizer, text) as client:
         n_tokens = len(tokenizer.encode(text, add_special_tokens=False))
         req = {"prompt": "p", "max_tokens": n_tokens}
         events = parse_sse((await client.post("/v1/completions", json={**req, "stream": True})).text)
@@ -347,37 +257,6 @@ async def test_eos_ends_with_stop_and_special_tokens_are_skipped(tokenizer):
         assert body["choices"][0]["text"] == "Hi there<|im_start|>Hi there<|im_end|>"
 
 
-# --- engine failure ---
-
-
-async def test_engine_failure_mid_stream(tokenizer):
-    runner = FakeRunner(fail_at_step=3)
-    async with running_app(make_app(tokenizer, runner)) as client:
-        events = parse_sse(
-            (
-                await client.post("/v1/completions", json={"prompt": "p", "max_tokens": 20, "stream": True})
-            ).text
-        )
-        assert events[-1] == "[DONE]"
-        error = events[-2]["error"]
-        assert error["type"] == "server_error" and "injected step failure" in error["message"]
-        r = await client.post("/v1/completions", json={"prompt": "p", "max_tokens": 20})
-        assert r.status_code == 500 and r.json()["error"]["type"] == "server_error"
-
-
-async def test_openai_client_raises_on_error_event(tokenizer):
-    app = make_app(tokenizer, FakeRunner(fail_at_step=2))
-    async with live_server(app) as url:
-        async with openai.AsyncOpenAI(base_url=url + "/v1", api_key="unused") as client:
-            stream = await client.completions.create(model=MODEL, prompt="p", max_tokens=20, stream=True)
-            with pytest.raises(openai.APIError, match="injected step failure"):
-                async for _ in stream:
-                    pass
-
-
-# --- the other routes ---
-
-
 async def test_models_health_tokenize_detokenize(client, tokenizer):
     r = await client.get("/v1/models")
     [card] = r.json()["data"]
@@ -395,35 +274,6 @@ async def test_models_health_tokenize_detokenize(client, tokenizer):
     }
     r = await client.post("/detokenize", json={"tokens": r.json()["tokens"]})
     assert r.json() == {"prompt": "Hello world"}
-
-
-async def test_metrics(client):
-    await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
-    text = (await client.get("/metrics")).text
-    for name in (
-        "vllm:num_requests_running",
-        "vllm:num_requests_waiting",
-        "vllm:kv_cache_usage_perc",
-        "vllm:num_preemptions_total",
-        "vllm:prompt_tokens_total",
-        "vllm:generation_tokens_total",
-        "vllm:time_to_first_token_seconds_bucket",
-        "vllm:time_per_output_token_seconds_bucket",
-        "vllm:e2e_request_latency_seconds_bucket",
-        "vllm:iteration_tokens_total_bucket",
-    ):
-        assert name in text, name
-    assert f'vllm:generation_tokens_total{{model_name="{MODEL}"}} 3.0' in text
-    prompt_tokens = len((await client.post("/tokenize", json={"prompt": "Hello"})).json()["tokens"])
-    assert f'vllm:prompt_tokens_total{{model_name="{MODEL}"}} {float(prompt_tokens)}' in text
-    assert f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}} 1.0' in text
-
-
-async def test_two_apps_in_one_process_keep_separate_metrics(tokenizer):
-    async with running_app(make_app(tokenizer)) as a, running_app(make_app(tokenizer)) as b:
-        await a.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
-        assert f'vllm:generation_tokens_total{{model_name="{MODEL}"}} 2.0' in (await a.get("/metrics")).text
-        assert "vllm:generation_tokens_total{" not in (await b.get("/metrics")).text
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,7 @@ import httpx
 import pytest
 from fakes import free_port
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SERVER_SCRIPT = """
 import sys
 from fakes import FakeRunner, fake_loader

@@ -16,7 +16,7 @@ import openai
 import pytest
 from fakes import free_port, parse_sse
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 MODEL = "default"  # the README's examples name the model as `make serve` serves it
 MSGS = [{"role": "user", "content": "Hello there"}]
 

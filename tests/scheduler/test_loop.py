@@ -312,3 +312,26 @@ async def test_request_level_batching_returns_early_finishers_with_their_batch(m
     assert len(short_deltas) == 1 and len(short_deltas[0].token_ids) == 2
     assert len(long_deltas) == 1 and len(long_deltas[0].token_ids) == 12
     assert done_at == {"short": 12, "long": 12}
+
+
+# --- the loop's queue time (RequestDelta.queue_time_s) -----------------------------------------------
+
+
+async def test_queue_time_on_the_first_delta_only():
+    engine = AsyncEngine(FakeRunner(), SchedulerConfig(max_num_seqs=1))
+    await engine.start()
+    try:
+        params = SamplingParams(temperature=0.0, max_tokens=4)
+        streams = [engine.generate([5, 6, 7], params, f"r{i}") for i in range(2)]
+
+        async def deltas(stream):
+            return [d async for d in stream]
+
+        first, second = await asyncio.wait_for(asyncio.gather(*map(deltas, streams)), 20)
+        for ds in (first, second):
+            assert ds[0].queue_time_s is not None and ds[0].queue_time_s >= 0
+            assert all(d.queue_time_s is None for d in ds[1:])
+        # max_num_seqs=1: the second request waited for the whole first one.
+        assert second[0].queue_time_s >= first[0].queue_time_s
+    finally:
+        await engine.shutdown()

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from conftest import build_hf_model, tiny_gpt2_config, tiny_llama_config
+from builders import build_hf_model, tiny_gpt2_config, tiny_llama_config
 
 from models.layers.attention import available_backends, select_attention_backend
 from models.layers.metadata import AttentionMetadata, KVCache

@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from conftest import build_hf_model, gguf_structured, tiny_gpt2_config, tiny_llama_config
+from builders import build_hf_model, gguf_structured, tiny_gpt2_config, tiny_llama_config
 from fakes import FakeRunner, live_server, wait_until
 from kernel_marks import needs_native_kernels
 
@@ -459,7 +459,7 @@ def test_torchrun_launch_matches_one_process(
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2"]
     cmd += ["--master-addr", "127.0.0.1", "--master-port", str(free_tcp_port())]
     cmd += [str(script), str(uneven_llama_dir), json.dumps(PROMPTS[0]), str(MAX_TOKENS)]
-    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[1])
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=Path(__file__).parents[2])
     assert done.returncode == 0, done.stderr[-3000:]
     line = next(x for x in done.stdout.splitlines() if x.startswith("TOKENS"))
     assert json.loads(line.split(" ", 1)[1]) == reference_tokens[0]

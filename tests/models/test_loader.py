@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import build_hf_model, default_gguf_path, tiny_gpt2_config, tiny_llama_config
+from builders import build_hf_model, default_gguf_path, tiny_gpt2_config, tiny_llama_config
 from safetensors.torch import load_file, save_file
 
 from models import gguf_convert

@@ -1,0 +1,56 @@
+"""Start-up: 503 while the model loads and ready after, and a load failure reported by /health."""
+
+from __future__ import annotations
+
+import threading
+
+from fakes import (
+    MODEL,
+    FakeRunner,
+    error_of,
+    running_app,
+)
+
+from server.app import create_app
+from server.config import ServerConfig
+from server.state import LoadedModel
+
+CHAT = [{"role": "user", "content": "hi"}]
+
+
+async def test_503_while_loading_then_ready(tokenizer):
+    release = threading.Event()
+    runner = FakeRunner()
+
+    def slow_loader() -> LoadedModel:
+        release.wait(timeout=30)
+        return LoadedModel(runner, tokenizer, runner.vocab_size)
+
+    app = create_app(ServerConfig(model=MODEL), slow_loader)
+    async with running_app(app, wait=False) as client:
+        err = error_of(await client.get("/health"), 503)
+        assert err["code"] == "model_not_ready"
+        for method, path, body in (
+            ("POST", "/v1/completions", {"prompt": "a"}),
+            ("POST", "/v1/chat/completions", {"messages": CHAT}),
+            ("GET", "/v1/models", None),
+            ("POST", "/tokenize", {"prompt": "a"}),
+        ):
+            error_of(await client.request(method, path, json=body), 503)
+        assert (await client.get("/metrics")).status_code == 200
+        release.set()
+        await app.state.server.wait_ready()
+        assert (await client.get("/health")).json() == {"status": "ok"}
+
+
+async def test_load_failure_reported_by_health():
+    def broken_loader() -> LoadedModel:
+        raise FileNotFoundError("no such model: /nowhere")
+
+    app = create_app(ServerConfig(model="/nowhere"), broken_loader)
+    failures: list[str] = []
+    app.state.server.on_load_failed = failures.append
+    async with running_app(app) as client:
+        err = error_of(await client.get("/health"), 503)
+        assert err["code"] == "model_load_failed" and "/nowhere" in err["message"]
+        assert failures and "/nowhere" in failures[0]
