@@ -20,7 +20,7 @@ from models.errors import MissingWeightsError, ModelLoadError
 from models.gguf_convert import convert_gguf, default_gguf_path
 from models.layers.parallel import PPContext, TPContext
 from models.registry import model_class_for
-from models.weight_packing import pack_model_weights, should_pack
+from models.weight_packing import linear_precision, pack_model_weights, should_pack
 from models.weights_io import SafetensorsReader, safetensors_files
 
 __all__ = [
@@ -80,8 +80,9 @@ def load_model(
 
     With tp_size > 1 this process holds shard tp_rank of every sharded layer; with pp_size > 1 only
     pipeline stage pp_rank's layers (and the embedding / LM head if it is the first / last stage).
-    weight_packing "auto" keeps exactly group-quantized weights (GGUF's) packed for the CPU kernel
-    (models/weight_packing.py); "off" keeps every weight in float32."""
+    weight_packing "auto" / "int8" / "float32" keeps block-quantized weights (GGUF's) packed for the
+    CPU kernel, with int8 or float32 activations (models/weight_packing.py); "off" keeps every weight
+    as a float tensor."""
     path = Path(path)
     device = torch.device(device)
     config = load_config(path)
@@ -107,7 +108,7 @@ def load_model(
             raise
         raise ModelLoadError(f"{where}: {e}") from None
     if should_pack(weight_packing, device, dtype):
-        pack_model_weights(model)
+        pack_model_weights(model, linear_precision(weight_packing))
     model.set_attention_backend(attention_backend, device)
     return model.eval()
 

@@ -1,20 +1,24 @@
-"""The native CPU kernels: build once, load, call.
+"""The native CPU kernels: build once per ISA variant, load the one this CPU runs, call.
 
-    group_int8_gemm.c         y = x @ W^T for group-int8 packed weights (models/layers/packed_weight.py)
+    quant_linear.c            y = x @ W^T for block-quantized weights (GGUF's Q4_0 ... Q6_K, tiled as
+                              quant_tiles.h describes): int8 activations or float32
     paged_decode_attention.c  one-token-per-sequence attention read in place from the paged KV cache
     elementwise.c             RMSNorm (with the residual add fused in), SiLU-and-mul, and rotary + KV cache
                               write, one call each
-    simd.h                    their shared AVX2 helpers (exp, horizontal sums)
+    variant.c                 what a build was compiled for; the AMX permission request
+    simd.h, vec.h             shared vector helpers (vec.h: one vector type per variant)
 
-The C files are compiled together on first use with the system C compiler (`cc`, AVX2 + FMA + OpenMP)
-into one library in the orca-serve cache, named by a hash of the sources and flags, so an edited kernel
-is rebuilt and a finished build is reused by every later process. Plain C and ctypes rather than a
-torch C++ extension: the build takes about two seconds instead of a minute of compiling torch headers,
-and needs no ninja. ctypes releases the GIL during a call; OpenMP in the library resolves to torch's own
-libgomp (already loaded), so the kernels and torch share one thread pool.
+The C files are compiled together on first use with the system C compiler (`cc`, OpenMP) into one
+library per ISA variant (isa.py: avx2, avx512, avx512_vnni, amx), each with its own -m flags, in the
+orca-serve cache, named by the variant and a hash of the sources and flags, so an edited kernel is
+rebuilt and a finished build is reused by every later process. Only the chosen variant's library is
+loaded, so no instruction the CPU lacks is ever executed. Plain C and ctypes rather than a torch C++
+extension: a build takes seconds instead of a minute of compiling torch headers, and needs no ninja.
+ctypes releases the GIL during a call; OpenMP in the library resolves to torch's own libgomp (already
+loaded), so the kernels and torch share one thread pool.
 
 Everything here degrades to "not available" (callers keep their torch paths): a CPU without AVX2/FMA,
-no compiler, a failed build, or ORCA_DISABLE_NATIVE_KERNELS=1. The reason is logged once.
+no compiler, a failed build, or ORCA_CPU_KERNELS=off. The reason is logged once.
 """
 
 from __future__ import annotations
@@ -31,38 +35,40 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
 from models.gguf_convert import cache_root
+from models.kernels.isa import VARIANTS, Variant, cpu_flags, requested_variant, variant_named
 
 if TYPE_CHECKING:
     from models.layers.packed_weight import PackedWeight
+
+__all__ = ["cpu_flags", "available", "kernels", "for_variant", "Kernels", "Precision"]
 
 log = logging.getLogger(__name__)
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
-REQUIRED_CPU_FLAGS = ("avx2", "fma")
-CFLAGS = ("-O3", "-mavx2", "-mfma", "-fopenmp", "-shared", "-fPIC")
+# -ffp-contract=off: no multiply and add fused behind our back, so every variant computes exactly the
+# operations written (the quantized linear's results are bit-identical across variants).
+CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
-DISABLE_ENV = "ORCA_DISABLE_NATIVE_KERNELS"
+
+# Activations of a quantized linear: int8 per block of 32 (integer dot products), or float32.
+Precision = Literal["int8", "float32"]
+PRECISION_CODES: dict[str, int] = {"float32": 0, "int8": 1}
+# What orca_build_isa() says for each variant's build.
+BUILD_ISA = {
+    "avx2": "avx2",
+    "avx512": "avx2+avx512",
+    "avx512_vnni": "avx2+avx512+vnni",
+    "amx": "avx2+avx512+vnni+amx",
+}
 
 
-@functools.cache
-def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags from /proc/cpuinfo (empty where there is none: macOS, Windows)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                return frozenset(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return frozenset()
-
-
-def _build(target: Path) -> None:
+def _build(target: Path, variant: Variant) -> None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
@@ -71,7 +77,7 @@ def _build(target: Path) -> None:
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *CFLAGS, *map(str, SOURCES), "-o", tmp, *LIBS],
+            [compiler, *CFLAGS, *variant.cflags, *map(str, SOURCES), "-o", tmp, *LIBS],
             capture_output=True,
             text=True,
             timeout=300,
@@ -84,28 +90,33 @@ def _build(target: Path) -> None:
             os.unlink(tmp)
 
 
-@functools.cache
-def _library() -> ctypes.CDLL | None:
-    if os.environ.get(DISABLE_ENV):
-        log.info("native kernels disabled by %s", DISABLE_ENV)
-        return None
-    missing = [f for f in REQUIRED_CPU_FLAGS if f not in cpu_flags()]
-    if missing:
-        log.info("native CPU kernels unavailable: this CPU lacks %s", ", ".join(missing))
-        return None
+def library_path(variant: Variant) -> Path:
     sources = b"".join(p.read_bytes() for p in (*SOURCES, *HEADERS))
-    digest = hashlib.sha256(sources + " ".join(CFLAGS).encode())
-    target = cache_root() / "kernels" / f"orca_cpu_kernels-{digest.hexdigest()[:16]}.so"
-    try:
-        if not target.is_file():
-            _build(target)
-        lib = ctypes.CDLL(str(target))
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
-        log.warning("native CPU kernels unavailable (torch paths are used instead): %s", e)
-        return None
-    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.orca_group_int8_linear.restype = ctypes.c_int
-    lib.orca_group_int8_linear.argtypes = [ptr, i64, i64, ptr, ptr, ptr, i64, ptr]
+    digest = hashlib.sha256(sources + " ".join((*CFLAGS, *variant.cflags)).encode()).hexdigest()[:16]
+    return cache_root() / "kernels" / f"orca_cpu_kernels-{variant.name}-{digest}.so"
+
+
+def build(variant: Variant) -> Path:
+    """The variant's library, compiled now unless a finished build is cached. Compiling needs only the
+    compiler, not the ISA: an image can carry every variant and run the one its host supports."""
+    target = library_path(variant)
+    if not target.is_file():
+        _build(target, variant)
+    return target
+
+
+def _declare(lib: ctypes.CDLL) -> None:
+    ptr, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.orca_build_isa.restype = ctypes.c_char_p
+    lib.orca_build_isa.argtypes = []
+    lib.orca_isa_init.restype = ctypes.c_int
+    lib.orca_isa_init.argtypes = []
+    lib.orca_qtile_bytes.restype = i64
+    lib.orca_qtile_bytes.argtypes = [i32, i64]
+    lib.orca_qlinear.restype = ctypes.c_int
+    lib.orca_qlinear.argtypes = [ptr, i64, i64, ptr, i32, i64, ptr, i64, i32]
+    lib.orca_qdequant_rows.restype = ctypes.c_int
+    lib.orca_qdequant_rows.argtypes = [ptr, i32, i64, i64, ptr, i64, ptr]
     lib.orca_paged_decode_attention.restype = ctypes.c_int
     lib.orca_paged_decode_attention.argtypes = [ptr] * 5 + [i64] * 6 + [ctypes.c_float, ptr]
     lib.orca_rms_norm.restype = None
@@ -114,11 +125,64 @@ def _library() -> ctypes.CDLL | None:
     lib.orca_silu_and_mul.argtypes = [ptr, i64, i64, ptr]
     lib.orca_rope_and_cache.restype = None
     lib.orca_rope_and_cache.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr]
-    return lib
+
+
+@functools.cache
+def for_variant(name: str) -> Kernels:
+    """The kernels of one variant, built and loaded (tests and comparisons run every variant the CPU
+    supports). Raises RuntimeError when this CPU or machine cannot run it."""
+    variant = variant_named(name)
+    if not variant.supported():
+        missing = sorted(set(variant.cpu_flags) - cpu_flags())
+        raise RuntimeError(f"this CPU cannot run the {name} kernels (lacks {', '.join(missing)})")
+    try:
+        lib = ctypes.CDLL(str(build(variant)))
+    except (OSError, subprocess.SubprocessError) as e:
+        raise RuntimeError(f"the {name} kernels did not build or load: {e}") from None
+    _declare(lib)
+    isa = lib.orca_build_isa().decode()
+    if isa != BUILD_ISA[name]:
+        raise RuntimeError(f"the {name} kernel library was compiled for {isa}, not {BUILD_ISA[name]}")
+    if lib.orca_isa_init() != 0:
+        raise RuntimeError(f"the {name} kernels cannot run here: the kernel refused the AMX tile state")
+    return Kernels(variant, lib)
+
+
+@functools.cache
+def kernels() -> Kernels | None:
+    """The kernels this process uses: the variant ORCA_CPU_KERNELS forces, else the best this CPU
+    supports (falling back to the next one down when a variant cannot run); None when none can."""
+    variant, why = requested_variant()
+    if variant is None:
+        log.info("native CPU kernels off: %s", why)
+        return None
+    candidates = [variant] if "forced" in why else [v for v in reversed(VARIANTS) if v.supported()]
+    for v in candidates:
+        try:
+            k = for_variant(v.name)
+        except RuntimeError as e:
+            log.warning("native CPU kernels: %s", e)
+            continue
+        log.info("native CPU kernels: %s (%s; %s)", v.name, v.description, why)
+        return k
+    log.warning("native CPU kernels unavailable (torch paths are used instead)")
+    return None
 
 
 def available() -> bool:
-    return _library() is not None
+    return kernels() is not None
+
+
+def build_all() -> list[str]:
+    """Compile every variant into the cache (a container image built on one CPU and run on others)."""
+    built = []
+    for v in VARIANTS:
+        try:
+            build(v)
+            built.append(v.name)
+        except (RuntimeError, subprocess.SubprocessError, OSError) as e:
+            log.warning("could not build the %s kernels: %s", v.name, e)
+    return built
 
 
 def _require_f32(name: str, t: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
@@ -131,30 +195,202 @@ def _require_f32(name: str, t: torch.Tensor, shape: tuple[int, ...] | None = Non
         raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
 
 
-def _checked_library() -> ctypes.CDLL:
-    lib = _library()
-    if lib is None:
-        raise RuntimeError("the native CPU kernels are not available on this machine")
-    return lib
+class Kernels:
+    """One variant's library, with torch-tensor wrappers around its entry points."""
 
+    def __init__(self, variant: Variant, lib: ctypes.CDLL) -> None:
+        self.variant = variant
+        self.lib = lib
 
-def group_int8_linear(x: torch.Tensor, w: PackedWeight) -> torch.Tensor:
-    """x [..., K] float32 @ W^T for a packed weight (validated when it was built)."""
-    n, k = w.shape
-    if x.shape[-1] != k:
-        raise ValueError(f"x: last dim {x.shape[-1]} does not match the weight's {k}")
-    lead = x.shape[:-1]
-    x2 = x.reshape(-1, k).contiguous()
-    _require_f32("x", x2)
-    m = x2.shape[0]
-    y = torch.empty(m, n, dtype=torch.float32)
-    if m:
-        rc = _checked_library().orca_group_int8_linear(
-            x2.data_ptr(), m, k, w.codes.data_ptr(), w.scales.data_ptr(), w.zeros.data_ptr(), n, y.data_ptr()
+    @property
+    def name(self) -> str:
+        return self.variant.name
+
+    def tile_bytes(self, fmt_id: int, k: int) -> int:
+        return int(self.lib.orca_qtile_bytes(fmt_id, k))
+
+    def quant_linear(self, x: torch.Tensor, w: PackedWeight, precision: Precision = "int8") -> torch.Tensor:
+        """x [..., K] float32 @ W^T for a packed weight (validated when it was built)."""
+        n, k = w.shape
+        if x.shape[-1] != k:
+            raise ValueError(f"x: last dim {x.shape[-1]} does not match the weight's {k}")
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, k).contiguous()
+        _require_f32("x", x2)
+        m = x2.shape[0]
+        y = torch.empty(m, n, dtype=torch.float32)
+        if m:
+            code = PRECISION_CODES[precision]
+            for seg in w.segments:
+                rc = self.lib.orca_qlinear(
+                    x2.data_ptr(),
+                    m,
+                    k,
+                    seg.tiles.data_ptr(),
+                    seg.fmt.id,
+                    seg.rows,
+                    y.data_ptr() + 4 * seg.row_start,
+                    n,
+                    code,
+                )
+                if rc:
+                    raise ValueError(
+                        f"quantized linear: bad shapes x {tuple(x2.shape)}, weight {(n, k)} (rc {rc})"
+                    )
+        return y.view(*lead, n)
+
+    def dequant_rows(self, w: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
+        """W[rows] as float32 [len(rows), K], exactly as gguf-py dequantizes (embedding lookups)."""
+        n, k = w.shape
+        flat = rows.reshape(-1).to(torch.int64)
+        out = torch.empty(flat.numel(), k, dtype=torch.float32)
+        if not flat.numel():
+            return out.view(*rows.shape, k)
+        if int(flat.min()) < 0 or int(flat.max()) >= n:
+            raise IndexError(f"row index out of range for a weight of {n} rows")
+        for seg in w.segments:
+            if len(w.segments) == 1:
+                sel, local, dst = None, flat.contiguous(), out
+            else:
+                sel = ((flat >= seg.row_start) & (flat < seg.row_start + seg.rows)).nonzero().squeeze(1)
+                if not sel.numel():
+                    continue
+                local = (flat[sel] - seg.row_start).contiguous()
+                dst = torch.empty(local.numel(), k, dtype=torch.float32)
+            rc = self.lib.orca_qdequant_rows(
+                seg.tiles.data_ptr(), seg.fmt.id, k, seg.rows, local.data_ptr(), local.numel(), dst.data_ptr()
+            )
+            if rc:
+                raise ValueError(f"dequantize rows: bad arguments (rc {rc})")
+            if sel is not None:
+                out[sel] = dst
+        return out.view(*rows.shape, k)
+
+    def paged_decode_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+    ) -> torch.Tensor:
+        n, hq, d = q.shape
+        num_blocks, block_size, hkv, _ = k_cache.shape
+        q = q.contiguous()
+        _require_f32("q", q)
+        _require_f32("k_cache", k_cache, (num_blocks, block_size, hkv, d))
+        _require_f32("v_cache", v_cache, (num_blocks, block_size, hkv, d))
+        tables = block_tables.to(torch.int32).contiguous()
+        lens = seq_lens.to(torch.int32).contiguous()
+        if tables.dim() != 2 or tables.shape[0] != n or tuple(lens.shape) != (n,):
+            raise ValueError(
+                f"block_tables {tuple(tables.shape)} / seq_lens {tuple(lens.shape)} do not match {n} queries"
+            )
+        out = torch.empty_like(q)
+        rc = self.lib.orca_paged_decode_attention(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            tables.data_ptr(),
+            lens.data_ptr(),
+            n,
+            hq,
+            hkv,
+            d,
+            block_size,
+            tables.shape[1],
+            scale,
+            out.data_ptr(),
         )
         if rc:
-            raise ValueError(f"group-int8 linear: bad shapes x {tuple(x2.shape)}, codes {(n, k)}")
-    return y.view(*lead, n)
+            raise ValueError(
+                f"paged decode attention: unsupported shapes q {tuple(q.shape)}, cache {tuple(k_cache.shape)}"
+            )
+        return out
+
+    def rms_norm(
+        self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        h = x.shape[-1]
+        _require_f32("x", x)
+        _require_f32("weight", weight, (h,))
+        if residual is not None:
+            _require_f32("residual", residual, tuple(x.shape))
+        if h % 8:
+            raise ValueError(f"rms_norm: width {h} is not a multiple of 8")
+        out = torch.empty_like(x)
+        rows = x.numel() // h if h else 0
+        if rows:
+            res_ptr = residual.data_ptr() if residual is not None else None
+            self.lib.orca_rms_norm(x.data_ptr(), res_ptr, weight.data_ptr(), eps, rows, h, out.data_ptr())
+        return out
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        d = x.shape[-1] // 2
+        _require_f32("x", x)
+        if x.shape[-1] != 2 * d or d % 8:
+            raise ValueError(f"silu_and_mul: width {x.shape[-1]} is not twice a multiple of 8")
+        out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
+        rows = x.numel() // (2 * d) if d else 0
+        if rows:
+            self.lib.orca_silu_and_mul(x.data_ptr(), rows, d, out.data_ptr())
+        return out
+
+    def rope_and_cache(
+        self,
+        qkv: torch.Tensor,
+        positions: torch.Tensor,
+        cos_sin: torch.Tensor,
+        slots: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        num_heads: int,
+    ) -> None:
+        t = qkv.shape[0]
+        hkv, d = k_cache.shape[-2:]
+        _require_f32("qkv", qkv, (t, (num_heads + 2 * hkv) * d))
+        _require_f32("cos_sin", cos_sin)
+        _require_f32("k_cache", k_cache)
+        _require_f32("v_cache", v_cache, tuple(k_cache.shape))
+        if cos_sin.shape[-1] != d or d % 16 or tuple(positions.shape) != (t,) or tuple(slots.shape) != (t,):
+            raise ValueError("rope_and_cache: head_dim, cos_sin, positions or slots do not match qkv")
+        if not t:
+            return
+        pos = positions.to(torch.int64).contiguous()
+        slot = slots.to(torch.int64).contiguous()
+        self.lib.orca_rope_and_cache(
+            qkv.data_ptr(),
+            t,
+            num_heads,
+            hkv,
+            d,
+            pos.data_ptr(),
+            cos_sin.data_ptr(),
+            slot.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+        )
+
+
+def _checked() -> Kernels:
+    k = kernels()
+    if k is None:
+        raise RuntimeError("the native CPU kernels are not available on this machine")
+    return k
+
+
+# Module-level entry points: the chosen variant's. Callers look them up on this module at call time
+# (so labelled_for_profiler can wrap them).
+
+
+def quant_linear(x: torch.Tensor, w: PackedWeight, precision: Precision = "int8") -> torch.Tensor:
+    """x [..., K] float32 @ W^T for a packed weight, with int8 or float32 activations."""
+    return _checked().quant_linear(x, w, precision)
+
+
+def dequant_rows(w: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
+    return _checked().dequant_rows(w, rows)
 
 
 def paged_decode_attention(
@@ -170,39 +406,7 @@ def paged_decode_attention(
     q [n, Hq, D] float32; caches [num_blocks, block_size, Hkv, D] float32; block_tables [n, max_blocks]
     and seq_lens [n] int32. Sequence i's token t is at block block_tables[i, t // block_size].
     """
-    n, hq, d = q.shape
-    num_blocks, block_size, hkv, _ = k_cache.shape
-    q = q.contiguous()
-    _require_f32("q", q)
-    _require_f32("k_cache", k_cache, (num_blocks, block_size, hkv, d))
-    _require_f32("v_cache", v_cache, (num_blocks, block_size, hkv, d))
-    tables = block_tables.to(torch.int32).contiguous()
-    lens = seq_lens.to(torch.int32).contiguous()
-    if tables.dim() != 2 or tables.shape[0] != n or tuple(lens.shape) != (n,):
-        raise ValueError(
-            f"block_tables {tuple(tables.shape)} / seq_lens {tuple(lens.shape)} do not match {n} queries"
-        )
-    out = torch.empty_like(q)
-    rc = _checked_library().orca_paged_decode_attention(
-        q.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-        tables.data_ptr(),
-        lens.data_ptr(),
-        n,
-        hq,
-        hkv,
-        d,
-        block_size,
-        tables.shape[1],
-        scale,
-        out.data_ptr(),
-    )
-    if rc:
-        raise ValueError(
-            f"paged decode attention: unsupported shapes q {tuple(q.shape)}, cache {tuple(k_cache.shape)}"
-        )
-    return out
+    return _checked().paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
 
 
 def supports_decode_attention(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
@@ -226,34 +430,12 @@ def rms_norm(
 ) -> torch.Tensor:
     """x / rms(x) * weight over the last dim. With `residual`, x + residual is normalised and also
     written into `residual` (in place: the caller's next residual stream), as vLLM's fused_add_rms_norm."""
-    h = x.shape[-1]
-    _require_f32("x", x)
-    _require_f32("weight", weight, (h,))
-    if residual is not None:
-        _require_f32("residual", residual, tuple(x.shape))
-    if h % 8:
-        raise ValueError(f"rms_norm: width {h} is not a multiple of 8")
-    out = torch.empty_like(x)
-    rows = x.numel() // h if h else 0
-    if rows:
-        res_ptr = residual.data_ptr() if residual is not None else None
-        _checked_library().orca_rms_norm(
-            x.data_ptr(), res_ptr, weight.data_ptr(), eps, rows, h, out.data_ptr()
-        )
-    return out
+    return _checked().rms_norm(x, weight, eps, residual)
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2d] (gate | up) -> [..., d] = silu(gate) * up."""
-    d = x.shape[-1] // 2
-    _require_f32("x", x)
-    if x.shape[-1] != 2 * d or d % 8:
-        raise ValueError(f"silu_and_mul: width {x.shape[-1]} is not twice a multiple of 8")
-    out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
-    rows = x.numel() // (2 * d) if d else 0
-    if rows:
-        _checked_library().orca_silu_and_mul(x.data_ptr(), rows, d, out.data_ptr())
-    return out
+    return _checked().silu_and_mul(x)
 
 
 def fits_rope_and_cache(qkv: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -277,33 +459,17 @@ def rope_and_cache(
     num_heads: int,
 ) -> None:
     """Rotary on q and k (in place in qkv), then k and v of every token into its cache slot."""
-    t = qkv.shape[0]
-    hkv, d = k_cache.shape[-2:]
-    _require_f32("qkv", qkv, (t, (num_heads + 2 * hkv) * d))
-    _require_f32("cos_sin", cos_sin)
-    _require_f32("k_cache", k_cache)
-    _require_f32("v_cache", v_cache, tuple(k_cache.shape))
-    if cos_sin.shape[-1] != d or d % 16 or tuple(positions.shape) != (t,) or tuple(slots.shape) != (t,):
-        raise ValueError("rope_and_cache: head_dim, cos_sin, positions or slots do not match qkv")
-    if not t:
-        return
-    pos = positions.to(torch.int64).contiguous()
-    slot = slots.to(torch.int64).contiguous()
-    _checked_library().orca_rope_and_cache(
-        qkv.data_ptr(),
-        t,
-        num_heads,
-        hkv,
-        d,
-        pos.data_ptr(),
-        cos_sin.data_ptr(),
-        slot.data_ptr(),
-        k_cache.data_ptr(),
-        v_cache.data_ptr(),
-    )
+    _checked().rope_and_cache(qkv, positions, cos_sin, slots, k_cache, v_cache, num_heads)
 
 
-NATIVE_OPS = ("group_int8_linear", "paged_decode_attention", "rms_norm", "silu_and_mul", "rope_and_cache")
+NATIVE_OPS = (
+    "quant_linear",
+    "dequant_rows",
+    "paged_decode_attention",
+    "rms_norm",
+    "silu_and_mul",
+    "rope_and_cache",
+)
 
 
 @contextlib.contextmanager
@@ -329,3 +495,11 @@ def labelled_for_profiler() -> Iterator[None]:
     finally:
         for name, fn in originals.items():
             setattr(module, name, fn)
+
+
+if __name__ == "__main__":
+    # python -m models.kernels.cpu: build every variant into the cache (container images).
+    logging.basicConfig(level=logging.INFO)
+    print("built:", ", ".join(build_all()) or "nothing")
+    k = kernels()
+    print("this CPU runs:", k.name if k else "none")

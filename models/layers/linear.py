@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.kernels import cpu as cpu_kernels
+from models.kernels.cpu import Precision
 from models.layers.packed_weight import PackedWeight, pack_exact
 from models.layers.parallel import SINGLE, TPContext, balanced_shard, divide
 
@@ -53,18 +54,21 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: A
 
 
 class PackableLinear(nn.Module):
-    """A layer whose y = x W^T may run on the group-int8 CPU kernel (see packed_weight.py).
+    """A layer whose y = x W^T may run on the quantized-linear CPU kernel (see packed_weight.py).
 
-    `pack_weight()` keeps W as int8 codes + group scales when it is exactly representable that way,
+    `pack_weight()` keeps W in its block-quantized form when it is exactly representable that way,
     and then drops the float32 copy unless another module reads it (`shares_weight`: a tied LM head,
-    whose weight is the embedding table).
+    whose weight is the embedding table). `precision` is what the kernel multiplies it with: int8
+    activations (the fast path) or float32 (the reference).
     """
 
     weight: nn.Parameter | None
     packed: PackedWeight | None = None
+    precision: Precision = "int8"
     shares_weight: bool = False
 
-    def pack_weight(self) -> PackedWeight | None:
+    def pack_weight(self, precision: Precision = "int8") -> PackedWeight | None:
+        self.precision = precision
         if self.packed is None and self.weight is not None:
             self.packed = pack_exact(self.weight.data)
             if self.packed is not None and not self.shares_weight:
@@ -73,7 +77,7 @@ class PackableLinear(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is not None:
-            y = cpu_kernels.group_int8_linear(x, self.packed)
+            y = cpu_kernels.quant_linear(x, self.packed, self.precision)
             return y if bias is None else y + bias
         return F.linear(x, self.weight, bias)
 

@@ -1,92 +1,296 @@
-"""Float32 weights that are exactly group-quantized, kept as int8 codes + per-group scale and zero.
+"""Block-quantized weights kept at their file's size, in the tiled layout of the native kernels.
 
-A GGUF checkpoint is dequantized to float32 when it is converted (see gguf_convert.py), but its values
-keep their structure: in every group of 32 columns each weight is exactly `s * q + z` (float32
-multiply, then add), with s and z float16 values and q a small integer. `pack_exact` finds s, z and q
-for the block formats the default model uses and keeps the weight packed only if the reconstruction is
-bit-identical to the float32 tensor, so packing never changes a single weight:
+A GGUF weight is stored in blocks: every group of 32 (or 16) weights along a row is `a * q + z` with
+small integer codes q and a per-group scale a and minimum z. `PackedWeight` keeps exactly that, in the
+layout `models/kernels/quant_tiles.h` describes (16-row tiles, each one contiguous stream along K),
+so a step reads ~4.5 bits per weight of a Q4 model instead of float32's 32. Reconstruction is
+bit-identical to gguf-py's dequantization (and so to transformers' GGUF loader): packing never
+changes a weight.
 
-    Q4_1  q in [0, 15],     z = the group's minimum,  s = (max - min) / 15  rounded to float16
-    Q8_0  q in [-127, 127], z = 0,                    s = absmax / 127       rounded to float16
-    Q4_0  q in [-8, 7],     z = 0,                    s = -extreme / 8       rounded to float16
+The formats (`FORMATS`, ids shared with the C code):
 
-Each group may match a different format. A tensor with any group that fits none stays float32
-(ordinary float checkpoints: nothing matches, and the cost is one pass over the weights).
+    name  codes           scales (per 16-row tile)                                   file bits/weight
+    Q4_0  4-bit, q - 8    a: f16 per 32                                               4.5
+    Q4_1  4-bit           a, z: f16 per 32                                            5.0
+    Q8_0  8-bit signed    a: f16 per 32                                               8.5
+    Q5_0  8-bit, q - 16   a: f16 per 32                                               5.5 (kept in 8.5)
+    Q5_1  8-bit           a, z: f16 per 32                                            6.0 (kept in 9.0)
+    Q4_K  4-bit           d, dmin: f16 per 256; sc, m: u8 per 32; a = d sc, z = -dmin m   4.5 (4.63)
+    Q5_K  8-bit           as Q4_K                                                     5.5 (kept in 8.6)
+    Q6_K  8-bit, q - 32   d: f16 per 256; sc: s8 per 16; a = d sc                     6.56 (kept in 8.6)
+
+Two ways in: `pack_components` from a format's codes and scales (gguf_blocks.py decodes them from a
+GGUF file's raw blocks), and `pack_exact`, which recognises Q4_0 / Q4_1 / Q8_0 structure in float32
+weights that were dequantized from such blocks (an HF directory converted from a GGUF file).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 import torch
 
-GROUP_SIZE = 32  # columns of W sharing one scale and zero (GGUF's block size)
+GROUP_SIZE = 32  # weights along K per block (GGUF's QK4_0 ... QK8_0; K-quants: 8 blocks per 256)
+TILE_ROWS = 16  # rows of W per tile (quant_tiles.h)
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    """One GGUF block format as the kernels store it (quant_tiles.h mirrors every size)."""
+
+    name: str
+    id: int  # QF_* in quant_tiles.h
+    bits: int  # 4 or 8 bits a code
+    kind: str  # "f16": scale (and min) f16 per 32; "k": K-quant super-blocks; "k16": Q6_K's
+    has_min: bool
+    offset: int = 0  # added to the stored (unsigned 4-bit) code: Q4_0's -8
+    file_bits: float = 0.0  # bits per weight in a GGUF file
+
+    @property
+    def blocks_per_super(self) -> int:
+        return 1 if self.kind == "f16" else 8
+
+    @property
+    def super_k(self) -> int:
+        return GROUP_SIZE * self.blocks_per_super
+
+    @property
+    def code_bytes(self) -> int:
+        return self.bits * 64
+
+    @property
+    def sub_bytes(self) -> int:
+        return {"f16": 0, "k": 16 * (1 + self.has_min), "k16": 32}[self.kind]
+
+    @property
+    def header_bytes(self) -> int:
+        return 32 * (1 + (self.kind != "k16" and self.has_min))
+
+    @property
+    def super_bytes(self) -> int:
+        return self.header_bytes + self.blocks_per_super * (self.code_bytes + self.sub_bytes)
+
+    def tile_bytes(self, k: int) -> int:
+        return k // self.super_k * self.super_bytes
+
+
+FORMATS: dict[str, BlockFormat] = {
+    f.name: f
+    for f in (
+        BlockFormat("Q4_0", 0, 4, "f16", False, -8, 4.5),
+        BlockFormat("Q4_1", 1, 4, "f16", True, 0, 5.0),
+        BlockFormat("Q8_0", 2, 8, "f16", False, 0, 8.5),
+        BlockFormat("Q5_0", 3, 8, "f16", False, 0, 5.5),
+        BlockFormat("Q5_1", 4, 8, "f16", True, 0, 6.0),
+        BlockFormat("Q4_K", 5, 4, "k", True, 0, 4.5),
+        BlockFormat("Q5_K", 6, 8, "k", True, 0, 5.5),
+        BlockFormat("Q6_K", 7, 8, "k16", False, 0, 6.5625),
+    )
+}
 
 
 @dataclass
-class PackedWeight:
-    """W[n, k] = scales[n, k // 32] * codes[n, k] + zeros[n, k // 32].
+class BlockComponents:
+    """One format's codes and scales for rows of a weight, before tiling.
 
-    Checked once here, so the kernel (models/kernels/cpu.py), which trusts its pointers, can take a
-    PackedWeight on every call without looking at it again."""
+    codes [N, K]: uint8 0..15 for 4-bit formats (stored code, before Q4_0's offset), int8 otherwise.
+    scale [N, K / super_k] float16: "f16" kind: a per block; "k"/"k16": d per super-block.
+    minimum [N, K / super_k] float16: "f16": z per block; "k": dmin per super-block; else None.
+    sub_scale: "k": sc [N, K / 32] uint8; "k16": sc [N, K / 16] int8; else None.
+    sub_min: "k": m [N, K / 32] uint8; else None.
+    """
 
-    codes: torch.Tensor  # [N, K] int8
-    scales: torch.Tensor  # [N, K // 32] float32
-    zeros: torch.Tensor  # [N, K // 32] float32
-
-    def __post_init__(self) -> None:
-        c = self.codes
-        if c.dim() != 2 or c.dtype != torch.int8 or not c.is_contiguous() or c.shape[1] % GROUP_SIZE:
-            raise ValueError(f"codes: expected contiguous int8 [N, K] with K a multiple of {GROUP_SIZE}")
-        groups = (c.shape[0], c.shape[1] // GROUP_SIZE)
-        for name, t in (("scales", self.scales), ("zeros", self.zeros)):
-            if t.dtype != torch.float32 or not t.is_contiguous() or tuple(t.shape) != groups:
-                raise ValueError(
-                    f"{name}: expected contiguous float32 {groups}, got {t.dtype} {tuple(t.shape)}"
-                )
-        if not c.device.type == self.scales.device.type == self.zeros.device.type == "cpu":
-            raise ValueError("a packed weight lives on the CPU")
+    fmt: BlockFormat
+    codes: torch.Tensor
+    scale: torch.Tensor
+    minimum: torch.Tensor | None = None
+    sub_scale: torch.Tensor | None = None
+    sub_min: torch.Tensor | None = None
 
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)  # type: ignore[return-value]
 
+
+@dataclass
+class PackedSegment:
+    """Rows [row_start, row_start + rows) of a weight, all in one format: tiles [ceil(rows/16), bytes]."""
+
+    fmt: BlockFormat
+    row_start: int
+    rows: int
+    cols: int
+    tiles: torch.Tensor  # uint8
+
+    def __post_init__(self) -> None:
+        t = self.tiles
+        n_tiles = -(-self.rows // TILE_ROWS)
+        if self.rows <= 0 or self.cols <= 0 or self.cols % self.fmt.super_k:
+            raise ValueError(f"{self.fmt.name}: {self.rows} x {self.cols} is not a whole number of blocks")
+        expect = (n_tiles, self.fmt.tile_bytes(self.cols))
+        if (
+            t.dtype != torch.uint8
+            or not t.is_contiguous()
+            or t.device.type != "cpu"
+            or tuple(t.shape) != expect
+        ):
+            raise ValueError(f"tiles: expected contiguous uint8 CPU {expect}, got {t.dtype} {tuple(t.shape)}")
+
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.codes, self.scales, self.zeros))
+        return self.tiles.numel()
 
-    def dequantize(self) -> torch.Tensor:
-        n, k = self.codes.shape
-        groups = self.codes.view(n, k // GROUP_SIZE, GROUP_SIZE).float()
-        # Two roundings (multiply, then add), as the kernel and gguf-py do: not torch.addcmul.
-        return (groups * self.scales.unsqueeze(-1) + self.zeros.unsqueeze(-1)).view(n, k)
+
+@dataclass
+class PackedWeight:
+    """W [N, K] as one or more row segments, each in one block format (a fused q/k/v projection may
+    mix formats: Q4_K_M files keep some v projections in Q6_K).
+
+    Checked once here, so the kernel (models/kernels/cpu.py), which trusts its pointers, can take a
+    PackedWeight on every call without looking at it again."""
+
+    segments: tuple[PackedSegment, ...]
+    shape: tuple[int, int] = field(init=False)
+
+    def __post_init__(self) -> None:
+        if not self.segments:
+            raise ValueError("a packed weight needs at least one segment")
+        k = self.segments[0].cols
+        start = 0
+        for seg in self.segments:
+            if seg.row_start != start or seg.cols != k:
+                raise ValueError("segments must cover consecutive rows of one width")
+            start += seg.rows
+        self.shape = (start, k)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(s.nbytes for s in self.segments)
+
+    @property
+    def formats(self) -> tuple[str, ...]:
+        return tuple(dict.fromkeys(s.fmt.name for s in self.segments))
+
+    def dequantize(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """W (or W[rows]) in float32, bit-identical to gguf-py's dequantization."""
+        from models.kernels import cpu as cpu_kernels
+
+        if rows is None:
+            rows = torch.arange(self.shape[0])
+        return cpu_kernels.dequant_rows(self, rows)
+
+    @staticmethod
+    def concat(parts: Sequence[PackedWeight]) -> PackedWeight:
+        """Row-stacked weights (fused q/k/v, gate/up); segments of one format merge when the rows
+        before the seam fill whole tiles."""
+        segs: list[PackedSegment] = []
+        start = 0
+        for part in parts:
+            for seg in part.segments:
+                prev = segs[-1] if segs else None
+                if (
+                    prev is not None
+                    and prev.fmt == seg.fmt
+                    and prev.rows % TILE_ROWS == 0
+                    and prev.cols == seg.cols
+                ):
+                    tiles = torch.cat([prev.tiles, seg.tiles])
+                    segs[-1] = PackedSegment(prev.fmt, prev.row_start, prev.rows + seg.rows, prev.cols, tiles)
+                else:
+                    segs.append(PackedSegment(seg.fmt, start, seg.rows, seg.cols, seg.tiles))
+                start += seg.rows
+        return PackedWeight(tuple(segs))
+
+
+def _tiled(t: torch.Tensor, n_tiles: int) -> torch.Tensor:
+    """[N, ...] -> [T, 16, ...], padded with zero rows."""
+    pad = n_tiles * TILE_ROWS - t.shape[0]
+    if pad:
+        t = torch.cat([t, t.new_zeros(pad, *t.shape[1:])])
+    return t.reshape(n_tiles, TILE_ROWS, *t.shape[1:])
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes along its last dim (uint8 [..., last * itemsize])."""
+    t = t.contiguous()
+    return t.view(torch.uint8).reshape(*t.shape[:-1], -1)
+
+
+def pack_components(c: BlockComponents, row_start: int = 0) -> PackedSegment:
+    """Lay one format's codes and scales out as 16-row tiles (quant_tiles.h)."""
+    f = c.fmt
+    n, k = c.shape
+    if k % f.super_k:
+        raise ValueError(f"{f.name}: {k} columns are not a whole number of {f.super_k}-blocks")
+    t, g, s = -(-n // TILE_ROWS), k // GROUP_SIZE, k // f.super_k
+    codes = _tiled(c.codes.view(torch.uint8), t)  # [T, 16, K]
+    if f.bits == 4:
+        # byte (unit u, row r, t) of a block: low nibble k = 4u + t, high nibble k = 16 + 4u + t
+        q = codes.reshape(t, TILE_ROWS, g, 2, 4, 4)
+        q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [T, 16, G, 4, 4]
+        blocks = q.permute(0, 2, 3, 1, 4).reshape(t, g, 256)
+    else:
+        blocks = codes.reshape(t, TILE_ROWS, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(t, g, 512)
+
+    def per_tile(x: torch.Tensor) -> torch.Tensor:  # [N, J] -> [T, J, 16] (row fastest)
+        return _tiled(x, t).permute(0, 2, 1)
+
+    header = [_bytes(per_tile(c.scale.half()))]  # [T, S, 32]
+    if f.has_min and f.kind != "k16":
+        if c.minimum is None:
+            raise ValueError(f"{f.name} needs its minimum")
+        header.append(_bytes(per_tile(c.minimum.half())))
+    if f.kind == "k":
+        sub = [_bytes(per_tile(c.sub_scale.to(torch.uint8)))]
+        if f.has_min:
+            sub.append(_bytes(per_tile(c.sub_min.to(torch.uint8))))
+        blocks = torch.cat([blocks, *sub], dim=-1)
+    elif f.kind == "k16":
+        sc = _tiled(c.sub_scale.to(torch.int8), t).reshape(t, TILE_ROWS, g, 2).permute(0, 2, 3, 1)
+        blocks = torch.cat([blocks, _bytes(sc.reshape(t, g, 2, TILE_ROWS)).reshape(t, g, 32)], dim=-1)
+    supers = torch.cat([torch.cat(header, dim=-1), blocks.reshape(t, s, -1)], dim=-1)
+    return PackedSegment(f, row_start, n, k, supers.reshape(t, -1).contiguous())
+
+
+# The range of the stored codes of each format (8-bit formats store the true signed value).
+CODE_RANGE = {
+    "Q4_0": (0, 15),
+    "Q4_1": (0, 15),
+    "Q8_0": (-127, 127),
+    "Q5_0": (-16, 15),
+    "Q5_1": (0, 31),
+    "Q4_K": (0, 15),
+    "Q5_K": (0, 31),
+    "Q6_K": (-32, 31),
+}
+
+
+def random_components(fmt: BlockFormat, n: int, k: int, seed: int = 0) -> BlockComponents:
+    """Random but valid codes and scales of a format (kernel tests and micro-benchmarks)."""
+    g = torch.Generator().manual_seed(seed)
+    lo, hi = CODE_RANGE[fmt.name]
+    dtype = torch.uint8 if fmt.bits == 4 else torch.int8
+    codes = torch.randint(lo, hi + 1, (n, k), generator=g).to(dtype)
+    per = k // fmt.super_k
+    scale = (torch.rand(n, per, generator=g) * 0.02 + 1e-3).half()
+    minimum = (-torch.rand(n, per, generator=g) * 0.1).half() if fmt.has_min else None
+    sub_scale = sub_min = None
+    if fmt.kind == "k":
+        sub_scale = torch.randint(0, 64, (n, k // GROUP_SIZE), generator=g).to(torch.uint8)
+        sub_min = torch.randint(0, 64, (n, k // GROUP_SIZE), generator=g).to(torch.uint8)
+        minimum = (torch.rand(n, per, generator=g) * 0.002).half()
+    elif fmt.kind == "k16":
+        sub_scale = torch.randint(-64, 64, (n, k // 16), generator=g).to(torch.int8)
+    return BlockComponents(fmt, codes, scale, minimum, sub_scale, sub_min)
+
+
+# ------------------------------------------------------------------------------------------------
+# Recognising Q4_0 / Q4_1 / Q8_0 structure in float32 weights.
 
 
 def _half(t: torch.Tensor) -> torch.Tensor:
     return t.half().float()
-
-
-def _try_format(
-    groups: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, qmin: int, qmax: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(codes, exact) of one candidate format: codes [N, G, 32] float, exact [N, G] bool per group.
-
-    In-place ops and a reciprocal instead of a division: this runs over every weight of the model at
-    load. The codes only need to round to the right integers, and the exactness check catches any
-    that do not. A group with scale 0 is constant and gets codes 0 (its zero, or 0, is the value)."""
-    s = scale.unsqueeze(-1)
-    z = zero.unsqueeze(-1)
-    inv = torch.where(s == 0, torch.zeros_like(s), 1.0 / s)
-    codes = groups - z
-    codes.mul_(inv).round_().clamp_(qmin, qmax)
-    recon = codes * s
-    recon.add_(z)  # multiply, then add: two roundings, as gguf-py dequantizes
-    return codes, recon.eq_(groups).all(dim=-1)
-
-
-# Candidate (scale, zero, qmin, qmax) per group of each block format, from the groups' min and max.
-Candidate = tuple[torch.Tensor, torch.Tensor, int, int]
 
 
 def _extreme(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
@@ -94,40 +298,45 @@ def _extreme(lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
     return torch.where(hi.abs() > lo.abs(), hi, lo)
 
 
-FORMATS: dict[str, Callable[[torch.Tensor, torch.Tensor], Candidate]] = {
+# Candidate (scale, zero, qmin, qmax) per group of each format, from the groups' min and max: the
+# values gguf-py's quantizer would have stored.
+_CANDIDATES = {
     "Q4_1": lambda lo, hi: (_half((hi - lo) / 15), lo, 0, 15),
     "Q8_0": lambda lo, hi: (_half(_extreme(lo, hi).abs() / 127), torch.zeros_like(lo), -127, 127),
     "Q4_0": lambda lo, hi: (_half(_extreme(lo, hi) / -8), torch.zeros_like(lo), -8, 7),
 }
 
 
-def _pack_groups(groups: torch.Tensor, order: list[str]) -> tuple[PackedWeight, str] | None:
-    """Try the formats in `order` group by group; (packed, first format used) if every group fits."""
-    n, g, _ = groups.shape
-    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
-    codes = scales = zeros = done = None
-    for name in order:
-        scale, zero, qmin, qmax = FORMATS[name](lo, hi)
-        c, exact = _try_format(groups, scale, zero, qmin, qmax)
-        exact &= _half(zero) == zero  # Q4_1 stores its minimum as float16 (the others' zero is 0)
-        if done is None and bool(exact.all()):  # the usual case: one format for the whole tensor
-            return PackedWeight(c.to(torch.int8).view(n, -1), scale, zero), name
-        if done is None:
-            codes = torch.zeros_like(groups, dtype=torch.int8)
-            scales, zeros = torch.zeros_like(scale), torch.zeros_like(scale)
-            done = torch.zeros_like(exact)
-        take = exact & ~done
-        codes[take] = c[take].to(torch.int8)
-        scales[take] = scale[take]
-        zeros[take] = zero[take]
-        done |= take
-        if bool(done.all()):
-            return PackedWeight(codes.view(n, -1), scales, zeros), order[0]
-    return None
+def _fit(groups: torch.Tensor, name: str, lo: torch.Tensor, hi: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """(codes [N, G, 32] float, scale, zero, exact rows [N]) of one candidate format.
+
+    In-place ops and a reciprocal instead of a division: this runs over every weight of the model at
+    load. The codes only need to round to the right integers, and the exactness check catches any
+    that do not. A group with scale 0 is constant and gets codes 0 (its zero, or 0, is the value)."""
+    scale, zero, qmin, qmax = _CANDIDATES[name](lo, hi)
+    s, z = scale.unsqueeze(-1), zero.unsqueeze(-1)
+    inv = torch.where(s == 0, torch.zeros_like(s), 1.0 / s)
+    codes = groups - z
+    codes.mul_(inv).round_().clamp_(qmin, qmax)
+    recon = codes * s
+    recon.add_(z)  # a * q is exact; one rounding for + z, as gguf-py
+    exact = recon.eq_(groups).all(dim=-1) & (_half(zero) == zero)  # Q4_1's minimum is stored as f16
+    return codes, scale, zero, exact.all(dim=-1)
+
+
+def _components(name: str, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> BlockComponents:
+    n = codes.shape[0]
+    fmt = FORMATS[name]
+    if name == "Q8_0":
+        q = codes.to(torch.int8).reshape(n, -1)
+    else:
+        q = (codes - fmt.offset).to(torch.uint8).reshape(n, -1)
+    return BlockComponents(fmt, q, scale.half(), zero.half() if fmt.has_min else None)
 
 
 def pack_exact(weight: torch.Tensor) -> PackedWeight | None:
-    """The packed form of a 2-D float32 weight if every group of it is exactly representable."""
+    """The packed form of a 2-D float32 weight if every row of it is exactly one of Q4_0 / Q4_1 / Q8_0
+    (rows may differ: a fused projection of differently quantized tensors), else None."""
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] % GROUP_SIZE:
         return None
     n, k = weight.shape
@@ -135,10 +344,30 @@ def pack_exact(weight: torch.Tensor) -> PackedWeight | None:
     # The first row decides cheaply whether to look further (a float checkpoint fails there) and
     # which format to try first on the rest (an embedding is Q8_0 where the projections are Q4_1).
     # NaN and infinities need no check of their own: they never reconstruct exactly.
-    first = _pack_groups(groups[:1], list(FORMATS))
+    lo1, hi1 = groups[:1].amin(dim=-1), groups[:1].amax(dim=-1)
+    first = next((name for name in _CANDIDATES if bool(_fit(groups[:1], name, lo1, hi1)[3][0])), None)
     if first is None:
         return None
-    if n == 1:
-        return first[0]
-    packed = _pack_groups(groups, [first[1], *(name for name in FORMATS if name != first[1])])
-    return None if packed is None else packed[0]
+    lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
+    row_format = torch.full((n,), -1, dtype=torch.int64)
+    fitted: dict[int, tuple[torch.Tensor, ...]] = {}
+    for i, name in enumerate([first, *(nm for nm in _CANDIDATES if nm != first)]):
+        todo = row_format < 0
+        codes, scale, zero, exact = _fit(groups, name, lo, hi)
+        row_format[todo & exact] = i
+        fitted[i] = (codes, scale, zero)
+        if bool((row_format >= 0).all()):
+            break
+    else:
+        return None
+    names = [first, *(nm for nm in _CANDIDATES if nm != first)]
+    # Runs of consecutive rows in one format become segments.
+    change = torch.nonzero(row_format[1:] != row_format[:-1]).squeeze(1) + 1
+    bounds = [0, *change.tolist(), n]
+    parts = []
+    for a, b in zip(bounds[:-1], bounds[1:], strict=True):
+        i = int(row_format[a])
+        codes, scale, zero = (t[a:b] for t in fitted[i])
+        seg = pack_components(_components(names[i], codes, scale, zero), 0)
+        parts.append(PackedWeight((seg,)))
+    return PackedWeight.concat(parts)

@@ -45,7 +45,8 @@ def hf_generate(model, prompt: Sequence[int], new_tokens: int) -> list[int]:
 @pytest.fixture(params=["llama", "gpt2", "gguf-llama"])
 def model_dir(request, tiny_llama_dir: Path, tiny_gpt2_dir: Path, tiny_gguf_llama_dir: Path) -> Path:
     """gguf-llama has GGUF-structured weights, so the runner packs them (models/weight_packing.py)
-    and the group-int8 kernel runs every matmul where it builds."""
+    and the quantized-linear kernel runs every matmul where it builds (float32 activations: the
+    parity reference; int8 activations are checked against float32 in test_quantized_accuracy.py)."""
     return {"llama": tiny_llama_dir, "gpt2": tiny_gpt2_dir, "gguf-llama": tiny_gguf_llama_dir}[request.param]
 
 
@@ -58,6 +59,7 @@ def make_runner(path: Path | str, backend: str = "auto", num_blocks: int = 128) 
             block_size=BLOCK_SIZE,
             num_kv_blocks=num_blocks,
             attention_backend=backend,
+            weight_packing="float32",
         )
     )
 

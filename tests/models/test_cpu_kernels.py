@@ -1,12 +1,13 @@
-"""The native paged decode-attention kernel against per-sequence SDPA, and the cpu-decode backend's
-fallback when the kernel cannot run."""
+"""The native paged decode-attention, RMSNorm, SiLU-and-mul and rotary kernels against torch, on every
+ISA variant this CPU runs, and the cpu-decode backend's fallback when the kernel cannot run. (The
+quantized linear has its own file: test_quant_linear.py.)"""
 
 from __future__ import annotations
 
 import pytest
 import torch
 import torch.nn.functional as F
-from kernel_marks import needs_native_kernels
+from kernel_marks import EVERY_VARIANT, kernels_for
 
 from models.kernels import cpu as cpu_kernels
 from models.layers.attention_backends import BatchedDecodeBackend
@@ -41,7 +42,7 @@ def reference(q, k_cache, v_cache, tables, seq_lens, scale) -> torch.Tensor:
     return torch.stack(outs)
 
 
-@needs_native_kernels
+@pytest.mark.parametrize("variant", EVERY_VARIANT)
 @pytest.mark.parametrize(
     ("seq_lens", "hq", "hkv", "d", "block_size"),
     [
@@ -52,18 +53,20 @@ def reference(q, k_cache, v_cache, tables, seq_lens, scale) -> torch.Tensor:
         ([17, 3], 6, 1, 24, 1),  # MQA, block size 1, head_dim neither 64 nor 128
     ],
 )
-def test_kernel_matches_sdpa(seq_lens: list[int], hq: int, hkv: int, d: int, block_size: int) -> None:
+def test_kernel_matches_sdpa(
+    variant: str, seq_lens: list[int], hq: int, hkv: int, d: int, block_size: int
+) -> None:
     case = paged_case(seq_lens, hq, hkv, d, block_size, seed=len(seq_lens) + d)
     scale = d**-0.5
-    got = cpu_kernels.paged_decode_attention(*case, scale)
+    got = kernels_for(variant).paged_decode_attention(*case, scale)
     torch.testing.assert_close(got, reference(*case, scale), atol=2e-6, rtol=1e-5)
 
 
-@needs_native_kernels
-def test_kernel_is_stable_for_large_scores() -> None:
+@pytest.mark.parametrize("variant", EVERY_VARIANT)
+def test_kernel_is_stable_for_large_scores(variant: str) -> None:
     # Scores in the hundreds: the online softmax must rescale, not overflow.
     q, k, v, tables, lens = paged_case([50, 9], 2, 1, 16, 4)
-    got = cpu_kernels.paged_decode_attention(q * 40, k, v, tables, lens, 1.0)
+    got = kernels_for(variant).paged_decode_attention(q * 40, k, v, tables, lens, 1.0)
     expect = reference(q * 40, k, v, tables, lens, 1.0)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, expect, atol=1e-5, rtol=1e-5)
@@ -105,9 +108,10 @@ def test_backend_paths_agree(native: bool, d: int) -> None:
     )
 
 
-@needs_native_kernels
+@pytest.mark.parametrize("variant", EVERY_VARIANT)
 @pytest.mark.parametrize("rows", [1, 3, 40])  # 40: past the rows at which the kernel goes parallel
-def test_rms_norm_and_fused_residual(rows: int) -> None:
+def test_rms_norm_and_fused_residual(variant: str, rows: int) -> None:
+    kern = kernels_for(variant)
     g = torch.Generator().manual_seed(rows)
     x, res, w = (
         torch.randn(rows, 96, generator=g),
@@ -115,20 +119,20 @@ def test_rms_norm_and_fused_residual(rows: int) -> None:
         torch.rand(96, generator=g),
     )
     expect = F.rms_norm(x, (96,), w, 1e-5)
-    torch.testing.assert_close(cpu_kernels.rms_norm(x, w, 1e-5), expect, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(kern.rms_norm(x, w, 1e-5), expect, atol=1e-6, rtol=1e-5)
     stream = res.clone()
-    normed = cpu_kernels.rms_norm(x, w, 1e-5, residual=stream)
+    normed = kern.rms_norm(x, w, 1e-5, residual=stream)
     torch.testing.assert_close(stream, x + res, atol=0, rtol=0)  # the updated residual stream
     torch.testing.assert_close(normed, F.rms_norm(x + res, (96,), w, 1e-5), atol=1e-6, rtol=1e-5)
 
 
-@needs_native_kernels
+@pytest.mark.parametrize("variant", EVERY_VARIANT)
 @pytest.mark.parametrize("rows", [1, 5, 33])
-def test_silu_and_mul(rows: int) -> None:
+def test_silu_and_mul(variant: str, rows: int) -> None:
     x = torch.randn(rows, 2 * 40, generator=torch.Generator().manual_seed(rows)) * 6
     x[0, 0], x[0, 1] = -120.0, 120.0  # far outside exp's clamp on both sides
     gate, up = x.chunk(2, dim=-1)
-    torch.testing.assert_close(cpu_kernels.silu_and_mul(x), F.silu(gate) * up, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(kernels_for(variant).silu_and_mul(x), F.silu(gate) * up, atol=1e-6, rtol=1e-5)
 
 
 def test_rms_norm_module_paths_agree() -> None:
@@ -148,9 +152,9 @@ def test_rms_norm_module_paths_agree() -> None:
     torch.testing.assert_close(fast_n, slow_n, atol=1e-6, rtol=1e-5)
 
 
-@needs_native_kernels
+@pytest.mark.parametrize("variant", EVERY_VARIANT)
 @pytest.mark.parametrize("tokens", [1, 4, 40])
-def test_rope_and_cache_matches_rotary_and_index_copy(tokens: int) -> None:
+def test_rope_and_cache_matches_rotary_and_index_copy(variant: str, tokens: int) -> None:
     from models.layers.rotary import RopeParams, RotaryEmbedding
 
     hq, hkv, d, block_size, num_blocks = 6, 2, 32, 4, 16
@@ -165,29 +169,21 @@ def test_rope_and_cache_matches_rotary_and_index_copy(tokens: int) -> None:
     k_ref.view(-1, hkv, d).index_copy_(0, slots, qk[:, hq:])
     v_ref.view(-1, hkv, d).index_copy_(0, slots, qkv[:, (hq + hkv) * d :].view(tokens, hkv, d))
     k_cache, v_cache = torch.zeros_like(k_ref), torch.zeros_like(v_ref)
-    cpu_kernels.rope_and_cache(qkv, positions, rotary.cos_sin_cache, slots, k_cache, v_cache, hq)
+    kernels_for(variant).rope_and_cache(qkv, positions, rotary.cos_sin_cache, slots, k_cache, v_cache, hq)
     torch.testing.assert_close(qkv[:, : hq * d].view(tokens, hq, d), qk[:, :hq], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(k_cache, k_ref, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(v_cache, v_ref, atol=0, rtol=0)
 
 
-@needs_native_kernels
-def test_wrappers_refuse_what_the_c_code_would_misread() -> None:
-    from models.layers.packed_weight import PackedWeight
-
-    w = PackedWeight(torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 2), torch.zeros(8, 2))
-    with pytest.raises(ValueError, match="x"):
-        cpu_kernels.group_int8_linear(torch.randn(2, 64).bfloat16(), w)
-    with pytest.raises(ValueError, match="last dim"):
-        cpu_kernels.group_int8_linear(torch.randn(2, 32), w)
-    with pytest.raises(ValueError, match="scales"):
-        PackedWeight(w.codes, torch.ones(8, 3), w.zeros)
+@pytest.mark.parametrize("variant", EVERY_VARIANT)
+def test_wrappers_refuse_what_the_c_code_would_misread(variant: str) -> None:
+    kern = kernels_for(variant)
     q, k, v, tables, lens = paged_case([5, 9], 4, 2, 16, 4)
     with pytest.raises(ValueError, match="v_cache"):
-        cpu_kernels.paged_decode_attention(q, k, v[:, :2], tables, lens, 0.25)
+        kern.paged_decode_attention(q, k, v[:, :2], tables, lens, 0.25)
     with pytest.raises(ValueError, match="do not match"):
-        cpu_kernels.paged_decode_attention(q, k, v, tables[:1], lens, 0.25)
+        kern.paged_decode_attention(q, k, v, tables[:1], lens, 0.25)
     with pytest.raises(ValueError, match="residual"):
-        cpu_kernels.rms_norm(torch.randn(3, 16), torch.ones(16), 1e-6, residual=torch.randn(2, 16))
+        kern.rms_norm(torch.randn(3, 16), torch.ones(16), 1e-6, residual=torch.randn(2, 16))
     with pytest.raises(ValueError, match="twice"):
-        cpu_kernels.silu_and_mul(torch.randn(3, 20))
+        kern.silu_and_mul(torch.randn(3, 20))

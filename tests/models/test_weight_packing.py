@@ -1,5 +1,5 @@
-"""Group-int8 weight packing: the C kernel, exact detection of GGUF block formats, and packed models
-computing what their float32 twins compute."""
+"""Weight packing: exact detection of GGUF block formats in float32 weights, the --weight-packing
+modes, and packed models computing what their float32 twins compute."""
 
 from __future__ import annotations
 
@@ -11,56 +11,38 @@ from builders import gguf_roundtrip
 from kernel_marks import needs_native_kernels
 
 from models.kernels import cpu as cpu_kernels
-from models.layers.packed_weight import PackedWeight, pack_exact
+from models.layers.packed_weight import pack_exact
 from models.loader import load_model
-from models.weight_packing import pack_model_weights, packable_layers, should_pack
-
-
-def random_packed(n: int, k: int, seed: int = 0) -> PackedWeight:
-    g = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (n, k), dtype=torch.int8, generator=g)
-    scales = torch.rand(n, k // 32, generator=g)
-    zeros = torch.randn(n, k // 32, generator=g)
-    return PackedWeight(codes, scales, zeros)
-
-
-@needs_native_kernels
-@pytest.mark.parametrize("m", [1, 2, 3, 5, 8, 9, 11, 13, 14, 64, 100])
-@pytest.mark.parametrize(("n", "k"), [(1, 32), (7, 64), (37, 96), (64, 1536)])
-def test_kernel_matches_float_matmul(m: int, n: int, k: int) -> None:
-    # m: the streaming path (<= 8 rows), then the outer-product one with every tail of its 6-row
-    # micro-tile and more rows than one 96-row block; n = 37: two 16-row tiles, a 4-row and a 1-row
-    # tail (the dot-product paths); k = 1536 spans several column chunks of every path.
-    w = random_packed(n, k, seed=m * 1000 + n)
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(m))
-    got = cpu_kernels.group_int8_linear(x, w)
-    expect = x.double() @ w.dequantize().double().T
-    torch.testing.assert_close(got.double(), expect, atol=1e-4 * k**0.5, rtol=1e-5)
+from models.weight_packing import (
+    describe_cpu_setup,
+    linear_precision,
+    pack_model_weights,
+    packable_layers,
+    should_pack,
+)
 
 
 @needs_native_kernels
-def test_kernel_keeps_leading_dims_and_empty_batches() -> None:
-    w = random_packed(8, 64)
-    x = torch.randn(2, 3, 64)
-    assert cpu_kernels.group_int8_linear(x, w).shape == (2, 3, 8)
-    assert cpu_kernels.group_int8_linear(x[:0], w).shape == (0, 3, 8)
-
-
-@pytest.mark.parametrize("qtype", ["Q4_1", "Q8_0", "Q4_0"])
-def test_gguf_blocks_are_packed_bit_exactly(qtype: str) -> None:
+@pytest.mark.parametrize(("qtype", "bits"), [("Q4_1", 5.0), ("Q8_0", 8.5), ("Q4_0", 4.5)])
+def test_gguf_blocks_are_packed_bit_exactly(qtype: str, bits: float) -> None:
     weight = gguf_roundtrip(torch.randn(48, 256) * 0.05, qtype)
     packed = pack_exact(weight)
-    assert packed is not None
+    assert packed is not None and packed.formats == (qtype,)
     assert torch.equal(packed.dequantize(), weight)
-    assert packed.nbytes * 3 < weight.numel() * 4
+    assert packed.nbytes == weight.numel() * bits / 8  # the file's size: 48 rows are 3 whole tiles
 
 
-def test_formats_may_differ_per_group() -> None:
-    a = gguf_roundtrip(torch.randn(4, 64), "Q4_1")
-    b = gguf_roundtrip(torch.randn(4, 64), "Q8_0")
-    weight = torch.cat([a, b], dim=1)  # groups 0-1 Q4_1, groups 2-3 Q8_0
+@needs_native_kernels
+def test_formats_may_differ_per_row() -> None:
+    """A fused projection of differently quantized tensors: one segment per run of rows."""
+    a = gguf_roundtrip(torch.randn(20, 64), "Q4_1")
+    b = gguf_roundtrip(torch.randn(5, 64), "Q8_0")
+    weight = torch.cat([a, b, a[:3]])
     packed = pack_exact(weight)
-    assert packed is not None and torch.equal(packed.dequantize(), weight)
+    assert packed is not None and [s.rows for s in packed.segments] == [20, 5, 3]
+    assert torch.equal(packed.dequantize(), weight)
+    mixed = torch.cat([a[:4], b[:4]], dim=1)  # formats differing along a row: not a GGUF tensor
+    assert pack_exact(mixed) is None
 
 
 def test_float_weights_stay_float() -> None:
@@ -75,6 +57,7 @@ def test_float_weights_stay_float() -> None:
     assert pack_exact(nan) is None
 
 
+@needs_native_kernels
 def test_zero_groups_pack() -> None:
     weight = gguf_roundtrip(torch.randn(4, 64), "Q4_1")
     weight[1] = 0.0
@@ -87,14 +70,21 @@ def test_packing_only_on_cpu_float32() -> None:
     assert not should_pack("off", cpu, torch.float32)
     assert not should_pack("auto", cpu, torch.bfloat16)
     assert not should_pack("auto", torch.device("cuda"), torch.float32)
-    assert should_pack("auto", cpu, torch.float32) == cpu_kernels.available()
+    for mode in ("auto", "int8", "float32"):
+        assert should_pack(mode, cpu, torch.float32) == cpu_kernels.available()
+    assert [linear_precision(m) for m in ("auto", "int8", "float32", "off")] == [
+        "int8",
+        "int8",
+        "float32",
+        None,
+    ]
     with pytest.raises(ValueError, match="weight_packing"):
         should_pack("int4", cpu, torch.float32)
 
 
 @needs_native_kernels
 def test_gguf_model_is_packed_and_computes_the_same(tiny_gguf_llama_dir: Path) -> None:
-    packed = load_model(tiny_gguf_llama_dir, torch.float32, "cpu", weight_packing="auto")
+    packed = load_model(tiny_gguf_llama_dir, torch.float32, "cpu", weight_packing="float32")
     plain = load_model(tiny_gguf_llama_dir, torch.float32, "cpu", weight_packing="off")
     layers = packable_layers(packed)
     assert layers and all(layer.packed is not None for layer in layers)
@@ -116,3 +106,16 @@ def test_random_float_model_is_left_alone(tiny_llama_dir: Path) -> None:
     summary = pack_model_weights(model)
     assert summary.packed == 0 and summary.layers == len(packable_layers(model))
     assert all(layer.weight is not None for layer in packable_layers(model))
+
+
+@needs_native_kernels
+def test_int8_activations_by_default(tiny_gguf_llama_dir: Path) -> None:
+    fast = load_model(tiny_gguf_llama_dir, torch.float32, "cpu", weight_packing="auto")
+    exact = load_model(tiny_gguf_llama_dir, torch.float32, "cpu", weight_packing="float32")
+    assert {layer.precision for layer in packable_layers(fast)} == {"int8"}
+    assert {layer.precision for layer in packable_layers(exact)} == {"float32"}
+    x = torch.randn(5, fast.config.hidden_size)
+    a, b = fast.compute_logits(x), exact.compute_logits(x)
+    assert not torch.equal(a, b) and (a - b).abs().max() < 0.02 * b.abs().max()
+    line = describe_cpu_setup(fast)
+    assert cpu_kernels.kernels().name in line and "Q4_1" in line and "Q8_0" in line and "int8" in line

@@ -1,0 +1,612 @@
+/* y[M, N] = x[M, K] @ W^T for a block-quantized weight in the tiled layout of quant_tiles.h.
+ *
+ * Two precisions:
+ *   int8     (the fast path, llama.cpp's route) each row of x is quantized per block of 32 to int8
+ *            with one float scale (dx = max|x| / 127); every block's dot product with the weight
+ *            codes is an exact integer (vpdpbusd, vpmaddubsw, or AMX tiles); then per block, one
+ *            float multiply-add:  y = fma(float(isum), a * dx, y)  [+ fma(z, dx * sum(xq), y)]
+ *   float32  (the reference) the weights are dequantized exactly (w = fma(a, q, z), bit-identical
+ *            to gguf-py and so to transformers) and y = fma(x_k, w_k, y) runs over k in order.
+ *
+ * Batch invariance by construction: every output element is computed by the same sequence of
+ * floating-point operations whatever the number of rows of x and whichever loop runs it (the float
+ * work is vectorized across output columns, never across k, and no path sums in another order).
+ * A request's output never depends on what shares its batch, and every ISA variant (quant_tiles.h,
+ * vec.h) gives bit-identical results.
+ *
+ * Work is split over 16-row weight tiles by OpenMP; rows of x go in blocks (the int8 x of a block
+ * stays in L2 across tiles) and register-tiled micro-kernels of up to MR rows reuse each weight
+ * vector for all of them.
+ */
+#include <math.h>
+#include <stdlib.h>
+
+#include "quant_tiles.h"
+#include "vec.h"
+
+#if defined(__AVX512F__)
+#define MR_INT 8  /* rows of x per int8 micro-kernel: 8 isum + 8 acc + 4 work vectors */
+#define MR_FLT 12 /* rows of x per float micro-kernel: 12 acc + weight + broadcast */
+#else
+#define MR_INT 4 /* 2 x 4 acc + 4 isum + 4 work vectors of 16 */
+#define MR_FLT 6 /* the BLIS-style 6 x 16: 12 accumulators */
+#endif
+#define M_BLOCK 256 /* rows of x per block (int8 x of 256 rows x K = 1536: 384 KB, in L2) */
+#define KC_FLT 512  /* columns per dequantized float chunk: 16 x 512 floats = 32 KB */
+#define PARALLEL_MIN_WORK (1 << 15) /* rows x tiles below which one thread does it all */
+
+/* ------------------------------------------------------------------------------------------------
+ * The activations, quantized. */
+
+typedef struct {
+    int8_t *q;     /* [M, K] */
+    float *d;      /* [M, G] the block scales */
+    float *s;      /* [M, G] d * sum(q) over the block (the min term of Q4_1 / Q4_K / ...) */
+    int32_t *sum;  /* [M, 2G] sum(q) per 16 k */
+    int64_t K, G;
+} qx_t;
+
+static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s, int32_t *sum) {
+    for (int64_t g = 0; g < K / QBLOCK; g++) {
+        const float *xb = x + g * QBLOCK;
+        vf m = vf_zero();
+        for (int k = 0; k < QBLOCK; k += LANES) m = vf_max(m, vf_abs(vf_loadu(xb + k)));
+        const float amax = vf_hmax(m);
+        const float dg = amax / 127.0f, id = dg != 0.0f ? 1.0f / dg : 0.0f;
+        int32_t half[2];
+        for (int h = 0; h < 2; h++) {
+            vi acc = vi_zero();
+            for (int k = 16 * h; k < 16 * h + 16; k += LANES) {
+                const vi v = vf_to_i(vf_mul(vf_loadu(xb + k), vf_set1(id)));
+                vi_store_i8(q + g * QBLOCK + k, v);
+                acc = vi_add(acc, v);
+            }
+            half[h] = vi_hsum(acc);
+        }
+        d[g] = dg;
+        sum[2 * g] = half[0];
+        sum[2 * g + 1] = half[1];
+        s[g] = dg * (float)(half[0] + half[1]);
+    }
+}
+
+static int quantize_x(const float *x, int64_t M, int64_t K, qx_t *out) {
+    const int64_t G = K / QBLOCK;
+    char *buf = malloc((size_t)(M * K + M * G * (2 * sizeof(float) + 2 * sizeof(int32_t)) + 64));
+    if (!buf) return 1;
+    out->K = K;
+    out->G = G;
+    out->d = (float *)buf;
+    out->s = out->d + M * G;
+    out->sum = (int32_t *)(out->s + M * G);
+    out->q = (int8_t *)(out->sum + 2 * M * G);
+#pragma omp parallel for schedule(static) if (M * K >= PARALLEL_MIN_WORK)
+    for (int64_t m = 0; m < M; m++)
+        quantize_row(x + m * K, K, out->q + m * K, out->d + m * G, out->s + m * G, out->sum + 2 * m * G);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Scales of one block of a tile, for half h of its 16 rows: a (a1 for the second 16 k of K16), z. */
+
+typedef struct {
+    vf a0, a1, z;
+} bscale;
+
+static inline __attribute__((always_inline)) bscale block_scales(const uint8_t *hdr, const uint8_t *sub, const int fmt,
+                                                                 int h) {
+    bscale r;
+    const int kind = qf_kind(fmt);
+    if (kind == KIND_F16) {
+        r.a0 = load_f16(hdr, h);
+        r.a1 = r.a0;
+        r.z = qf_has_min(fmt) ? load_f16(hdr + 32, h) : vf_zero();
+    } else if (kind == KIND_K) {
+        r.a0 = vf_mul(load_f16(hdr, h), load_u8f(sub, h));
+        r.a1 = r.a0;
+        r.z = qf_has_min(fmt) ? vf_neg(vf_mul(load_f16(hdr + 32, h), load_u8f(sub + 16, h))) : vf_zero();
+    } else {
+        const vf d = load_f16(hdr, h);
+        r.a0 = vf_mul(d, load_s8f(sub, h));
+        r.a1 = vf_mul(d, load_s8f(sub + 16, h));
+        r.z = vf_zero();
+    }
+    return r;
+}
+
+/* Unit u (k = 4u..4u+3) of half h of a block's codes, as bytes (4-bit codes unpacked to 0..15). */
+static inline __attribute__((always_inline)) vi code_unit(const uint8_t *codes, const int fmt, int u, int h) {
+    if (qf_bits(fmt) == 8) return vi_loadu(codes + 64 * u + UNIT_BYTES * h);
+    const vi p = vi_loadu(codes + 64 * (u & 3) + UNIT_BYTES * h);
+    return vi_and(u < 4 ? p : vi_srli16(p, 4), vi_set1_8(0x0f));
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * int8 path: one 16-row tile against mr rows of x. */
+
+static inline __attribute__((always_inline)) void int_tile(const uint8_t *tile, const int fmt, const qx_t *x,
+                                                           int64_t m0, const int mr, float *y, int64_t ldy,
+                                                           int nvalid) {
+    const int64_t K = x->K, G = x->G;
+    const int bps = qf_blocks_per_super(fmt), k16 = qf_kind(fmt) == KIND_K16;
+    const int is8 = qf_bits(fmt) == 8;
+    /* Integer corrections per block: Q4_0's offset of -8, VNNI's +128 bias of signed codes. */
+    const int32_t per_sum = is8 ? -SIGNED_BIAS : qf_offset(fmt);
+    vf acc[MR_INT][HALVES];
+    for (int m = 0; m < mr; m++)
+        for (int h = 0; h < HALVES; h++) acc[m][h] = vf_zero();
+    const uint8_t *p = tile;
+    for (int64_t g0 = 0; g0 < G; g0 += bps) {
+        const uint8_t *hdr = p;
+        p += qf_header_bytes(fmt);
+        for (int b = 0; b < bps; b++) {
+            const int64_t g = g0 + b;
+            const uint8_t *codes = p, *sub = p + qf_code_bytes(fmt);
+            p += qf_code_bytes(fmt) + qf_sub_bytes(fmt);
+            for (int h = 0; h < HALVES; h++) {
+                const bscale sc = block_scales(hdr, sub, fmt, h);
+                vi is[MR_INT];
+                for (int m = 0; m < mr; m++) is[m] = vi_zero();
+                for (int u = 0; u < 8; u++) {
+                    const vi w = code_unit(codes, fmt, u, h);
+                    if (is8) {
+                        const sunit su = prep_signed(w);
+                        for (int m = 0; m < mr; m++)
+                            is[m] = dot_ss(is[m], su, vi_set1(load_i32(x->q + (m0 + m) * K + g * QBLOCK + 4 * u)));
+                    } else {
+                        for (int m = 0; m < mr; m++)
+                            is[m] = dot_us(is[m], w, vi_set1(load_i32(x->q + (m0 + m) * K + g * QBLOCK + 4 * u)));
+                    }
+                    if (k16 && u == 3) { /* Q6_K: the first 16 k have their own scale */
+                        for (int m = 0; m < mr; m++) {
+                            const int64_t r = m0 + m;
+                            const vi t = vi_add(is[m], vi_set1(per_sum * x->sum[2 * (r * G + g)]));
+                            acc[m][h] = vf_fma(vi_to_f(t), vf_mul(sc.a0, vf_set1(x->d[r * G + g])), acc[m][h]);
+                            is[m] = vi_zero();
+                        }
+                    }
+                }
+                for (int m = 0; m < mr; m++) {
+                    const int64_t r = m0 + m;
+                    const int32_t n_sum =
+                        k16 ? x->sum[2 * (r * G + g) + 1] : x->sum[2 * (r * G + g)] + x->sum[2 * (r * G + g) + 1];
+                    const vi t = per_sum ? vi_add(is[m], vi_set1(per_sum * n_sum)) : is[m];
+                    acc[m][h] = vf_fma(vi_to_f(t), vf_mul(sc.a1, vf_set1(x->d[r * G + g])), acc[m][h]);
+                    if (qf_has_min(fmt)) acc[m][h] = vf_fma(sc.z, vf_set1(x->s[r * G + g]), acc[m][h]);
+                }
+            }
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int h = 0; h < HALVES; h++) {
+            const int n = nvalid - h * LANES;
+            if (n >= LANES)
+                vf_storeu(y + (m0 + m) * ldy + h * LANES, acc[m][h]);
+            else if (n > 0)
+                vf_store_n(y + (m0 + m) * ldy + h * LANES, acc[m][h], n);
+        }
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * float32 path: a tile's blocks [g_begin, g_end) dequantized k-major into wbuf [k][16], then an
+ * outer-product micro-kernel over mr rows of x. */
+
+static inline __attribute__((always_inline)) void dequant_chunk(const uint8_t *tile, const int fmt, int64_t g_begin,
+                                                                int64_t g_end, float *wbuf) {
+    const int bps = qf_blocks_per_super(fmt), is8 = qf_bits(fmt) == 8;
+    const vi offset = vi_set1(qf_offset(fmt));
+    const uint8_t *p = tile + g_begin / bps * qf_super_bytes(fmt);
+    for (int64_t g0 = g_begin; g0 < g_end; g0 += bps) {
+        const uint8_t *hdr = p;
+        p += qf_header_bytes(fmt);
+        for (int b = 0; b < bps; b++) {
+            const int64_t g = g0 + b;
+            const uint8_t *codes = p, *sub = p + qf_code_bytes(fmt);
+            p += qf_code_bytes(fmt) + qf_sub_bytes(fmt);
+            for (int h = 0; h < HALVES; h++) {
+                const bscale sc = block_scales(hdr, sub, fmt, h);
+                for (int u = 0; u < 8; u++) {
+                    vi q[4];
+                    unit_by_k(code_unit(codes, fmt, u, h), is8, q);
+                    const vf a = u < 4 ? sc.a0 : sc.a1;
+                    for (int t = 0; t < 4; t++) {
+                        const vf qf = vi_to_f(qf_offset(fmt) ? vi_add(q[t], offset) : q[t]);
+                        const vf w = qf_has_min(fmt) ? vf_fma(a, qf, sc.z) : vf_mul(a, qf);
+                        vf_store(wbuf + ((g - g_begin) * QBLOCK + 4 * u + t) * TILE_ROWS + h * LANES, w);
+                    }
+                }
+            }
+        }
+    }
+}
+
+static inline __attribute__((always_inline)) void float_tile(const float *x, int64_t K, const float *wbuf,
+                                                             int64_t kc, const int mr, float *y, int64_t ldy,
+                                                             int first, int nvalid) {
+    vf acc[MR_FLT][HALVES];
+    for (int m = 0; m < mr; m++)
+        for (int h = 0; h < HALVES; h++) {
+            const int n = nvalid - h * LANES;
+            if (first || n <= 0)
+                acc[m][h] = vf_zero();
+            else if (n >= LANES)
+                acc[m][h] = vf_loadu(y + m * ldy + h * LANES);
+            else {
+                float tmp[LANES] = {0};
+                memcpy(tmp, y + m * ldy + h * LANES, (size_t)n * sizeof(float));
+                acc[m][h] = vf_loadu(tmp);
+            }
+        }
+    for (int64_t k = 0; k < kc; k++) {
+        vf w[HALVES];
+        for (int h = 0; h < HALVES; h++) w[h] = vf_load(wbuf + k * TILE_ROWS + h * LANES);
+        for (int m = 0; m < mr; m++) {
+            const vf xb = vf_set1(x[m * K + k]);
+            for (int h = 0; h < HALVES; h++) acc[m][h] = vf_fma(xb, w[h], acc[m][h]);
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int h = 0; h < HALVES; h++) {
+            const int n = nvalid - h * LANES;
+            if (n >= LANES)
+                vf_storeu(y + m * ldy + h * LANES, acc[m][h]);
+            else if (n > 0)
+                vf_store_n(y + m * ldy + h * LANES, acc[m][h], n);
+        }
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Specializations: one function per (format, rows of x), so the format's branches and the row loops
+ * fold away. Row counts past the full micro-kernel are covered by halving: MR, 4, 2, 1. */
+
+typedef void (*int_fn)(const uint8_t *, const qx_t *, int64_t, float *, int64_t, int);
+typedef void (*flt_fn)(const uint8_t *, int64_t, int64_t, float *);
+typedef void (*ftile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int, int);
+
+#define INT_FN(F, R)                                                                                         \
+    static void int_##F##_##R(const uint8_t *t, const qx_t *x, int64_t m0, float *y, int64_t ldy, int nv) { \
+        int_tile(t, F, x, m0, R, y, ldy, nv);                                                                 \
+    }
+#define INT_FNS(F) INT_FN(F, MR_INT) INT_FN(F, 4) INT_FN(F, 2) INT_FN(F, 1)
+#define DQ_FN(F) \
+    static void dq_##F(const uint8_t *t, int64_t g0, int64_t g1, float *w) { dequant_chunk(t, F, g0, g1, w); }
+#define FT_FN(R)                                                                                               \
+    static void ft_##R(const float *x, int64_t K, const float *w, int64_t kc, float *y, int64_t ldy, int f, \
+                       int nv) {                                                                               \
+        float_tile(x, K, w, kc, R, y, ldy, f, nv);                                                            \
+    }
+
+INT_FNS(0) INT_FNS(1) INT_FNS(2) INT_FNS(3) INT_FNS(4) INT_FNS(5) INT_FNS(6) INT_FNS(7)
+DQ_FN(0) DQ_FN(1) DQ_FN(2) DQ_FN(3) DQ_FN(4) DQ_FN(5) DQ_FN(6) DQ_FN(7)
+FT_FN(MR_FLT) FT_FN(4) FT_FN(2) FT_FN(1)
+
+#define INT_ROW(F) {int_##F##_##MR_INT, int_##F##_4, int_##F##_2, int_##F##_1}
+static const int_fn INT_FNS_TABLE[QF_COUNT][4] = {INT_ROW(0), INT_ROW(1), INT_ROW(2), INT_ROW(3),
+                                                  INT_ROW(4), INT_ROW(5), INT_ROW(6), INT_ROW(7)};
+static const flt_fn DQ_TABLE[QF_COUNT] = {dq_0, dq_1, dq_2, dq_3, dq_4, dq_5, dq_6, dq_7};
+static const ftile_fn FT_TABLE[4] = {ft_MR_FLT, ft_4, ft_2, ft_1};
+
+/* The largest specialization for r remaining rows: its index in the tables (MR, 4, 2, 1) and rows. */
+static inline int pick_rows(int64_t r, int full, int *rows) {
+    const int i = r >= full ? 0 : r >= 4 ? 1 : r >= 2 ? 2 : 3;
+    static const int small[4] = {0, 4, 2, 1};
+    *rows = i ? small[i] : full;
+    return i;
+}
+
+static inline int tile_rows(int64_t N, int64_t t) {
+    return N - t * TILE_ROWS < TILE_ROWS ? (int)(N - t * TILE_ROWS) : TILE_ROWS;
+}
+
+#if defined(__AMX_INT8__)
+/* ------------------------------------------------------------------------------------------------
+ * AMX path for 16-row blocks of x (prompts, large batches): the integer dot product of 16 rows of
+ * x with a 16-row weight tile over one block is one tile multiply (A: x, 16 x 32 int8; B: the codes,
+ * already in the VNNI layout tiles want; C: 16 x 16 int32), and the float steps after it are the
+ * int8 path's, lane for lane: the results are bit-identical to int_tile's.
+ *
+ * Per block: C = A B in tmm0/tmm1 alternately, stored to L1 and folded into 16 accumulators while
+ * the next block's multiply runs. Q6_K's 16-k scales take two multiplies of K = 16. */
+
+#define AMX_ROWS 16
+
+typedef struct {
+    uint8_t palette_id, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} __attribute__((packed)) tile_config;
+
+/* tmm0, tmm1: C; tmm2, tmm4: A (16 rows x gs bytes); tmm3, tmm5: B (gs / 4 rows x 64 bytes). */
+static void amx_configure(int gs) {
+    tile_config c;
+    memset(&c, 0, sizeof c);
+    c.palette_id = 1;
+    for (int i = 0; i < 6; i++) {
+        const int is_a = i == 2 || i == 4, is_b = i == 3 || i == 5;
+        c.rows[i] = is_b ? (uint8_t)(gs / 4) : AMX_ROWS;
+        c.colsb[i] = is_a ? (uint16_t)gs : 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* One tile's scales (a per sub-group, z per block) and, for 4-bit codes, its codes unpacked to bytes
+ * (8-bit codes are used in place). */
+static inline __attribute__((always_inline)) void amx_prepare(const uint8_t *tile, const int fmt, int64_t G,
+                                                              float *abuf, float *zbuf, uint8_t *bbuf) {
+    const int bps = qf_blocks_per_super(fmt), k16 = qf_kind(fmt) == KIND_K16;
+    const uint8_t *p = tile;
+    for (int64_t g0 = 0; g0 < G; g0 += bps) {
+        const uint8_t *hdr = p;
+        p += qf_header_bytes(fmt);
+        for (int b = 0; b < bps; b++) {
+            const int64_t g = g0 + b;
+            const uint8_t *codes = p, *sub = p + qf_code_bytes(fmt);
+            p += qf_code_bytes(fmt) + qf_sub_bytes(fmt);
+            const bscale sc = block_scales(hdr, sub, fmt, 0);
+            if (k16) {
+                vf_storeu(abuf + 2 * g * 16, sc.a0);
+                vf_storeu(abuf + (2 * g + 1) * 16, sc.a1);
+            } else
+                vf_storeu(abuf + g * 16, sc.a0);
+            vf_storeu(zbuf + g * 16, sc.z);
+            if (qf_bits(fmt) == 4)
+                for (int u = 0; u < 8; u++) _mm512_storeu_si512(bbuf + g * 512 + 64 * u, code_unit(codes, fmt, u, 0));
+        }
+    }
+}
+
+/* Pointer to sub-group j's B operand (8-bit codes: in the tile stream; 4-bit: the unpacked copy). */
+static inline const uint8_t *amx_b(const uint8_t *tile, const uint8_t *bbuf, const int fmt, int64_t j) {
+    const int k16 = qf_kind(fmt) == KIND_K16;
+    const int64_t g = k16 ? j / 2 : j, half = k16 ? j % 2 : 0;
+    if (qf_bits(fmt) == 4) return bbuf + g * 512;
+    const int bps = qf_blocks_per_super(fmt);
+    return tile + g / bps * qf_super_bytes(fmt) + qf_header_bytes(fmt) +
+           g % bps * (qf_code_bytes(fmt) + qf_sub_bytes(fmt)) + half * 256;
+}
+
+/* acc[i] += the float steps of sub-group j for rows m0 + i, from its int32 products c [16][16]. */
+static inline __attribute__((always_inline)) void amx_fold(vf acc[AMX_ROWS], const int32_t *c, const int fmt,
+                                                           const qx_t *x, int64_t m0, int64_t j, const float *abuf,
+                                                           const float *zbuf) {
+    const int k16 = qf_kind(fmt) == KIND_K16;
+    const int64_t G = x->G, g = k16 ? j / 2 : j;
+    const int32_t per_sum = qf_bits(fmt) == 8 ? 0 : qf_offset(fmt);
+    const vf a = vf_loadu(abuf + j * 16);
+    const int last = !k16 || j % 2 == 1; /* the min term closes a block */
+    for (int i = 0; i < AMX_ROWS; i++) {
+        const int64_t r = m0 + i;
+        vi t = vi_loadu(c + i * 16);
+        if (per_sum) {
+            const int32_t *s = x->sum + 2 * (r * G + g);
+            t = vi_add(t, vi_set1(per_sum * (k16 ? s[j % 2] : s[0] + s[1])));
+        }
+        acc[i] = vf_fma(vi_to_f(t), vf_mul(a, vf_set1(x->d[r * G + g])), acc[i]);
+        if (qf_has_min(fmt) && last) acc[i] = vf_fma(vf_loadu(zbuf + g * 16), vf_set1(x->s[r * G + g]), acc[i]);
+    }
+}
+
+#define AMX_DP(C, A, B, SIGNED)             \
+    do {                                    \
+        if (SIGNED)                         \
+            _tile_dpbssd(C, A, B);          \
+        else                                \
+            _tile_dpbsud(C, A, B);          \
+    } while (0)
+
+/* 16 rows of x (from m0) against one weight tile. */
+static inline __attribute__((always_inline)) void amx_tile(const uint8_t *tile, const uint8_t *bbuf, const int fmt,
+                                                           const qx_t *x, int64_t m0, const float *abuf,
+                                                           const float *zbuf, float *y, int64_t ldy, int nvalid) {
+    const int k16 = qf_kind(fmt) == KIND_K16, is8 = qf_bits(fmt) == 8;
+    const int64_t K = x->K, J = k16 ? 2 * x->G : x->G, gs = k16 ? 16 : 32;
+    int32_t cbuf[2][AMX_ROWS * 16] __attribute__((aligned(64)));
+    vf acc[AMX_ROWS];
+    for (int i = 0; i < AMX_ROWS; i++) acc[i] = vf_zero();
+    const int8_t *xa = x->q + m0 * K;
+    for (int64_t j = 0; j < J; j += 2) {
+        _tile_zero(0);
+        _tile_loadd(2, xa + j * gs, K);
+        _tile_loadd(3, amx_b(tile, bbuf, fmt, j), 64);
+        AMX_DP(0, 2, 3, is8);
+        _tile_stored(0, cbuf[0], 64);
+        if (j > 0) amx_fold(acc, cbuf[1], fmt, x, m0, j - 1, abuf, zbuf);
+        if (j + 1 < J) {
+            _tile_zero(1);
+            _tile_loadd(4, xa + (j + 1) * gs, K);
+            _tile_loadd(5, amx_b(tile, bbuf, fmt, j + 1), 64);
+            AMX_DP(1, 4, 5, is8);
+            _tile_stored(1, cbuf[1], 64);
+        }
+        amx_fold(acc, cbuf[0], fmt, x, m0, j, abuf, zbuf);
+    }
+    if (J % 2 == 0) amx_fold(acc, cbuf[1], fmt, x, m0, J - 1, abuf, zbuf);
+    for (int i = 0; i < AMX_ROWS; i++) {
+        if (nvalid >= 16)
+            vf_storeu(y + (m0 + i) * ldy, acc[i]);
+        else
+            vf_store_n(y + (m0 + i) * ldy, acc[i], nvalid);
+    }
+}
+
+typedef void (*amx_fn)(const uint8_t *, const uint8_t *, const qx_t *, int64_t, const float *, const float *,
+                       float *, int64_t, int);
+typedef void (*amx_prep_fn)(const uint8_t *, int64_t, float *, float *, uint8_t *);
+#define AMX_FN(F)                                                                                             \
+    static void amx_##F(const uint8_t *t, const uint8_t *b, const qx_t *x, int64_t m0, const float *a,       \
+                        const float *z, float *y, int64_t ldy, int nv) {                                       \
+        amx_tile(t, b, F, x, m0, a, z, y, ldy, nv);                                                           \
+    }                                                                                                         \
+    static void amx_prep_##F(const uint8_t *t, int64_t G, float *a, float *z, uint8_t *b) {                   \
+        amx_prepare(t, F, G, a, z, b);                                                                        \
+    }
+AMX_FN(0) AMX_FN(1) AMX_FN(2) AMX_FN(3) AMX_FN(4) AMX_FN(5) AMX_FN(6) AMX_FN(7)
+static const amx_fn AMX_TABLE[QF_COUNT] = {amx_0, amx_1, amx_2, amx_3, amx_4, amx_5, amx_6, amx_7};
+static const amx_prep_fn AMX_PREP_TABLE[QF_COUNT] = {amx_prep_0, amx_prep_1, amx_prep_2, amx_prep_3,
+                                                     amx_prep_4, amx_prep_5, amx_prep_6, amx_prep_7};
+
+/* Rows of x from which the AMX path runs (below, the vpdpbusd micro-kernels are as fast). */
+#define AMX_MIN_ROWS 16
+
+static void amx_gemm(const uint8_t *w, int fmt, int64_t N, const qx_t *x, int64_t M, float *y, int64_t ldy) {
+    const int64_t T = (N + TILE_ROWS - 1) / TILE_ROWS, tb = qf_tile_bytes(fmt, x->K), G = x->G;
+    const int_fn *fns = INT_FNS_TABLE[fmt];
+    const int gs = qf_kind(fmt) == KIND_K16 ? 16 : 32;
+#pragma omp parallel
+    {
+        float *abuf = malloc((size_t)(2 * G * 16 + G * 16) * sizeof(float));
+        uint8_t *bbuf = qf_bits(fmt) == 4 ? aligned_alloc(64, (size_t)G * 512) : NULL;
+        float *zbuf = abuf + 2 * G * 16;
+        amx_configure(gs);
+#pragma omp for schedule(static)
+        for (int64_t t = 0; t < T; t++) {
+            const uint8_t *tile = w + t * tb;
+            const int nvalid = tile_rows(N, t);
+            AMX_PREP_TABLE[fmt](tile, G, abuf, zbuf, bbuf);
+            for (int64_t m0 = 0; m0 < M; m0 += M_BLOCK) {
+                const int64_t m1 = m0 + M_BLOCK < M ? m0 + M_BLOCK : M;
+                int64_t m = m0;
+                for (; m + AMX_ROWS <= m1; m += AMX_ROWS)
+                    AMX_TABLE[fmt](tile, bbuf, x, m, abuf, zbuf, y + t * TILE_ROWS, ldy, nvalid);
+                while (m < m1) {
+                    int rows;
+                    const int i = pick_rows(m1 - m, MR_INT, &rows);
+                    fns[i](tile, x, m, y + t * TILE_ROWS, ldy, nvalid);
+                    m += rows;
+                }
+            }
+        }
+        _tile_release();
+        free(abuf);
+        free(bbuf);
+    }
+}
+#endif
+
+static void int_gemm(const uint8_t *w, int fmt, int64_t N, const qx_t *x, int64_t M, float *y, int64_t ldy) {
+    const int64_t T = (N + TILE_ROWS - 1) / TILE_ROWS, tb = qf_tile_bytes(fmt, x->K);
+    const int_fn *fns = INT_FNS_TABLE[fmt];
+    for (int64_t m0 = 0; m0 < M; m0 += M_BLOCK) {
+        const int64_t m1 = m0 + M_BLOCK < M ? m0 + M_BLOCK : M;
+#pragma omp parallel for schedule(static) if ((m1 - m0) * T * x->K >= PARALLEL_MIN_WORK)
+        for (int64_t t = 0; t < T; t++) {
+            const int nvalid = tile_rows(N, t);
+            for (int64_t m = m0; m < m1;) {
+                int rows;
+                const int i = pick_rows(m1 - m, MR_INT, &rows);
+                fns[i](w + t * tb, x, m, y + t * TILE_ROWS, ldy, nvalid);
+                m += rows;
+            }
+        }
+    }
+}
+
+#define M_BLOCK_FLT 128 /* rows of x per block in the float path: 128 x KC_FLT floats = 256 KB */
+
+static void float_gemm(const uint8_t *w, int fmt, int64_t K, int64_t N, const float *x, int64_t M, float *y,
+                       int64_t ldy) {
+    const int64_t T = (N + TILE_ROWS - 1) / TILE_ROWS, tb = qf_tile_bytes(fmt, K), G = K / QBLOCK;
+    const int64_t gc = KC_FLT / QBLOCK;
+    for (int64_t m0 = 0; m0 < M; m0 += M_BLOCK_FLT) {
+        const int64_t m1 = m0 + M_BLOCK_FLT < M ? m0 + M_BLOCK_FLT : M;
+#pragma omp parallel for schedule(static) if ((m1 - m0) * T * K >= PARALLEL_MIN_WORK)
+        for (int64_t t = 0; t < T; t++) {
+            float wbuf[KC_FLT * TILE_ROWS] __attribute__((aligned(64)));
+            const int nvalid = tile_rows(N, t);
+            for (int64_t g0 = 0; g0 < G; g0 += gc) {
+                const int64_t g1 = g0 + gc < G ? g0 + gc : G;
+                DQ_TABLE[fmt](w + t * tb, g0, g1, wbuf);
+                for (int64_t m = m0; m < m1;) {
+                    int rows;
+                    const int i = pick_rows(m1 - m, MR_FLT, &rows);
+                    FT_TABLE[i](x + m * K + g0 * QBLOCK, K, wbuf, (g1 - g0) * QBLOCK, y + m * ldy + t * TILE_ROWS,
+                                ldy, g0 == 0, nvalid);
+                    m += rows;
+                }
+            }
+        }
+    }
+}
+
+static inline int bad_weight(int fmt, int64_t K, int64_t N) {
+    return fmt < 0 || fmt >= QF_COUNT || K <= 0 || K % qf_super_k(fmt) != 0 || N <= 0;
+}
+
+int64_t orca_qtile_bytes(int fmt, int64_t K) { return bad_weight(fmt, K, 1) ? -1 : qf_tile_bytes(fmt, K); }
+
+/* y[m, n] (row stride ldy) = x[m, :] . W[n, :] for W [N, K] tiled as quant_tiles.h describes.
+ * precision 0: float32, 1: int8 activations. Returns nonzero for bad arguments or no memory. */
+int orca_qlinear(const float *x, int64_t M, int64_t K, const uint8_t *w, int fmt, int64_t N, float *y, int64_t ldy,
+                 int precision) {
+    if (bad_weight(fmt, K, N) || M < 0 || ldy < N) return 1;
+    if (M == 0) return 0;
+    if (precision == 0) {
+        float_gemm(w, fmt, K, N, x, M, y, ldy);
+        return 0;
+    }
+    qx_t qx;
+    if (quantize_x(x, M, K, &qx)) return 2;
+#if defined(__AMX_INT8__)
+    if (M >= AMX_MIN_ROWS)
+        amx_gemm(w, fmt, N, &qx, M, y, ldy);
+    else
+#endif
+        int_gemm(w, fmt, N, &qx, M, y, ldy);
+    free(qx.d);
+    return 0;
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * Whole rows back as float32 (embedding lookups of a quantized table, tests): the same exact
+ * w = fma(a, q, z) as the float path. */
+
+static inline float f16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    return _cvtsh_ss(h);
+}
+
+int orca_qdequant_rows(const uint8_t *w, int fmt, int64_t K, int64_t N, const int64_t *rows, int64_t n, float *out) {
+    if (bad_weight(fmt, K, N) || n < 0) return 1;
+    for (int64_t i = 0; i < n; i++)
+        if (rows[i] < 0 || rows[i] >= N) return 2;
+    const int64_t tb = qf_tile_bytes(fmt, K), G = K / QBLOCK;
+    const int bps = qf_blocks_per_super(fmt), kind = qf_kind(fmt), has_min = qf_has_min(fmt);
+#pragma omp parallel for schedule(static) if (n * K >= PARALLEL_MIN_WORK)
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t r = rows[i];
+        const int l = (int)(r % TILE_ROWS);
+        const uint8_t *p = w + r / TILE_ROWS * tb;
+        float *o = out + i * K;
+        for (int64_t g0 = 0; g0 < G; g0 += bps) {
+            const uint8_t *hdr = p;
+            p += qf_header_bytes(fmt);
+            for (int b = 0; b < bps; b++) {
+                const uint8_t *codes = p, *sub = p + qf_code_bytes(fmt);
+                p += qf_code_bytes(fmt) + qf_sub_bytes(fmt);
+                for (int k = 0; k < QBLOCK; k++) {
+                    const int u = k / 4, t = k % 4;
+                    int c;
+                    if (qf_bits(fmt) == 8)
+                        c = (int8_t)codes[64 * u + 4 * l + t];
+                    else {
+                        const uint8_t byte = codes[64 * (u & 3) + 4 * l + t];
+                        c = (u < 4 ? byte & 15 : byte >> 4) + qf_offset(fmt);
+                    }
+                    float a, z = 0.0f;
+                    if (kind == KIND_F16) {
+                        a = f16_at(hdr + 2 * l);
+                        if (has_min) z = f16_at(hdr + 32 + 2 * l);
+                    } else if (kind == KIND_K) {
+                        a = f16_at(hdr + 2 * l) * (float)sub[l];
+                        if (has_min) z = -(f16_at(hdr + 32 + 2 * l) * (float)sub[16 + l]);
+                    } else {
+                        a = f16_at(hdr + 2 * l) * (float)(int8_t)sub[(k < 16 ? 0 : 16) + l];
+                    }
+                    o[(g0 + b) * QBLOCK + k] = has_min ? fmaf(a, (float)c, z) : a * (float)c;
+                }
+            }
+        }
+    }
+    return 0;
+}

@@ -1,0 +1,53 @@
+/* The tiled block-quantized weight layout shared by the quantized-linear kernels
+ * (models/layers/packed_weight.py builds it and mirrors every size here).
+ *
+ * A weight W [N, K] is cut into tiles of 16 rows (the last one padded with zero rows). A tile is one
+ * contiguous stream along K, so a thread reading it gives the hardware prefetcher one stream:
+ *
+ *   tile  = super-block x (K / (32 * blocks_per_super))
+ *   super = header, then blocks_per_super x (codes, sub-scales)
+ *   codes = 8 units of 4 k x 16 rows ("unit u" holds k = 4u..4u+3 of the block, bytes row-major:
+ *           row r's 4 codes at 4r..4r+3; the VNNI/AMX B-operand layout: one vpdpbusd per unit).
+ *           8-bit codes: 8 x 64 bytes, signed. 4-bit codes: 4 x 64 bytes, unit u in the low
+ *           nibbles of byte group u and unit u + 4 in the high nibbles (GGUF's own nibble order:
+ *           k and k + 16 share a byte), unsigned 0..15.
+ *
+ * Every weight is w = a * q + z, with a * q exact in float32 for every format (so fma(a, q, z)
+ * rounds once, as gguf-py's (a * q) + z does) and:
+ *   kind F16 (Q4_0 Q4_1 Q8_0 Q5_0 Q5_1): header = a as 16 x f16 [+ z as 16 x f16]; no sub-scales;
+ *                                        one block per super
+ *   kind K   (Q4_K Q5_K): header = d [, dmin] as 16 x f16; sub-scales per block: sc [, m] 16 x u8;
+ *                         a = d * sc, z = -(dmin * m); 8 blocks per super (GGUF's 256)
+ *   kind K16 (Q6_K):      header = d as 16 x f16; sub-scales per block: 2 x 16 x s8 (k 0..15, 16..31);
+ *                         a = d * sc per 16 k; 8 blocks per super
+ * Q4_0's codes are stored unsigned (0..15) and offset by -8; the 5- and 6-bit formats are kept as
+ * 8-bit codes (Q5_0 as q - 16, Q6_K as q - 32, Q5_1 and Q5_K as 0..31).
+ */
+#ifndef ORCA_QUANT_TILES_H
+#define ORCA_QUANT_TILES_H
+
+#include <stdint.h>
+
+enum { QF_Q4_0 = 0, QF_Q4_1, QF_Q8_0, QF_Q5_0, QF_Q5_1, QF_Q4_K, QF_Q5_K, QF_Q6_K, QF_COUNT };
+enum { KIND_F16 = 0, KIND_K, KIND_K16 };
+
+#define TILE_ROWS 16
+#define QBLOCK 32
+
+static inline int qf_bits(int f) { return f == QF_Q4_0 || f == QF_Q4_1 || f == QF_Q4_K ? 4 : 8; }
+static inline int qf_kind(int f) { return f == QF_Q4_K || f == QF_Q5_K ? KIND_K : f == QF_Q6_K ? KIND_K16 : KIND_F16; }
+static inline int qf_has_min(int f) { return f == QF_Q4_1 || f == QF_Q5_1 || f == QF_Q4_K || f == QF_Q5_K; }
+static inline int qf_offset(int f) { return f == QF_Q4_0 ? -8 : 0; }
+static inline int qf_blocks_per_super(int f) { return qf_kind(f) == KIND_F16 ? 1 : 8; }
+static inline int64_t qf_code_bytes(int f) { return (int64_t)qf_bits(f) * 64; }
+static inline int64_t qf_sub_bytes(int f) {
+    return qf_kind(f) == KIND_K ? 16 * (1 + qf_has_min(f)) : qf_kind(f) == KIND_K16 ? 32 : 0;
+}
+static inline int64_t qf_header_bytes(int f) { return 32 * (1 + (qf_kind(f) != KIND_K16 && qf_has_min(f))); }
+static inline int64_t qf_super_bytes(int f) {
+    return qf_header_bytes(f) + qf_blocks_per_super(f) * (qf_code_bytes(f) + qf_sub_bytes(f));
+}
+static inline int64_t qf_super_k(int f) { return (int64_t)QBLOCK * qf_blocks_per_super(f); }
+static inline int64_t qf_tile_bytes(int f, int64_t K) { return K / qf_super_k(f) * qf_super_bytes(f); }
+
+#endif

@@ -1,0 +1,200 @@
+/* One vector type per build variant, so the quantized-linear kernels are written once: 16 float lanes
+ * in the AVX-512 builds, 8 in the AVX2 build. A 16-row weight tile is HALVES vectors wide.
+ *
+ * Every helper does the same IEEE operations per lane in both widths (and the library is built with
+ * -ffp-contract=off, so no multiply-add is fused behind our back): a weight tile gives bit-identical
+ * results whichever variant runs it. */
+#ifndef ORCA_VEC_H
+#define ORCA_VEC_H
+
+#include <immintrin.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#define LANES 16
+typedef __m512 vf;
+typedef __m512i vi;
+#define vf_zero _mm512_setzero_ps
+#define vf_set1 _mm512_set1_ps
+#define vf_mul _mm512_mul_ps
+#define vf_max _mm512_max_ps
+#define vf_fma _mm512_fmadd_ps
+#define vf_loadu _mm512_loadu_ps
+#define vf_load _mm512_load_ps
+#define vf_storeu _mm512_storeu_ps
+#define vf_store _mm512_store_ps
+#define vi_zero _mm512_setzero_si512
+#define vi_set1 _mm512_set1_epi32
+#define vi_set1_8 _mm512_set1_epi8
+#define vi_add _mm512_add_epi32
+#define vi_sub _mm512_sub_epi32
+#define vi_and _mm512_and_si512
+#define vi_xor _mm512_xor_si512
+#define vi_srli16 _mm512_srli_epi16
+#define vi_to_f _mm512_cvtepi32_ps
+#define vf_to_i _mm512_cvtps_epi32 /* current rounding mode: to nearest, ties to even */
+static inline vi vi_loadu(const void *p) { return _mm512_loadu_si512(p); }
+static inline vf vf_neg(vf v) {
+    return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u)));
+}
+static inline vf vf_abs(vf v) {
+    return _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(v), _mm512_set1_epi32(0x7fffffff)));
+}
+static inline float vf_hmax(vf v) { return _mm512_reduce_max_ps(v); }
+static inline int32_t vi_hsum(vi v) { return _mm512_reduce_add_epi32(v); }
+/* LANES values starting at p + h * LANES (h: which half of a 16-row tile): f16, u8, s8 -> float. */
+static inline vf load_f16(const uint8_t *p, int h) {
+    (void)h;
+    return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+}
+static inline vf load_u8f(const uint8_t *p, int h) {
+    (void)h;
+    return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+static inline vf load_s8f(const uint8_t *p, int h) {
+    (void)h;
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+/* Store the first n (< LANES) lanes. */
+static inline void vf_store_n(float *p, vf v, int n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v); }
+/* LANES floats -> LANES int8 (values already in [-127, 127]). */
+static inline void vi_store_i8(int8_t *p, vi v) { _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(v)); }
+
+/* acc + for each 32-bit lane the dot product of its 4 unsigned bytes of w with the 4 signed of x. */
+static inline vi dot_us(vi acc, vi w, vi x) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpbusd_epi32(acc, w, x);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(w, x), _mm512_set1_epi16(1)));
+#endif
+}
+
+/* A unit of signed codes, prepared once for dot_ss against many rows of x. */
+typedef struct {
+    vi w, aux;
+} sunit;
+#if defined(__AVX512VNNI__)
+/* vpdpbusd wants unsigned weights: w + 128 (a xor), and the caller subtracts 128 * sum(x). */
+#define SIGNED_BIAS 128
+static inline sunit prep_signed(vi w) { return (sunit){_mm512_xor_si512(w, _mm512_set1_epi8((char)0x80)), w}; }
+static inline vi dot_ss(vi acc, sunit u, vi x) { return _mm512_dpbusd_epi32(acc, u.w, x); }
+#else
+/* vpmaddubsw: |w| (unsigned) times x with w's sign; |w| <= 128 and |x| <= 127 cannot saturate. */
+#define SIGNED_BIAS 0
+static inline sunit prep_signed(vi w) { return (sunit){_mm512_abs_epi8(w), w}; }
+static inline vi dot_ss(vi acc, sunit u, vi x) {
+    const vi sx = _mm512_mask_sub_epi8(x, _mm512_movepi8_mask(u.aux), _mm512_setzero_si512(), x);
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(_mm512_maddubs_epi16(u.w, sx), _mm512_set1_epi16(1)));
+}
+#endif
+
+/* Unit (LANES rows x 4 k bytes) -> the 4 vectors of LANES codes, one per k (k-major, for the float
+ * path): bytes regrouped by k inside each 128-bit lane, then the lanes' dwords gathered. */
+static inline void unit_by_k(vi u, int is_signed, vi q[4]) {
+    const vi s = _mm512_shuffle_epi8(u, _mm512_set4_epi32(0x0f0b0703, 0x0e0a0602, 0x0d090501, 0x0c080400));
+    for (int t = 0; t < 4; t++) {
+        const __m128i b = _mm512_castsi512_si128(
+            _mm512_permutexvar_epi32(_mm512_set_epi32(0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 12 + t, 8 + t, 4 + t, t), s));
+        q[t] = is_signed ? _mm512_cvtepi8_epi32(b) : _mm512_cvtepu8_epi32(b);
+    }
+}
+
+#else /* AVX2 */
+#define LANES 8
+typedef __m256 vf;
+typedef __m256i vi;
+#define vf_zero _mm256_setzero_ps
+#define vf_set1 _mm256_set1_ps
+#define vf_mul _mm256_mul_ps
+#define vf_max _mm256_max_ps
+#define vf_fma _mm256_fmadd_ps
+#define vf_loadu _mm256_loadu_ps
+#define vf_load _mm256_load_ps
+#define vf_storeu _mm256_storeu_ps
+#define vf_store _mm256_store_ps
+#define vi_zero _mm256_setzero_si256
+#define vi_set1 _mm256_set1_epi32
+#define vi_set1_8 _mm256_set1_epi8
+#define vi_add _mm256_add_epi32
+#define vi_sub _mm256_sub_epi32
+#define vi_and _mm256_and_si256
+#define vi_xor _mm256_xor_si256
+#define vi_srli16 _mm256_srli_epi16
+#define vi_to_f _mm256_cvtepi32_ps
+#define vf_to_i _mm256_cvtps_epi32
+static inline vi vi_loadu(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline vf vf_neg(vf v) { return _mm256_xor_ps(v, _mm256_set1_ps(-0.0f)); }
+static inline vf vf_abs(vf v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
+static inline float vf_hmax(vf v) {
+    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+    m = _mm_max_ss(m, _mm_movehdup_ps(m));
+    return _mm_cvtss_f32(m);
+}
+static inline int32_t vi_hsum(vi v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+static inline vf load_f16(const uint8_t *p, int h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h))); }
+static inline vf load_u8f(const uint8_t *p, int h) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h))));
+}
+static inline vf load_s8f(const uint8_t *p, int h) {
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h))));
+}
+static inline void vf_store_n(float *p, vf v, int n) {
+    float tmp[8];
+    _mm256_storeu_ps(tmp, v);
+    memcpy(p, tmp, (size_t)n * sizeof(float));
+}
+static inline void vi_store_i8(int8_t *p, vi v) {
+    /* 8 int32 in [-127, 127] -> 8 bytes: saturating packs keep them, the permute undoes the lane split. */
+    const __m256i w = _mm256_packs_epi32(v, v);                    /* int16: lanes [0-3 0-3 | 4-7 4-7] */
+    const __m256i b = _mm256_packs_epi16(w, w);                    /* int8 */
+    const __m256i o = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
+    _mm_storel_epi64((__m128i *)p, _mm256_castsi256_si128(o));
+}
+
+static inline vi dot_us(vi acc, vi w, vi x) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpbusd_avx_epi32(acc, w, x);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
+#endif
+}
+
+typedef struct {
+    vi w, aux;
+} sunit;
+#define SIGNED_BIAS 0
+static inline sunit prep_signed(vi w) { return (sunit){_mm256_abs_epi8(w), w}; }
+static inline vi dot_ss(vi acc, sunit u, vi x) {
+    return _mm256_add_epi32(
+        acc, _mm256_madd_epi16(_mm256_maddubs_epi16(u.w, _mm256_sign_epi8(x, u.aux)), _mm256_set1_epi16(1)));
+}
+
+static inline void unit_by_k(vi u, int is_signed, vi q[4]) {
+    const vi s = _mm256_shuffle_epi8(
+        u, _mm256_setr_epi8(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15, 0, 4, 8, 12, 1, 5, 9, 13, 2, 6,
+                            10, 14, 3, 7, 11, 15));
+    for (int t = 0; t < 4; t++) {
+        const __m128i b =
+            _mm256_castsi256_si128(_mm256_permutevar8x32_epi32(s, _mm256_setr_epi32(t, 4 + t, 0, 0, 0, 0, 0, 0)));
+        q[t] = is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
+    }
+}
+#endif
+
+#define HALVES (16 / LANES)
+#define UNIT_BYTES (4 * LANES) /* one vector of codes: LANES rows x 4 k */
+
+static inline int32_t load_i32(const void *p) {
+    int32_t v;
+    memcpy(&v, p, sizeof v);
+    return v;
+}
+
+#endif

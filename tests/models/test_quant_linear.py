@@ -1,0 +1,198 @@
+"""The quantized-linear kernel (models/kernels/quant_linear.c) on every ISA variant this CPU runs:
+exact weights, both precisions against references, bit-identical results across variants, and batch
+invariance (a row's output never depends on the other rows of its batch)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_marks import EVERY_VARIANT, kernels_for, needs_native_kernels
+
+from models.kernels import cpu as cpu_kernels
+from models.kernels.isa import supported_variants
+from models.layers.packed_weight import (
+    FORMATS,
+    BlockComponents,
+    PackedSegment,
+    PackedWeight,
+    pack_components,
+    random_components,
+)
+
+# Row counts that cross every blocking of the kernel: the int8 micro-kernels (8 / 4 / 2 / 1 rows;
+# AVX2: 4), the float ones (12 or 6), AMX's 16-row blocks, and more than one 256-row block.
+ROW_COUNTS = [1, 2, 3, 5, 8, 9, 13, 16, 17, 33, 100, 300]
+
+
+def reference_weight(c: BlockComponents) -> torch.Tensor:
+    """w = a * q + z from the components, in torch (independent of the C tile decoder)."""
+    f = c.fmt
+    q = c.codes.float() if f.bits == 8 else (c.codes.int() + f.offset).float()
+    if f.kind == "f16":
+        a = c.scale.float().repeat_interleave(32, 1)
+        z = c.minimum.float().repeat_interleave(32, 1) if f.has_min else None
+    elif f.kind == "k":
+        a = (c.scale.float().repeat_interleave(8, 1) * c.sub_scale.float()).repeat_interleave(32, 1)
+        z = -(c.minimum.float().repeat_interleave(8, 1) * c.sub_min.float()).repeat_interleave(32, 1)
+    else:
+        a = (c.scale.float().repeat_interleave(16, 1) * c.sub_scale.float()).repeat_interleave(16, 1)
+        z = None
+    return a * q if z is None else a * q + z
+
+
+def int8_reference(x: torch.Tensor, c: BlockComponents) -> torch.Tensor:
+    """The int8 path's arithmetic in float64: x quantized per 32 exactly as the kernel does (float32
+    ops, round half to even), exact integer dot products per scale group, then the scale products."""
+    f = c.fmt
+    m, k = x.shape
+    xb = x.view(m, k // 32, 32)
+    d = xb.abs().amax(dim=-1) / 127.0
+    inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
+    xq = torch.round(xb * inv.unsqueeze(-1))  # [M, G, 32]
+    q = c.codes.float() if f.bits == 8 else (c.codes.int() + f.offset).float()
+    n = q.shape[0]
+    gs = 16 if f.kind == "k16" else 32
+    # per-group scale a [N, K / gs] and min z [N, K / 32]
+    if f.kind == "f16":
+        a = c.scale.float()
+        z = c.minimum.float() if f.has_min else None
+    elif f.kind == "k":
+        a = c.scale.float().repeat_interleave(8, 1) * c.sub_scale.float()
+        z = -(c.minimum.float().repeat_interleave(8, 1) * c.sub_min.float())
+    else:
+        a = c.scale.float().repeat_interleave(16, 1) * c.sub_scale.float()
+        z = None
+    qs = q.view(n, k // gs, gs).double()
+    xs = xq.reshape(m, k // gs, gs).double()
+    isum = torch.einsum("mgk,ngk->mng", xs, qs)  # exact in float64
+    dx = d.repeat_interleave(32 // gs, 1)  # [M, K/gs]
+    t = (a.unsqueeze(0) * dx.unsqueeze(1)).double()  # the kernel's float32 product a * dx
+    y = (isum * t).sum(-1)
+    if z is not None:
+        sx = (d * xq.sum(-1)).double()  # [M, G]
+        y = y + (z.double().unsqueeze(0) * sx.unsqueeze(1)).sum(-1)
+    return y
+
+
+def packed(c: BlockComponents) -> PackedWeight:
+    return PackedWeight((pack_components(c),))
+
+
+def shape_for(fmt: str) -> tuple[int, int]:
+    # 37 rows: two full 16-row tiles and a 5-row tail; K: several blocks (K-quants: two super-blocks)
+    return (37, 512) if FORMATS[fmt].kind != "f16" else (37, 192)
+
+
+@needs_native_kernels
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_tiles_decode_to_the_formats_values(fmt: str) -> None:
+    n, k = shape_for(fmt)
+    c = random_components(FORMATS[fmt], n, k, seed=3)
+    w = packed(c)
+    assert w.shape == (n, k) and w.formats == (fmt,)
+    assert cpu_kernels.kernels().tile_bytes(FORMATS[fmt].id, k) == FORMATS[fmt].tile_bytes(k)
+    assert torch.equal(w.dequantize(), reference_weight(c))
+    rows = torch.tensor([[36, 0], [17, 17]])
+    assert torch.equal(w.dequantize(rows), reference_weight(c)[rows])
+
+
+@pytest.mark.parametrize("variant", EVERY_VARIANT)
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_kernel_matches_references(variant: str, fmt: str) -> None:
+    kern = kernels_for(variant)
+    n, k = shape_for(fmt)
+    c = random_components(FORMATS[fmt], n, k, seed=5)
+    w = packed(c)
+    x = torch.randn(40, k, generator=torch.Generator().manual_seed(1))
+    x[3] = 0.0  # a zero row: every block scale 0
+    exact = x.double() @ reference_weight(c).double().T
+    got = kern.quant_linear(x, w, "float32").double()
+    torch.testing.assert_close(got, exact, atol=1e-5 * k**0.5, rtol=1e-5)
+    got = kern.quant_linear(x, w, "int8").double()
+    torch.testing.assert_close(got, int8_reference(x, c), atol=1e-5 * (k / 16) ** 0.5, rtol=1e-5)
+    # ... and int8 activations stay close to the exact product (~0.5% of its scale)
+    assert (got - exact).abs().max() < 0.02 * exact.abs().max()
+
+
+@pytest.mark.parametrize("variant", EVERY_VARIANT)
+@pytest.mark.parametrize("precision", ["int8", "float32"])
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+def test_batch_invariance(variant: str, precision: str, fmt: str) -> None:
+    """One row alone and the same row at different places inside batches of every size give
+    bit-identical outputs."""
+    kern = kernels_for(variant)
+    n, k = shape_for(fmt)
+    w = packed(random_components(FORMATS[fmt], n, k, seed=7))
+    g = torch.Generator().manual_seed(2)
+    row = torch.randn(1, k, generator=g)
+    alone = kern.quant_linear(row, w, precision)
+    for m in ROW_COUNTS:
+        others = torch.randn(m, k, generator=g) * 3
+        at = m // 2
+        batch = torch.cat([others[:at], row, others[at:]])
+        out = kern.quant_linear(batch, w, precision)
+        assert torch.equal(out[at : at + 1], alone), f"row count {m + 1}"
+        assert torch.equal(out[:at], kern.quant_linear(others[:at], w, precision))
+
+
+@needs_native_kernels
+@pytest.mark.parametrize("precision", ["int8", "float32"])
+@pytest.mark.parametrize("fmt", list(FORMATS))
+def test_variants_agree_bit_for_bit(precision: str, fmt: str) -> None:
+    """Every ISA variant performs the same float operations per output: identical results."""
+    variants = [v.name for v in supported_variants()]
+    n, k = shape_for(fmt)
+    w = packed(random_components(FORMATS[fmt], n, k, seed=9))
+    x = torch.randn(70, k, generator=torch.Generator().manual_seed(4))
+    outs = {v: cpu_kernels.for_variant(v).quant_linear(x, w, precision) for v in variants}
+    first = outs[variants[0]]
+    assert all(torch.equal(o, first) for o in outs.values()), variants
+
+
+@needs_native_kernels
+def test_mixed_format_segments() -> None:
+    """A fused projection whose row ranges come in different formats (Q4_K_M's q/k/v)."""
+    parts = [
+        random_components(FORMATS[f], n, 512, seed=i) for i, (f, n) in enumerate([("Q4_K", 20), ("Q6_K", 16)])
+    ]
+    w = PackedWeight.concat([packed(c) for c in parts])
+    assert w.shape == (36, 512) and w.formats == ("Q4_K", "Q6_K")
+    ref = torch.cat([reference_weight(c) for c in parts])
+    assert torch.equal(w.dequantize(), ref)
+    assert torch.equal(w.dequantize(torch.tensor([35, 3, 20, 19])), ref[[35, 3, 20, 19]])
+    x = torch.randn(5, 512)
+    torch.testing.assert_close(
+        cpu_kernels.quant_linear(x, w, "float32").double(), x.double() @ ref.double().T, atol=1e-4, rtol=1e-5
+    )
+    # Same-format parts whose seam falls on a tile boundary merge into one segment.
+    a, b = (random_components(FORMATS["Q4_1"], 32, 64, seed=s) for s in (1, 2))
+    merged = PackedWeight.concat([packed(a), packed(b)])
+    assert len(merged.segments) == 1 and torch.equal(
+        merged.dequantize(), torch.cat([reference_weight(a), reference_weight(b)])
+    )
+
+
+@needs_native_kernels
+def test_kernel_keeps_leading_dims_and_empty_batches() -> None:
+    w = packed(random_components(FORMATS["Q4_1"], 8, 64))
+    x = torch.randn(2, 3, 64)
+    assert cpu_kernels.quant_linear(x, w).shape == (2, 3, 8)
+    assert cpu_kernels.quant_linear(x[:0], w).shape == (0, 3, 8)
+
+
+@needs_native_kernels
+def test_wrappers_refuse_what_the_c_code_would_misread() -> None:
+    w = packed(random_components(FORMATS["Q4_1"], 8, 64))
+    with pytest.raises(ValueError, match="x"):
+        cpu_kernels.quant_linear(torch.randn(2, 64).bfloat16(), w)
+    with pytest.raises(ValueError, match="last dim"):
+        cpu_kernels.quant_linear(torch.randn(2, 32), w)
+    with pytest.raises(IndexError):
+        w.dequantize(torch.tensor([8]))
+    seg = w.segments[0]
+    with pytest.raises(ValueError, match="tiles"):
+        PackedSegment(seg.fmt, 0, 8, 64, seg.tiles[:, :-1].contiguous())
+    with pytest.raises(ValueError, match="whole number"):
+        PackedSegment(FORMATS["Q4_K"], 0, 8, 64, seg.tiles)
+    with pytest.raises(ValueError, match="consecutive"):
+        PackedWeight((seg, seg))
