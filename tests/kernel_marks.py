@@ -17,7 +17,9 @@ needs_native_kernels = pytest.mark.skipif(
 
 def _variant_param(v) -> object:
     missing = sorted(set(v.cpu_flags) - cpu_flags())
-    skip = pytest.mark.skipif(bool(missing), reason=f"this CPU lacks {', '.join(missing)} for the {v.name} kernels")
+    skip = pytest.mark.skipif(
+        bool(missing), reason=f"this CPU lacks {', '.join(missing)} for the {v.name} kernels"
+    )
     return pytest.param(v.name, id=v.name, marks=[skip])
 
 
