@@ -394,33 +394,39 @@ static inline __attribute__((always_inline)) void amx_fold(vf acc[AMX_ROWS], con
             _tile_dpbsud(C, A, B);          \
     } while (0)
 
-/* 16 rows of x (from m0) against one weight tile. */
+/* 16 rows of x (from m0) against one weight tile: every sub-group's tile product first (alternating
+ * two C tiles, so consecutive multiplies do not wait on each other), stored to cbuf; then the float
+ * steps, reading products stored long before (a vector load right after a tile store stalls). */
 static inline __attribute__((always_inline)) void amx_tile(const uint8_t *tile, const uint8_t *bbuf, const int fmt,
                                                            const qx_t *x, int64_t m0, const float *abuf,
-                                                           const float *zbuf, float *y, int64_t ldy, int nvalid) {
+                                                           const float *zbuf, int32_t *cbuf, float *y, int64_t ldy,
+                                                           int nvalid) {
     const int k16 = qf_kind(fmt) == KIND_K16, is8 = qf_bits(fmt) == 8;
     const int64_t K = x->K, J = k16 ? 2 * x->G : x->G, gs = k16 ? 16 : 32;
-    int32_t cbuf[2][AMX_ROWS * 16] __attribute__((aligned(64)));
-    vf acc[AMX_ROWS];
-    for (int i = 0; i < AMX_ROWS; i++) acc[i] = vf_zero();
     const int8_t *xa = x->q + m0 * K;
-    for (int64_t j = 0; j < J; j += 2) {
+    int64_t j = 0;
+    for (; j + 1 < J; j += 2) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_loadd(2, xa + j * gs, K);
+        _tile_loadd(3, amx_b(tile, bbuf, fmt, j), 64);
+        _tile_loadd(4, xa + (j + 1) * gs, K);
+        _tile_loadd(5, amx_b(tile, bbuf, fmt, j + 1), 64);
+        AMX_DP(0, 2, 3, is8);
+        AMX_DP(1, 4, 5, is8);
+        _tile_stored(0, cbuf + j * 256, 64);
+        _tile_stored(1, cbuf + (j + 1) * 256, 64);
+    }
+    if (j < J) {
         _tile_zero(0);
         _tile_loadd(2, xa + j * gs, K);
         _tile_loadd(3, amx_b(tile, bbuf, fmt, j), 64);
         AMX_DP(0, 2, 3, is8);
-        _tile_stored(0, cbuf[0], 64);
-        if (j > 0) amx_fold(acc, cbuf[1], fmt, x, m0, j - 1, abuf, zbuf);
-        if (j + 1 < J) {
-            _tile_zero(1);
-            _tile_loadd(4, xa + (j + 1) * gs, K);
-            _tile_loadd(5, amx_b(tile, bbuf, fmt, j + 1), 64);
-            AMX_DP(1, 4, 5, is8);
-            _tile_stored(1, cbuf[1], 64);
-        }
-        amx_fold(acc, cbuf[0], fmt, x, m0, j, abuf, zbuf);
+        _tile_stored(0, cbuf + j * 256, 64);
     }
-    if (J % 2 == 0) amx_fold(acc, cbuf[1], fmt, x, m0, J - 1, abuf, zbuf);
+    vf acc[AMX_ROWS];
+    for (int i = 0; i < AMX_ROWS; i++) acc[i] = vf_zero();
+    for (j = 0; j < J; j++) amx_fold(acc, cbuf + j * 256, fmt, x, m0, j, abuf, zbuf);
     for (int i = 0; i < AMX_ROWS; i++) {
         if (nvalid >= 16)
             vf_storeu(y + (m0 + i) * ldy, acc[i]);
@@ -430,12 +436,12 @@ static inline __attribute__((always_inline)) void amx_tile(const uint8_t *tile, 
 }
 
 typedef void (*amx_fn)(const uint8_t *, const uint8_t *, const qx_t *, int64_t, const float *, const float *,
-                       float *, int64_t, int);
+                       int32_t *, float *, int64_t, int);
 typedef void (*amx_prep_fn)(const uint8_t *, int64_t, float *, float *, uint8_t *);
 #define AMX_FN(F)                                                                                             \
     static void amx_##F(const uint8_t *t, const uint8_t *b, const qx_t *x, int64_t m0, const float *a,       \
-                        const float *z, float *y, int64_t ldy, int nv) {                                       \
-        amx_tile(t, b, F, x, m0, a, z, y, ldy, nv);                                                           \
+                        const float *z, int32_t *c, float *y, int64_t ldy, int nv) {                           \
+        amx_tile(t, b, F, x, m0, a, z, c, y, ldy, nv);                                                        \
     }                                                                                                         \
     static void amx_prep_##F(const uint8_t *t, int64_t G, float *a, float *z, uint8_t *b) {                   \
         amx_prepare(t, F, G, a, z, b);                                                                        \
@@ -456,6 +462,7 @@ static void amx_gemm(const uint8_t *w, int fmt, int64_t N, const qx_t *x, int64_
     {
         float *abuf = malloc((size_t)(2 * G * 16 + G * 16) * sizeof(float));
         uint8_t *bbuf = qf_bits(fmt) == 4 ? aligned_alloc(64, (size_t)G * 512) : NULL;
+        int32_t *cbuf = aligned_alloc(64, (size_t)(2 * G) * 256 * sizeof(int32_t)); /* one 16 x 16 product per sub-group */
         float *zbuf = abuf + 2 * G * 16;
         amx_configure(gs);
 #pragma omp for schedule(static)
@@ -467,7 +474,7 @@ static void amx_gemm(const uint8_t *w, int fmt, int64_t N, const qx_t *x, int64_
                 const int64_t m1 = m0 + M_BLOCK < M ? m0 + M_BLOCK : M;
                 int64_t m = m0;
                 for (; m + AMX_ROWS <= m1; m += AMX_ROWS)
-                    AMX_TABLE[fmt](tile, bbuf, x, m, abuf, zbuf, y + t * TILE_ROWS, ldy, nvalid);
+                    AMX_TABLE[fmt](tile, bbuf, x, m, abuf, zbuf, cbuf, y + t * TILE_ROWS, ldy, nvalid);
                 while (m < m1) {
                     int rows;
                     const int i = pick_rows(m1 - m, MR_INT, &rows);
@@ -479,6 +486,7 @@ static void amx_gemm(const uint8_t *w, int fmt, int64_t N, const qx_t *x, int64_
         _tile_release();
         free(abuf);
         free(bbuf);
+        free(cbuf);
     }
 }
 #endif
