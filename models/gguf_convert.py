@@ -1,8 +1,14 @@
 """GGUF files -> cached HF directories, converted once with transformers' GGUF reader.
 
-The conversion (dequantise to float32, write safetensors + config + tokenizer) takes ~20 s for the
-default model, so its result is kept under a key of the file's name, size and mtime. It is written to a
-temporary directory and renamed into place, so a crashed conversion is never mistaken for a finished one.
+For the architectures whose tensors need only renaming (llama, which covers Mistral and SmolLM, and
+qwen2), the directory holds the config, generation config and tokenizer that transformers derives
+from the file, plus a manifest mapping every GGUF tensor to its HF name (gguf_weights.py); the weights
+stay in the GGUF file and are read from it at every load, quantized blocks as they are. Other
+architectures are dequantized to float32 safetensors once, as transformers loads them.
+
+The result is kept under a key of the file's name, size and mtime (and the cache format). It is
+written to a temporary directory and renamed into place, so a crashed conversion is never mistaken
+for a finished one.
 """
 
 from __future__ import annotations
@@ -42,9 +48,12 @@ def default_gguf_path() -> Path:
     return path
 
 
+CACHE_FORMAT = 2  # 1: every weight dequantized to float32 safetensors; 2: a manifest where possible
+
+
 def cache_dir_for(gguf: Path) -> Path:
     st = gguf.stat()
-    key = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:12]
+    key = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}:{CACHE_FORMAT}".encode()).hexdigest()[:12]
     return cache_root() / f"{gguf.stem}-{key}"
 
 
@@ -85,6 +94,53 @@ def convert_gguf(gguf: Path) -> Path:
 
 
 def _convert_into(gguf: Path, out: Path) -> None:
+    from gguf import GGUFReader
+
+    from models.gguf_weights import NATIVE_ARCHITECTURES
+
+    field = GGUFReader(gguf).fields.get("general.architecture")
+    arch = bytes(field.parts[-1]).decode() if field is not None else ""
+    if arch in NATIVE_ARCHITECTURES:
+        _write_manifest_dir(gguf, out, arch)
+    else:
+        _write_float_dir(gguf, out)
+
+
+def _write_manifest_dir(gguf: Path, out: Path, arch: str) -> None:
+    """Config, generation config, tokenizer and the tensor manifest: no weights are read."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import (
+        TENSOR_PROCESSORS,
+        TensorProcessor,
+        get_gguf_hf_weights_map,
+    )
+
+    from models.gguf_weights import write_manifest
+
+    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    with torch.device("meta"):  # only the parameter names are needed
+        hf = AutoModelForCausalLM.from_config(config)
+    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    mapping = get_gguf_hf_weights_map(hf, processor)
+    # transformers' LlamaTensorProcessor un-permutes q (over the heads) and k (over the KV heads).
+    permute: dict[str, int] = {}
+    if arch == "llama":
+        heads = config.num_attention_heads
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        for name in mapping:
+            if ".attn_q." in name:
+                permute[name] = heads
+            elif ".attn_k." in name:
+                permute[name] = kv_heads
+    config.architectures = [type(hf).__name__]
+    config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    write_manifest(gguf, out, mapping, permute, arch)
+
+
+def _write_float_dir(gguf: Path, out: Path) -> None:
     import torch
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer

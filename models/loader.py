@@ -18,6 +18,7 @@ from torch import nn
 
 from models.errors import MissingWeightsError, ModelLoadError
 from models.gguf_convert import convert_gguf, default_gguf_path
+from models.gguf_weights import GGUFWeights, has_manifest
 from models.layers.parallel import PPContext, TPContext
 from models.registry import model_class_for
 from models.weight_packing import linear_precision, pack_model_weights, should_pack
@@ -48,7 +49,8 @@ def resolve_model(source: str) -> Path:
         return convert_gguf(path)
     if not (path / CONFIG_FILE).is_file():
         raise ModelLoadError(f"{path}: no {CONFIG_FILE} in this directory (not an HF model directory)")
-    safetensors_files(path)  # fail now, not after the engine has started, when there are no weights
+    if not has_manifest(path):  # a converted GGUF directory reads its GGUF file instead
+        safetensors_files(path)  # fail now, not after the engine has started, when there are no weights
     return path
 
 
@@ -86,7 +88,13 @@ def load_model(
     path = Path(path)
     device = torch.device(device)
     config = load_config(path)
-    files = safetensors_files(path)
+    pack = should_pack(weight_packing, device, dtype)
+    # A converted GGUF file is read in place; its quantized blocks go straight to packed weights.
+    reader = (
+        GGUFWeights(path, keep_quantized=pack)
+        if has_manifest(path)
+        else SafetensorsReader(safetensors_files(path), device)
+    )
     tp = TPContext(tp_rank, tp_size, tp_group)
     pp = PPContext(pp_rank, pp_size)
     try:
@@ -98,7 +106,6 @@ def load_model(
         raise ModelLoadError(f"{path / CONFIG_FILE}: {e}") from None
     except ValueError as e:  # unsupported settings found while building (activation, head counts, ...)
         raise ModelLoadError(f"{path / CONFIG_FILE}: {e}") from None
-    reader = SafetensorsReader(files, device)
     try:
         model.load_weights(reader)
     except ModelLoadError as e:
@@ -107,7 +114,7 @@ def load_model(
         if str(where) in str(e):
             raise
         raise ModelLoadError(f"{where}: {e}") from None
-    if should_pack(weight_packing, device, dtype):
+    if pack:
         pack_model_weights(model, linear_precision(weight_packing))
     model.set_attention_backend(attention_backend, device)
     return model.eval()

@@ -78,14 +78,16 @@ def pack_model_weights(model: nn.Module, precision: Precision = "int8") -> Packi
     start = time.perf_counter()
     layers = packable_layers(model)
     summary = PackingSummary(0, len(layers), 0, 0, 0.0, precision)
+    seen: set[int] = set()
     for layer in layers:
-        numel = layer.weight.numel() if layer.weight is not None else 0
         p = layer.pack_weight(precision)
         if p is not None:
             summary.packed += 1
-            summary.float_bytes += (numel or p.shape[0] * p.shape[1]) * 4
-            summary.packed_bytes += p.nbytes
             summary.formats.update(p.formats)
+            if id(p) not in seen:  # a tied head shares its embedding's table
+                seen.add(id(p))
+                summary.float_bytes += p.shape[0] * p.shape[1] * 4
+                summary.packed_bytes += p.nbytes
     summary.seconds = time.perf_counter() - start
     if summary.packed:
         log.info("%s", describe_packing(summary))
@@ -111,7 +113,8 @@ def describe_cpu_setup(model: nn.Module) -> str:
         return f"CPU: {isa}; linear layers: torch float matmuls"
     formats = Counter(f for layer in packed for f in layer.packed.formats)
     precisions = sorted({layer.precision for layer in packed})
-    packed_bytes = sum(layer.packed.nbytes for layer in packed)
+    # A tied LM head and its embedding share one packed table: count its bytes once.
+    packed_bytes = sum({id(layer.packed): layer.packed.nbytes for layer in packed}.values())
     float_bytes = sum(
         layer.weight.numel() * layer.weight.element_size()
         for layer in layers

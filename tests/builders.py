@@ -5,6 +5,10 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 
 def tiny_llama_config(**overrides):
@@ -90,3 +94,145 @@ def gguf_structured(model):
             if param.dim() == 2:
                 param.copy_(gguf_roundtrip(param, "Q8_0" if "embed" in name else "Q4_1"))
     return model
+
+
+def single_seq_logits(model, tokens: list[int]) -> torch.Tensor:
+    """All positions of one prompt through our model, with a one-block-per-16-tokens cache."""
+    import torch
+
+    from models.layers.metadata import AttentionMetadata
+
+    n, bs = len(tokens), 16
+    blocks = -(-n // bs)
+    dtype = next(model.parameters()).dtype
+    shape = (blocks, bs, model.num_kv_heads, model.head_dim)
+    kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(model.num_layers)]
+    md = AttentionMetadata(
+        slot_mapping=torch.arange(n),
+        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_start_loc=torch.tensor([0, n], dtype=torch.int32),
+        seq_lens=torch.tensor([n], dtype=torch.int32),
+        block_tables=torch.arange(blocks, dtype=torch.int32).unsqueeze(0),
+        query_lens_cpu=[n],
+        seq_lens_cpu=[n],
+        max_query_len=n,
+        max_seq_len=n,
+        block_size=bs,
+    )
+    with torch.no_grad():
+        return model.compute_logits(model(torch.tensor(tokens), torch.arange(n), kv, md))
+
+
+def _byte_level_alphabet() -> list[str]:
+    """GPT-2's byte-to-unicode table: the 256 base tokens of a byte-level BPE vocabulary."""
+    printable = [
+        *range(ord("!"), ord("~") + 1),
+        *range(ord("¡"), ord("¬") + 1),
+        *range(ord("®"), ord("ÿ") + 1),
+    ]
+    others = [b for b in range(256) if b not in printable]
+    return [chr(c) for c in printable] + [chr(256 + i) for i in range(len(others))]
+
+
+# The GGUF tensors of one Llama layer and their (rows, cols) in HF orientation, from the sizes.
+def _layer_tensors(i: int, hidden: int, ff: int, heads: int, kv_heads: int) -> dict[str, tuple[int, int]]:
+    d = hidden // heads
+    return {
+        f"blk.{i}.attn_q.weight": (heads * d, hidden),
+        f"blk.{i}.attn_k.weight": (kv_heads * d, hidden),
+        f"blk.{i}.attn_v.weight": (kv_heads * d, hidden),
+        f"blk.{i}.attn_output.weight": (hidden, heads * d),
+        f"blk.{i}.ffn_gate.weight": (ff, hidden),
+        f"blk.{i}.ffn_up.weight": (ff, hidden),
+        f"blk.{i}.ffn_down.weight": (hidden, ff),
+    }
+
+
+def gguf_blocks(values, qtype_name: str, rng):
+    """float32 [rows, cols] -> a GGUF type's raw blocks: gguf-py's quantizer where it has one; for the
+    K-quants (gguf-py only dequantizes them) random blocks with finite, small float16 scales."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
+
+    qtype = GGMLQuantizationType[qtype_name]
+    if qtype_name in ("F32", "F16"):
+        return values.astype(np.float32 if qtype_name == "F32" else np.float16)
+    try:
+        return quants.quantize(values, qtype)
+    except NotImplementedError:
+        pass
+    rows, cols = values.shape
+    block, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+    # Where each type keeps its float16 super-block scales (d, dmin): keep them finite and small.
+    f16_at = {"Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}[qtype_name]
+    for at in f16_at:
+        scale = (rng.random((rows, cols // block)) * 0.004).astype(np.float16)
+        raw[..., at : at + 2] = scale.view(np.uint8).reshape(rows, cols // block, 2)
+    return raw.reshape(rows, -1)
+
+
+def write_tiny_gguf(
+    path: Path,
+    seed: int = 0,
+    hidden: int = 16,
+    ff: int = 32,
+    heads: int = 2,
+    kv_heads: int = 1,
+    layers: int = 1,
+    types: dict[str, str] | None = None,
+    tied: bool = True,
+) -> None:
+    """A Llama GGUF with a byte-level BPE tokenizer and a chat template. `types` maps a tensor-name
+    fragment ("attn_q", "token_embd", ...) to its GGUF type (default F32 everywhere)."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *_byte_level_alphabet(), "Ġt", "he"]
+    vocab = len(tokens)
+    head_dim = hidden // heads
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(layers)
+    w.add_context_length(64)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_rope_freq_base(10000.0)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_vocab_size(vocab)
+    w.add_rope_dimension_count(head_dim)
+    w.add_file_type(0)
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types([3, 3, 3] + [1] * (vocab - 3))  # 3: control tokens
+    w.add_token_merges(["Ġ t", "h e"])
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_pad_token_id(0)
+    w.add_chat_template(
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    )
+    types = types or {}
+
+    def add(name: str, rows: int, cols: int) -> None:
+        qtype = next((t for frag, t in types.items() if frag in name), "F32")
+        values = (rng.standard_normal((rows, cols)) * 0.1).astype(np.float32)
+        data = gguf_blocks(values, qtype, rng)
+        w.add_tensor(name, data, raw_dtype=None if qtype == "F32" else gguf.GGMLQuantizationType[qtype])
+
+    add("token_embd.weight", vocab, hidden)
+    if not tied:
+        add("output.weight", vocab, hidden)
+    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+    for i in range(layers):
+        w.add_tensor(f"blk.{i}.attn_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+        w.add_tensor(f"blk.{i}.ffn_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+        for name, (rows, cols) in _layer_tensors(i, hidden, ff, heads, kv_heads).items():
+            add(name, rows, cols)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()

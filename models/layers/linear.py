@@ -3,6 +3,10 @@
 Every parameter carries a `weight_loader(param, full_weight, shard_id)` that takes the *full* HF tensor
 and copies in the slice that this rank owns, so loading for rank r of n is the same code as for 1 of 1.
 Parameters are allocated with torch.empty: their values always come from a checkpoint.
+
+A weight may also arrive as a GGUF tensor's raw blocks (models/gguf_weights.QuantizedTensor, when the
+native kernels will run it): the layer then keeps the slice it owns as blocks, and `pack_weight`
+turns them into its packed weight without ever materializing float32.
 """
 
 from __future__ import annotations
@@ -14,9 +18,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from models.gguf_weights import QuantizedTensor
 from models.kernels import cpu as cpu_kernels
 from models.kernels.cpu import Precision
-from models.layers.packed_weight import PackedWeight, pack_exact
+from models.layers.packed_weight import PackedWeight, pack_components, pack_exact
 from models.layers.parallel import SINGLE, TPContext, balanced_shard, divide
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, Any], None]
@@ -53,26 +58,65 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: A
     adopt_or_copy(param, loaded)
 
 
-class PackableLinear(nn.Module):
-    """A layer whose y = x W^T may run on the quantized-linear CPU kernel (see packed_weight.py).
+def narrow_columns(
+    loaded: torch.Tensor | QuantizedTensor, start: int, length: int
+) -> torch.Tensor | QuantizedTensor:
+    """Columns [start, start + length) of a weight; raw blocks that the cut would split become floats."""
+    if isinstance(loaded, QuantizedTensor):
+        try:
+            return loaded.narrow(1, start, length)
+        except ValueError:
+            return loaded.dequantize().narrow(1, start, length)
+    return loaded.narrow(1, start, length)
 
-    `pack_weight()` keeps W in its block-quantized form when it is exactly representable that way,
-    and then drops the float32 copy unless another module reads it (`shares_weight`: a tied LM head,
-    whose weight is the embedding table). `precision` is what the kernel multiplies it with: int8
-    activations (the fast path) or float32 (the reference).
+
+class PackableLinear(nn.Module):
+    """A layer whose weight may be kept block-quantized (see packed_weight.py): y = x W^T then runs
+    on the quantized-linear CPU kernel, with `precision` the activations' (int8, the fast path, or
+    float32, the reference).
+
+    `pack_weight()` builds the packed weight from GGUF blocks the loader handed over (`take_blocks`)
+    or, failing those, from a float weight that is exactly block-structured (pack_exact), and then
+    drops the float32 copy.
     """
 
     weight: nn.Parameter | None
     packed: PackedWeight | None = None
     precision: Precision = "int8"
-    shares_weight: bool = False
+
+    def take_blocks(self, param: nn.Parameter, row_offset: int, part: torch.Tensor | QuantizedTensor) -> bool:
+        """Keep `part` (rows [row_offset, ...) of this layer's weight) as raw blocks if it is some;
+        False when it is a float tensor for the caller to copy in."""
+        if not isinstance(part, QuantizedTensor):
+            return False
+        if param is not self.weight:
+            raise ValueError("only a layer's weight may be block-quantized")
+        self.__dict__.setdefault("_blocks", []).append((row_offset, part))
+        return True
+
+    def _pack_blocks(self) -> PackedWeight | None:
+        parts = sorted(self.__dict__.pop("_blocks", []), key=lambda p: p[0])
+        if not parts:
+            return None
+        rows = self.weight.shape[0] if self.weight is not None else 0
+        covered = [off for off, _ in parts] == [
+            sum(p.shape[0] for _, p in parts[:i]) for i in range(len(parts))
+        ]
+        if covered and sum(p.shape[0] for _, p in parts) == rows:
+            return PackedWeight.concat([PackedWeight((pack_components(p.components()),)) for _, p in parts])
+        # Some rows came as floats (a vocabulary padded for tensor parallelism): all of it as floats.
+        for off, p in parts:
+            self.weight.data[off : off + p.shape[0]].copy_(p.dequantize())
+        return pack_exact(self.weight.data)
 
     def pack_weight(self, precision: Precision = "int8") -> PackedWeight | None:
         self.precision = precision
-        if self.packed is None and self.weight is not None:
-            self.packed = pack_exact(self.weight.data)
-            if self.packed is not None and not self.shares_weight:
-                self.weight = None
+        if self.packed is None:
+            self.packed = self._pack_blocks()
+            if self.packed is None and self.weight is not None:
+                self.packed = pack_exact(self.weight.data)
+        if self.packed is not None:
+            self.weight = None
         return self.packed
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -106,7 +150,9 @@ class ColumnParallelLinear(PackableLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         check_shape(loaded, (self.output_size, *param.shape[1:]))
         n = self.local_output_size
-        adopt_or_copy(param, loaded.narrow(0, self.tp.rank * n, n))
+        part = loaded.narrow(0, self.tp.rank * n, n)
+        if not self.take_blocks(param, 0, part):
+            adopt_or_copy(param, part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, self.bias)
@@ -140,7 +186,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         check_shape(loaded, (full, *param.shape[1:]))
         n = full // self.tp.size
         offset = sum(self.output_sizes[:shard_id]) // self.tp.size
-        param.data.narrow(0, offset, n).copy_(loaded.narrow(0, self.tp.rank * n, n))
+        part = loaded.narrow(0, self.tp.rank * n, n)
+        if not self.take_blocks(param, offset, part):
+            param.data.narrow(0, offset, n).copy_(part)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -213,7 +261,9 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             raise ValueError(f"QKV shard id must be 'q', 'k' or 'v', not {shard_id!r}")
         check_shape(loaded, (full, *param.shape[1:]))
-        param.data.narrow(0, offset, n).copy_(loaded.narrow(0, start, n))
+        part = loaded.narrow(0, start, n)
+        if not self.take_blocks(param, offset, part):
+            param.data.narrow(0, offset, n).copy_(part)
 
 
 class RowParallelLinear(PackableLinear):
@@ -247,7 +297,9 @@ class RowParallelLinear(PackableLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         check_shape(loaded, (self.output_size, self.input_size))
-        adopt_or_copy(param, loaded.narrow(1, self.input_start, self.local_input_size))
+        part = narrow_columns(loaded, self.input_start, self.local_input_size)
+        if not self.take_blocks(param, 0, part):
+            adopt_or_copy(param, part)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -256,11 +308,12 @@ class RowParallelLinear(PackableLinear):
         return y if self.bias is None else y + self.bias
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(PackableLinear):
     """Embedding table split by vocabulary rows; rank r owns ids [r * per_rank, (r+1) * per_rank).
 
     The vocabulary is padded up to a multiple of the TP size (GPT-2's 50257 is prime-ish); padding rows
-    are zero and never indexed.
+    are zero and never indexed. A block-quantized table is looked up row by row, dequantized exactly
+    (the same values as the float table); a tied LM head multiplies by the same packed table.
     """
 
     def __init__(
@@ -282,25 +335,36 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         check_shape(loaded, (self.num_embeddings, self.embedding_dim))
         n = self.vocab_end - self.vocab_start
-        if n == self.per_rank:
-            adopt_or_copy(param, loaded[self.vocab_start : self.vocab_end])
-        else:
-            param.data[:n].copy_(loaded[self.vocab_start : self.vocab_end])
+        part = loaded.narrow(0, self.vocab_start, n)
+        if n < self.per_rank:
             param.data[n:].zero_()
+        if self.take_blocks(param, 0, part):
+            return
+        if n == self.per_rank:
+            adopt_or_copy(param, part)
+        else:
+            param.data[:n].copy_(part)
+
+    def lookup(self, ids: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return cpu_kernels.dequant_rows(self.packed, ids)
+        return F.embedding(ids, self.weight)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.embedding(input_ids, self.weight)
+            return self.lookup(input_ids)
         # Ids owned by other ranks look up row 0 and are zeroed; the all-reduce fills them in.
         local = input_ids - self.vocab_start
         outside = (local < 0) | (local >= self.vocab_end - self.vocab_start)
-        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = self.lookup(local.masked_fill(outside, 0))
         out.masked_fill_(outside.unsqueeze(-1), 0.0)
         return self.tp.all_reduce(out)
 
 
-class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
+class ParallelLMHead(VocabParallelEmbedding):
     """Output projection to the vocabulary, sharded like the embedding so the two can be tied."""
+
+    tied: VocabParallelEmbedding | None = None
 
     def __init__(
         self,
@@ -316,7 +380,18 @@ class ParallelLMHead(VocabParallelEmbedding, PackableLinear):
 
     def tie_to(self, embedding: VocabParallelEmbedding) -> None:
         self.weight = embedding.weight
-        self.shares_weight = True  # packing must leave the embedding's table in place
+        # A plain reference, not a registered submodule: the embedding belongs to the model body.
+        object.__setattr__(self, "tied", embedding)
+
+    def pack_weight(self, precision: Precision = "int8") -> PackedWeight | None:
+        if self.tied is None:
+            return super().pack_weight(precision)
+        # Tied: the embedding's table, packed once (the embedding comes first in module order).
+        self.precision = precision
+        self.packed = self.tied.packed if self.tied.packed is not None else self.tied.pack_weight(precision)
+        if self.packed is not None:
+            self.weight = None
+        return self.packed
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.matmul(hidden)  # [B, per_rank]

@@ -9,7 +9,14 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import build_hf_model, default_gguf_path, tiny_gpt2_config, tiny_llama_config
+from builders import (
+    build_hf_model,
+    default_gguf_path,
+    single_seq_logits,
+    tiny_gpt2_config,
+    tiny_llama_config,
+    write_tiny_gguf,
+)
 from safetensors.torch import load_file, save_file
 
 from models import gguf_convert
@@ -42,31 +49,6 @@ def _assert_same_weights(model, hf) -> None:
             torch.testing.assert_close(ours[name], p, atol=0, rtol=0)
 
 
-def _single_seq_logits(model, tokens: list[int]) -> torch.Tensor:
-    """All positions of one prompt through our model, with a one-block-per-16-tokens cache."""
-    from models.layers.metadata import AttentionMetadata
-
-    n, bs = len(tokens), 16
-    blocks = -(-n // bs)
-    dtype = next(model.parameters()).dtype
-    shape = (blocks, bs, model.num_kv_heads, model.head_dim)
-    kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(model.num_layers)]
-    md = AttentionMetadata(
-        slot_mapping=torch.arange(n),
-        query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        seq_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        seq_lens=torch.tensor([n], dtype=torch.int32),
-        block_tables=torch.arange(blocks, dtype=torch.int32).unsqueeze(0),
-        query_lens_cpu=[n],
-        seq_lens_cpu=[n],
-        max_query_len=n,
-        max_seq_len=n,
-        block_size=bs,
-    )
-    with torch.no_grad():
-        return model.compute_logits(model(torch.tensor(tokens), torch.arange(n), kv, md))
-
-
 # ---------------------------------------------------------------------------------- round trips
 
 
@@ -82,7 +64,7 @@ def test_hf_dir_round_trip(fixture: str, request) -> None:
     tokens = [5, 17, 300, 2, 9, 41, 8]
     with torch.no_grad():
         expected = hf(torch.tensor([tokens])).logits[0]
-    torch.testing.assert_close(_single_seq_logits(model, tokens), expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(single_seq_logits(model, tokens), expected, atol=1e-4, rtol=0)
 
 
 def test_sharded_hf_dir(tmp_path: Path) -> None:
@@ -97,7 +79,7 @@ def test_sharded_hf_dir(tmp_path: Path) -> None:
 def test_load_in_bfloat16(tiny_llama_dir: Path) -> None:
     model = load_model(tiny_llama_dir, torch.bfloat16, "cpu")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
-    assert _single_seq_logits(model, [1, 2, 3]).dtype == torch.float32
+    assert single_seq_logits(model, [1, 2, 3]).dtype == torch.float32
 
 
 def test_tokenizer_keeps_chat_template(tiny_llama_dir: Path) -> None:
@@ -247,80 +229,17 @@ def test_gguf_converted_once_and_atomically(tmp_path: Path, monkeypatch) -> None
     load_model(second, torch.float32, "cpu")
 
 
-def _byte_level_alphabet() -> list[str]:
-    """GPT-2's byte-to-unicode table: the 256 base tokens of a byte-level BPE vocabulary."""
-    printable = [
-        *range(ord("!"), ord("~") + 1),
-        *range(ord("¡"), ord("¬") + 1),
-        *range(ord("®"), ord("ÿ") + 1),
-    ]
-    others = [b for b in range(256) if b not in printable]
-    return [chr(c) for c in printable] + [chr(256 + i) for i in range(len(others))]
-
-
-def write_tiny_gguf(path: Path, seed: int = 0) -> None:
-    """A 1-layer float32 Llama GGUF with a byte-level BPE tokenizer and a chat template."""
-    import gguf
-    import numpy as np
-
-    rng = np.random.default_rng(seed)
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *_byte_level_alphabet(), "Ġt", "he"]
-    vocab, hidden, ff, heads, kv_heads = len(tokens), 16, 32, 2, 1
-    head_dim = hidden // heads
-    w = gguf.GGUFWriter(str(path), "llama")
-    w.add_block_count(1)
-    w.add_context_length(64)
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(ff)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(vocab)
-    w.add_rope_dimension_count(head_dim)
-    w.add_file_type(0)  # all float32
-    w.add_tokenizer_model("gpt2")
-    w.add_tokenizer_pre("default")
-    w.add_token_list(tokens)
-    w.add_token_types([3, 3, 3] + [1] * (vocab - 3))  # 3: control tokens
-    w.add_token_merges(["Ġ t", "h e"])
-    w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
-    w.add_pad_token_id(0)
-    w.add_chat_template(
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    )
-
-    def rand(*shape: int) -> np.ndarray:
-        return (rng.standard_normal(shape) * 0.1).astype(np.float32)
-
-    w.add_tensor("token_embd.weight", rand(vocab, hidden))  # no output.weight: tied head
-    w.add_tensor("output_norm.weight", np.ones(hidden, np.float32))
-    w.add_tensor("blk.0.attn_norm.weight", np.ones(hidden, np.float32))
-    w.add_tensor("blk.0.ffn_norm.weight", np.ones(hidden, np.float32))
-    w.add_tensor("blk.0.attn_q.weight", rand(heads * head_dim, hidden))
-    w.add_tensor("blk.0.attn_k.weight", rand(kv_heads * head_dim, hidden))
-    w.add_tensor("blk.0.attn_v.weight", rand(kv_heads * head_dim, hidden))
-    w.add_tensor("blk.0.attn_output.weight", rand(hidden, heads * head_dim))
-    w.add_tensor("blk.0.ffn_gate.weight", rand(ff, hidden))
-    w.add_tensor("blk.0.ffn_up.weight", rand(ff, hidden))
-    w.add_tensor("blk.0.ffn_down.weight", rand(hidden, ff))
-    w.write_header_to_file()
-    w.write_kv_data_to_file()
-    w.write_tensors_to_file()
-    w.close()
-
-
 def test_tiny_gguf_converts_and_matches_transformers(tmp_path: Path, monkeypatch) -> None:
-    """A real conversion through transformers' GGUF reader: config, weights, tokenizer and chat
-    template land in the cache; the second resolve converts nothing."""
+    """A real conversion through transformers' GGUF reader: config, tokenizer, chat template and the
+    tensor manifest land in the cache (the weights stay in the GGUF file); the second resolve
+    converts nothing."""
     from transformers import AutoModelForCausalLM
 
     monkeypatch.setenv("ORCA_CACHE_DIR", str(tmp_path / "cache"))
     gguf_file = tmp_path / "tiny-llama.gguf"
     write_tiny_gguf(gguf_file)
     path = resolve_model(str(gguf_file))
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {f.name for f in path.iterdir()}
+    assert {"config.json", "gguf_weights.json", "tokenizer.json"} <= {f.name for f in path.iterdir()}
 
     def must_not_run(src: Path, out: Path) -> None:
         raise AssertionError("converted again instead of using the cache")
@@ -335,7 +254,7 @@ def test_tiny_gguf_converts_and_matches_transformers(tmp_path: Path, monkeypatch
     hf = AutoModelForCausalLM.from_pretrained(tmp_path, gguf_file=gguf_file.name, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(_single_seq_logits(model, ids), expected, atol=1e-4, rtol=0)
+    torch.testing.assert_close(single_seq_logits(model, ids), expected, atol=1e-4, rtol=0)
 
 
 @pytest.mark.slow
@@ -347,12 +266,13 @@ def test_default_model_converts_and_matches_transformers(tmp_path: Path, monkeyp
     assert default_gguf_path().is_file()
     path = resolve_model("default")
     assert resolve_model("default") == path  # second start: from the cache
-    assert {"config.json", "model.safetensors", "tokenizer.json"} <= {f.name for f in path.iterdir()}
-    model = load_model(path, torch.float32, "cpu")
+    assert {"config.json", "gguf_weights.json", "tokenizer.json"} <= {f.name for f in path.iterdir()}
+    model = load_model(path, torch.float32, "cpu", weight_packing="float32")  # the parity reference
     tok = load_tokenizer(path)
     ids = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}], add_generation_prompt=True)
     ids = list(ids["input_ids"] if hasattr(ids, "keys") else ids)
-    hf = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    gguf = default_gguf_path()
+    hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     with torch.no_grad():
         expected = hf(torch.tensor([ids])).logits[0]
-    torch.testing.assert_close(_single_seq_logits(model, ids), expected, atol=1e-3, rtol=0)
+    torch.testing.assert_close(single_seq_logits(model, ids), expected, atol=1e-3, rtol=0)

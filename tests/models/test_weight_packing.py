@@ -88,9 +88,9 @@ def test_gguf_model_is_packed_and_computes_the_same(tiny_gguf_llama_dir: Path) -
     plain = load_model(tiny_gguf_llama_dir, torch.float32, "cpu", weight_packing="off")
     layers = packable_layers(packed)
     assert layers and all(layer.packed is not None for layer in layers)
-    # Float copies are dropped, except the tied head's, which the embedding lookup still reads.
-    assert packed.lm_head.weight is packed.model.embed_tokens.weight
-    assert all(layer.weight is None for layer in layers if layer is not packed.lm_head)
+    # Float copies are dropped; the tied head multiplies by the embedding's packed table.
+    assert packed.lm_head.packed is packed.model.embed_tokens.packed
+    assert all(layer.weight is None for layer in layers)
     assert all(layer.packed is None for layer in packable_layers(plain))
     for a, b in zip(layers, packable_layers(plain), strict=True):
         assert torch.equal(a.packed.dequantize(), b.weight)
