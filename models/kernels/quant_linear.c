@@ -34,6 +34,11 @@
 #define M_BLOCK 256 /* rows of x per block (int8 x of 256 rows x K = 1536: 384 KB, in L2) */
 #define KC_FLT 512  /* columns per dequantized float chunk: 16 x 512 floats = 32 KB */
 #define PARALLEL_MIN_WORK (1 << 15) /* rows x tiles below which one thread does it all */
+/* Bytes ahead of the current block that the int8 path prefetches: a tile is one stream, and at few
+ * rows of x the loop is bound by how fast that stream arrives, not by arithmetic. */
+#ifndef PREFETCH_AHEAD
+#define PREFETCH_AHEAD 2048
+#endif
 
 /* ------------------------------------------------------------------------------------------------
  * The activations, quantized. */
@@ -143,6 +148,10 @@ static inline __attribute__((always_inline)) void int_tile(const uint8_t *tile, 
             const int64_t g = g0 + b;
             const uint8_t *codes = p, *sub = p + qf_code_bytes(fmt);
             p += qf_code_bytes(fmt) + qf_sub_bytes(fmt);
+#if PREFETCH_AHEAD
+            for (const uint8_t *pf = codes + PREFETCH_AHEAD; pf < p + PREFETCH_AHEAD; pf += 64)
+                _mm_prefetch((const char *)pf, _MM_HINT_T0);
+#endif
             for (int h = 0; h < HALVES; h++) {
                 const bscale sc = block_scales(hdr, sub, fmt, h);
                 vi is[MR_INT];
