@@ -26,6 +26,7 @@ from models.weights_io import SafetensorsReader, safetensors_files
 
 __all__ = [
     "ModelLoadError",
+    "is_block_quantized_source",
     "load_config",
     "load_model",
     "load_tokenizer",
@@ -52,6 +53,16 @@ def resolve_model(source: str) -> Path:
     if not has_manifest(path):  # a converted GGUF directory reads its GGUF file instead
         safetensors_files(path)  # fail now, not after the engine has started, when there are no weights
     return path
+
+
+def is_block_quantized_source(source: str | Path) -> bool:
+    """Whether a model source holds block-quantized weights the native kernels run: "default", a
+    .gguf file, or a directory converted from one. (An HF directory of float weights that happen to
+    be exactly block-structured is packed too, but is not told apart here without reading it.)"""
+    if str(source) == "default":
+        return True
+    path = Path(source).expanduser()
+    return path.suffix.lower() == ".gguf" or (path.is_dir() and has_manifest(path))
 
 
 def load_config(path: Path) -> Any:

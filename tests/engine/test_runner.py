@@ -128,12 +128,21 @@ def test_config_validation():
         TorchModelRunner(EngineConfig(tensor_parallel_size=2))
 
 
-def test_auto_dtype_follows_native_bf16(monkeypatch: pytest.MonkeyPatch):
+def test_auto_dtype(monkeypatch: pytest.MonkeyPatch, tiny_llama_dir: Path):
+    """float32 for a quantized model where the native kernels run (they are faster than bf16 at
+    every batch size); for a float checkpoint, bf16 where the CPU has bf16 matrix units."""
+    from models.kernels import cpu as cpu_kernels
+
     cpu = torch.device("cpu")
-    monkeypatch.setattr(engine_config, "cpu_has_native_bf16", lambda: False)
-    assert resolve_dtype("auto", cpu) == torch.float32
-    monkeypatch.setattr(engine_config, "cpu_has_native_bf16", lambda: True)
-    assert resolve_dtype("auto", cpu) == torch.bfloat16
+    for native_bf16 in (False, True):
+        monkeypatch.setattr(engine_config, "cpu_has_native_bf16", lambda v=native_bf16: v)
+        for source in ("default", "/some/model.Q4_K_M.gguf", None):
+            expect = torch.float32 if cpu_kernels.available() or not native_bf16 else torch.bfloat16
+            assert resolve_dtype("auto", cpu, source) == expect
+        expect = torch.bfloat16 if native_bf16 else torch.float32
+        assert resolve_dtype("auto", cpu, tiny_llama_dir) == expect
+    monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)  # no kernels: bf16 wherever it is native
+    assert resolve_dtype("auto", cpu, "default") == torch.bfloat16
     assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
     with pytest.raises(ValueError, match="float16"):
         resolve_dtype("float16", cpu)
