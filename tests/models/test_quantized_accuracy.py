@@ -1,0 +1,129 @@
+"""int8 activations ("exact enough" as a test): the fast path against the float32 reference on the
+same quantized weights, by perplexity on a fixed text (tests/data/perplexity.txt: Python standard-
+library docstrings, 2405 tokens for SmolLM2's tokenizer) and by greedy agreement on fixed prompts.
+
+The slow test runs the default model (SmolLM2-135M-Instruct Q4_1) and prints its figures; the fast one
+runs a tiny GGUF-structured model."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from builders import single_seq_logits
+from kernel_marks import needs_native_kernels
+
+from engine.batch import SamplingParams, ScheduledSequence
+from engine.config import EngineConfig
+from engine.runner import TorchModelRunner
+from models.loader import load_model, load_tokenizer, resolve_model
+
+TEXT = Path(__file__).parent.parent / "data" / "perplexity.txt"
+PROMPTS = [
+    "What is the capital of France?",
+    "Write a haiku about the sea.",
+    "Explain in one sentence what a hash table is.",
+    "List three prime numbers greater than 10.",
+    "Translate 'good morning' into Spanish.",
+    "Why is the sky blue?",
+    "Give me a tip for learning to cook.",
+    "What does HTTP stand for?",
+]
+GREEDY = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
+
+
+def perplexity(model, ids: list[int], window: int = 1024) -> float:
+    """exp(mean NLL) over the text in consecutive windows (each scored from its second token)."""
+    nll, count = 0.0, 0
+    for start in range(0, len(ids) - 1, window):
+        chunk = ids[start : start + window]
+        if len(chunk) < 2:
+            break
+        logp = torch.log_softmax(single_seq_logits(model, chunk).double(), dim=-1)
+        target = torch.tensor(chunk[1:])
+        nll -= float(logp[:-1].gather(1, target.unsqueeze(1)).sum())
+        count += len(chunk) - 1
+    return math.exp(nll / count)
+
+
+def greedy_tokens(runner: TorchModelRunner, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """All prompts decoded together, greedily, for exactly new_tokens tokens."""
+    bs = runner.block_size
+    tables, start = [], 0
+    for p in prompts:
+        n = -(-(len(p) + new_tokens) // bs)
+        tables.append(list(range(start, start + n)))
+        start += n
+    outputs: list[list[int]] = [[] for _ in prompts]
+    batch = [ScheduledSequence(str(i), p, 0, tables[i], True, GREEDY, p, []) for i, p in enumerate(prompts)]
+    for _ in range(new_tokens):
+        for out, tok in zip(outputs, runner.step(batch), strict=True):
+            out.append(tok.token_id)
+        batch = [
+            ScheduledSequence(str(i), [o[-1]], len(p) + len(o) - 1, tables[i], True, GREEDY, p, o)
+            for i, (p, o) in enumerate(zip(prompts, outputs, strict=True))
+        ]
+    return outputs
+
+
+def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
+    """(share of sequences identical throughout, mean share of tokens before the first difference)."""
+    prefixes = []
+    for x, y in zip(a, b, strict=True):
+        same = next((i for i, (u, v) in enumerate(zip(x, y, strict=True)) if u != v), len(x))
+        prefixes.append(same / len(x))
+    return sum(p == 1.0 for p in prefixes) / len(prefixes), sum(prefixes) / len(prefixes)
+
+
+def runner_for(source: str | Path, mode: str) -> TorchModelRunner:
+    return TorchModelRunner(
+        EngineConfig(model=str(source), dtype="float32", device="cpu", num_kv_blocks=256, weight_packing=mode)
+    )
+
+
+def compare(
+    source: str | Path,
+    path: Path,
+    prompts: list[list[int]],
+    text_ids: list[int],
+    new_tokens: int,
+    window: int,
+):
+    ppl = {
+        m: perplexity(load_model(path, torch.float32, "cpu", weight_packing=m), text_ids, window)
+        for m in ("int8", "float32")
+    }
+    outs = {m: greedy_tokens(runner_for(source, m), prompts, new_tokens) for m in ("int8", "float32")}
+    return ppl, agreement(outs["int8"], outs["float32"])
+
+
+@needs_native_kernels
+def test_int8_close_to_float32_on_a_tiny_gguf_model(tiny_gguf_llama_dir: Path) -> None:
+    tok = load_tokenizer(tiny_gguf_llama_dir)
+    text_ids = tok(TEXT.read_text())["input_ids"][:768]  # windows within its 512 positions
+    prompts = [tok(p)["input_ids"] for p in PROMPTS[:4]]
+    ppl, (identical, prefix) = compare(tiny_gguf_llama_dir, tiny_gguf_llama_dir, prompts, text_ids, 8, 256)
+    assert abs(ppl["int8"] / ppl["float32"] - 1) < 0.01, ppl
+    assert prefix >= 0.5, (identical, prefix)
+
+
+@pytest.mark.slow
+@needs_native_kernels
+def test_int8_close_to_float32_on_the_default_model() -> None:
+    path = resolve_model("default")
+    tok = load_tokenizer(path)
+    text_ids = tok(TEXT.read_text())["input_ids"]
+    chats = [
+        tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS
+    ]
+    prompts = [list(c["input_ids"] if hasattr(c, "keys") else c) for c in chats]
+    ppl, (identical, prefix) = compare("default", path, prompts, text_ids, 32, 1024)
+    print(
+        f"\nperplexity over {len(text_ids)} tokens: float32 {ppl['float32']:.4f}, int8 {ppl['int8']:.4f} "
+        f"({100 * (ppl['int8'] / ppl['float32'] - 1):+.2f}%); greedy, {len(prompts)} prompts x 32 tokens: "
+        f"{identical:.0%} identical, {prefix:.0%} of tokens before the first difference"
+    )
+    assert abs(ppl["int8"] / ppl["float32"] - 1) < 0.01
+    assert identical >= 0.5 and prefix >= 0.7
