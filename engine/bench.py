@@ -23,8 +23,8 @@ from pathlib import Path
 
 import torch
 
-from engine.batch import SamplingParams, ScheduledSequence
 from engine.config import EngineConfig
+from engine.contract import SamplingParams, ScheduledSequence
 from engine.runner import TorchModelRunner
 from models.kernels import cpu as cpu_kernels
 from models.weight_packing import WEIGHT_PACKING_MODES, packable_layers

@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.batch import ScheduledSequence
+from engine.contract import ScheduledSequence
 
 # A worker may wait this long for the next step of an idle server.
 CONTROL_TIMEOUT = timedelta(days=365)

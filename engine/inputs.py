@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.batch import ScheduledSequence
+from engine.contract import ScheduledSequence
 from engine.kv_cache import slot_mapping as compute_slot_mapping
 from models.layers.metadata import AttentionMetadata
 

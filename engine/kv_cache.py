@@ -35,7 +35,7 @@ class KVCacheSpec:
         return budget_bytes // self.bytes_per_block
 
 
-class KVCacheManager:
+class PagedKVCache:
     """Owns the K and V tensors, [num_layers, num_blocks, block_size, num_kv_heads, head_dim] each."""
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str) -> None:

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from engine.batch import SamplingParams, ScheduledSequence
 from engine.config import EngineConfig
+from engine.contract import SamplingParams, ScheduledSequence
 from engine.parallel_runner import create_runner
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)

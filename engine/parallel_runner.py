@@ -34,7 +34,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.batch import SampledToken, ScheduledSequence
 from engine.config import (
     EngineConfig,
     resolve_device,
@@ -42,6 +41,7 @@ from engine.config import (
     resolve_max_model_len,
     resolve_model_path,
 )
+from engine.contract import SampledToken, ScheduledSequence
 from engine.distributed import (
     OP_SHUTDOWN,
     RankGroups,
@@ -59,7 +59,7 @@ from engine.distributed import (
     shutdown_message,
 )
 from engine.inputs import InputLimits, StepInputs, build_step_inputs
-from engine.kv_cache import KVCacheManager, plan_kv_cache
+from engine.kv_cache import PagedKVCache, plan_kv_cache
 from engine.runner import read_eos_token_ids
 from engine.sampler import Sampler, validate_sampling
 
@@ -119,7 +119,7 @@ class StageExecutor:
         spec, num_blocks = plan_kv_cache(self.model, config, self.dtype, self.device)
         # Block ids mean the same on every rank, so all ranks use the smallest count any can hold.
         num_blocks = agree_on_min(num_blocks, groups.cpu)
-        self.kv_cache = KVCacheManager(spec, num_blocks, self.device)
+        self.kv_cache = PagedKVCache(spec, num_blocks, self.device)
         self.num_kv_blocks = num_blocks
         self.block_size = config.block_size
         self.limits = InputLimits(num_blocks, config.block_size, self.max_model_len, self.vocab_size)
@@ -241,7 +241,7 @@ class PendingStep:
 
 
 class ParallelModelRunner:
-    """engine.batch.ModelRunner over tensor_parallel_size x pipeline_parallel_size ranks."""
+    """engine.contract.ModelRunner over tensor_parallel_size x pipeline_parallel_size ranks."""
 
     def __init__(self, config: EngineConfig) -> None:
         if dist.is_initialized():

@@ -9,7 +9,6 @@ from typing import Any
 
 import torch
 
-from engine.batch import SampledToken, ScheduledSequence
 from engine.config import (
     EngineConfig,
     resolve_device,
@@ -17,8 +16,9 @@ from engine.config import (
     resolve_max_model_len,
     resolve_model_path,
 )
+from engine.contract import SampledToken, ScheduledSequence
 from engine.inputs import InputLimits, StepInputs, build_step_inputs
-from engine.kv_cache import KVCacheManager, plan_kv_cache
+from engine.kv_cache import PagedKVCache, plan_kv_cache
 from engine.sampler import Sampler, validate_sampling
 
 
@@ -41,7 +41,7 @@ def read_eos_token_ids(model_path: Path, hf_config: Any) -> frozenset[int]:
 
 
 class TorchModelRunner:
-    """Implements engine.batch.ModelRunner on one device (CPU or one GPU)."""
+    """Implements engine.contract.ModelRunner on one device (CPU or one GPU)."""
 
     def __init__(self, config: EngineConfig) -> None:
         from models.loader import load_model, max_model_len
@@ -65,7 +65,7 @@ class TorchModelRunner:
         self.eos_token_ids: frozenset[int] = read_eos_token_ids(self.model_path, hf_config)
 
         spec, num_blocks = plan_kv_cache(self.model, config, self.dtype, self.device)
-        self.kv_cache = KVCacheManager(spec, num_blocks, self.device)
+        self.kv_cache = PagedKVCache(spec, num_blocks, self.device)
         self.num_kv_blocks: int = num_blocks
         self.block_size: int = config.block_size
         self.limits = InputLimits(num_blocks, config.block_size, self.max_model_len, self.vocab_size)

@@ -27,7 +27,7 @@ from typing import Protocol
 
 import torch
 
-from engine.batch import SampledToken, SamplingParams
+from engine.contract import SampledToken, SamplingParams
 
 LOGPROB_FLOOR = -9999.0  # what a -inf logprob is reported as
 
@@ -36,7 +36,7 @@ _MASK64 = (1 << 64) - 1
 
 
 class SamplingRow(Protocol):
-    """What the sampler reads of a batch entry (engine.batch.ScheduledSequence has it)."""
+    """What the sampler reads of a batch entry (engine.contract.ScheduledSequence has it)."""
 
     @property
     def sampling(self) -> SamplingParams: ...

@@ -326,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     latencies = [float(x) for x in args.at_latency.split(",") if x.strip()]
     print_report(results.runs, latencies, console)
     if not args.no_plot:
-        from loadtest.plots import write_plots  # matplotlib loads in seconds; only when plotting
+        from loadtest.figures import write_plots  # matplotlib loads in seconds; only when plotting
 
         for path in write_plots(results.runs, stem):
             console.print(f"plot: {path}")

@@ -1,4 +1,4 @@
-"""Replay ORCA's synthetic workload into AsyncEngine, in process (no HTTP), for each policy and rate.
+"""Replay ORCA's synthetic workload into IterationLoop, in process (no HTTP), for each policy and rate.
 
     python -m scheduler.bench --rates 0.5,1,2 --num-requests 100
 
@@ -23,9 +23,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from engine.batch import ModelRunner, SamplingParams
+from engine.contract import ModelRunner, SamplingParams
 from scheduler.config import SchedulerConfig
-from scheduler.loop import AsyncEngine
+from scheduler.loop import IterationLoop
 from scheduler.outputs import FinishReason
 
 logger = logging.getLogger("scheduler.bench")
@@ -83,7 +83,7 @@ def make_workload(
     return items
 
 
-async def replay(engine: AsyncEngine, workload: Sequence[WorkItem], rate: float) -> list[RequestResult]:
+async def replay(engine: IterationLoop, workload: Sequence[WorkItem], rate: float) -> list[RequestResult]:
     """Send each request at its Poisson arrival time and consume its stream; returns one result each."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
@@ -121,7 +121,9 @@ def within(workload: Sequence[WorkItem], rate: float, duration: float) -> Sequen
     return workload
 
 
-def summarize(policy: str, rate: float, results: Sequence[RequestResult], engine: AsyncEngine) -> RunSummary:
+def summarize(
+    policy: str, rate: float, results: Sequence[RequestResult], engine: IterationLoop
+) -> RunSummary:
     duration = max(r.finish_s for r in results) - min(r.arrival_s for r in results)
     norm = sorted((r.finish_s - r.arrival_s) / r.num_output_tokens * 1000.0 for r in results)
     stats = engine.stats()
@@ -202,7 +204,7 @@ async def run_all(runner: ModelRunner, args: argparse.Namespace) -> list[RunSumm
         )
         for rate in (float(r) for r in args.rates.split(",")):
             items = workload if args.duration is None else within(workload, rate, args.duration)
-            engine = AsyncEngine(runner, config)
+            engine = IterationLoop(runner, config)
             await engine.start()
             try:
                 t = time.perf_counter()
@@ -217,7 +219,7 @@ async def run_all(runner: ModelRunner, args: argparse.Namespace) -> list[RunSumm
 
 async def warm_up(runner: ModelRunner) -> None:
     """One short request, so the first measured step does not pay for lazy initialisation."""
-    engine = AsyncEngine(runner, SchedulerConfig())
+    engine = IterationLoop(runner, SchedulerConfig())
     await engine.start()
     try:
         async for _ in engine.generate(

@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 
-from engine.batch import SampledToken, ScheduledSequence
+from engine.contract import SampledToken, ScheduledSequence
 from scheduler.block_allocator import BlockAllocator, blocks_for_tokens
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import TokenLogprob
@@ -153,7 +153,7 @@ class Scheduler:
                 continue
             while not self.kv.grow(req, n):
                 if not self.kv.preempts or len(self.running) == 1:
-                    # Cannot happen when max_model_len fits the cache (AsyncEngine ensures it); fail
+                    # Cannot happen when max_model_len fits the cache (IterationLoop ensures it); fail
                     # the request rather than loop forever.
                     req.error = "out of KV cache blocks"
                     step.released += self._finish(req, RequestStatus.FINISHED_ERROR, hold=False)
@@ -223,7 +223,7 @@ class Scheduler:
             if not self.kv.admit(req, n):
                 if self.running:
                     break
-                # Alone and still no room: it never will fit (AsyncEngine's length check prevents it).
+                # Alone and still no room: it never will fit (IterationLoop's length check prevents it).
                 req.error = "the request does not fit in the KV cache"
                 step.released += self._finish(req, RequestStatus.FINISHED_ERROR, hold=False)
                 continue

@@ -14,7 +14,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine.batch import SampledToken, ScheduledSequence
+from engine.contract import SampledToken, ScheduledSequence
 
 
 def hash_next_token(context: Sequence[int], vocab_size: int = 49152, first_id: int = 3) -> int:

@@ -1,4 +1,4 @@
-"""AsyncEngine: the asyncio iteration loop between the server and the model runner.
+"""IterationLoop: the asyncio iteration loop between the server and the model runner.
 
 One background task owns the scheduler. Each turn it drains pending aborts and finishes (so their KV
 blocks are free before the next step), schedules one iteration, runs `runner.step` in a single worker
@@ -16,10 +16,10 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
-from engine.batch import ModelRunner, SamplingParams
+from engine.contract import ModelRunner, SamplingParams
 from scheduler.config import SchedulerConfig
 from scheduler.core import ScheduledStep, Scheduler
-from scheduler.outputs import EngineStats, FinishReason, RequestDelta, StepReport
+from scheduler.outputs import FinishReason, RequestDelta, SchedulerStats, StepReport
 from scheduler.request import Request
 
 logger = logging.getLogger(__name__)
@@ -28,7 +28,7 @@ StepListener = Callable[[StepReport], None]
 _Control = tuple[str, Literal["abort", "finish"]]
 
 
-class EngineDeadError(RuntimeError):
+class LoopStoppedError(RuntimeError):
     """The engine was shut down or its loop died; it takes no more requests."""
 
 
@@ -49,7 +49,7 @@ def _merge(a: RequestDelta, b: RequestDelta) -> RequestDelta:
     )
 
 
-class AsyncEngine:
+class IterationLoop:
     def __init__(self, runner: ModelRunner, config: SchedulerConfig | None = None) -> None:
         self.config = config or SchedulerConfig()
         self._runner = runner
@@ -87,7 +87,7 @@ class AsyncEngine:
 
     def _ensure_started(self) -> None:
         if self._closed:
-            raise EngineDeadError("the engine is not running")
+            raise LoopStoppedError("the engine is not running")
         if self._task is not None:
             return
         self._loop = asyncio.get_running_loop()
@@ -135,14 +135,14 @@ class AsyncEngine:
         """Queue a request and return its deltas as an async iterator (call from the event loop).
 
         Raises ValueError at once for a request that cannot run (empty prompt, too long, duplicate
-        id) and EngineDeadError once the engine is shut down. Closing the iterator before the last
+        id) and LoopStoppedError once the engine is shut down. Closing the iterator before the last
         delta (aclose(), a cancelled task, a client gone) aborts the request.
         """
         down = self._runner_down()
         if down is not None:
-            raise EngineDeadError(f"the engine is not running: {down}")
+            raise LoopStoppedError(f"the engine is not running: {down}")
         if self._closed:
-            raise EngineDeadError("the engine is not running")
+            raise LoopStoppedError("the engine is not running")
         prompt = tuple(prompt_ids)
         self._scheduler.validate(request_id, len(prompt), params.max_tokens)
         self._check_token_ids(prompt, params)
@@ -208,9 +208,9 @@ class AsyncEngine:
 
     # ---- observability --------------------------------------------------------------------------
 
-    def stats(self) -> EngineStats:
+    def stats(self) -> SchedulerStats:
         s = self._scheduler
-        return EngineStats(
+        return SchedulerStats(
             running=len(s.running),
             waiting=len(s.waiting),
             kv_blocks_used=s.allocator.num_used,

@@ -37,7 +37,7 @@ class RequestDelta:
 
 
 @dataclass
-class EngineStats:
+class SchedulerStats:
     running: int
     waiting: int
     kv_blocks_used: int
@@ -52,7 +52,7 @@ class EngineStats:
 
 @dataclass
 class StepReport:
-    """What one iteration did, for the server's metrics (handed to AsyncEngine step listeners)."""
+    """What one iteration did, for the server's metrics (handed to IterationLoop step listeners)."""
 
     num_seqs: int
     num_tokens: int

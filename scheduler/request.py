@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.batch import SamplingParams
+from engine.contract import SamplingParams
 from scheduler.outputs import FinishReason, TokenLogprob
 
 

@@ -13,15 +13,15 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.batch import SamplingParams
-from scheduler.outputs import EngineStats, FinishReason, RequestDelta
+from engine.contract import SamplingParams
+from scheduler.outputs import FinishReason, RequestDelta, SchedulerStats
 from server.metrics import RequestTracker
-from server.stop import StopStringMatcher
+from server.stop_strings import StopStringMatcher
 from server.tokenizer import ServerTokenizer
 
 
-class EngineClient(Protocol):
-    """What the server needs from scheduler.loop.AsyncEngine."""
+class LoopClient(Protocol):
+    """What the server needs from scheduler.loop.IterationLoop."""
 
     max_model_len: int
 
@@ -33,7 +33,7 @@ class EngineClient(Protocol):
 
     def finish(self, request_id: str) -> None: ...
 
-    def stats(self) -> EngineStats: ...
+    def stats(self) -> SchedulerStats: ...
 
 
 class GenerationError(Exception):
@@ -71,21 +71,21 @@ class ChoiceSpec:
     skip_special_tokens: bool = True
 
 
-def open_choices(engine: EngineClient, specs: list[ChoiceSpec]) -> list[AsyncIterator[RequestDelta]]:
+def open_choices(loop: LoopClient, specs: list[ChoiceSpec]) -> list[AsyncIterator[RequestDelta]]:
     """Submit every choice to the loop at once; the loop's ValueError (bad input) aborts those submitted."""
     streams: list[AsyncIterator[RequestDelta]] = []
     try:
         for spec in specs:
-            streams.append(engine.generate(spec.prompt_ids, spec.params, spec.request_id))
+            streams.append(loop.generate(spec.prompt_ids, spec.params, spec.request_id))
     except BaseException:
         for spec in specs[: len(streams)]:
-            engine.abort(spec.request_id)
+            loop.abort(spec.request_id)
         raise
     return streams
 
 
 async def generate_choice(
-    engine: EngineClient,
+    loop: LoopClient,
     tokenizer: ServerTokenizer,
     spec: ChoiceSpec,
     stream: AsyncIterator[RequestDelta],
@@ -130,7 +130,7 @@ async def generate_choice(
                 # Tokens that start after the cut belong to the stop string: they are not reported.
                 out.logprobs = [e for e in pending if e.text_offset < emitted_len]
                 out.finish_reason = "stop"
-                engine.finish(spec.request_id)
+                loop.finish(spec.request_id)
                 tracker.on_finish(delta.num_output_tokens, out.finish_reason)
                 yield out
                 return

@@ -1,5 +1,5 @@
 """Prometheus metrics under vLLM's names, in a registry of the app's own (several apps in one process
-must not clash). Engine gauges are read from AsyncEngine.stats() at scrape time; request timings are
+must not clash). Engine gauges are read from IterationLoop.stats() at scrape time; request timings are
 observed by a RequestTracker per choice; per-iteration figures come from the loop's step listener."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from scheduler.outputs import EngineStats, StepReport
+from scheduler.outputs import SchedulerStats, StepReport
 
 # vLLM does the same: the `_created` series double the output and no dashboard reads them.
 disable_created_metrics()
@@ -61,7 +61,7 @@ REJECT_REASONS = ("queue_full", "draining", "timeout")
 class _EngineCollector(Collector):
     """Scrape-time view of the loop: queue sizes, KV usage, preemptions."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats | None]) -> None:
         self._model_name = model_name
         self._stats = stats
 
@@ -95,7 +95,7 @@ class _EngineCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats | None]) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         reg = self.registry

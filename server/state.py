@@ -1,5 +1,5 @@
 """The app's lifetime: load the model in a worker thread (the HTTP server answers meanwhile: /health
-says 503), then start the AsyncEngine on the event loop; shut it down at exit."""
+says 503), then start the IterationLoop on the event loop; shut it down at exit."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.batch import ModelRunner
+from engine.contract import ModelRunner
 from scheduler.config import SchedulerConfig
-from scheduler.loop import AsyncEngine
-from scheduler.outputs import EngineStats, StepReport
+from scheduler.loop import IterationLoop
+from scheduler.outputs import SchedulerStats, StepReport
 from server.config import ServerConfig
 from server.errors import not_ready
-from server.generation import EngineClient
+from server.generation import LoopClient
 from server.metrics import ServerMetrics
 from server.stats_log import StatsLogger
 from server.tokenizer import ServerTokenizer
@@ -38,7 +38,7 @@ class ServerState:
     def __init__(self, config: ServerConfig, loader: ModelLoader) -> None:
         self.config = config
         self._loader = loader
-        self.engine: AsyncEngine | None = None
+        self.loop: IterationLoop | None = None
         self.tokenizer: ServerTokenizer | None = None
         self.vocab_size = 0
         self.load_error: str | None = None
@@ -53,20 +53,20 @@ class ServerState:
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and self.engine.is_running and not self.draining
+        return self.loop is not None and self.loop.is_running and not self.draining
 
     def start_draining(self) -> None:
         if not self.draining:
             logger.info("draining: no new requests; those in flight may finish")
         self.draining = True
 
-    def require_ready(self) -> tuple[EngineClient, ServerTokenizer]:
-        if self.engine is None or self.tokenizer is None:
+    def require_ready(self) -> tuple[LoopClient, ServerTokenizer]:
+        if self.loop is None or self.tokenizer is None:
             raise not_ready()
-        return self.engine, self.tokenizer
+        return self.loop, self.tokenizer
 
-    def _stats(self) -> EngineStats | None:
-        return self.engine.stats() if self.engine is not None else None
+    def _stats(self) -> SchedulerStats | None:
+        return self.loop.stats() if self.loop is not None else None
 
     def _on_step(self, report: StepReport) -> None:
         self.metrics.observe_iteration(report)
@@ -87,7 +87,7 @@ class ServerState:
         try:
             loaded = await asyncio.to_thread(self._loader)
             cfg = self.config
-            engine = AsyncEngine(
+            loop = IterationLoop(
                 loaded.runner,
                 SchedulerConfig(
                     max_num_seqs=cfg.max_num_seqs,
@@ -98,8 +98,8 @@ class ServerState:
                     max_model_len=cfg.max_model_len,
                 ),
             )
-            await engine.start()
-            engine.add_step_listener(self._on_step)
+            await loop.start()
+            loop.add_step_listener(self._on_step)
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
             logger.error("loading the model failed: %s", self.load_error, exc_info=exc)
@@ -108,7 +108,7 @@ class ServerState:
             return
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.vocab_size
-        self.engine = engine
+        self.loop = loop
         if cfg.log_stats_interval_s > 0:
             stats_logger = StatsLogger(self.metrics, self._stats)
             self._stats_task = asyncio.get_running_loop().create_task(
@@ -118,7 +118,7 @@ class ServerState:
             "model %r ready in %.1fs (max_model_len=%d); try:\n  %s",
             cfg.model_name,
             time.monotonic() - t0,
-            engine.max_model_len,
+            loop.max_model_len,
             self.example_curl(),
         )
 
@@ -139,5 +139,5 @@ class ServerState:
         if self._load_task is not None and not self._load_task.done():
             # The worker thread cannot be interrupted; the task is dropped and the thread finishes alone.
             self._load_task.cancel()
-        if self.engine is not None:
-            await self.engine.shutdown()
+        if self.loop is not None:
+            await self.loop.shutdown()

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from scheduler.outputs import EngineStats
+from scheduler.outputs import SchedulerStats
 from server.metrics import ServerMetrics
 
 logger = logging.getLogger("server.stats")
@@ -24,7 +24,7 @@ class _Mark:
 
 
 class StatsLogger:
-    def __init__(self, metrics: ServerMetrics, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, metrics: ServerMetrics, stats: Callable[[], SchedulerStats | None]) -> None:
         self._metrics = metrics
         self._stats = stats
         self._last: _Mark | None = None

@@ -1,4 +1,4 @@
-"""A fake engine.batch.ModelRunner for fast server tests: deterministic tokens, no torch.
+"""A fake engine.contract.ModelRunner for fast server tests: deterministic tokens, no torch.
 
 Greedy output is a function of the request's own context only (never of what shares the batch), like
 a real model's. A `script` replaces that with fixed text, so stop-string and multi-byte tests know
@@ -22,7 +22,7 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from engine.batch import SampledToken, ScheduledSequence
+from engine.contract import SampledToken, ScheduledSequence
 from loadtest.launcher import LOOPBACK, free_port
 from server.state import LoadedModel
 from server.tokenizer import ServerTokenizer
@@ -161,7 +161,7 @@ MODEL = "fake-model"  # the served name of every fake-runner app
 
 
 def make_app(tokenizer: ServerTokenizer, runner: FakeRunner | None = None, **config: Any) -> FastAPI:
-    """The real app (real AsyncEngine) over a fake runner; the periodic stats log is off unless asked."""
+    """The real app (real IterationLoop) over a fake runner; the periodic stats log is off unless asked."""
     from server.app import create_app
     from server.config import ServerConfig
 
@@ -183,13 +183,13 @@ async def serving(app: FastAPI, runner: FakeRunner) -> AsyncIterator[httpx.Async
         runner.gate.set()
 
 
-def engine_of(app: FastAPI) -> Any:
-    return app.state.server.engine
+def loop_of(app: FastAPI) -> Any:
+    return app.state.server.loop
 
 
 async def drained(app: FastAPI) -> None:
     """Until the loop holds no request and no KV block."""
-    engine = engine_of(app)
+    engine = loop_of(app)
 
     def idle() -> bool:
         s = engine.stats()

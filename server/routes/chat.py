@@ -80,7 +80,7 @@ def _check_unsupported(body: ChatCompletionRequest) -> None:
 
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    state, engine, tokenizer = ready_for(request, body.model)
+    state, loop, tokenizer = ready_for(request, body.model)
     _check_unsupported(body)
     check_limits(
         state,
@@ -92,7 +92,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         max_tokens=body.requested_max_tokens,
     )
     prompt = await encode_chat(tokenizer, body.messages)
-    limit = engine.max_model_len
+    limit = loop.max_model_len
     requested = body.requested_max_tokens
     if requested is None:  # as much as fits, as vLLM does
         if len(prompt) >= limit:
@@ -109,7 +109,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     specs = choice_specs(
         meta.id, [prompt], body.n or 1, params, body.stop_strings, bool(body.skip_special_tokens)
     )
-    run = start_choices(state, engine, tokenizer, specs, len(prompt))
+    run = start_choices(state, loop, tokenizer, specs, len(prompt))
     if body.stream:
         return stream_response(run, _stream(state, run, meta, body))
 

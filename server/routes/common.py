@@ -17,7 +17,7 @@ from fastapi.responses import Response
 from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 
-from engine.batch import SamplingParams
+from engine.contract import SamplingParams
 from server.errors import (
     APIError,
     context_length_exceeded,
@@ -27,7 +27,7 @@ from server.errors import (
     queue_full,
     request_timeout,
 )
-from server.generation import ChoiceSpec, EngineClient, GenerationError
+from server.generation import ChoiceSpec, GenerationError, LoopClient
 from server.protocol import SamplingFields
 from server.state import ServerState
 from server.tokenizer import ServerTokenizer
@@ -79,14 +79,14 @@ def check_draining(state: ServerState) -> None:
         raise draining(state.config.retry_after_s)
 
 
-def admit(state: ServerState, engine: EngineClient, num_choices: int) -> None:
+def admit(state: ServerState, loop: LoopClient, num_choices: int) -> None:
     """Refuse a request (429 + Retry-After) whose choices would overflow the waiting queue. Checked and
     followed by generate() in the same event-loop turn, so concurrent requests cannot overshoot."""
     check_draining(state)
     limit = state.config.max_queue_len
     if limit is None:
         return
-    waiting = engine.stats().waiting
+    waiting = loop.stats().waiting
     if waiting + num_choices > limit:
         state.metrics.count_rejected("queue_full")
         logger.warning("queue full (%d waiting, limit %d): refusing %d choices", waiting, limit, num_choices)
@@ -99,14 +99,14 @@ def check_model(state: ServerState, name: str | None) -> None:
         raise model_not_found(name)
 
 
-def ready_for(request: Request, model: str | None) -> tuple[ServerState, EngineClient, ServerTokenizer]:
+def ready_for(request: Request, model: str | None) -> tuple[ServerState, LoopClient, ServerTokenizer]:
     """What a generation route checks before reading its body further: a loaded model (503 while
     loading), a server taking requests (503 while draining), and the model it names (404)."""
     state = get_state(request)
-    engine, tokenizer = state.require_ready()
+    loop, tokenizer = state.require_ready()
     check_draining(state)
     check_model(state, model)
-    return state, engine, tokenizer
+    return state, loop, tokenizer
 
 
 async def offload(fn: Callable[..., T], *args: Any, size: int) -> T:
@@ -179,13 +179,13 @@ def choice_specs(
     return specs
 
 
-def abort_all(engine: EngineClient, specs: list[ChoiceSpec]) -> None:
+def abort_all(loop: LoopClient, specs: list[ChoiceSpec]) -> None:
     """Idempotent: requests already finished are left alone by the loop."""
     for spec in specs:
-        engine.abort(spec.request_id)
+        loop.abort(spec.request_id)
 
 
-def engine_error(exc: Exception) -> APIError:
+def loop_stopped_error(exc: Exception) -> APIError:
     if isinstance(exc, GenerationError):
         return APIError(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR, "server_error", None, "generation_failed")
     return APIError(f"The engine is not running: {exc}", HTTPStatus.SERVICE_UNAVAILABLE, "server_error")
@@ -288,10 +288,10 @@ def sse(events: AsyncIterator[dict[str, Any] | str], cleanup: Callable[[], None]
                 }
         except APIError as exc:
             yield {"data": json.dumps(exc.body())}
-        except Exception as exc:  # GenerationError, EngineDeadError, or a bug: the client must hear of it
+        except Exception as exc:  # GenerationError, LoopStoppedError, or a bug: the client must hear of it
             if not isinstance(exc, GenerationError):
                 logger.exception("stream failed")
-            yield {"data": json.dumps(engine_error(exc).body())}
+            yield {"data": json.dumps(loop_stopped_error(exc).body())}
         yield {"data": "[DONE]"}
 
     # Pings are SSE comments (": ping"), which every SSE parser (the openai client's included) skips;

@@ -69,7 +69,7 @@ async def _prompt_ids(
 
 @router.post("/v1/completions", response_model=None)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
-    state, engine, tokenizer = ready_for(request, body.model)
+    state, loop, tokenizer = ready_for(request, body.model)
     n = body.n or 1
     check_limits(
         state,
@@ -93,7 +93,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 
     prompts = await _prompt_ids(body, tokenizer, state.vocab_size)
     for p in prompts:
-        check_context(engine.max_model_len, len(p), max_tokens)
+        check_context(loop.max_model_len, len(p), max_tokens)
     meta = ResponseMeta.new("cmpl", state.config.model_name)
     echoes = [_echo_text(body, tokenizer, i, p) for i, p in enumerate(prompts)] if body.echo else None
 
@@ -102,7 +102,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
 
     params = sampling_params(body, max_tokens, body.logprobs, state.vocab_size)
     specs = choice_specs(meta.id, prompts, n, params, body.stop_strings, bool(body.skip_special_tokens))
-    run = start_choices(state, engine, tokenizer, specs, sum(len(p) for p in prompts))
+    run = start_choices(state, loop, tokenizer, specs, sum(len(p) for p in prompts))
     if body.stream:
         return stream_response(run, _stream(state, run, meta, body, echoes))
 

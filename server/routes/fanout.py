@@ -15,14 +15,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
-from scheduler.loop import EngineDeadError
+from scheduler.loop import LoopStoppedError
 from server.errors import invalid
 from server.generation import (
     ChoiceDelta,
     ChoiceSpec,
-    EngineClient,
     GenerationError,
     LogprobEntry,
+    LoopClient,
     generate_choice,
     merge_choices,
     open_choices,
@@ -35,7 +35,7 @@ from server.routes.common import (
     admit,
     cancel_on_disconnect,
     disconnected_response,
-    engine_error,
+    loop_stopped_error,
     sse,
 )
 from server.state import ServerState
@@ -49,14 +49,14 @@ ChunkBuilder = Callable[[list[dict[str, Any]], dict[str, int] | None], dict[str,
 class ChoiceRun:
     """A request's choices, submitted to the loop and running under the request's deadline."""
 
-    engine: EngineClient
+    loop: LoopClient
     specs: list[ChoiceSpec]
     gens: list[AsyncIterator[ChoiceDelta]]
     deadline: Deadline
     prompt_tokens: int  # over all prompts, for usage
 
     def abort(self) -> None:
-        abort_all(self.engine, self.specs)
+        abort_all(self.loop, self.specs)
 
 
 @dataclass
@@ -71,25 +71,25 @@ class CollectedChoice:
 
 def start_choices(
     state: ServerState,
-    engine: EngineClient,
+    loop: LoopClient,
     tokenizer: ServerTokenizer,
     specs: list[ChoiceSpec],
     prompt_tokens: int,
 ) -> ChoiceRun:
     """Admit the choices (429 on a full queue) and submit them; the deadline starts now."""
-    admit(state, engine, len(specs))
+    admit(state, loop, len(specs))
     try:
-        streams = open_choices(engine, specs)
+        streams = open_choices(loop, specs)
     except ValueError as exc:
         raise invalid(str(exc)) from None
-    except EngineDeadError as exc:
-        raise engine_error(exc) from None
+    except LoopStoppedError as exc:
+        raise loop_stopped_error(exc) from None
     deadline = Deadline(state, state.config.request_timeout_s)
     gens = [
-        generate_choice(engine, tokenizer, s, st, state.metrics.tracker())
+        generate_choice(loop, tokenizer, s, st, state.metrics.tracker())
         for s, st in zip(specs, streams, strict=True)
     ]
-    return ChoiceRun(engine, specs, gens, deadline, prompt_tokens)
+    return ChoiceRun(loop, specs, gens, deadline, prompt_tokens)
 
 
 async def collect_choices(run: ChoiceRun) -> tuple[list[CollectedChoice], dict[str, int]]:
@@ -156,6 +156,6 @@ async def collect_response(
     except ClientDisconnected:
         run.abort()  # in case the work was cancelled before it started
         return disconnected_response()
-    except (GenerationError, EngineDeadError) as exc:
-        raise engine_error(exc) from None
+    except (GenerationError, LoopStoppedError) as exc:
+        raise loop_stopped_error(exc) from None
     return JSONResponse(result)

@@ -24,8 +24,8 @@ from builders import build_hf_model, gguf_structured, tiny_gpt2_config, tiny_lla
 from fakes import FakeRunner, live_server, wait_until
 from kernel_marks import needs_native_kernels
 
-from engine.batch import SampledToken, SamplingParams, ScheduledSequence
 from engine.config import EngineConfig
+from engine.contract import SampledToken, SamplingParams, ScheduledSequence
 from engine.distributed import Topology, decode_batch, encode_batch
 from engine.parallel_runner import ParallelModelRunner
 from engine.runner import TorchModelRunner
@@ -34,7 +34,7 @@ from models.loader import load_tokenizer
 from models.registry import model_class_for
 from models.weight_packing import packable_layers
 from scheduler.config import SchedulerConfig
-from scheduler.loop import AsyncEngine
+from scheduler.loop import IterationLoop
 from server.app import create_app
 from server.config import ServerConfig
 from server.state import LoadedModel
@@ -196,9 +196,9 @@ class PipelinedFake(FakeRunner):
 
 
 async def greedy_through_loop(
-    runner: Any, prompts: Sequence[Sequence[int]], max_tokens: int, engine: AsyncEngine | None = None
+    runner: Any, prompts: Sequence[Sequence[int]], max_tokens: int, engine: IterationLoop | None = None
 ) -> list[list[int]]:
-    engine = engine or AsyncEngine(runner, SCHED)
+    engine = engine or IterationLoop(runner, SCHED)
     await engine.start()
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
@@ -222,7 +222,7 @@ async def test_pipelined_loop_keeps_depth_batches_in_flight(num_kv_blocks: int) 
     prompts = [[20 + i] * (3 + 5 * i) for i in range(6)]
     plain = await greedy_through_loop(FakeRunner(num_kv_blocks=num_kv_blocks), prompts, 8)
     fake = PipelinedFake(depth=2, num_kv_blocks=num_kv_blocks)
-    engine = AsyncEngine(fake, SCHED)
+    engine = IterationLoop(fake, SCHED)
     piped = await greedy_through_loop(fake, prompts, 8, engine)
     assert piped == plain
     assert fake.max_in_flight == 2 and not fake.in_flight
@@ -241,7 +241,7 @@ async def test_pipelined_loop_stops_on_a_fatal_step_error() -> None:
                 raise Fatal("worker gone")
             return super().submit(batch)
 
-    engine = AsyncEngine(DiesAtThirdStep(depth=2), SCHED)
+    engine = IterationLoop(DiesAtThirdStep(depth=2), SCHED)
     await engine.start()
     deltas = [d async for d in engine.generate([5, 6, 7], SamplingParams(max_tokens=20), "r")]
     assert deltas[-1].error is not None and "worker gone" in deltas[-1].error
@@ -396,7 +396,7 @@ async def test_dead_worker_makes_server_unhealthy_and_fails_requests(uneven_llam
             assert (await http.get("/health")).status_code == 200
             assert (await http.post("/v1/completions", json=short)).status_code == 200
 
-            engine = app.state.server.engine
+            engine = app.state.server.loop
             steps_before = engine.stats().num_steps
             in_flight = asyncio.create_task(http.post("/v1/completions", json=long))
             await wait_until(lambda: engine.stats().num_steps >= steps_before + 3)
@@ -423,7 +423,7 @@ async def test_tp2_pp2_four_processes(uneven_llama_dir: Path, reference_tokens: 
 
 TORCHRUN_SCRIPT = """
 import json, os, sys
-from engine.batch import SamplingParams, ScheduledSequence
+from engine.contract import SamplingParams, ScheduledSequence
 from engine.config import EngineConfig
 from engine.parallel_runner import ParallelModelRunner, run_torchrun_worker
 

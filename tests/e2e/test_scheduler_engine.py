@@ -1,4 +1,4 @@
-"""AsyncEngine over the real engine (TorchModelRunner) on a tiny random Llama: ORCA's behaviours
+"""IterationLoop over the real engine (TorchModelRunner) on a tiny random Llama: ORCA's behaviours
 end to end. Order of events and step counters only, never wall-clock time."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.batch import SamplingParams
 from engine.config import EngineConfig
+from engine.contract import SamplingParams
 from engine.runner import TorchModelRunner
 from scheduler.config import SchedulerConfig
-from scheduler.loop import AsyncEngine
+from scheduler.loop import IterationLoop
 from scheduler.outputs import FinishReason, RequestDelta
 
 GUARD_S = 120  # a hang fails the test instead of stalling the suite
@@ -58,8 +58,8 @@ def tokens(deltas: list[RequestDelta]) -> list[int]:
 
 async def run_engine(
     runner: TorchModelRunner, config: SchedulerConfig, specs
-) -> tuple[list[list[int]], AsyncEngine]:
-    engine = AsyncEngine(runner, config)
+) -> tuple[list[list[int]], IterationLoop]:
+    engine = IterationLoop(runner, config)
     await engine.start()
     try:
         streams = [engine.generate(p, params, rid) for rid, p, params in specs]
@@ -91,7 +91,7 @@ async def test_preempted_request_recomputes_the_same_tokens(
 async def test_late_arrival_gets_its_first_token_before_the_running_one_finishes(
     roomy_runner: TorchModelRunner,
 ):
-    engine = AsyncEngine(roomy_runner, SchedulerConfig())
+    engine = IterationLoop(roomy_runner, SchedulerConfig())
     await engine.start()
     events: list[tuple[str, int, FinishReason | None]] = []  # (request, its output count, finish)
 
@@ -120,7 +120,7 @@ async def test_late_arrival_gets_its_first_token_before_the_running_one_finishes
 
 
 async def test_early_finisher_returns_while_the_long_one_keeps_running(roomy_runner: TorchModelRunner):
-    engine = AsyncEngine(roomy_runner, SchedulerConfig())
+    engine = IterationLoop(roomy_runner, SchedulerConfig())
     await engine.start()
     done_at: dict[str, int] = {}  # engine steps when the request's last delta arrived
 
@@ -142,7 +142,7 @@ async def test_early_finisher_returns_while_the_long_one_keeps_running(roomy_run
 async def test_request_level_batching_makes_the_late_arrival_wait_for_the_whole_batch(
     roomy_runner: TorchModelRunner,
 ):
-    engine = AsyncEngine(roomy_runner, SchedulerConfig(scheduling="request", kv_policy="reserve"))
+    engine = IterationLoop(roomy_runner, SchedulerConfig(scheduling="request", kv_policy="reserve"))
     await engine.start()
     order: list[tuple[str, int]] = []  # (request, engine steps when its only delta arrived)
 

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.batch import SamplingParams, ScheduledSequence
 from engine.config import EngineConfig
+from engine.contract import SamplingParams, ScheduledSequence
 from engine.runner import TorchModelRunner
 
 BLOCK_SIZE = 4  # small, so sequences cross many block boundaries

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from engine import config as engine_config
-from engine.batch import SamplingParams, ScheduledSequence
 from engine.config import EngineConfig, resolve_dtype
+from engine.contract import SamplingParams, ScheduledSequence
 from engine.runner import TorchModelRunner
 
 GREEDY = SamplingParams(temperature=0.0)

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from engine.batch import SamplingParams
+from engine.contract import SamplingParams
 from engine.sampler import LOGPROB_FLOOR, Sampler, row_seed, validate_sampling
 
 V = 10

@@ -1,4 +1,4 @@
-"""AsyncEngine (scheduler.loop) with the fake runner: streaming, aborts, failures, the worker thread.
+"""IterationLoop (scheduler.loop) with the fake runner: streaming, aborts, failures, the worker thread.
 
 Order of events and step counters only; the timeouts below are guards against a hang, not assertions.
 """
@@ -11,10 +11,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 
-from engine.batch import SamplingParams
+from engine.contract import SamplingParams
 from scheduler.config import SchedulerConfig
 from scheduler.fake_runner import FakeRunner, hash_next_token
-from scheduler.loop import AsyncEngine, EngineDeadError
+from scheduler.loop import IterationLoop, LoopStoppedError
 from scheduler.outputs import FinishReason, RequestDelta, StepReport
 
 GUARD_S = 20  # a hang fails the test instead of stalling the suite
@@ -53,10 +53,10 @@ async def in_thread_wait(event: threading.Event) -> None:
 
 @pytest.fixture
 async def make_engine():
-    engines: list[AsyncEngine] = []
+    engines: list[IterationLoop] = []
 
-    async def make(runner: FakeRunner | None = None, **cfg) -> AsyncEngine:
-        engine = AsyncEngine(runner or FakeRunner(), SchedulerConfig(**cfg) if cfg else None)
+    async def make(runner: FakeRunner | None = None, **cfg) -> IterationLoop:
+        engine = IterationLoop(runner or FakeRunner(), SchedulerConfig(**cfg) if cfg else None)
         await engine.start()
         engines.append(engine)
         return engine
@@ -259,7 +259,7 @@ async def test_a_dead_loop_fails_every_request_and_refuses_new_ones(make_engine)
         deltas = await collect(stream)
         assert deltas[-1].finish_reason is FinishReason.ERROR and "scheduler bug" in (deltas[-1].error or "")
     assert not engine.is_running
-    with pytest.raises(EngineDeadError):
+    with pytest.raises(LoopStoppedError):
         engine.generate(prompt(4), SamplingParams(), "c")
 
 
@@ -282,7 +282,7 @@ async def test_shutdown_aborts_everything_and_stops(make_engine):
     assert (await collect(a))[-1].finish_reason is FinishReason.ABORT
     assert (await collect(b))[-1].finish_reason is FinishReason.ABORT
     assert not engine.is_running and engine.stats().kv_blocks_used == 0
-    with pytest.raises(EngineDeadError):
+    with pytest.raises(LoopStoppedError):
         engine.generate(prompt(4), SamplingParams(), "c")
 
 
@@ -318,7 +318,7 @@ async def test_request_level_batching_returns_early_finishers_with_their_batch(m
 
 
 async def test_queue_time_on_the_first_delta_only():
-    engine = AsyncEngine(FakeRunner(), SchedulerConfig(max_num_seqs=1))
+    engine = IterationLoop(FakeRunner(), SchedulerConfig(max_num_seqs=1))
     await engine.start()
     try:
         params = SamplingParams(temperature=0.0, max_tokens=4)

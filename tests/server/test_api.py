@@ -1,4 +1,4 @@
-"""The OpenAI API over ASGI with the real AsyncEngine and the fake runner: response shapes of both
+"""The OpenAI API over ASGI with the real IterationLoop and the fake runner: response shapes of both
 endpoints, streaming, n > 1, logprobs, echo, whole UTF-8 characters, the utility routes, scheduler flags."""
 
 from __future__ import annotations
@@ -286,7 +286,7 @@ async def test_scheduler_flags_are_wired(tokenizer, scheduling, kv_policy):
             *(client.post("/v1/completions", json={"prompt": f"p{i}", "max_tokens": 3 + i}) for i in range(5))
         )
         assert [r.json()["usage"]["completion_tokens"] for r in rs] == [3, 4, 5, 6, 7]
-        engine = app.state.server.engine
+        engine = app.state.server.loop
         assert (engine.config.scheduling, engine.config.kv_policy, engine.config.max_num_seqs) == (
             scheduling,
             kv_policy,

@@ -269,7 +269,7 @@ def test_fuzz_openapi_routes(fuzz_app) -> None:
     assert total >= 500
     assert statuses[200] > 0 and any(400 <= s < 500 for s in statuses)
     # Nothing leaked: every request's KV blocks and queue entries are gone once the loop settles.
-    engine = app.state.server.engine
+    engine = app.state.server.loop
     for _ in range(200):
         stats = engine.stats()
         if stats.running == stats.waiting == stats.kv_blocks_used == 0:
