@@ -25,7 +25,7 @@ import torch
 
 from engine.config import EngineConfig
 from engine.contract import SamplingParams, ScheduledSequence
-from engine.runner import TorchModelRunner
+from engine.executor import LocalExecutor
 from models.kernels import cpu as cpu_kernels
 from models.weight_packing import WEIGHT_PACKING_MODES, packable_layers
 
@@ -92,7 +92,7 @@ def make_prompts(batch_size: int, prompt_len: int, vocab_size: int, seed: int) -
 
 
 def engine_prefill(
-    runner: TorchModelRunner, prompts: list[list[int]], new_tokens: int
+    runner: LocalExecutor, prompts: list[list[int]], new_tokens: int
 ) -> tuple[list[list[int]], list[list[int]]]:
     """Run all prompts in one step; returns (block tables, outputs) ready for decode steps."""
     blocks_per_seq = -(-(len(prompts[0]) + new_tokens) // runner.block_size)
@@ -111,7 +111,7 @@ def engine_prefill(
 
 
 def engine_decode_steps(
-    runner: TorchModelRunner,
+    runner: LocalExecutor,
     prompts: list[list[int]],
     tables: list[list[int]],
     outputs: list[list[int]],
@@ -133,7 +133,7 @@ def engine_decode_steps(
     return times
 
 
-def engine_decode(runner: TorchModelRunner, prompts: list[list[int]], new_tokens: int) -> StepTimes:
+def engine_decode(runner: LocalExecutor, prompts: list[list[int]], new_tokens: int) -> StepTimes:
     t0 = time.perf_counter()
     tables, outputs = engine_prefill(runner, prompts, new_tokens)
     prefill_s = time.perf_counter() - t0
@@ -173,11 +173,11 @@ def hf_decode(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> 
     return StepTimes(len(prompts), t[1] - t[0], [b - a for a, b in zip(t[1:-1], t[2:], strict=True)])
 
 
-def bench_runner(args: argparse.Namespace, num_kv_blocks: int | None) -> TorchModelRunner:
+def bench_runner(args: argparse.Namespace, num_kv_blocks: int | None) -> LocalExecutor:
     """The runner a benchmark's command line describes (--model, --dtype, --device, --block-size,
     --attention-backend), with a KV cache of `num_kv_blocks` (None: the engine's default budget).
     Shared by this bench and scheduler.bench, whose flags mean the same."""
-    return TorchModelRunner(
+    return LocalExecutor(
         EngineConfig(
             model=args.model,
             dtype=args.dtype,
@@ -225,9 +225,9 @@ def run(args: argparse.Namespace) -> tuple[list[BenchRow], dict]:
         "model": str(runner.model_path),
         "dtype": str(runner.dtype).removeprefix("torch."),
         "device": str(runner.device),
-        "attention_backend": runner.model.attn_backend.name,
+        "attention_backend": runner.runner.model.attn_backend.name,
         "native_kernels": cpu_kernels.available() and runner.device.type == "cpu",
-        "packed_weights": sum(m.packed is not None for m in packable_layers(runner.model)),
+        "packed_weights": sum(m.packed is not None for m in packable_layers(runner.runner.model)),
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
         "repeats": args.repeats,

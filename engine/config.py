@@ -35,8 +35,8 @@ class EngineConfig:
     # group-int8 kernel (models/weight_packing.py); "off": every weight stays float32.
     weight_packing: str = "auto"
     seed: int = 0  # seeds the engine generator used by unseeded sampled rows
-    tensor_parallel_size: int = 1  # ranks that shard every layer (engine.parallel_runner)
-    pipeline_parallel_size: int = 1  # stages the layers are split into (engine.parallel_runner)
+    tensor_parallel_size: int = 1  # ranks that shard every layer (engine.distributed_executor)
+    pipeline_parallel_size: int = 1  # stages the layers are split into (engine.distributed_executor)
     # Seconds a rank waits on a peer inside a step (and at start-up) before the engine declares it dead.
     distributed_timeout_s: float = 300.0
 

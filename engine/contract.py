@@ -1,14 +1,14 @@
 """The contract between the scheduler and the engine. Pure Python: no torch here.
 
-The scheduler builds a list of `ScheduledSequence` each step; `ModelRunner.step` runs them in one
-forward pass and returns one `SampledToken` (or None) per entry, in the same order.
+The scheduler builds a list of `ScheduledSequence` each step; an `Executor` runs them in one forward pass
+and returns one `SampledToken` (or None) per entry, in the same order.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 # Temperatures below this are greedy (vLLM uses the same bound): dividing logits by, say, 1e-8 overflows
 # float32 to inf, and the softmax of that is NaN, which would be both the draw and the logprobs.
@@ -33,6 +33,14 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        # What the sampler cannot apply; checked once, when a request's parameters are made (the server
+        # has already answered 400 for these; this guards direct callers of the loop).
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must not be negative, got {self.logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -74,14 +82,39 @@ class SampledToken:
     top_logprobs: list[tuple[int, float]] | None = None  # best first, len == SamplingParams.logprobs
 
 
-class ModelRunner(Protocol):
-    """What the scheduler's loop needs from an engine; tests pass a fake with the same shape."""
+class FatalRunnerError(RuntimeError):
+    """The executor can run no more steps (a worker process died, a collective broke). The loop fails
+    every request and stops; any other exception from a step fails only that step's requests."""
+
+
+class Executor(Protocol):
+    """Everything the scheduler's loop (scheduler.loop.IterationLoop) uses of the engine: the sizes it
+    schedules against, and steps. engine.executor.LocalExecutor and
+    engine.distributed_executor.DistributedExecutor implement it; tests pass
+    scheduler.fake_runner.FakeRunner.
+
+    A step is `collect(submit(batch))`. `submit` starts it and returns a handle once the first pipeline
+    stage has its share; `collect` waits for the step's tokens, one per entry of the batch in order
+    (None where `sample` is False). Up to `pipeline_depth` handles may be outstanding, collected in
+    submission order. The batch is trusted: the loop validates every request at admission.
+    """
 
     num_kv_blocks: int
-    block_size: int
-    max_model_len: int
+    block_size: int  # tokens per KV block
+    max_model_len: int  # prompt + output tokens the model takes
+    vocab_size: int  # token ids are in [0, vocab_size)
     eos_token_ids: frozenset[int]
+    pipeline_depth: int  # batches the loop may keep in flight (ORCA: one per pipeline stage)
 
-    def step(self, batch: Sequence[ScheduledSequence]) -> list[SampledToken | None]:
-        """Run one iteration. Entries with sample=False get None."""
+    @property
+    def dead_reason(self) -> str | None:
+        """Why no more steps can run (None while they can). Cheap: read by /health and the loop."""
+        ...
+
+    def submit(self, batch: Sequence[ScheduledSequence]) -> Any:
+        """Start a step; raises FatalRunnerError when the executor is down."""
+        ...
+
+    def collect(self, handle: Any) -> list[SampledToken | None]:
+        """Wait for a submitted step's tokens (in submission order)."""
         ...

@@ -26,7 +26,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.contract import ScheduledSequence
+from engine.contract import FatalRunnerError, ScheduledSequence
 
 # A worker may wait this long for the next step of an idle server.
 CONTROL_TIMEOUT = timedelta(days=365)
@@ -37,11 +37,9 @@ OP_STEP = 1
 OP_SHUTDOWN = 2
 
 
-class WorkerDiedError(RuntimeError):
+class WorkerDiedError(FatalRunnerError):
     """A rank of the process group died or stopped answering. The group cannot be repaired, so the
-    engine is finished: `fatal` tells the scheduler loop to stop instead of carrying on."""
-
-    fatal = True
+    executor is finished (FatalRunnerError: the scheduler loop stops instead of carrying on)."""
 
 
 @dataclass(frozen=True)

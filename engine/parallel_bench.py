@@ -1,5 +1,5 @@
 """What tensor and pipeline parallelism cost: step times of one configuration, plus the bytes each step
-moves between ranks (counted from the shapes, per the layout in engine/parallel_runner.py).
+moves between ranks (counted from the shapes, per the layout in engine/distributed_executor.py).
 
     python -m engine.parallel_bench --tp 2 --pp 1 [--model default] [--batch-sizes 1,8,32]
                                     [--prompt-len 64] [--steps 16] [--dtype float32] [--json out.json]
@@ -20,13 +20,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from engine.config import EngineConfig
 from engine.contract import SamplingParams, ScheduledSequence
-from engine.parallel_runner import create_runner
+from engine.executor import ExecutorBase, create_executor
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 
@@ -96,10 +95,10 @@ def seqs_for(
 
 
 def bench_batch(
-    runner: Any, batch: int, prompt_len: int, steps: int
+    runner: ExecutorBase, batch: int, prompt_len: int, steps: int
 ) -> tuple[float, list[float], float | None]:
     """(prefill seconds, decode step seconds, pipelined decode tokens/s or None)."""
-    pipelined = getattr(runner, "pipeline_depth", 1) > 1
+    pipelined = runner.pipeline_depth > 1
     num_seqs = 2 * batch if pipelined else batch
     blocks_per_seq = -(-(prompt_len + 2 * steps + 1) // runner.block_size)
     if num_seqs * blocks_per_seq > runner.num_kv_blocks:
@@ -157,9 +156,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         tensor_parallel_size=a.tp,
         pipeline_parallel_size=a.pp,
     )
-    runner = create_runner(config)
+    runner = create_executor(config)
     try:
-        hf = getattr(runner, "_stage", runner).model.config
+        hf = runner.runner.model.config
         rows = []
         for batch in (int(b) for b in a.batch_sizes.split(",")):
             prefill, times, pipelined = bench_batch(runner, batch, a.prompt_len, a.steps)
@@ -201,9 +200,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.json is not None:
             a.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
     finally:
-        close = getattr(runner, "close", None)
-        if close is not None:
-            close()
+        runner.close()
     return 0
 
 

@@ -31,7 +31,6 @@ from engine.contract import SampledToken, SamplingParams
 
 LOGPROB_FLOOR = -9999.0  # what a -inf logprob is reported as
 
-MAX_LOGPROBS = 20
 _MASK64 = (1 << 64) - 1
 
 
@@ -52,20 +51,6 @@ def row_seed(seed: int, num_output_tokens: int) -> int:
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
-
-
-def validate_sampling(rows: Sequence[SamplingRow], vocab_size: int) -> None:
-    """Raise ValueError for parameters the sampler cannot apply (checked before a step runs)."""
-    for row in rows:
-        p = row.sampling
-        if p.logit_bias:
-            for tok in p.logit_bias:
-                if not 0 <= tok < vocab_size:
-                    raise ValueError(f"logit_bias token id {tok} out of range [0, {vocab_size})")
-        if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}")
-        if p.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be positive, got {p.repetition_penalty}")
 
 
 class Sampler:

@@ -8,7 +8,7 @@ The same requests (same prompts, lengths and arrival gaps, scaled by the rate) a
 policy. Reported per (policy, rate): request throughput, output tokens/s, and the median normalized
 latency (end-to-end latency / generated tokens, ms/token), the paper's y axis.
 
-The engine is the real one (engine.runner.TorchModelRunner), built once and shared by every run.
+The engine is the real one (engine.executor.LocalExecutor), built once and shared by every run.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
-from engine.contract import ModelRunner, SamplingParams
+from engine.contract import Executor, SamplingParams
 from scheduler.config import SchedulerConfig
 from scheduler.loop import IterationLoop
 from scheduler.outputs import FinishReason
@@ -183,7 +183,7 @@ def print_table(rows: Sequence[RunSummary], slo_ms: float | None) -> None:
             print(f"{policy}: highest rate with median <= {slo_ms:g} ms/token: {best}")
 
 
-async def run_all(runner: ModelRunner, args: argparse.Namespace) -> list[RunSummary]:
+async def run_all(runner: Executor, args: argparse.Namespace) -> list[RunSummary]:
     vocab = int(getattr(runner, "vocab_size", 32000))
     workload = make_workload(
         args.num_requests,
@@ -217,7 +217,7 @@ async def run_all(runner: ModelRunner, args: argparse.Namespace) -> list[RunSumm
     return rows
 
 
-async def warm_up(runner: ModelRunner) -> None:
+async def warm_up(runner: Executor) -> None:
     """One short request, so the first measured step does not pay for lazy initialisation."""
     engine = IterationLoop(runner, SchedulerConfig())
     await engine.start()

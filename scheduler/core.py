@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from engine.contract import SampledToken, ScheduledSequence
 from scheduler.block_allocator import BlockAllocator, blocks_for_tokens
 from scheduler.config import SchedulerConfig
-from scheduler.outputs import TokenLogprob
+from scheduler.outputs import SchedulerStats, TokenLogprob
 from scheduler.policy import make_batching_policy, make_kv_policy
 from scheduler.request import Request, RequestStatus
 from scheduler.stop import check_stop
@@ -88,6 +88,33 @@ class Scheduler:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    @property
+    def num_unfinished(self) -> int:
+        """Requests waiting or running."""
+        return len(self.waiting) + len(self.running)
+
+    def get(self, request_id: str) -> Request | None:
+        """A request not yet handed back (finished-but-held included)."""
+        return self.requests.get(request_id)
+
+    def stats(self) -> SchedulerStats:
+        """The scheduler's counters (num_steps is the loop's: 0 here)."""
+        return SchedulerStats(
+            running=len(self.running),
+            waiting=len(self.waiting),
+            kv_blocks_used=self.allocator.num_used,
+            kv_blocks_total=self.allocator.num_blocks,
+            num_preemptions=self.num_preemptions,
+            num_steps=0,
+        )
+
+    def abort_all(self) -> list[Request]:
+        """Abort every request (shutdown). Returns the requests to send a final delta to."""
+        released: list[Request] = []
+        for request_id in list(self.requests):
+            released += self.abort(request_id)
+        return released
 
     def abort(self, request_id: str) -> list[Request]:
         """End a request (client gone, shutdown). Returns the requests to send a final delta to."""

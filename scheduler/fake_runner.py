@@ -1,14 +1,22 @@
-"""FakeRunner: a deterministic, torch-free ModelRunner for tests (scheduler, loop, server) and demos.
+"""FakeRunner: a deterministic, torch-free executor (engine.contract.Executor) for tests, demos and the
+load tester's fake server.
 
-Its "model" maps a whole context to the next token with a hash, and it keeps the context in a
-simulated paged KV cache that remembers which request wrote each slot. So a scheduling bug (a block
-table that is too short or shared, a stale block read back, a wrong start position, a recompute that
-skips tokens) raises or changes the tokens, as it would with a real model.
+Its "model" maps a whole context to the next token with a hash, and it keeps the context in a simulated
+paged KV cache that remembers which request wrote each slot. So a scheduling bug (a block table that is
+too short or shared, a stale block read back, a wrong start position, a recompute that skips tokens)
+raises or changes the tokens, as it would with a real model. With `pipeline_depth` > 1 it also checks
+ORCA's rules for batches in flight (no request in two of them, each batch continuing where the last
+one ended, collected in submission order).
+
+Output is a function of the request's own context (and seed, when sampling with one) only, never of
+what shares the batch, like a real model's greedy output; unseeded sampling gives the greedy tokens. A `script` replaces that with fixed tokens, so stop-string and
+multi-byte tests know exactly what comes out.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import zlib
 from array import array
 from collections.abc import Callable, Sequence
@@ -16,10 +24,14 @@ from dataclasses import dataclass
 
 from engine.contract import SampledToken, ScheduledSequence
 
+# SmolLM2's ids 0..16 are special tokens: tokens from the plain range read as words once decoded.
+FIRST_PLAIN_TOKEN = 17
+PLAIN_TOKEN_SPAN = 20000
 
-def hash_next_token(context: Sequence[int], vocab_size: int = 49152, first_id: int = 3) -> int:
-    """A token in [first_id, vocab_size) that depends on every token of the context (never EOS=2)."""
-    return first_id + zlib.crc32(array("q", context).tobytes()) % (vocab_size - first_id)
+
+def hash_next_token(context: Sequence[int], first_id: int = FIRST_PLAIN_TOKEN, span: int = PLAIN_TOKEN_SPAN) -> int:
+    """A token in [first_id, first_id + span) that depends on every token of the context (never EOS)."""
+    return first_id + zlib.crc32(array("q", context).tobytes()) % span
 
 
 @dataclass(frozen=True)
@@ -41,38 +53,83 @@ class FakeRunner:
         max_model_len: int = 256,
         eos_token_ids: frozenset[int] = frozenset({2}),
         vocab_size: int = 49152,
+        pipeline_depth: int = 1,
         token_fn: Callable[[Sequence[int]], int] = hash_next_token,
+        script: Sequence[int] | None = None,
         fail_when: Callable[[Sequence[ScheduledSequence]], bool] | None = None,
+        fail_at_step: int | None = None,
         gate: threading.Event | None = None,
+        step_delay_s: float = 0.0,
+        per_token_delay_s: float = 0.0,
     ) -> None:
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
+        self.pipeline_depth = pipeline_depth
         self.token_fn = token_fn
-        self.fail_when = fail_when  # raise inside step() when it returns True
-        self.gate = gate  # step() blocks until it is set (lets tests hold a step "in flight")
+        self.script = list(script) if script is not None else None
+        self.fail_when = fail_when  # a step raises when it returns True
+        self.fail_at_step = fail_at_step  # every step from this one (1-based) raises
+        # step() blocks until the gate is set: tests hold a step "in flight" without sleeping on a clock.
+        self.gate = gate if gate is not None else threading.Event()
+        if gate is None:
+            self.gate.set()
         self.step_started = threading.Event()  # set when a step begins (cleared by the test)
+        self.step_delay_s = step_delay_s  # a step's simulated time, plus per_token_delay_s per token
+        self.per_token_delay_s = per_token_delay_s
+        self.dead_reason: str | None = None
         # slot -> (request_id, token) of the last write
         self._slots: list[tuple[str, int] | None] = [None] * (num_kv_blocks * block_size)
         self.history: list[list[StepRecord]] = []
+        self.max_batch_seen = 0
+        # Pipelined submission (pipeline_depth > 1): batches submitted and not collected yet.
+        self.in_flight: list[list[ScheduledSequence]] = []
+        self.max_in_flight = 0
+        self._computed: dict[str, int] = {}  # tokens each request has had submitted
 
     @property
     def num_steps(self) -> int:
         return len(self.history)
 
+    # ---- engine.contract.Executor ---------------------------------------------------------------------
+
+    def submit(self, batch: Sequence[ScheduledSequence]) -> list[ScheduledSequence]:
+        busy = {s.request_id for b in self.in_flight for s in b}
+        for seq in batch:
+            assert seq.request_id not in busy, f"{seq.request_id} in two in-flight batches"
+            # Preempted requests restart at 0; otherwise each batch continues where the last ended.
+            assert seq.start_position in (0, self._computed.get(seq.request_id, 0)), seq.request_id
+            self._computed[seq.request_id] = seq.context_len
+        self.in_flight.append(list(batch))
+        self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
+        assert len(self.in_flight) <= self.pipeline_depth, "more batches in flight than pipeline_depth"
+        return self.in_flight[-1]
+
+    def collect(self, handle: list[ScheduledSequence]) -> list[SampledToken | None]:
+        assert self.in_flight and handle is self.in_flight[0], "collected out of submission order"
+        self.in_flight.pop(0)
+        return self.step(handle)
+
+    # ---- one step -------------------------------------------------------------------------------------
+
     def step(self, batch: Sequence[ScheduledSequence]) -> list[SampledToken | None]:
         self.step_started.set()
-        if self.gate is not None:
-            self.gate.wait()
+        self.gate.wait()
+        delay = self.step_delay_s + self.per_token_delay_s * sum(s.num_tokens for s in batch)
+        if delay:
+            time.sleep(delay)
         self.history.append(
             [
                 StepRecord(s.request_id, s.start_position, s.num_tokens, s.sample, len(s.block_table))
                 for s in batch
             ]
         )
-        if self.fail_when is not None and self.fail_when(batch):
+        self.max_batch_seen = max(self.max_batch_seen, len(batch))
+        if (self.fail_when is not None and self.fail_when(batch)) or (
+            self.fail_at_step is not None and self.num_steps >= self.fail_at_step
+        ):
             raise RuntimeError("injected step failure")
         self._check_blocks(batch)
         bs = self.block_size
@@ -80,18 +137,25 @@ class FakeRunner:
             for i, tok in enumerate(seq.token_ids):
                 pos = seq.start_position + i
                 self._slots[seq.block_table[pos // bs] * bs + pos % bs] = (seq.request_id, tok)
-        out: list[SampledToken | None] = []
-        for seq in batch:
-            if not seq.sample:
-                out.append(None)
-                continue
-            context = [self._read(seq, pos) for pos in range(seq.context_len)]
+        return [self._sample(seq) if seq.sample else None for seq in batch]
+
+    def _sample(self, seq: ScheduledSequence) -> SampledToken:
+        params = seq.sampling
+        context = [self._read(seq, pos) for pos in range(seq.context_len)]
+        if self.script is not None:
+            tok = self.script[len(seq.output_token_ids) % len(self.script)]
+        elif params.seed is not None and not params.greedy:
+            tok = self.token_fn([params.seed, *context])
+        else:  # greedy, and unseeded sampling too: the same request always gives the same tokens
             tok = self.token_fn(context)
-            assert 0 <= tok < self.vocab_size
-            logprob = -float(tok % 7) / 7.0  # deterministic, so tests can check it is carried through
-            top = [(tok, logprob)] if seq.sampling.logprobs else []
-            out.append(SampledToken(tok, logprob if seq.sampling.logprobs is not None else None, top))
-        return out
+        assert 0 <= tok < self.vocab_size
+        if params.logprobs is None:
+            return SampledToken(tok)
+        # A made-up but well-formed distribution, deterministic so tests can check it is carried
+        # through: the chosen token is the likeliest, then `logprobs` alternatives.
+        logprob = -float(tok % 7) / 7.0
+        top = [(tok, logprob)] + [(tok + i, logprob - i) for i in range(1, params.logprobs)]
+        return SampledToken(tok, logprob, top[: params.logprobs])
 
     def _read(self, seq: ScheduledSequence, pos: int) -> int:
         bs = self.block_size

@@ -59,7 +59,7 @@ class ServerConfig:
     chunked_prefill: bool = True
     attention_backend: str = "auto"
     weight_packing: str = "auto"  # "auto" | "off": see engine.config.EngineConfig
-    tensor_parallel_size: int = 1  # ranks that split every layer (engine.parallel_runner)
+    tensor_parallel_size: int = 1  # ranks that split every layer (engine.distributed_executor)
     pipeline_parallel_size: int = 1  # pipeline stages; the loop keeps this many batches in flight
     api_key: str | None = field(default=None, repr=False)  # secrets stay out of logs and reprs
     # More keys (rotation, one per client); any of these or api_key is accepted.

@@ -36,12 +36,12 @@ def engine_config(config: ServerConfig) -> EngineConfig:
 def load_model(config: ServerConfig) -> LoadedModel:
     """Blocking (weights, GGUF conversion, KV cache allocation): call it from a worker thread."""
     # Imported here so that `python -m server --help` and the app factory stay free of torch.
-    from engine.parallel_runner import create_runner
+    from engine.executor import create_executor
     from models.loader import load_tokenizer
 
-    runner = create_runner(engine_config(config))  # starts the worker ranks when parallel
-    tokenizer = ServerTokenizer(load_tokenizer(runner.model_path))
-    return LoadedModel(runner=runner, tokenizer=tokenizer, vocab_size=runner.vocab_size)
+    executor = create_executor(engine_config(config))  # starts the worker ranks when parallel
+    tokenizer = ServerTokenizer(load_tokenizer(executor.model_path))
+    return LoadedModel(executor=executor, tokenizer=tokenizer, vocab_size=executor.vocab_size)
 
 
 def is_torchrun_worker() -> bool:
@@ -51,7 +51,7 @@ def is_torchrun_worker() -> bool:
 
 def run_torchrun_worker(config: ServerConfig) -> int:
     """Serve this rank's shard until the driver (rank 0) shuts the group down."""
-    from engine.parallel_runner import run_torchrun_worker as run_rank
+    from engine.distributed_executor import run_torchrun_worker as run_rank
 
     run_rank(engine_config(config))
     return 0

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from engine.contract import ModelRunner
+from engine.contract import Executor
 from scheduler.config import SchedulerConfig
 from scheduler.loop import IterationLoop
 from scheduler.outputs import SchedulerStats, StepReport
@@ -25,7 +25,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class LoadedModel:
-    runner: ModelRunner
+    executor: Executor
     tokenizer: ServerTokenizer
     vocab_size: int  # the model's (embedding rows); token ids at or above it are rejected
 
@@ -88,7 +88,7 @@ class ServerState:
             loaded = await asyncio.to_thread(self._loader)
             cfg = self.config
             loop = IterationLoop(
-                loaded.runner,
+                loaded.executor,
                 SchedulerConfig(
                     max_num_seqs=cfg.max_num_seqs,
                     max_num_batched_tokens=cfg.max_num_batched_tokens,

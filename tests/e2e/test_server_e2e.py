@@ -1,4 +1,4 @@
-"""The whole stack (server -> IterationLoop -> TorchModelRunner -> tiny random Llama) over real sockets:
+"""The whole stack (server -> IterationLoop -> LocalExecutor -> tiny random Llama) over real sockets:
 concurrency, seeds, logprobs, stop strings, client disconnects and the async openai client."""
 
 from __future__ import annotations

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
+from fakes import greedy_through_loop, wait_until
 
-from engine.contract import SamplingParams
+from engine.contract import FatalRunnerError, SamplingParams, ScheduledSequence
 from scheduler.config import SchedulerConfig
 from scheduler.fake_runner import FakeRunner, hash_next_token
 from scheduler.loop import IterationLoop, LoopStoppedError
@@ -335,3 +336,47 @@ async def test_queue_time_on_the_first_delta_only():
         assert second[0].queue_time_s >= first[0].queue_time_s
     finally:
         await engine.shutdown()
+
+
+# --- pipelined: up to pipeline_depth batches in flight (ORCA) ------------------------------------------
+
+SCHED = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16)
+
+
+@pytest.mark.parametrize("num_kv_blocks", [64, 6], ids=["roomy", "preempting"])
+async def test_pipelined_loop_keeps_depth_batches_in_flight(num_kv_blocks: int) -> None:
+    """Same tokens as the plain loop, up to `depth` batches in flight, none sharing a request, and with
+    a tight KV cache preemptions that never hit a request whose batch is still in the pipeline."""
+    prompts = [[20 + i] * (3 + 5 * i) for i in range(6)]
+    plain = await greedy_through_loop(FakeRunner(num_kv_blocks=num_kv_blocks, block_size=16), prompts, 8, SCHED)
+    fake = FakeRunner(pipeline_depth=2, num_kv_blocks=num_kv_blocks, block_size=16)
+    engine = IterationLoop(fake, SCHED)
+    piped = await greedy_through_loop(fake, prompts, 8, SCHED, engine)
+    assert piped == plain
+    assert fake.max_in_flight == 2 and not fake.in_flight
+    assert fake.max_batch_seen <= 3  # the 6 requests spread over the 2 batches in flight
+    if num_kv_blocks == 6:
+        assert engine.stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+async def test_a_fatal_step_error_stops_the_loop(depth: int) -> None:
+    """One failure path at every depth: the failed step is counted, its request gets the error, the
+    loop stops and says so."""
+
+    class DiesAtThirdStep(FakeRunner):
+        def submit(self, batch: Sequence[ScheduledSequence]) -> list[ScheduledSequence]:
+            if self.num_steps >= 2:
+                raise FatalRunnerError("worker gone")
+            return super().submit(batch)
+
+    runner = DiesAtThirdStep(pipeline_depth=depth)
+    engine = IterationLoop(runner, SCHED)
+    await engine.start()
+    deltas = [d async for d in engine.generate([5, 6, 7], SamplingParams(max_tokens=20), "r")]
+    assert deltas[-1].error is not None and "worker gone" in deltas[-1].error
+    await wait_until(lambda: not engine.is_running)
+    assert engine.stats().num_steps == 3  # two that ran and the one that failed
+    with pytest.raises(LoopStoppedError):
+        engine.generate([5], SamplingParams(max_tokens=2), "late")
+    await engine.shutdown()

@@ -114,7 +114,7 @@ async def test_loop_death_turns_health_503_and_errors_waiting_clients(tokenizer,
         plain = asyncio.create_task(client.post("/v1/completions", json=req))
         await wait_until(lambda: engine.stats().running + engine.stats().waiting == 2)
 
-        def broken_schedule():
+        def broken_schedule(*args: object, **kwargs: object) -> None:
             raise RuntimeError("scheduler bug outside the step")
 
         monkeypatch.setattr(engine._scheduler, "schedule", broken_schedule)

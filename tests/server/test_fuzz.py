@@ -158,7 +158,7 @@ def mutated(draw: st.DrawFn, valid: st.SearchStrategy[Any]) -> Any:
 def fuzz_app(request, smollm2_tokenizer_dir):
     """The app over ASGI on an event loop of its own (hypothesis drives a sync test); small limits
     keep every generated request cheap. `fake`: the fake runner (fast, in the default run);
-    `tiny-llama`: the real TorchModelRunner and sampler, which see every odd sampling value too."""
+    `tiny-llama`: the real LocalExecutor and sampler, which see every odd sampling value too."""
     limits = dict(max_n=4, max_choices=8, max_num_seqs=16, log_stats_interval_s=0, max_body_bytes=64 * 1024)
     if request.param == "fake":
         tokenizer = ServerTokenizer.from_pretrained(str(smollm2_tokenizer_dir))

@@ -1,0 +1,120 @@
+"""Executors: what the scheduler's loop drives (engine.contract.Executor). Each holds the driver's
+ModelRunner (rank 0) and the sampler; they differ only in who else runs the step.
+
+    LocalExecutor        one process: the runner is the whole model
+    DistributedExecutor  tensor x pipeline parallel ranks (engine/distributed_executor.py)
+
+`create_executor(config)` picks one. A step is `collect(submit(batch))` in both: `submit` runs (or, with
+pipeline stages, starts) the forward pass and returns a PendingStep; `collect` waits for the logits of
+the sampling entries and samples them here, on the driver.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig, resolve_device, resolve_model_path
+from engine.contract import SampledToken, ScheduledSequence
+from engine.model_runner import ModelRunner
+from engine.sampler import Sampler
+
+
+@dataclass
+class PendingStep:
+    """A batch between submit() and collect()."""
+
+    batch: Sequence[ScheduledSequence]
+    sample_rows: list[int] = field(default_factory=list)  # indices into batch of the entries that sample
+    logits: torch.Tensor | None = None  # [S, vocab] float32 (still arriving while `recv` is pending)
+    recv: Any = None  # dist.Work of the logits' irecv (pipeline parallel)
+    sends: list[Any] = field(default_factory=list)  # dist.Work of the isends to stage 1
+    keep: list[torch.Tensor] = field(default_factory=list)  # tensors the isends read from
+
+
+class ExecutorBase(ABC):
+    """The driver's side of every executor: sizes read off its runner, and sampling in collect()."""
+
+    def __init__(
+        self, config: EngineConfig, model_path: Path, runner: ModelRunner, pipeline_depth: int
+    ) -> None:
+        self.config = config
+        self.model_path = model_path
+        self.runner = runner  # rank 0's share of the model (the whole model in one process)
+        self.device = runner.device
+        self.dtype = runner.dtype
+        self.num_kv_blocks: int = runner.num_kv_blocks
+        self.block_size: int = runner.block_size
+        self.max_model_len: int = runner.max_model_len
+        self.vocab_size: int = runner.vocab_size
+        self.eos_token_ids: frozenset[int] = runner.eos_token_ids
+        self.pipeline_depth: int = pipeline_depth
+        self.sampler = Sampler(self.vocab_size, self.eos_token_ids, self.device, config.seed)
+
+    @property
+    def dead_reason(self) -> str | None:
+        return None
+
+    @abstractmethod
+    def submit(self, batch: Sequence[ScheduledSequence]) -> PendingStep: ...
+
+    def _wait(self, pending: PendingStep) -> None:
+        """Until the pending step's logits are here (a distributed executor waits on its transfers)."""
+        return None  # one process: submit() computed them
+
+    def collect(self, pending: PendingStep) -> list[SampledToken | None]:
+        self._wait(pending)
+        out: list[SampledToken | None] = [None] * len(pending.batch)
+        if pending.logits is None:
+            return out
+        with torch.inference_mode():
+            sampled = self.sampler(pending.logits, [pending.batch[i] for i in pending.sample_rows])
+        for i, tok in zip(pending.sample_rows, sampled, strict=True):
+            out[i] = tok
+        return out
+
+    def step(self, batch: Sequence[ScheduledSequence]) -> list[SampledToken | None]:
+        """One whole step: the batch's tokens, None for entries that do not sample."""
+        return self.collect(self.submit(batch))
+
+    def close(self) -> None:
+        """Release what the executor holds beyond this process (worker processes)."""
+        return None
+
+
+class LocalExecutor(ExecutorBase):
+    """The whole model in this process (tensor and pipeline parallel size 1)."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+            raise ValueError("LocalExecutor runs one process; tensor/pipeline parallel sizes must be 1")
+        model_path = resolve_model_path(config.model)
+        runner = ModelRunner(config, model_path, resolve_device(config.device))
+        super().__init__(config, model_path, runner, pipeline_depth=1)
+
+    def submit(self, batch: Sequence[ScheduledSequence]) -> PendingStep:
+        pending = PendingStep(batch)
+        if not batch:
+            return pending
+        runner = self.runner
+        with torch.inference_mode():
+            inputs = runner.prepare(batch)
+            hidden = runner.forward(inputs)  # [T, hidden]
+            pending.sample_rows = inputs.sample_rows
+            if inputs.sample_rows:
+                pending.logits = runner.sampled_logits(inputs, hidden)  # [S, vocab]
+        return pending
+
+
+def create_executor(config: EngineConfig) -> ExecutorBase:
+    """The executor for a config: one process, or tensor/pipeline parallel ranks."""
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        from engine.distributed_executor import DistributedExecutor
+
+        return DistributedExecutor(config)
+    return LocalExecutor(config)
