@@ -29,7 +29,9 @@ FIRST_PLAIN_TOKEN = 17
 PLAIN_TOKEN_SPAN = 20000
 
 
-def hash_next_token(context: Sequence[int], first_id: int = FIRST_PLAIN_TOKEN, span: int = PLAIN_TOKEN_SPAN) -> int:
+def hash_next_token(
+    context: Sequence[int], first_id: int = FIRST_PLAIN_TOKEN, span: int = PLAIN_TOKEN_SPAN
+) -> int:
     """A token in [first_id, first_id + span) that depends on every token of the context (never EOS)."""
     return first_id + zlib.crc32(array("q", context).tobytes()) % span
 

@@ -348,7 +348,9 @@ async def test_pipelined_loop_keeps_depth_batches_in_flight(num_kv_blocks: int) 
     """Same tokens as the plain loop, up to `depth` batches in flight, none sharing a request, and with
     a tight KV cache preemptions that never hit a request whose batch is still in the pipeline."""
     prompts = [[20 + i] * (3 + 5 * i) for i in range(6)]
-    plain = await greedy_through_loop(FakeRunner(num_kv_blocks=num_kv_blocks, block_size=16), prompts, 8, SCHED)
+    plain = await greedy_through_loop(
+        FakeRunner(num_kv_blocks=num_kv_blocks, block_size=16), prompts, 8, SCHED
+    )
     fake = FakeRunner(pipeline_depth=2, num_kv_blocks=num_kv_blocks, block_size=16)
     engine = IterationLoop(fake, SCHED)
     piped = await greedy_through_loop(fake, prompts, 8, SCHED, engine)
