@@ -18,7 +18,7 @@ import argparse
 import json
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -27,7 +27,7 @@ from engine.config import EngineConfig
 from engine.contract import SamplingParams, ScheduledSequence
 from engine.executor import LocalExecutor
 from models.kernels import cpu as cpu_kernels
-from models.weight_packing import WEIGHT_PACKING_MODES, packable_layers
+from models.weight_packing import packable_layers
 
 GREEDY_FIXED = SamplingParams(temperature=0.0, ignore_eos=True)
 WARMUP_SEQS, WARMUP_TOKENS = 2, 3  # first calls pay for kernel selection and allocator growth
@@ -173,21 +173,10 @@ def hf_decode(model, prompts: list[list[int]], new_tokens: int, pad_id: int) -> 
     return StepTimes(len(prompts), t[1] - t[0], [b - a for a, b in zip(t[1:-1], t[2:], strict=True)])
 
 
-def bench_runner(args: argparse.Namespace, num_kv_blocks: int | None) -> LocalExecutor:
-    """The runner a benchmark's command line describes (--model, --dtype, --device, --block-size,
-    --attention-backend), with a KV cache of `num_kv_blocks` (None: the engine's default budget).
-    Shared by this bench and scheduler.bench, whose flags mean the same."""
-    return LocalExecutor(
-        EngineConfig(
-            model=args.model,
-            dtype=args.dtype,
-            device=args.device,
-            block_size=args.block_size,
-            num_kv_blocks=num_kv_blocks,
-            attention_backend=args.attention_backend,
-            weight_packing=args.weight_packing,
-        )
-    )
+def bench_executor(args: argparse.Namespace, num_kv_blocks: int | None) -> LocalExecutor:
+    """The executor the engine flags on a benchmark's command line describe (EngineConfig.add_cli_args),
+    with a KV cache of `num_kv_blocks` (None: the flags' budget). Shared with scheduler.bench."""
+    return LocalExecutor(replace(EngineConfig.from_cli_args(args), num_kv_blocks=num_kv_blocks))
 
 
 def run(args: argparse.Namespace) -> tuple[list[BenchRow], dict]:
@@ -195,7 +184,7 @@ def run(args: argparse.Namespace) -> tuple[list[BenchRow], dict]:
     # Room for the largest batch and for the warm-up (WARMUP_SEQS sequences of WARMUP_TOKENS).
     seqs = max(*batch_sizes, WARMUP_SEQS)
     max_tokens = seqs * (-(-(args.prompt_len + max(args.new_tokens, WARMUP_TOKENS)) // args.block_size))
-    runner = bench_runner(args, num_kv_blocks=max_tokens)
+    runner = bench_executor(args, num_kv_blocks=max_tokens)
     hf = None
     if not args.skip_hf:
         from transformers import AutoModelForCausalLM
@@ -277,7 +266,7 @@ def profile_decode(args: argparse.Namespace, batch_size: int, steps: int = 5) ->
     from torch.profiler import ProfilerActivity, profile
 
     blocks_per_seq = -(-(args.prompt_len + 2 * steps + 2) // args.block_size)
-    runner = bench_runner(args, num_kv_blocks=batch_size * blocks_per_seq)
+    runner = bench_executor(args, num_kv_blocks=batch_size * blocks_per_seq)
     prompts = make_prompts(batch_size, args.prompt_len, runner.vocab_size, seed=batch_size)
     tables, outputs = engine_prefill(runner, prompts, 2 * steps + 1)
     engine_decode_steps(runner, prompts, tables, outputs, steps)  # warm-up
@@ -288,23 +277,23 @@ def profile_decode(args: argparse.Namespace, batch_size: int, steps: int = 5) ->
     return prof.key_averages().table(sort_by=sort_by, row_limit=15)
 
 
-def main(argv: list[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m engine.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="default")
-    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default="auto")
-    p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--weight-packing", default="auto", choices=WEIGHT_PACKING_MODES)
+    EngineConfig.add_cli_args(p)
     p.add_argument("--batch-sizes", default="1,8,32,64")
     p.add_argument("--new-tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=64)
-    p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=1, help="runs per figure (their steps are pooled)")
     p.add_argument("--skip-hf", action="store_true", help="engine only")
     p.add_argument("--json", type=Path, help="also write the figures here")
     p.add_argument(
         "--profile", type=int, metavar="BATCH", help="only profile decode steps at this batch size"
     )
+    return p
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.new_tokens < 2:
         p.error("--new-tokens must be at least 2 (one prefill token plus decode steps)")

@@ -1,20 +1,24 @@
-"""Engine configuration and the resolution of its "auto" values (device, dtype, KV budget)."""
+"""Engine configuration: the dataclass, its command-line flags, and the resolution of its "auto" values
+(device, dtype, model path, maximum length).
+
+Importing this module does not import torch (the server's flags and config are parsed before anything
+heavy loads); the resolution functions import it when they run.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from models.kernels.cpu import cpu_flags
-from models.weight_packing import WEIGHT_PACKING_MODES
-
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# "auto": on CPU in float32, weights that are exactly group-quantized (a GGUF model's) run on the native
+# kernels (models/weight_packing.py); "off": every weight stays in the checkpoint's float form.
+WEIGHT_PACKING_MODES = ("auto", "off")
 
 # KV budget when neither num_kv_blocks nor kv_cache_memory is given.
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in float32
@@ -24,16 +28,14 @@ CUDA_KV_MEMORY_FRACTION = 0.9  # of the memory still free once the weights are l
 @dataclass
 class EngineConfig:
     model: str = "default"  # "default", an HF directory, or a .gguf file
-    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    dtype: str = "auto"  # "auto" or one of DTYPE_NAMES
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # exact block count; wins over kv_cache_memory
     kv_cache_memory: int | None = None  # bytes for K and V of all layers together
-    max_model_len: int | None = None  # None: the model's own maximum
+    max_model_len: int | None = None  # None: the model's own maximum (a value may only lower it)
     attention_backend: str = "auto"
-    # "auto": on CPU in float32, weights that are exactly group-quantized (a GGUF model's) run on the
-    # group-int8 kernel (models/weight_packing.py); "off": every weight stays float32.
-    weight_packing: str = "auto"
+    weight_packing: str = "auto"  # one of WEIGHT_PACKING_MODES
     seed: int = 0  # seeds the engine generator used by unseeded sampled rows
     tensor_parallel_size: int = 1  # ranks that shard every layer (engine.distributed_executor)
     pipeline_parallel_size: int = 1  # stages the layers are split into (engine.distributed_executor)
@@ -41,8 +43,8 @@ class EngineConfig:
     distributed_timeout_s: float = 300.0
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be 'auto' or one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
         if self.weight_packing not in WEIGHT_PACKING_MODES:
             raise ValueError(
                 f"weight_packing must be one of {WEIGHT_PACKING_MODES}, got {self.weight_packing!r}"
@@ -63,8 +65,76 @@ class EngineConfig:
         if self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
 
+    @staticmethod
+    def add_cli_args(p: argparse.ArgumentParser) -> None:
+        """The engine's flags (the server and every benchmark take the same ones)."""
+        from engine.cli_args import size_arg
+
+        d = EngineConfig
+        g = p.add_argument_group("engine")
+        g.add_argument(
+            "--model",
+            default=d.model,
+            help="HF model directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)",
+        )
+        g.add_argument("--dtype", default=d.dtype, choices=["auto", *DTYPE_NAMES])
+        g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
+        g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+        kv = g.add_mutually_exclusive_group()
+        kv.add_argument(
+            "--kv-cache-memory",
+            type=size_arg,
+            default=d.kv_cache_memory,
+            help="KV cache bytes, suffixes allowed: 512MiB, 2GiB (default: 1 GiB on CPU, most of the free "
+            "memory on CUDA)",
+        )
+        kv.add_argument(
+            "--num-kv-blocks", type=int, default=d.num_kv_blocks, help="exact number of KV blocks"
+        )
+        g.add_argument(
+            "--max-model-len",
+            type=int,
+            default=d.max_model_len,
+            help="cap on prompt + output tokens (default: the model's)",
+        )
+        g.add_argument(
+            "--attention-backend",
+            default=d.attention_backend,
+            help="auto, sdpa, cpu-decode, torch-varlen, flash-attn",
+        )
+        g.add_argument(
+            "--weight-packing",
+            default=d.weight_packing,
+            choices=WEIGHT_PACKING_MODES,
+            help="auto: run exactly group-quantized weights (a GGUF model's) on the native CPU kernels, "
+            "bit-identical weights in fewer bytes; off: keep them as floats",
+        )
+        g.add_argument(
+            "--tensor-parallel-size",
+            "-tp",
+            type=int,
+            default=d.tensor_parallel_size,
+            help="ranks that split every layer; workers start on this machine, or under torchrun "
+            "(docs/parallelism.md)",
+        )
+        g.add_argument(
+            "--pipeline-parallel-size",
+            "-pp",
+            type=int,
+            default=d.pipeline_parallel_size,
+            help="stages the layers are split into; that many batches are kept in flight",
+        )
+        g.add_argument("--seed", type=int, default=d.seed, help="seed for sampled requests that send none")
+
+    @classmethod
+    def from_cli_args(cls, a: argparse.Namespace) -> EngineConfig:
+        """The config the flags of add_cli_args describe (flags a parser lacks keep their defaults)."""
+        return cls(**{f.name: getattr(a, f.name) for f in fields(cls) if hasattr(a, f.name)})
+
 
 def resolve_device(name: str) -> torch.device:
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
@@ -82,6 +152,10 @@ def cpu_has_native_bf16() -> bool:
     190 ms at batch 32 (raw matmuls at batch 64: 2.8 s against 0.25 s), so serving batches is far
     faster in float32 there.
     """
+    import torch
+
+    from models.kernels.cpu import cpu_flags
+
     flags = cpu_flags()
     if flags:
         return bool(flags & {"amx_bf16", "avx512_bf16"})
@@ -90,8 +164,10 @@ def cpu_has_native_bf16() -> bool:
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    import torch
+
     if name != "auto":
-        dtype = DTYPES[name]
+        dtype = getattr(torch, name)
         if device.type == "cpu" and dtype == torch.float16:
             raise ValueError("float16 is not supported on CPU; use float32 or bfloat16")
         return dtype

@@ -1,8 +1,9 @@
 """What tensor and pipeline parallelism cost: step times of one configuration, plus the bytes each step
 moves between ranks (counted from the shapes, per the layout in engine/distributed_executor.py).
 
-    python -m engine.parallel_bench --tp 2 --pp 1 [--model default] [--batch-sizes 1,8,32]
+    python -m engine.parallel_bench -tp 2 -pp 1 [--model default] [--batch-sizes 1,8,32]
                                     [--prompt-len 64] [--steps 16] [--dtype float32] [--json out.json]
+                                    (and every engine flag of `python -m server`)
 
 One configuration per run (a process joins one process group). Per batch size: one prefill step of
 batch x prompt-len tokens, then --steps decode steps, each timed alone (submit + collect: one batch in
@@ -132,30 +133,23 @@ def bench_batch(
     return prefill, times, 2 * batch * steps / (time.perf_counter() - t0)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="default")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
+    EngineConfig.add_cli_args(p)
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=1024)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads of a one-process run")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
     if a.threads is not None:
         torch.set_num_threads(a.threads)  # parallel runs give each rank cores / ranks threads
-    config = EngineConfig(
-        model=a.model,
-        dtype=a.dtype,
-        device=a.device,
-        num_kv_blocks=a.num_kv_blocks,
-        tensor_parallel_size=a.tp,
-        pipeline_parallel_size=a.pp,
-    )
+    config = EngineConfig.from_cli_args(a)
     runner = create_executor(config)
     try:
         hf = runner.runner.model.config
@@ -165,8 +159,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             step_ms = 1000 * statistics.median(times)
             blocks = -(-(a.prompt_len + 2 * a.steps + 1) // runner.block_size)
             comm = comm_volume(
-                a.tp,
-                a.pp,
+                config.tensor_parallel_size,
+                config.pipeline_parallel_size,
                 hf.num_hidden_layers,
                 hf.hidden_size,
                 hf.vocab_size,
@@ -177,8 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             rows.append(
                 Row(
-                    a.tp,
-                    a.pp,
+                    config.tensor_parallel_size,
+                    config.pipeline_parallel_size,
                     batch,
                     a.prompt_len,
                     1000 * prefill,
@@ -191,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             r = rows[-1]
             piped = f"{r.pipelined_tok_s:8.1f}" if r.pipelined_tok_s is not None else "       -"
             print(
-                f"tp={a.tp} pp={a.pp} batch={batch:3d} prefill {r.prefill_ms:8.1f} ms  decode step "
+                f"tp={config.tensor_parallel_size} pp={config.pipeline_parallel_size} batch={batch:3d} prefill {r.prefill_ms:8.1f} ms  decode step "
                 f"{r.decode_step_ms:7.1f} ms  {r.decode_tok_s:7.1f} tok/s  pipelined {piped} tok/s  "
                 f"comm/step tp {comm.tensor_parallel / 1e6:.2f} MB pp {comm.pipeline / 1e6:.2f} MB "
                 f"control {comm.control / 1e3:.1f} kB",

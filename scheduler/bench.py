@@ -21,8 +21,9 @@ import random
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 
+from engine.config import EngineConfig
 from engine.contract import Executor, SamplingParams
 from scheduler.config import SchedulerConfig
 from scheduler.loop import IterationLoop
@@ -195,13 +196,8 @@ async def run_all(runner: Executor, args: argparse.Namespace) -> list[RunSummary
     rows = []
     for spec in args.policies.split(","):
         scheduling, kv_policy = parse_policy(spec.strip())
-        config = SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            chunked_prefill=not args.no_chunked_prefill,
-            scheduling=scheduling,  # type: ignore[arg-type]
-            kv_policy=kv_policy,  # type: ignore[arg-type]
-        )
+        # The flags' scheduler config, with this run's policies.
+        config = replace(SchedulerConfig.from_cli_args(args), scheduling=scheduling, kv_policy=kv_policy)
         for rate in (float(r) for r in args.rates.split(",")):
             items = workload if args.duration is None else within(workload, rate, args.duration)
             engine = IterationLoop(runner, config)
@@ -230,37 +226,31 @@ async def warm_up(runner: Executor) -> None:
         await engine.shutdown()
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m scheduler.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="default", help="'default', an HF directory or a .gguf file")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument(
-        "--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: engine's)"
-    )
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--weight-packing", default="auto", choices=["auto", "off"])
+    EngineConfig.add_cli_args(p)  # --seed also seeds the workload
+    SchedulerConfig.add_cli_args(p)
     p.add_argument("--rates", default="0.25,0.5,1,2", help="request rates (req/s), comma-separated")
     p.add_argument("--num-requests", type=int, default=100, help="requests per (policy, rate) run")
     p.add_argument(
         "--duration", type=float, default=None, help="instead of --num-requests: seconds of arrivals"
     )
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--policies",
         default="iteration:lazy,iteration:reserve,request:reserve",
         help="comma-separated scheduling:kv_policy pairs (iteration|request : lazy|reserve)",
     )
-    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
-    p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--input-min", type=int, default=32)
     p.add_argument("--input-max", type=int, default=512)
     p.add_argument("--output-min", type=int, default=1)
     p.add_argument("--output-max", type=int, default=128)
     p.add_argument("--slo-ms", type=float, default=None, help="report the highest rate under this ms/token")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.duration is not None:
         # Enough requests to cover the duration at the highest rate; runs at lower rates use a prefix.
@@ -268,9 +258,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     # Imported here: the scheduler package stays free of torch, only this CLI needs the real engine.
-    from engine.bench import bench_runner
+    from engine.executor import LocalExecutor
 
-    runner = bench_runner(args, num_kv_blocks=args.num_kv_blocks)
+    runner = LocalExecutor(EngineConfig.from_cli_args(args))
     asyncio.run(warm_up(runner))
     rows = asyncio.run(run_all(runner, args))
     print_table(rows, args.slo_ms)

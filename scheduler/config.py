@@ -1,8 +1,10 @@
-"""The scheduler's knobs (ORCA's max_bs, the per-step token budget, the batching and KV policies)."""
+"""The scheduler's knobs (ORCA's max_bs, the per-step token budget, the batching and KV policies) and
+their command-line flags."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from dataclasses import dataclass, fields
 from typing import Literal
 
 Scheduling = Literal["iteration", "request"]
@@ -25,8 +27,6 @@ class SchedulerConfig:
     # "lazy": blocks are taken as tokens need them, preempt (recompute) when none is free (vLLM);
     # "reserve": ORCA's rule, reserve prompt + max_tokens at admission and never preempt.
     kv_policy: KVPolicyName = "lazy"
-    # Lowers the runner's maximum length when set; None uses the runner's.
-    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -41,5 +41,35 @@ class SchedulerConfig:
             raise ValueError(f"scheduling must be 'iteration' or 'request', got {self.scheduling!r}")
         if self.kv_policy not in ("lazy", "reserve"):
             raise ValueError(f"kv_policy must be 'lazy' or 'reserve', got {self.kv_policy!r}")
-        if self.max_model_len is not None and self.max_model_len < 1:
-            raise ValueError(f"max_model_len must be >= 1, got {self.max_model_len}")
+
+    @staticmethod
+    def add_cli_args(p: argparse.ArgumentParser) -> None:
+        """The scheduler's flags (the server and scheduler.bench take the same ones)."""
+        d = SchedulerConfig
+        g = p.add_argument_group("scheduler")
+        g.add_argument(
+            "--max-num-seqs",
+            type=int,
+            default=d.max_num_seqs,
+            help="most requests per iteration (ORCA's max_bs)",
+        )
+        g.add_argument(
+            "--max-num-batched-tokens",
+            type=int,
+            default=d.max_num_batched_tokens,
+            help="token budget per iteration",
+        )
+        g.add_argument(
+            "--no-chunked-prefill",
+            dest="chunked_prefill",
+            action="store_false",
+            default=d.chunked_prefill,
+            help="run each prompt in one iteration",
+        )
+        g.add_argument("--scheduling", default=d.scheduling, choices=["iteration", "request"])
+        g.add_argument("--kv-policy", default=d.kv_policy, choices=["lazy", "reserve"])
+
+    @classmethod
+    def from_cli_args(cls, a: argparse.Namespace) -> SchedulerConfig:
+        """The config the flags of add_cli_args describe (flags a parser lacks keep their defaults)."""
+        return cls(**{f.name: getattr(a, f.name) for f in fields(cls) if hasattr(a, f.name)})

@@ -17,7 +17,7 @@ from server.state import ModelLoader, ServerState
 
 
 def create_app(config: ServerConfig, loader: ModelLoader | None = None) -> FastAPI:
-    """An app serving `config.model`. `loader` builds the runner and tokenizer (in a worker thread);
+    """An app serving `config.engine.model`. `loader` builds the runner and tokenizer (in a worker thread);
     the default loads the real engine. The model loads during the lifespan's startup without
     blocking it, so the server answers (/health: 503) while the weights load."""
     if loader is None:

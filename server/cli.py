@@ -8,11 +8,15 @@ import os
 import signal
 import sys
 from collections.abc import Sequence
+from dataclasses import fields
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from server.config import ServerConfig, parse_size, read_key_file
+from engine.cli_args import size_arg
+from engine.config import EngineConfig
+from scheduler.config import SchedulerConfig
+from server.config import ServerConfig, read_key_file
 
 if TYPE_CHECKING:
     from server.state import ServerState
@@ -22,74 +26,21 @@ if TYPE_CHECKING:
 API_KEY_ENV = "ORCA_API_KEY"
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def build_parser() -> argparse.ArgumentParser:
-    d = ServerConfig()
+    """Every flag, each default taken from the config dataclass that holds it."""
+    d = ServerConfig
     p = argparse.ArgumentParser(
         prog="orca-serve", description="OpenAI-compatible LLM server with ORCA iteration-level scheduling."
     )
+    EngineConfig.add_cli_args(p)
+    SchedulerConfig.add_cli_args(p)
     p.add_argument(
-        "--model",
-        default=d.model,
-        help="HF model directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)",
-    )
-    p.add_argument(
-        "--served-model-name", default=None, help="name clients send as `model` (default: the --model value)"
+        "--served-model-name",
+        default=d.served_model_name,
+        help="name clients send as `model` (default: the --model value)",
     )
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
-    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
-    p.add_argument(
-        "--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests per iteration (ORCA's max_bs)"
-    )
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=d.max_num_batched_tokens,
-        help="token budget per iteration",
-    )
-    p.add_argument(
-        "--max-model-len", type=int, default=None, help="cap on prompt + output tokens (default: the model's)"
-    )
-    kv = p.add_mutually_exclusive_group()
-    kv.add_argument(
-        "--kv-cache-memory", type=_size, default=None, help="KV cache bytes, suffixes allowed: 512MiB, 2GiB"
-    )
-    kv.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV cache blocks")
-    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-    p.add_argument("--scheduling", default=d.scheduling, choices=["iteration", "request"])
-    p.add_argument("--kv-policy", default=d.kv_policy, choices=["lazy", "reserve"])
-    p.add_argument("--no-chunked-prefill", action="store_true", help="run each prompt in one iteration")
-    p.add_argument(
-        "--attention-backend", default=d.attention_backend, help="auto, sdpa, torch-varlen, flash-attn, ..."
-    )
-    p.add_argument(
-        "--weight-packing",
-        default=d.weight_packing,
-        choices=["auto", "off"],
-        help="auto: run exactly group-quantized weights (a GGUF model's) on the int8 CPU kernel, "
-        "bit-identical weights at 1.25 instead of 4 bytes each; off: keep float32",
-    )
-    p.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=d.tensor_parallel_size,
-        help="ranks that split every layer; workers start on this machine, or under torchrun "
-        "(docs/parallelism.md)",
-    )
-    p.add_argument(
-        "--pipeline-parallel-size",
-        type=int,
-        default=d.pipeline_parallel_size,
-        help="stages the layers are split into; that many batches are kept in flight",
-    )
     p.add_argument(
         "--api-key",
         action="append",
@@ -112,31 +63,50 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--request-timeout",
+        dest="request_timeout_s",
+        metavar="SECONDS",
         type=float,
-        default=None,
+        default=d.request_timeout_s,
         help="seconds a request may run before it is aborted with 408 (default: no limit)",
     )
-    p.add_argument("--max-body-size", type=_size, default=d.max_body_bytes, help="request body limit (413)")
+    p.add_argument(
+        "--max-body-size",
+        dest="max_body_bytes",
+        metavar="SIZE",
+        type=size_arg,
+        default=d.max_body_bytes,
+        help="request body limit (413)",
+    )
     p.add_argument("--max-n", type=int, default=d.max_n, help="largest n a request may ask for")
     p.add_argument(
         "--max-choices", type=int, default=d.max_choices, help="largest prompts x n of one request"
     )
     p.add_argument("--max-logprobs", type=int, default=d.max_logprobs, help="largest (top_)logprobs")
     p.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings)
-    p.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens of a request")
+    p.add_argument(
+        "--max-tokens-limit",
+        dest="max_tokens",
+        metavar="N",
+        type=int,
+        default=d.max_tokens,
+        help="largest max_tokens of a request",
+    )
     p.add_argument(
         "--shutdown-grace",
+        dest="shutdown_grace_s",
+        metavar="SECONDS",
         type=float,
         default=d.shutdown_grace_s,
         help="on SIGTERM, seconds in-flight requests get to finish before they are cut",
     )
     p.add_argument(
         "--log-stats-interval",
+        dest="log_stats_interval_s",
+        metavar="SECONDS",
         type=float,
         default=d.log_stats_interval_s,
         help="seconds between throughput / queue / KV log lines (0: off)",
     )
-    p.add_argument("--seed", type=int, default=d.seed, help="seed for requests that send none")
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     return p
 
@@ -159,46 +129,21 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
     for name in ("max_n", "max_choices", "max_logprobs", "max_stop_strings"):
         if getattr(a, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must not be negative")
-    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-        if getattr(a, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
     keys = _api_keys(parser, a)
-    return ServerConfig(
-        model=a.model,
-        served_model_name=a.served_model_name,
-        host=a.host,
-        port=a.port,
-        dtype=a.dtype,
-        device=a.device,
-        max_num_seqs=a.max_num_seqs,
-        max_num_batched_tokens=a.max_num_batched_tokens,
-        max_model_len=a.max_model_len,
-        kv_cache_memory=a.kv_cache_memory,
-        num_kv_blocks=a.num_kv_blocks,
-        block_size=a.block_size,
-        scheduling=a.scheduling,
-        kv_policy=a.kv_policy,
-        chunked_prefill=not a.no_chunked_prefill,
-        attention_backend=a.attention_backend,
-        weight_packing=a.weight_packing,
-        tensor_parallel_size=a.tensor_parallel_size,
-        pipeline_parallel_size=a.pipeline_parallel_size,
+    # The server's own fields come straight from the flags of the same name; a few are shaped here.
+    own = {f.name: getattr(a, f.name) for f in fields(ServerConfig) if hasattr(a, f.name)}
+    own.update(
         api_key=keys[0] if keys else None,
         api_keys=keys[1:],
         allowed_origins=tuple(a.allowed_origins) if a.allowed_origins is not None else None,
         max_queue_len=a.max_queue_len or None,
-        request_timeout_s=a.request_timeout,
-        max_body_bytes=a.max_body_size,
-        max_n=a.max_n,
-        max_choices=a.max_choices,
-        max_logprobs=a.max_logprobs,
-        max_stop_strings=a.max_stop_strings,
-        max_tokens=a.max_tokens_limit,
-        shutdown_grace_s=a.shutdown_grace,
-        log_stats_interval_s=a.log_stats_interval,
-        seed=a.seed,
-        log_level=a.log_level,
     )
+    try:
+        return ServerConfig(
+            engine=EngineConfig.from_cli_args(a), scheduler=SchedulerConfig.from_cli_args(a), **own
+        )
+    except ValueError as exc:  # a value each flag accepts alone, but not together
+        parser.error(str(exc))
 
 
 def configure_logging(level: str) -> None:
@@ -264,7 +209,7 @@ def serve(app: Any, config: ServerConfig) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(argv)
     configure_logging(config.log_level)
-    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+    if config.engine.tensor_parallel_size * config.engine.pipeline_parallel_size > 1:
         from server.loader import is_torchrun_worker, run_torchrun_worker
 
         if is_torchrun_worker():  # torchrun started every rank with this command; rank 0 serves HTTP

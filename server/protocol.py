@@ -9,13 +9,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-# Shared bounds, as OpenAI documents them.
+# Shared bounds, as OpenAI documents them. How many choices, stop strings and top logprobs a request may
+# ask for is the server's decision (ServerConfig.max_n, max_stop_strings, max_logprobs: flags that can
+# raise OpenAI's caps as well as lower them), checked in server/routes/common.py:check_limits.
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-MAX_N = 128
-MAX_STOP_STRINGS = 4
-MAX_LOGPROBS = 20
 
 
 logger = logging.getLogger(__name__)
@@ -67,7 +66,7 @@ class SamplingFields(OpenAIModel):
     model: str | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
+    n: Annotated[int, Field(ge=1)] | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -91,8 +90,6 @@ class SamplingFields(OpenAIModel):
         if v is None:
             return None
         stops = [v] if isinstance(v, str) else v
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(stops)}")
         if any(s == "" for s in stops):
             raise ValueError("stop sequences must not be empty strings")
         return stops
@@ -117,7 +114,7 @@ class SamplingFields(OpenAIModel):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
     max_tokens: Annotated[int, Field(ge=0)] | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Annotated[int, Field(ge=0)] | None = None
     echo: bool | None = False
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
@@ -170,7 +167,7 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    top_logprobs: Annotated[int, Field(ge=0)] | None = None
     tools: list[Any] | None = None
     tool_choice: Any | None = None
     response_format: dict[str, Any] | None = None

@@ -10,7 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.contract import Executor
-from scheduler.config import SchedulerConfig
 from scheduler.loop import IterationLoop
 from scheduler.outputs import SchedulerStats, StepReport
 from server.config import ServerConfig
@@ -87,17 +86,7 @@ class ServerState:
         try:
             loaded = await asyncio.to_thread(self._loader)
             cfg = self.config
-            loop = IterationLoop(
-                loaded.executor,
-                SchedulerConfig(
-                    max_num_seqs=cfg.max_num_seqs,
-                    max_num_batched_tokens=cfg.max_num_batched_tokens,
-                    chunked_prefill=cfg.chunked_prefill,
-                    scheduling=cfg.scheduling,  # type: ignore[arg-type]
-                    kv_policy=cfg.kv_policy,  # type: ignore[arg-type]
-                    max_model_len=cfg.max_model_len,
-                ),
-            )
+            loop = IterationLoop(loaded.executor, cfg.scheduler)
             await loop.start()
             loop.add_step_listener(self._on_step)
         except Exception as exc:

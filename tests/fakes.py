@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import json
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -13,11 +14,13 @@ import httpx
 import uvicorn
 from fastapi import FastAPI
 
+from engine.config import EngineConfig
 from engine.contract import SamplingParams
 from loadtest.launcher import LOOPBACK, free_port
 from scheduler import fake_runner
 from scheduler.config import SchedulerConfig
 from scheduler.loop import IterationLoop
+from server.config import ServerConfig
 from server.state import LoadedModel
 from server.tokenizer import ServerTokenizer
 
@@ -98,13 +101,24 @@ async def wait_until(predicate: Callable[[], bool], steps: int = 2000) -> None:
 MODEL = "fake-model"  # the served name of every fake-runner app
 
 
+def server_config(**flat: Any) -> ServerConfig:
+    """A ServerConfig from flat keyword arguments, as flags give them: engine and scheduler fields go to
+    the nested configs, the rest to the server's own."""
+    engine = {f.name for f in dataclasses.fields(EngineConfig)}
+    sched = {f.name for f in dataclasses.fields(SchedulerConfig)}
+    return ServerConfig(
+        engine=EngineConfig(**{k: v for k, v in flat.items() if k in engine}),
+        scheduler=SchedulerConfig(**{k: v for k, v in flat.items() if k in sched}),
+        **{k: v for k, v in flat.items() if k not in engine and k not in sched},
+    )
+
+
 def make_app(tokenizer: ServerTokenizer, runner: FakeRunner | None = None, **config: Any) -> FastAPI:
     """The real app (real IterationLoop) over a fake runner; the periodic stats log is off unless asked."""
     from server.app import create_app
-    from server.config import ServerConfig
 
     config.setdefault("log_stats_interval_s", 0)
-    return create_app(ServerConfig(model=MODEL, **config), fake_loader(tokenizer, runner or FakeRunner()))
+    return create_app(server_config(model=MODEL, **config), fake_loader(tokenizer, runner or FakeRunner()))
 
 
 @contextlib.asynccontextmanager

@@ -49,7 +49,7 @@ def _model_card(state: ServerState) -> dict[str, Any]:
         "object": "model",
         "created": state.created,
         "owned_by": "orca-serve",
-        "root": state.config.model,
+        "root": state.config.engine.model,
         "parent": None,
         "max_model_len": loop.max_model_len,
     }

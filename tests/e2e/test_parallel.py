@@ -21,7 +21,7 @@ import httpx
 import pytest
 import torch
 from builders import build_hf_model, gguf_structured, tiny_gpt2_config, tiny_llama_config
-from fakes import greedy_through_loop, live_server, wait_until
+from fakes import greedy_through_loop, live_server, server_config, wait_until
 from kernel_marks import needs_native_kernels
 
 from engine.config import EngineConfig
@@ -35,7 +35,6 @@ from models.registry import model_class_for
 from models.weight_packing import packable_layers
 from scheduler.config import SchedulerConfig
 from server.app import create_app
-from server.config import ServerConfig
 from server.state import LoadedModel
 from server.tokenizer import ServerTokenizer
 
@@ -244,7 +243,7 @@ class InFlightProbe:
 
 async def completions_over_http(runner: Any, model_dir: Path) -> list[str]:
     tokenizer = ServerTokenizer(load_tokenizer(model_dir))
-    config = ServerConfig(model=str(model_dir), served_model_name="tiny", log_stats_interval_s=0)
+    config = server_config(model=str(model_dir), served_model_name="tiny", log_stats_interval_s=0)
     app = create_app(config, lambda: LoadedModel(runner, tokenizer, runner.vocab_size))
     async with live_server(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
         bodies = [
@@ -304,7 +303,7 @@ async def test_dead_worker_makes_server_unhealthy_and_fails_requests(uneven_llam
     worker (no hang), /health turns 503, and later requests are refused at once."""
     runner = DistributedExecutor(engine_config(uneven_llama_dir, pp=2))
     tokenizer = ServerTokenizer(load_tokenizer(uneven_llama_dir))
-    config = ServerConfig(model=str(uneven_llama_dir), served_model_name="tiny", log_stats_interval_s=0)
+    config = server_config(model=str(uneven_llama_dir), served_model_name="tiny", log_stats_interval_s=0)
     app = create_app(config, lambda: LoadedModel(runner, tokenizer, runner.vocab_size))
     short = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
     long = {**short, "max_tokens": 400, "ignore_eos": True}

@@ -10,10 +10,9 @@ import httpx
 import openai
 import pytest
 import pytest_asyncio
-from fakes import live_server, parse_sse, wait_until
+from fakes import live_server, parse_sse, server_config, wait_until
 
 from server.app import create_app
-from server.config import ServerConfig
 from server.loader import load_model
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -23,7 +22,7 @@ MODEL = "tiny-llama"
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(tiny_llama_dir):
     """(app, base_url) for the tiny Llama, loaded once for the module."""
-    config = ServerConfig(
+    config = server_config(
         model=str(tiny_llama_dir), served_model_name=MODEL, dtype="float32", device="cpu", num_kv_blocks=512
     )
     app = create_app(config, lambda: load_model(config))

@@ -9,6 +9,7 @@ import pytest
 from fakes import (
     MODEL,
     FakeRunner,
+    error_of,
     finish_reasons,
     joined,
     make_app,
@@ -292,3 +293,20 @@ async def test_scheduler_flags_are_wired(tokenizer, scheduling, kv_policy):
             kv_policy,
             2,
         )
+
+
+async def test_flags_raise_the_caps_as_well_as_lower_them(tokenizer):
+    """--max-logprobs, --max-stop-strings and --max-n decide; OpenAI's own caps (20, 4, 128) are only
+    the defaults' neighbours, not hidden limits."""
+    app = make_app(tokenizer, max_logprobs=30, max_stop_strings=6, max_n=200, max_choices=200)
+    async with running_app(app) as client:
+        body = {"prompt": "hi", "max_tokens": 2, "logprobs": 25, "stop": [f"s{i}" for i in range(6)]}
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) == 25
+        chat = {"messages": CHAT, "max_tokens": 1, "logprobs": True, "top_logprobs": 30}
+        assert (await client.post("/v1/chat/completions", json=chat)).status_code == 200
+        many = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "n": 150})
+        assert many.status_code == 200 and len(many.json()["choices"]) == 150
+        over = await client.post("/v1/completions", json={**body, "logprobs": 31})
+        assert error_of(over)["param"] == "logprobs"

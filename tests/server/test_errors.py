@@ -10,10 +10,10 @@ from fakes import (
     error_of,
     fake_loader,
     running_app,
+    server_config,
 )
 
 from server.app import create_app
-from server.config import ServerConfig
 from server.tokenizer import ServerTokenizer
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -21,7 +21,7 @@ CHAT = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture
 async def client(tokenizer):
-    app = create_app(ServerConfig(model=MODEL), fake_loader(tokenizer, FakeRunner(max_model_len=256)))
+    app = create_app(server_config(model=MODEL), fake_loader(tokenizer, FakeRunner(max_model_len=256)))
     async with running_app(app) as c:
         yield c
 
@@ -172,7 +172,7 @@ async def test_unknown_route_and_method(client):
 async def test_chat_without_template(smollm2_tokenizer_dir):
     tok = ServerTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
     tok.hf.chat_template = None
-    app = create_app(ServerConfig(model=MODEL), fake_loader(tok, FakeRunner()))
+    app = create_app(server_config(model=MODEL), fake_loader(tok, FakeRunner()))
     async with running_app(app) as client:
         err = error_of(await client.post("/v1/chat/completions", json={"messages": CHAT}))
         assert "chat template" in err["message"] and err["code"] == "chat_template_missing"
@@ -184,7 +184,7 @@ async def test_chat_without_template(smollm2_tokenizer_dir):
 async def test_chat_template_rejecting_messages_is_400(smollm2_tokenizer_dir):
     tok = ServerTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
     tok.hf.chat_template = "{{ raise_exception('Conversation roles must alternate') }}"
-    app = create_app(ServerConfig(model=MODEL), fake_loader(tok, FakeRunner()))
+    app = create_app(server_config(model=MODEL), fake_loader(tok, FakeRunner()))
     async with running_app(app) as client:
         err = error_of(await client.post("/v1/chat/completions", json={"messages": CHAT}))
         assert "Conversation roles must alternate" in err["message"]

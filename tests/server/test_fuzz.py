@@ -15,12 +15,11 @@ from typing import Any
 
 import httpx
 import pytest
-from fakes import FakeRunner, fake_loader, parse_sse, running_app
+from fakes import FakeRunner, fake_loader, parse_sse, running_app, server_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from server.app import create_app
-from server.config import ServerConfig
 from server.tokenizer import ServerTokenizer
 
 NUM_EXAMPLES = 600
@@ -162,13 +161,13 @@ def fuzz_app(request, smollm2_tokenizer_dir):
     limits = dict(max_n=4, max_choices=8, max_num_seqs=16, log_stats_interval_s=0, max_body_bytes=64 * 1024)
     if request.param == "fake":
         tokenizer = ServerTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
-        config = ServerConfig(model=MODEL, **limits)
+        config = server_config(model=MODEL, **limits)
         loader = fake_loader(tokenizer, FakeRunner(max_model_len=64, num_kv_blocks=64))
     else:
         from server.loader import load_model
 
         tiny = request.getfixturevalue("tiny_llama_dir")
-        config = ServerConfig(
+        config = server_config(
             model=str(tiny),
             served_model_name=MODEL,
             dtype="float32",

@@ -9,10 +9,10 @@ from fakes import (
     FakeRunner,
     error_of,
     running_app,
+    server_config,
 )
 
 from server.app import create_app
-from server.config import ServerConfig
 from server.state import LoadedModel
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -26,7 +26,7 @@ async def test_503_while_loading_then_ready(tokenizer):
         release.wait(timeout=30)
         return LoadedModel(runner, tokenizer, runner.vocab_size)
 
-    app = create_app(ServerConfig(model=MODEL), slow_loader)
+    app = create_app(server_config(model=MODEL), slow_loader)
     async with running_app(app, wait=False) as client:
         err = error_of(await client.get("/health"), 503)
         assert err["code"] == "model_not_ready"
@@ -47,7 +47,7 @@ async def test_load_failure_reported_by_health():
     def broken_loader() -> LoadedModel:
         raise FileNotFoundError("no such model: /nowhere")
 
-    app = create_app(ServerConfig(model="/nowhere"), broken_loader)
+    app = create_app(server_config(model="/nowhere"), broken_loader)
     failures: list[str] = []
     app.state.server.on_load_failed = failures.append
     async with running_app(app) as client:
