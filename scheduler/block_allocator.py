@@ -40,9 +40,6 @@ class BlockAllocator:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
-
     def allocate(self, n: int) -> list[int]:
         if n > len(self._free):
             raise NoFreeBlocksError(f"asked for {n} KV blocks, {len(self._free)} free")
