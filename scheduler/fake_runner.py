@@ -63,6 +63,7 @@ class FakeRunner:
         gate: threading.Event | None = None,
         step_delay_s: float = 0.0,
         per_token_delay_s: float = 0.0,
+        simulate_kv: bool = True,
     ) -> None:
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
@@ -81,9 +82,12 @@ class FakeRunner:
         self.step_started = threading.Event()  # set when a step begins (cleared by the test)
         self.step_delay_s = step_delay_s  # a step's simulated time, plus per_token_delay_s per token
         self.per_token_delay_s = per_token_delay_s
+        # False: read the context from the batch's prompt/output ids instead of the simulated cache, which
+        # costs O(context) Python per sampled token (the load tester's fake server runs long contexts).
+        self.simulate_kv = simulate_kv
         self.dead_reason: str | None = None
         # slot -> (request_id, token) of the last write
-        self._slots: list[tuple[str, int] | None] = [None] * (num_kv_blocks * block_size)
+        self._slots: list[tuple[str, int] | None] = [None] * (num_kv_blocks * block_size if simulate_kv else 0)
         self.history: list[list[StepRecord]] = []
         self.max_batch_seen = 0
         # Pipelined submission (pipeline_depth > 1): batches submitted and not collected yet.
@@ -133,17 +137,21 @@ class FakeRunner:
             self.fail_at_step is not None and self.num_steps >= self.fail_at_step
         ):
             raise RuntimeError("injected step failure")
-        self._check_blocks(batch)
-        bs = self.block_size
-        for seq in batch:
-            for i, tok in enumerate(seq.token_ids):
-                pos = seq.start_position + i
-                self._slots[seq.block_table[pos // bs] * bs + pos % bs] = (seq.request_id, tok)
+        if self.simulate_kv:
+            self._check_blocks(batch)
+            bs = self.block_size
+            for seq in batch:
+                for i, tok in enumerate(seq.token_ids):
+                    pos = seq.start_position + i
+                    self._slots[seq.block_table[pos // bs] * bs + pos % bs] = (seq.request_id, tok)
         return [self._sample(seq) if seq.sample else None for seq in batch]
 
     def _sample(self, seq: ScheduledSequence) -> SampledToken:
         params = seq.sampling
-        context = [self._read(seq, pos) for pos in range(seq.context_len)]
+        if self.simulate_kv:
+            context = [self._read(seq, pos) for pos in range(seq.context_len)]
+        else:
+            context = [*seq.prompt_token_ids, *seq.output_token_ids]
         if self.script is not None:
             tok = self.script[len(seq.output_token_ids) % len(self.script)]
         elif params.seed is not None and not params.greedy:
