@@ -336,7 +336,8 @@ def test_backend_selection() -> None:
         select_attention_backend("paged-magic", "cpu")
     with pytest.raises(ValueError, match="CUDA"):
         select_attention_backend("flash-attn", "cpu")
-    assert available_backends("cpu") == ["sdpa", "cpu-decode"]
+    # triton joins on a CPU only under Triton's interpreter (test_triton_attention.py)
+    assert [b for b in available_backends("cpu") if b != "triton"] == ["sdpa", "cpu-decode"]
 
 
 def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
