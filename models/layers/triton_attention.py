@@ -74,27 +74,33 @@ def _paged_attention_kernel(
     BLOCK_Q: tl.constexpr,
     TILE_N: tl.constexpr,  # keys per inner iteration
     NUM_SPLITS: tl.constexpr,
+    DECODE_ONLY: tl.constexpr,  # every sequence has exactly one query token
     DOT_PRECISION: tl.constexpr,  # "ieee" for float32 (no TF32), "tf32" otherwise (ignored for 16-bit)
 ):
     q_tile = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
 
-    # Sequence i owns q tiles [query_start_loc[i] // BLOCK_Q + i, ...): an upper bound on the tiles
-    # before it that needs no host-side count, so the grid is T // BLOCK_Q + B (see launch). Find the
-    # last sequence whose first tile is <= q_tile by binary search over query_start_loc.
-    lo = q_tile * 0
-    hi = q_tile * 0 + num_seqs
-    while lo < hi:
-        mid = (lo + hi) // 2
-        starts_at_or_before = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= q_tile
-        lo = tl.where(starts_at_or_before, mid + 1, lo)
-        hi = tl.where(starts_at_or_before, hi, mid)
-    seq = lo - 1
-
-    q_start = tl.load(query_start_loc_ptr + seq)
+    if DECODE_ONLY:
+        # One query token per sequence: the grid is B and program i is sequence i.
+        seq = q_tile
+        q_start = tl.load(query_start_loc_ptr + seq)
+        local_tile = q_tile * 0
+    else:
+        # Sequence i owns q tiles [query_start_loc[i] // BLOCK_Q + i, ...): an upper bound on the tiles
+        # before it that needs no host-side count, so the grid is T // BLOCK_Q + B (see q_tiles). Find
+        # the last sequence whose first tile is <= q_tile by binary search over query_start_loc.
+        lo = q_tile * 0
+        hi = q_tile * 0 + num_seqs
+        while lo < hi:
+            mid = (lo + hi) // 2
+            starts_at_or_before = tl.load(query_start_loc_ptr + mid) // BLOCK_Q + mid <= q_tile
+            lo = tl.where(starts_at_or_before, mid + 1, lo)
+            hi = tl.where(starts_at_or_before, hi, mid)
+        seq = lo - 1
+        q_start = tl.load(query_start_loc_ptr + seq)
+        local_tile = q_tile - (q_start // BLOCK_Q + seq)
     query_len = tl.load(query_start_loc_ptr + seq + 1) - q_start
-    local_tile = q_tile - (q_start // BLOCK_Q + seq)
     if local_tile * BLOCK_Q >= query_len:
         return  # one of the spare tiles of the upper bound
 
@@ -227,12 +233,18 @@ def _multiprocessor_count(device: torch.device) -> int:
 
 @dataclass(frozen=True)
 class LaunchConfig:
-    block_m: int
-    block_q: int
-    tile_n: int
-    num_splits: int
+    block_m: int  # query rows per program (>= 16)
+    block_q: int  # query tokens per program: block_m // queries per KV head
+    tile_n: int  # keys per inner iteration
+    num_splits: int  # programs sharing one history (a power of two)
+    decode_only: bool  # every sequence has one query token: program i is sequence i
     num_warps: int
     num_stages: int
+
+    def q_tiles(self, num_tokens: int, num_seqs: int) -> int:
+        """Programs along the query axis: exactly B for decode steps, else an upper bound the kernel
+        needs no per-sequence count for (spare programs return at once)."""
+        return num_seqs if self.decode_only else num_tokens // self.block_q + num_seqs
 
 
 def launch_config(
@@ -248,23 +260,22 @@ def launch_config(
     """Tile sizes and the KV split count, from host-side sizes only (never device values).
 
     Decode rows are one token times its query heads, so they take the smallest dot tile; prompt
-    chunks take 64 rows. A decode-only step whose (query tile, KV head) programs cannot fill the GPU
+    chunks take 64 rows (BLOCK_Q = 64 // queries per KV head tokens). A decode-only step whose (query tile, KV head) programs cannot fill the GPU
     twice over, with histories long enough to share out, splits each history over up to MAX_SPLITS
     programs. The kernel is correct for any split count, so a CUDA graph captured for a batch size
     passes the longest history it will ever replay (max_model_len) as max_seq_len and keeps the
     result for every replay.
     """
     qpk = num_q_heads // num_kv_heads
-    if max_query_len == 1:
-        block_m = max(MIN_DOT, triton.next_power_of_2(qpk))
-        tile_n = 32
+    decode_only = max_query_len == 1
+    if decode_only:
+        block_m, block_q, tile_n = max(MIN_DOT, triton.next_power_of_2(qpk)), 1, 32
     else:
         block_m = max(64, triton.next_power_of_2(qpk))
-        tile_n = 64
-    block_q = block_m // qpk
+        block_q, tile_n = block_m // qpk, 64
     num_splits = 1
-    if max_query_len == 1:
-        programs = (num_tokens // block_q + num_seqs) * num_kv_heads
+    if decode_only:
+        programs = num_seqs * num_kv_heads
         target = 2 * _multiprocessor_count(device)
         useful = max_seq_len // (2 * tile_n)  # at least two key tiles per split
         if programs < target and useful >= 2:
@@ -272,7 +283,7 @@ def launch_config(
                 MAX_SPLITS, triton.next_power_of_2(-(-target // programs)), 1 << int(math.log2(useful))
             )
     # Triton 3.7 does not turn these gathered loads into async copies, so more stages buy nothing.
-    return LaunchConfig(block_m, block_q, tile_n, num_splits, num_warps=4, num_stages=2)
+    return LaunchConfig(block_m, block_q, tile_n, num_splits, decode_only, num_warps=4, num_stages=2)
 
 
 def paged_attention(
@@ -312,7 +323,7 @@ def paged_attention(
         part_sum = torch.empty_like(part_max)
     else:
         part_out = part_max = part_sum = out  # never touched
-    grid = (num_tokens // config.block_q + num_seqs, num_kv_heads, splits)
+    grid = (config.q_tiles(num_tokens, num_seqs), num_kv_heads, splits)
     _paged_attention_kernel[grid](
         out,
         part_out,
@@ -345,6 +356,7 @@ def paged_attention(
         BLOCK_Q=config.block_q,
         TILE_N=config.tile_n,
         NUM_SPLITS=splits,
+        DECODE_ONLY=config.decode_only,
         DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
         num_warps=config.num_warps,
         num_stages=config.num_stages,

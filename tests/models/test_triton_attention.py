@@ -163,6 +163,15 @@ def test_split_keys_decode_matches_sdpa(num_splits: int) -> None:
 
 
 @needs_triton
+def test_split_keys_over_prompt_chunks_matches_sdpa() -> None:
+    """launch_config splits only decode steps, but the kernel takes any split count: here a chunk's
+    early rows see no key at all in the later splits (max -inf, sum 0), which the merge must drop."""
+    q, k_cache, v_cache, md = random_step([3, 0, 40], [1, 70, 9], 4, 2, 32, 16, seed=5)
+    out = _paged_attention(q, k_cache, v_cache, md, 0.2, num_splits=4)
+    torch.testing.assert_close(out, sdpa_reference(q, k_cache, v_cache, md, 0.2), atol=2e-5, rtol=2e-5)
+
+
+@needs_triton
 @pytest.mark.parametrize("num_splits", [1, 4])
 def test_large_scores_stay_finite(num_splits: int) -> None:
     """Scores in the hundreds: the online softmax (and the merge of splits) must rescale, not overflow."""

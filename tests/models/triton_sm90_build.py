@@ -83,6 +83,7 @@ def build(case: dict) -> dict:
                 BLOCK_Q=config.block_q,
                 TILE_N=config.tile_n,
                 NUM_SPLITS=splits,
+                DECODE_ONLY=config.decode_only,
                 DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
             ),
         ),
