@@ -48,10 +48,11 @@ def flash_attn_available() -> bool:
 
 
 @cache
-def _triton_imports() -> bool:
+def triton_imports() -> bool:
+    """triton is installed and imports (a broken install, say built for another torch, does not)."""
     try:
         import triton  # noqa: F401
-    except ImportError:  # a broken install (say, built for another torch) counts as absent
+    except ImportError:
         return False
     return True
 
@@ -63,7 +64,7 @@ def triton_available(device: torch.device | str) -> bool:
     suite sets it on machines without a GPU); it runs the kernels in numpy, far too slowly to serve.
     """
     on_cuda = torch.device(device).type == "cuda"
-    if not (on_cuda or os.environ.get("TRITON_INTERPRET")) or not _triton_imports():
+    if not (on_cuda or os.environ.get("TRITON_INTERPRET")) or not triton_imports():
         return False
     if on_cuda:
         return True
