@@ -42,7 +42,11 @@ def _source(kernel, pointers: dict[str, str], constexprs: dict[str, object]) -> 
 
 
 def _resources(cubin: bytes) -> dict[str, int]:
+    """Registers, stack and local memory per thread (spills show as the last two), from the cuobjdump
+    Triton ships; empty where this build of Triton has none."""
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.access(tool, os.X_OK):
+        return {}
     with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
         f.write(cubin)
         f.flush()
