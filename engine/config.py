@@ -100,7 +100,7 @@ class EngineConfig:
         g.add_argument(
             "--attention-backend",
             default=d.attention_backend,
-            help="auto, sdpa, cpu-decode, torch-varlen, flash-attn",
+            help="auto, sdpa, cpu-decode, triton, torch-varlen, flash-attn",
         )
         g.add_argument(
             "--weight-packing",
