@@ -13,10 +13,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.contract import SamplingParams
 from engine.config import EngineConfig
-from engine.grammar import GrammarCompiler, GrammarError, GrammarSpec
+from engine.contract import SamplingParams
 from engine.executor import LocalExecutor
+from engine.grammar import GrammarCompiler, GrammarError, GrammarSpec
 from engine.sampler import LOGPROB_FLOOR, Sampler
 from scheduler.config import SchedulerConfig
 from scheduler.core import Scheduler
