@@ -29,6 +29,10 @@ logger = logging.getLogger(__name__)
 
 GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "lark"]
 CACHE_SIZE = 256  # compiled grammars kept (a matcher template each: tens of KB)
+# JSON whitespace between tokens, bounded: room for pretty-printing a few levels deep, but a weak model
+# sampled hot cannot loop on newlines until max_tokens (an unbounded pattern lets it; vLLM's answer is
+# disable_any_whitespace, which takes pretty-printing away too).
+JSON_WHITESPACE = r"[\x20\x0A\x0D\x09]{0,16}"
 
 
 class GrammarError(ValueError):
@@ -94,7 +98,9 @@ def llguidance_grammar(spec: GrammarSpec) -> str:
 def _json_options(spec: GrammarSpec) -> dict[str, Any]:
     # lenient: keywords llguidance does not implement (format: "email", ...) are ignored rather than
     # failing the request, as OpenAI's non-strict mode and vLLM do.
-    return {"whitespace_flexible": spec.any_whitespace, "lenient": True}
+    if not spec.any_whitespace:
+        return {"whitespace_flexible": False, "lenient": True}
+    return {"whitespace_flexible": True, "whitespace_pattern": JSON_WHITESPACE, "lenient": True}
 
 
 class GrammarMatcher:

@@ -45,7 +45,8 @@ def output_constraint(body: SamplingFields) -> tuple[GrammarSpec, str] | None:
             )
         if kinds:
             param = f"structured_outputs.{kinds[0]}"
-            found.append((_spec(kinds[0], so[kinds[0]], param, whitespace), param))
+            closed = bool(so.get("disable_additional_properties"))
+            found.append((_spec(kinds[0], so[kinds[0]], param, whitespace, closed), param))
     if len(found) > 1:
         raise invalid(
             "Only one output constraint may be given; got " + ", ".join(p for _, p in found) + ".",
@@ -67,10 +68,39 @@ def _response_format(fmt: Any) -> GrammarSpec | None:
     schema = js.get("schema", {"type": "object"})  # OpenAI: the schema is optional
     if not isinstance(schema, (dict, bool)):
         raise invalid("response_format.json_schema.schema must be a JSON schema object.", "response_format")
+    if js.get("strict") and isinstance(schema, dict):
+        schema = closed_objects(schema)
     return GrammarSpec.json_schema(schema)
 
 
-def _spec(kind: str, value: Any, param: str, any_whitespace: bool) -> GrammarSpec:
+_SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SCHEMA_ONE = ("items", "additionalItems", "contains", "not", "if", "then", "else", "propertyNames")
+_SCHEMA_LISTS = ("anyOf", "allOf", "oneOf", "prefixItems")
+
+
+def closed_objects(schema: Any) -> Any:
+    """The schema with `additionalProperties: false` on every object that does not say otherwise.
+    OpenAI's strict mode means exactly this (it rejects open objects; pydantic's schemas leave the key
+    out, and without it a model may add properties until max_tokens); vLLM calls it
+    disable_additional_properties."""
+    if not isinstance(schema, dict):
+        return schema
+    out = dict(schema)
+    if ("properties" in out or out.get("type") == "object") and "additionalProperties" not in out:
+        out["additionalProperties"] = False
+    for key in _SCHEMA_MAPS:
+        if isinstance(out.get(key), dict):
+            out[key] = {k: closed_objects(v) for k, v in out[key].items()}
+    for key in _SCHEMA_ONE:
+        if key in out:
+            out[key] = closed_objects(out[key])
+    for key in _SCHEMA_LISTS:
+        if isinstance(out.get(key), list):
+            out[key] = [closed_objects(v) for v in out[key]]
+    return out
+
+
+def _spec(kind: str, value: Any, param: str, any_whitespace: bool, closed: bool = False) -> GrammarSpec:
     if kind == "json":
         if isinstance(value, str):
             try:
@@ -79,6 +109,8 @@ def _spec(kind: str, value: Any, param: str, any_whitespace: bool) -> GrammarSpe
                 raise invalid(f"{param} is not valid JSON: {exc}", param=param) from None
         if not isinstance(value, (dict, bool)):
             raise invalid(f"{param} must be a JSON schema object.", param=param)
+        if closed:
+            value = closed_objects(value)
         return GrammarSpec.json_schema(value, any_whitespace)
     if kind == "json_object":
         return GrammarSpec("json_object", any_whitespace=any_whitespace)
