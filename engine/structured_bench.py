@@ -50,8 +50,9 @@ def prompts(tokenizer, batch_size: int) -> list[list[int]]:
     out = []
     for i in range(batch_size):
         msgs = [{"role": "user", "content": f"List {50 + i} people as JSON with name, age, email and city."}]
-        out.append(tokenizer.apply_chat_template(msgs, tokenize=True, add_generation_prompt=True))
-    return [list(p["input_ids"] if isinstance(p, dict) else p) for p in out]
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True)
+        out.append(tokenizer(text, add_special_tokens=False)["input_ids"])
+    return out
 
 
 def decode(

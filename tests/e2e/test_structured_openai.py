@@ -80,7 +80,9 @@ def _serve(model: str, tmp_path_factory, extra: list[str]):
 @pytest.fixture(scope="module")
 def tiny_url(tiny_llama_dir, tmp_path_factory):
     yield from _serve(
-        str(tiny_llama_dir), tmp_path_factory, ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "512"]
+        str(tiny_llama_dir),
+        tmp_path_factory,
+        ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "512"],
     )
 
 
@@ -136,7 +138,13 @@ def test_tiny_named_and_required_tool_choices(tiny_url):
     named = {"type": "function", "function": {"name": "get_time"}}
     for choice in (named, "required"):
         r = client.chat.completions.create(
-            model=MODEL, messages=msgs, tools=TOOLS, tool_choice=choice, max_tokens=150, temperature=1.0, seed=3
+            model=MODEL,
+            messages=msgs,
+            tools=TOOLS,
+            tool_choice=choice,
+            max_tokens=150,
+            temperature=1.0,
+            seed=3,
         )
         c = r.choices[0]
         assert c.finish_reason == "tool_calls" and c.message.content is None
@@ -170,7 +178,10 @@ def test_tiny_json_schema_and_guided_fields(tiny_url):
     )
     assert c.choices[0].text in ("yes", "no")
     c = client.completions.create(
-        model=MODEL, prompt="Code:", max_tokens=10, extra_body={"structured_outputs": {"regex": "[A-Z]{3}-[0-9]{2}"}}
+        model=MODEL,
+        prompt="Code:",
+        max_tokens=10,
+        extra_body={"structured_outputs": {"regex": "[A-Z]{3}-[0-9]{2}"}},
     )
     assert len(c.choices[0].text) == 6 and c.choices[0].text[3] == "-"
 
@@ -250,7 +261,12 @@ def test_named_and_required_tool_choices_on_the_default_model(default_url):
             _check_call(call)
         calls, finish, _ = _streamed_calls(
             client.chat.completions.create(
-                model=MODEL, messages=msgs, tools=TOOLS, tool_choice=choice, max_tokens=150, temperature=0,
+                model=MODEL,
+                messages=msgs,
+                tools=TOOLS,
+                tool_choice=choice,
+                max_tokens=150,
+                temperature=0,
                 stream=True,
             )  # fmt: skip
         )
@@ -276,6 +292,8 @@ def test_round_trip_with_a_tool_result(default_url):
     c = second.choices[0]
     assert c.finish_reason in ("stop", "length") and c.message.content and not c.message.tool_calls
     # auto: the model may call again or answer; either way the reply is well-formed.
-    third = client.chat.completions.create(model=MODEL, messages=msgs, tools=TOOLS, max_tokens=60, temperature=0)
+    third = client.chat.completions.create(
+        model=MODEL, messages=msgs, tools=TOOLS, max_tokens=60, temperature=0
+    )
     m = third.choices[0].message
     assert m.content or m.tool_calls
