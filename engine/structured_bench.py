@@ -22,10 +22,10 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
-from engine.batch import SamplingParams, ScheduledSequence
 from engine.config import EngineConfig
+from engine.contract import SamplingParams, ScheduledSequence
+from engine.executor import LocalExecutor
 from engine.grammar import GrammarCompiler, GrammarSpec
-from engine.runner import TorchModelRunner
 from engine.token_mask import MaskStats
 
 PERSON = {
@@ -56,7 +56,7 @@ def prompts(tokenizer, batch_size: int) -> list[list[int]]:
 
 
 def decode(
-    runner: TorchModelRunner, batch: list[list[int]], params: list[SamplingParams], steps: int
+    runner: LocalExecutor, batch: list[list[int]], params: list[SamplingParams], steps: int
 ) -> list[float]:
     """Prefill every prompt in one step, then `steps` decode steps; returns each decode step's seconds."""
     per_seq = -(-(max(len(p) for p in batch) + steps + 1) // runner.block_size)
@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     sizes = [int(b) for b in args.batch_sizes.split(",")]
     prompt_len = 64
     blocks = max(sizes) * (-(-(prompt_len + args.steps + 1) // 16))
-    runner = TorchModelRunner(EngineConfig(model=args.model, dtype=args.dtype, num_kv_blocks=blocks))
+    runner = LocalExecutor(EngineConfig(model=args.model, dtype=args.dtype, num_kv_blocks=blocks))
     tokenizer = load_tokenizer(runner.model_path)
     compiler = GrammarCompiler(tokenizer, runner.vocab_size, sorted(runner.eos_token_ids))
     t0 = time.perf_counter()
