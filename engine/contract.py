@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarMatcher
 
 # Temperatures below this are greedy (vLLM uses the same bound): dividing logits by, say, 1e-8 overflows
 # float32 to inf, and the softmax of that is NaN, which would be both the draw and the logprobs.
@@ -33,6 +36,9 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Structured output: this request's grammar state (one per choice, made by the server). The sampler
+    # masks every token the grammar does not allow at this point (engine/token_mask.py).
+    grammar: GrammarMatcher | None = field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
         # What the sampler cannot apply; checked once, when a request's parameters are made (the server

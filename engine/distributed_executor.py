@@ -311,6 +311,8 @@ class DistributedExecutor(ExecutorBase):
         inputs = runner.prepare(batch)
         msg = encode_batch(batch)
         pending.sample_rows = inputs.sample_rows
+        # Grammar hook: the masks are computed while the stages run; collect() applies them.
+        pending.mask = self.masker.start([batch[i] for i in inputs.sample_rows])
         num_sample = len(inputs.sample_rows)
         try:
             with torch.inference_mode():

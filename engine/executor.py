@@ -23,6 +23,7 @@ from engine.config import EngineConfig, resolve_device, resolve_model_path
 from engine.contract import SampledToken, ScheduledSequence
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
+from engine.token_mask import PendingMask, TokenMasker
 
 
 @dataclass
@@ -35,6 +36,7 @@ class PendingStep:
     recv: Any = None  # dist.Work of the logits' irecv (pipeline parallel)
     sends: list[Any] = field(default_factory=list)  # dist.Work of the isends to stage 1
     keep: list[torch.Tensor] = field(default_factory=list)  # tensors the isends read from
+    mask: PendingMask | None = None  # grammar masks of the constrained rows, computed meanwhile
 
 
 class ExecutorBase(ABC):
@@ -55,6 +57,8 @@ class ExecutorBase(ABC):
         self.eos_token_ids: frozenset[int] = runner.eos_token_ids
         self.pipeline_depth: int = pipeline_depth
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, self.device, config.seed)
+        # Grammar masks (structured outputs): only the driver samples, so only it holds matchers.
+        self.masker = TokenMasker()
 
     @property
     def dead_reason(self) -> str | None:
@@ -73,7 +77,9 @@ class ExecutorBase(ABC):
         if pending.logits is None:
             return out
         with torch.inference_mode():
-            sampled = self.sampler(pending.logits, [pending.batch[i] for i in pending.sample_rows])
+            sampled = self.sampler(
+                pending.logits, [pending.batch[i] for i in pending.sample_rows], pending.mask
+            )
         for i, tok in zip(pending.sample_rows, sampled, strict=True):
             out[i] = tok
         return out
@@ -102,6 +108,9 @@ class LocalExecutor(ExecutorBase):
         if not batch:
             return pending
         runner = self.runner
+        # Grammar hook: the constrained rows' masks are computed while the forward runs (None, and no
+        # work, for a batch without a grammar).
+        pending.mask = self.masker.start([s for s in batch if s.sample])
         with torch.inference_mode():
             inputs = runner.prepare(batch)
             hidden = runner.forward(inputs)  # [T, hidden]

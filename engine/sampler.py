@@ -1,7 +1,11 @@
 """Token sampling over a batch of logits, vectorised by groups of rows.
 
 Order of processing, per row (each step only for the rows that ask for it):
-  1. min_tokens: while a row has fewer outputs than min_tokens, its EOS and stop tokens get -inf.
+  0. grammar (structured outputs): tokens the row's grammar does not allow here get -inf
+     (engine/token_mask.py computed the mask while the forward ran). Everything below, logprobs
+     included, sees the constrained distribution.
+  1. min_tokens: while a row has fewer outputs than min_tokens, its EOS and stop tokens get -inf
+     (unless its grammar allows nothing else: a finished grammar wins over min_tokens).
   2. logit bias (added).
   3. repetition penalty (HF/CTRL, over prompt + output tokens): a seen token's logit is divided by the
      penalty when positive, multiplied when negative.
@@ -23,11 +27,14 @@ Order of processing, per row (each step only for the rows that ask for it):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
 from engine.contract import SampledToken, SamplingParams
+
+if TYPE_CHECKING:
+    from engine.token_mask import PendingMask
 
 LOGPROB_FLOOR = -9999.0  # what a -inf logprob is reported as
 
@@ -67,8 +74,13 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
-        """Pick one token per row. `logits` is [B, vocab] float32 and is modified in place."""
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], mask: PendingMask | None = None
+    ) -> list[SampledToken]:
+        """Pick one token per row. `logits` is [B, vocab] float32 and is modified in place. `mask`: the
+        grammar masks of the constrained rows (TokenMasker.start on the same rows), None without any."""
+        if mask is not None:
+            mask.apply(logits)
         params = [r.sampling for r in rows]
         num_out = [len(r.output_token_ids) for r in rows]
         plain = all(
@@ -134,12 +146,22 @@ class Sampler:
                 if not p.ignore_eos:
                     banned |= self.eos_token_ids
                 banned = {t for t in banned if 0 <= t < self.vocab_size}
+                if p.grammar is not None and not self._allows_besides(logits[i], banned):
+                    continue  # the grammar is complete: only EOS is left, so min_tokens gives way
                 rows.extend([i] * len(banned))
                 cols.extend(banned)
         if rows:
             logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = (
                 float("-inf")
             )
+
+    @staticmethod
+    def _allows_besides(row: torch.Tensor, tokens: set[int]) -> bool:
+        """Whether a (masked) row of logits allows some token outside `tokens`."""
+        allowed = int(torch.isfinite(row).sum())
+        if tokens:
+            allowed -= int(torch.isfinite(row[torch.tensor(sorted(tokens), device=row.device)]).sum())
+        return allowed > 0
 
     def _apply_logit_bias(self, logits: torch.Tensor, params: list[SamplingParams]) -> None:
         rows: list[int] = []

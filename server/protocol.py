@@ -60,6 +60,13 @@ class StreamOptions(OpenAIModel):
     include_usage: bool | None = False
 
 
+class ResponseFormat(OpenAIModel):
+    """OpenAI's response_format; json_schema is {"name", "description"?, "schema"?, "strict"?}."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
 class SamplingFields(OpenAIModel):
     """Fields both endpoints share, with OpenAI's bounds and vLLM's extras."""
 
@@ -83,6 +90,17 @@ class SamplingFields(OpenAIModel):
     ignore_eos: bool | None = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     skip_special_tokens: bool | None = True
+    # Structured outputs: OpenAI's response_format, vLLM's guided_* fields (before v0.12) and its
+    # structured_outputs object ({"json" | "regex" | "choice" | "grammar" | "json_object": ...,
+    # "disable_any_whitespace"?}); at most one of them (server/structured.py).
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored: there is one backend
+    guided_whitespace_pattern: str | None = None  # accepted and ignored
+    structured_outputs: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -142,17 +160,55 @@ class TextPart(OpenAIModel):
         return self
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+
+
+class FunctionDefinition(OpenAIModel):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; checked by compiling it
+    strict: bool | None = None
+
+
+class Tool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call they answer
 
     @model_validator(mode="after")
     def _check(self) -> ChatMessage:
-        if self.tool_calls:
-            raise ValueError("tool calls are not supported by this server")
-        if self.content is None:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages may have tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs 'tool_call_id'")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"a {self.role} message needs 'content'")
         return self
 
@@ -168,9 +224,9 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = False
     top_logprobs: Annotated[int, Field(ge=0)] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any | None = None
-    response_format: dict[str, Any] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -108,14 +108,34 @@ def completion_chunk(
 
 # --- chat ---
 def chat_choice(
-    index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
+    index: int,
+    text: str | None,
+    logprobs: dict[str, Any] | None,
+    finish_reason: str | None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    return {
-        "index": index,
-        "message": {"role": "assistant", "content": text, "refusal": None},
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-    }
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def tool_call_delta(
+    index: int, *, call_id: str | None = None, name: str | None = None, arguments: str = ""
+) -> dict[str, Any]:
+    """One streamed piece of a call: the first carries id, type and name; the rest argument text."""
+    if call_id is not None:
+        return {
+            "index": index,
+            "id": call_id,
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
+    return {"index": index, "function": {"arguments": arguments}}
 
 
 def chat_response(meta: ResponseMeta, choices: list[dict[str, Any]], use: dict[str, int]) -> dict[str, Any]:

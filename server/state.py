@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from engine.contract import Executor
+from engine.grammar import GrammarCompiler
 from scheduler.loop import IterationLoop
 from scheduler.outputs import SchedulerStats, StepReport
 from server.config import ServerConfig
@@ -39,6 +40,7 @@ class ServerState:
         self._loader = loader
         self.loop: IterationLoop | None = None
         self.tokenizer: ServerTokenizer | None = None
+        self.grammars: GrammarCompiler | None = None  # structured outputs and tool calls
         self.vocab_size = 0
         self.load_error: str | None = None
         self.created = int(time.time())
@@ -97,6 +99,9 @@ class ServerState:
             return
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.vocab_size
+        self.grammars = GrammarCompiler(
+            loaded.tokenizer.hf, loaded.vocab_size, sorted(loaded.executor.eos_token_ids)
+        )
         self.loop = loop
         if cfg.log_stats_interval_s > 0:
             stats_logger = StatsLogger(self.metrics, self._stats)

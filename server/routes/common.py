@@ -18,6 +18,7 @@ from sse_starlette import EventSourceResponse
 from starlette.background import BackgroundTask
 
 from engine.contract import SamplingParams
+from engine.grammar import CompiledGrammar
 from server.errors import (
     APIError,
     context_length_exceeded,
@@ -165,14 +166,18 @@ def choice_specs(
     params: SamplingParams,
     stops: list[str],
     skip_special_tokens: bool,
+    grammar: CompiledGrammar | None = None,
 ) -> list[ChoiceSpec]:
     """n choices per prompt, indexed prompt-major as OpenAI does. With a seed, choice j uses seed + j:
-    the same seed for all n would make the n choices identical."""
+    the same seed for all n would make the n choices identical. With a grammar, each choice gets its
+    own matcher (its own position in the grammar)."""
     specs = []
     for p, prompt in enumerate(prompts):
         for j in range(n):
             index = p * n + j
             seeded = params if params.seed is None else replace(params, seed=params.seed + j)
+            if grammar is not None:
+                seeded = replace(seeded, grammar=grammar.new_matcher())
             specs.append(
                 ChoiceSpec(index, f"{request_prefix}-{index}", prompt, seeded, stops, skip_special_tokens)
             )

@@ -38,6 +38,7 @@ from server.routes.fanout import (
     stream_response,
 )
 from server.state import ServerState
+from server.structured import compile_constraint, output_constraint
 from server.tokenizer import ServerTokenizer
 
 router = APIRouter()  # the API key is checked by server.middleware.APIKeyMiddleware
@@ -100,8 +101,15 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if max_tokens == 0:  # echo only: the prompt back, nothing generated (OpenAI's prompt-scoring form)
         return _echo_only(meta, prompts, echoes or [], n)
 
+    constraint = output_constraint(body)
+    grammar = None
+    if constraint is not None:
+        assert state.grammars is not None  # set with the tokenizer
+        grammar = await compile_constraint(state.grammars, *constraint)
     params = sampling_params(body, max_tokens, body.logprobs, state.vocab_size)
-    specs = choice_specs(meta.id, prompts, n, params, body.stop_strings, bool(body.skip_special_tokens))
+    specs = choice_specs(
+        meta.id, prompts, n, params, body.stop_strings, bool(body.skip_special_tokens), grammar
+    )
     run = start_choices(state, loop, tokenizer, specs, sum(len(p) for p in prompts))
     if body.stream:
         return stream_response(run, _stream(state, run, meta, body, echoes))

@@ -79,7 +79,7 @@ async def test_unsupported_features_say_so(client):
 
 CHAT_CASES = [
     ({"messages": []}, "messages"),
-    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0.role"),
+    ({"messages": [{"role": "tool", "content": "x"}]}, "messages.0"),  # no tool_call_id
     ({"messages": [{"role": "user"}]}, "messages.0"),
     (
         {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
@@ -90,9 +90,20 @@ CHAT_CASES = [
     ({"max_completion_tokens": -5}, "max_completion_tokens"),
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"),
     ({"top_logprobs": 2}, "top_logprobs"),
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    (
+        {"tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "strin"}}}]},
+        "tools.0.function.parameters",
+    ),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
+    (
+        {
+            "response_format": {
+                "type": "json_schema",
+                "json_schema": {"name": "x", "schema": {"type": "strin"}},
+            }
+        },
+        "response_format",
+    ),
     ({"n": 0}, "n"),
 ]
 
