@@ -9,9 +9,10 @@ The loop must never wait for a viewer, so the work is split in two:
   gap in the step numbers); the sender never waits on a socket.
 
 Throttling and sampling: at most one message per viewer per interval, holding at most
-`max_steps_per_message` steps. When more steps ran in one interval (a fast model), the newest ones are
-sent whole and the older ones are summarised as a gap (how many, and which requests finished or were
-preempted in it), so the view stays one column per iteration where it shows iterations at all.
+`max_steps_per_message` steps and `max_entries_per_message` batch entries. When more ran in one interval
+(a fast model, a large batch), the newest steps are sent whole and the older ones are summarised as a
+gap (how many, and which requests finished or were preempted in it), so the view stays one column per
+iteration where it shows iterations at all.
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class FeedLimits:
     history: int = 4096  # reports the loop's listener keeps (a deque: the oldest fall off)
     interval_s: float = 0.1  # the sender's period: at most this many messages per second per viewer
     max_steps_per_message: int = 64  # past this in one interval, older steps become a gap summary
+    # ... and past this many batch entries (requests x steps): a full batch of 256 requests sends 4 steps
+    # per message, not 64 (~40 KiB a message, ~0.4 MB/s per viewer at most, with OpenAI-style ids).
+    max_entries_per_message: int = 1024
     backlog_steps: int = 256  # recent steps a new viewer gets at once, so the view is not empty
     viewer_queue: int = 16  # messages a slow viewer may have pending before its oldest are dropped
 
@@ -56,9 +60,16 @@ def step_event(r: StepReport) -> dict[str, Any]:
     }
 
 
-def encode_message(reports: list[StepReport], max_steps: int) -> str:
-    """Reports (oldest first) as one JSON message: the newest `max_steps` whole, the rest as a gap."""
-    skipped, sent = reports[:-max_steps] if len(reports) > max_steps else [], reports[-max_steps:]
+def encode_message(reports: list[StepReport], max_steps: int, max_entries: int) -> str:
+    """Reports (oldest first) as one JSON message: the newest whole, up to `max_steps` steps and
+    `max_entries` batch entries (at least one step), the older ones summarised as a gap."""
+    keep, entries = 0, 0
+    for r in reversed(reports):
+        if keep == max_steps or (keep and entries + r.num_seqs > max_entries):
+            break
+        keep += 1
+        entries += r.num_seqs
+    skipped, sent = reports[: len(reports) - keep], reports[len(reports) - keep :]
     message: dict[str, Any] = {"time": time.time(), "steps": [step_event(r) for r in sent]}
     if skipped:
         message["gap"] = {
@@ -106,7 +117,9 @@ class IterationFeed:
         viewer = _Viewer(deque(maxlen=self.limits.viewer_queue))
         backlog = list(self._reports)[-self.limits.backlog_steps :]
         if backlog:
-            viewer.push(encode_message(backlog, self.limits.backlog_steps))
+            viewer.push(
+                encode_message(backlog, self.limits.backlog_steps, 4 * self.limits.max_entries_per_message)
+            )
         self._viewers.add(viewer)
         if self._sender is None or self._sender.done():
             last = self._reports[-1].step if self._reports else 0
@@ -130,7 +143,9 @@ class IterationFeed:
             if not new:
                 continue
             last_step = new[-1].step
-            message = encode_message(new, self.limits.max_steps_per_message)
+            message = encode_message(
+                new, self.limits.max_steps_per_message, self.limits.max_entries_per_message
+            )
             self.messages_sent += 1
             for viewer in self._viewers:
                 viewer.push(message)

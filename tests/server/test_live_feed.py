@@ -88,6 +88,18 @@ async def test_more_steps_than_a_message_holds_are_sampled_into_a_gap():
     await stream.aclose()
 
 
+async def test_a_large_batch_sends_fewer_steps_per_message():
+    feed = IterationFeed(FeedLimits(interval_s=0.01, max_entries_per_message=10))
+    stream = feed.subscribe()
+    reader = asyncio.ensure_future(next_message(stream))
+    await wait_until(lambda: feed.num_viewers == 1)
+    for step in range(1, 6):
+        feed.on_step(report(step, ids=tuple(f"r{i}" for i in range(4))))
+    message = await reader  # two steps of four fit in ten entries
+    assert [s["step"] for s in message["steps"]] == [4, 5] and message["gap"]["to"] == 3
+    await stream.aclose()
+
+
 async def test_a_slow_viewer_loses_its_oldest_messages_and_holds_up_nobody():
     feed = IterationFeed(FeedLimits(interval_s=0.005, viewer_queue=3))
     slow, fast = feed.subscribe(), feed.subscribe()
