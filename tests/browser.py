@@ -77,11 +77,22 @@ def chromium(width: int = 1280, height: int = 860) -> Iterator[Any]:
             options.add_argument(flag)
         options.add_argument(f"--user-data-dir={profile}")
         options.add_argument(f"--window-size={width},{height}")
+        options.set_capability("goog:loggingPrefs", {"browser": "ALL"})  # for page_errors()
         driver = webdriver.Chrome(service=Service(executable_path=driver_path), options=options)
         try:
             yield driver
         finally:
             driver.quit()
+
+
+def page_errors(driver) -> list[str]:
+    """Errors the pages logged since the last call (uncaught exceptions, failed loads), except the
+    401s that a server with --api-key answers before the page has a key."""
+    return [
+        entry["message"]
+        for entry in driver.get_log("browser")
+        if entry["level"] == "SEVERE" and "status of 401" not in entry["message"]
+    ]
 
 
 class ServedApp:

@@ -83,12 +83,20 @@ def chromium_session():
 
 @pytest.fixture
 def browser(chromium_session):
-    """The session's Chromium, left with one blank tab after the test. Every test serves its app on a
-    new port, so it starts with its own (empty) local storage."""
+    """The session's Chromium, left with one blank tab after the test, which fails if a page logged an
+    error (an uncaught exception, a file that did not load). Every test serves its app on a new port,
+    so it starts with its own (empty) local storage."""
+    from browser import page_errors
+
+    page_errors(chromium_session)  # what earlier tests left
     yield chromium_session
+    errors: list[str] = []
     handles = chromium_session.window_handles
-    for handle in handles[1:]:
+    for handle in reversed(handles):
         chromium_session.switch_to.window(handle)
-        chromium_session.close()
+        errors += page_errors(chromium_session)
+        if handle != handles[0]:
+            chromium_session.close()
     chromium_session.switch_to.window(handles[0])
     chromium_session.get("about:blank")
+    assert not errors, errors

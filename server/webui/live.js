@@ -34,6 +34,7 @@ const ui = {
 };
 
 let hello = null; // the stream's first event: model, limits
+let firstMessage = false; // the next steps message is the first of a (re)connection
 let columns = []; // oldest first: a step, or a gap {gap: {from, to, finished, preempted, reason}}
 let lastStep = 0;
 let paused = false;
@@ -84,11 +85,17 @@ function onEvent({ event, data }) {
   const message = JSON.parse(data);
   if (event === "hello") {
     hello = message;
+    firstMessage = true;
     document.title = `Live iterations · ${hello.model} · orca-serve`;
     setStatus(`live · ${hello.model} · ${hello.scheduling}-level scheduling`, "ok");
     return;
   }
   if (event !== "steps") return;
+  if (firstMessage && message.steps.length && message.steps.at(-1).step < lastStep) {
+    columns = []; // the server restarted: its step numbers began again
+    lastStep = 0;
+  }
+  firstMessage = false;
   const steps = message.steps.filter((s) => s.step > lastStep);
   if (!steps.length) return; // a reconnect's backlog we already have
   if (message.gap && message.gap.to > lastStep) {
