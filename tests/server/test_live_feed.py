@@ -110,7 +110,7 @@ async def test_a_slow_viewer_loses_its_oldest_messages_and_holds_up_nobody():
     for step in range(1, 11):
         sent = feed.messages_sent
         feed.on_step(report(step))
-        await wait_until(lambda: feed.messages_sent > sent)  # one message per step
+        await wait_until(lambda sent=sent: feed.messages_sent > sent)  # one message per step
         message = await fast_reader
         seen += [s["step"] for s in message["steps"]]
         fast_reader = asyncio.ensure_future(next_message(fast))
