@@ -29,15 +29,22 @@ QUESTION = "Write a Python function that checks whether a word is a palindrome, 
 FOLLOW_UP = "Now make it ignore case and spaces."
 
 # Requests that keep the batch busy for the live view: (seconds after the first, prompt, max_tokens).
+LONG = "Summarise this: " + "The quick brown fox jumps over the lazy dog. " * 20  # prompt chunks
 BACKGROUND = [
-    (0.0, "Tell me about the sea.", 60),
+    (0.0, "Tell me about the sea.", 90),
     (0.8, "List five fruits.", 30),
-    (1.6, "Summarise this: " + "The quick brown fox jumps over the lazy dog. " * 20, 40),
-    (2.4, "What is the capital of France?", 12),
-    (3.0, "Write a haiku about autumn.", 40),
-    (3.8, "Explain continuous batching in one paragraph.", 70),
-    (4.4, "Count from one to ten.", 25),
+    (1.6, LONG, 40),
+    (2.6, "What is the capital of France?", 12),
+    (3.4, "Write a haiku about autumn.", 40),
+    (4.4, "Explain continuous batching in one paragraph.", 80),
+    (5.4, "Count from one to ten.", 25),
+    (6.2, LONG, 30),
+    (7.0, "Name three planets.", 20),
+    (8.0, "Why is the sky blue?", 60),
+    (9.0, "Give me a short motto.", 15),
+    (10.0, "Describe a cat in one sentence.", 40),
 ]
+SNAPSHOT_AFTER_S = 13.0
 
 
 def set_dark(driver, dark: bool) -> None:
@@ -75,7 +82,7 @@ def main() -> int:
     config = ServerConfig(
         model="default", max_num_seqs=8, max_num_batched_tokens=64, log_stats_interval_s=0
     )
-    with ServedApp(create_app(config)) as served, chromium(1280, 800) as driver:
+    with ServedApp(create_app(config)) as served, chromium(1280, 940) as driver:
         driver.get(served.url + "/")
         wait_for(lambda: driver.find_element(By.ID, "model-name").text == "default", timeout=120)
         driver.execute_script(
@@ -110,7 +117,8 @@ def main() -> int:
             thread = threading.Thread(target=chat, args=(served.url, prompt, max_tokens))
             thread.start()
             threads.append(thread)
-        time.sleep(1.5)
+        while time.monotonic() - start < SNAPSHOT_AFTER_S:
+            time.sleep(0.05)
         driver.find_element(By.ID, "pause").click()  # freeze the picture mid-run
         time.sleep(0.3)
         driver.save_screenshot(str(args.out / "webui-live.png"))
