@@ -87,7 +87,9 @@ class FakeRunner:
         self.simulate_kv = simulate_kv
         self.dead_reason: str | None = None
         # slot -> (request_id, token) of the last write
-        self._slots: list[tuple[str, int] | None] = [None] * (num_kv_blocks * block_size if simulate_kv else 0)
+        self._slots: list[tuple[str, int] | None] = [None] * (
+            num_kv_blocks * block_size if simulate_kv else 0
+        )
         self.history: list[list[StepRecord]] = []
         self.max_batch_seen = 0
         # Pipelined submission (pipeline_depth > 1): batches submitted and not collected yet.

@@ -28,7 +28,9 @@ from dataclasses import asdict, dataclass
 
 import uvicorn
 
-from engine.batch import SamplingParams
+from engine.config import EngineConfig
+from engine.contract import SamplingParams
+from scheduler.config import SchedulerConfig
 from scheduler.fake_runner import FakeRunner
 from scheduler.outputs import StepReport
 from server.app import create_app
@@ -76,7 +78,13 @@ async def run_case(case: Case, tokenizer: ServerTokenizer, args: argparse.Namesp
     runner = FakeRunner(num_kv_blocks=8192, block_size=16, max_model_len=1024)
     port = free_port()
     config = ServerConfig(
-        model="fake", port=port, webui=case.webui, log_stats_interval_s=0, max_num_seqs=args.concurrency
+        engine=EngineConfig(model="fake"),
+        scheduler=SchedulerConfig(
+            max_num_seqs=args.concurrency, max_num_batched_tokens=max(2048, args.concurrency)
+        ),
+        port=port,
+        webui=case.webui,
+        log_stats_interval_s=0,
     )
     app = create_app(config, lambda: LoadedModel(runner, tokenizer, runner.vocab_size))
     server = uvicorn.Server(uvicorn.Config(app, host=HOST, port=port, log_level="warning"))
@@ -85,7 +93,7 @@ async def run_case(case: Case, tokenizer: ServerTokenizer, args: argparse.Namesp
         await asyncio.sleep(0.01)
     state = app.state.server
     await state.wait_ready()
-    engine = state.engine
+    loop = state.loop
     url = f"http://{HOST}:{port}/live/events"
     viewers = [
         subprocess.Popen(["curl", "-sN", url], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
@@ -104,14 +112,14 @@ async def run_case(case: Case, tokenizer: ServerTokenizer, args: argparse.Namesp
         while not stop:
             prompt = [100 + (i * 7) % 500 for i in range(args.prompt_len)]
             params = SamplingParams(max_tokens=args.output_len, ignore_eos=True)
-            async for _ in engine.generate(prompt, params, f"bench-{next(ids)}"):
+            async for _ in loop.generate(prompt, params, f"bench-{next(ids)}"):
                 pass
 
     clients = [asyncio.create_task(client()) for _ in range(args.concurrency)]
     await asyncio.sleep(args.warmup)
-    steps0, cpu0, t0 = engine.stats().num_steps, time.process_time(), time.perf_counter()
+    steps0, cpu0, t0 = loop.stats().num_steps, time.process_time(), time.perf_counter()
     await asyncio.sleep(args.seconds)
-    steps1, cpu1, t1 = engine.stats().num_steps, time.process_time(), time.perf_counter()
+    steps1, cpu1, t1 = loop.stats().num_steps, time.process_time(), time.perf_counter()
     stop = True
     await asyncio.gather(*clients)
     received = 0

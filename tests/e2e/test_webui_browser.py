@@ -1,5 +1,5 @@
 """The chat page and the live iteration view in a real (headless) Chromium, against the real server:
-the fake runner behind the real app and AsyncEngine, and once the tiny random Llama."""
+the fake runner behind the real app and IterationLoop, and once the tiny random Llama."""
 
 from __future__ import annotations
 
@@ -8,11 +8,11 @@ from collections.abc import Sequence
 
 import pytest
 from browser import ServedApp, wait_for
-from fakes import MODEL, FakeRunner, engine_of, make_app
+from fakes import MODEL, FakeRunner, loop_of, make_app, server_config
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
 
-from engine.batch import SampledToken, ScheduledSequence
+from engine.contract import SampledToken, ScheduledSequence
 
 pytestmark = pytest.mark.browser
 
@@ -87,7 +87,7 @@ def set_settings(driver, **settings) -> None:
 
 
 def idle(served: ServedApp) -> bool:
-    stats = served.call(lambda: engine_of(served.app).stats())
+    stats = served.call(lambda: loop_of(served.app).stats())
     return stats.running == 0 and stats.waiting == 0 and stats.kv_blocks_used == 0
 
 
@@ -304,9 +304,8 @@ def test_live_view_shows_two_chats_in_the_same_iterations(browser, tokenizer):
 
 def test_chat_page_on_the_tiny_llama(browser, tiny_llama_dir):
     from server.app import create_app
-    from server.config import ServerConfig
 
-    config = ServerConfig(model=str(tiny_llama_dir), served_model_name=MODEL, log_stats_interval_s=0)
+    config = server_config(model=str(tiny_llama_dir), served_model_name=MODEL, log_stats_interval_s=0)
     with ServedApp(create_app(config)) as served:
         open_chat(browser, served.url)
         set_settings(browser, maxTokens=12, temperature=0)

@@ -22,10 +22,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shar
 from browser import ServedApp, chromium, missing_browser, wait_for  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 
+from engine.config import EngineConfig  # noqa: E402
+from scheduler.config import SchedulerConfig  # noqa: E402
 from server.app import create_app  # noqa: E402
 from server.config import ServerConfig  # noqa: E402
 
-QUESTION = "Write a Python function that checks whether a word is a palindrome, then explain it in two sentences."
+QUESTION = (
+    "Write a Python function that checks whether a word is a palindrome, then explain it in two sentences."
+)
 FOLLOW_UP = "Now make it ignore case and spaces."
 
 # Requests that keep the batch busy for the live view: (seconds after the first, prompt, max_tokens).
@@ -80,7 +84,9 @@ def main() -> int:
         return 1
     args.out.mkdir(parents=True, exist_ok=True)
     config = ServerConfig(
-        model="default", max_num_seqs=8, max_num_batched_tokens=64, log_stats_interval_s=0
+        engine=EngineConfig(model="default"),
+        scheduler=SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=64),
+        log_stats_interval_s=0,
     )
     with ServedApp(create_app(config)) as served, chromium(1280, 940) as driver:
         driver.get(served.url + "/")

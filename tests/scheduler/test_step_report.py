@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import asyncio
 
-from engine.batch import SamplingParams
+from engine.contract import SamplingParams
 from scheduler.config import SchedulerConfig
 from scheduler.fake_runner import FakeRunner
-from scheduler.loop import AsyncEngine
+from scheduler.loop import IterationLoop
 from scheduler.outputs import FinishReason, StepReport
 
 GUARD_S = 20  # a hang fails the test instead of stalling the suite
@@ -20,7 +20,7 @@ def prompt(n: int, seed: int = 0) -> list[int]:
 
 async def run_engine(runner: FakeRunner, requests, **config) -> tuple[list[StepReport], dict]:
     """Run requests [(id, prompt, max_tokens, start after this many steps)] to their end."""
-    engine = AsyncEngine(runner, SchedulerConfig(**config))
+    engine = IterationLoop(runner, SchedulerConfig(**config))
     reports: list[StepReport] = []
     engine.add_step_listener(reports.append)
     await engine.start()

@@ -26,8 +26,10 @@ async def test_pages_and_their_files_are_served_with_a_strict_policy(tokenizer):
         for name in ASSETS:
             r = await client.get(f"/webui/{name}")
             assert r.status_code == 200 and r.content, name
-        assert (await client.get("/webui/chat.js")).headers["content-type"].startswith(
-            ("text/javascript", "application/javascript")
+        assert (
+            (await client.get("/webui/chat.js"))
+            .headers["content-type"]
+            .startswith(("text/javascript", "application/javascript"))
         )
         assert (await client.get("/webui/nope.js")).status_code == 404
         # The pages are not part of the API's schema.
