@@ -16,7 +16,7 @@ else
 EXTRAS := dev,triton
 endif
 
-.PHONY: install serve test test-slow test-all lint bench clean
+.PHONY: install browser serve test test-slow test-all lint bench clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,16 +31,27 @@ endif
 
 install: $(VENV)/.installed
 
+# Headless Chromium and its driver for the web UI's browser tests (Debian's packages), installed where
+# that can be done (root with apt-get); elsewhere those tests skip and say how to get them.
+browser:
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1 || \
+	      { apt-get update -qq >/dev/null 2>&1 && \
+	        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1; }; }; then \
+	    echo "installed chromium and chromium-driver for the browser tests"; \
+	else echo "no headless Chromium here: the browser tests will skip (apt-get install chromium chromium-driver)"; fi
+
 serve: install
 	$(PY) -m server --model $(MODEL) --host $(HOST) --port $(PORT)
 
-test: install
+test: install browser
 	$(PY) -m pytest -q
 
 test-slow: install
 	$(PY) -m pytest -q -m slow
 
-test-all: install
+test-all: install browser
 	$(PY) -m pytest -q -m ''
 
 lint: install

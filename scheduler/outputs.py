@@ -62,3 +62,18 @@ class StepReport:
     num_preempted: int = 0
     num_finished: int = 0
     failed: bool = False  # the step raised; its requests got an error delta
+    # Per-request detail, for the live iteration view: what the loop already holds, as ids and ints
+    # (no per-request objects). The batch in order: request_ids[i] ran request_num_tokens[i] tokens
+    # from position request_start_positions[i] (0: admitted this step, or recomputing after a
+    # preemption); request_is_decode[i] says it ran one output token rather than a prompt chunk.
+    step: int = 0  # the loop's step counter, 1 for the first step
+    request_ids: list[str] = field(default_factory=list)
+    request_num_tokens: list[int] = field(default_factory=list)
+    request_start_positions: list[int] = field(default_factory=list)
+    request_is_decode: list[bool] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    # Ended by this step (or while scheduling it): stop, length, error. Aborts between steps are not here.
+    finished_ids: list[str] = field(default_factory=list)
+    num_waiting: int = 0  # after the step
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0

@@ -107,6 +107,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.log_stats_interval_s,
         help="seconds between throughput / queue / KV log lines (0: off)",
     )
+    p.add_argument(
+        "--no-webui",
+        dest="webui",
+        action="store_false",
+        help="serve no chat page at / and no live iteration view at /live (the API only)",
+    )
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     return p
 

@@ -39,6 +39,7 @@ class ServerConfig:
     retry_after_s: int = 1  # the Retry-After header of 429 / draining 503 answers
     shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     log_stats_interval_s: float = 10.0  # the periodic throughput / queue / KV log line; 0: off
+    webui: bool = True  # the chat page at /, the live iteration view at /live and its event stream
     log_level: str = "info"
 
     @property

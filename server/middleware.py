@@ -98,9 +98,18 @@ class APIKeyMiddleware:
     hmac.compare_digest, against every key without stopping at a match, so neither the length nor
     the position of a key shows in the timing."""
 
-    def __init__(self, app: ASGIApp, keys: Iterable[str]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: Iterable[str],
+        public_paths: frozenset[str] = PUBLIC_PATHS,
+        public_prefixes: tuple[str, ...] = (),
+    ) -> None:
         self.app = app
         self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+        # The web UI's pages and static files are public: they hold no data, and ask for the key.
+        self._public_paths = public_paths
+        self._public_prefixes = public_prefixes
 
     def accepts(self, authorization: str | None) -> bool:
         scheme, _, token = (authorization or "").partition(" ")
@@ -114,7 +123,8 @@ class APIKeyMiddleware:
         if (
             scope["type"] != "http"
             or not self._digests
-            or scope["path"] in PUBLIC_PATHS
+            or scope["path"] in self._public_paths
+            or scope["path"].startswith(self._public_prefixes)
             or scope["method"] == "OPTIONS"
             or self.accepts(_header(scope, b"authorization"))
         ):

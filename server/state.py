@@ -16,6 +16,7 @@ from scheduler.outputs import SchedulerStats, StepReport
 from server.config import ServerConfig
 from server.errors import not_ready
 from server.generation import LoopClient
+from server.live_feed import IterationFeed
 from server.metrics import ServerMetrics
 from server.stats_log import StatsLogger
 from server.tokenizer import ServerTokenizer
@@ -51,6 +52,8 @@ class ServerState:
         self.draining = False
         # Called when loading fails (the CLI stops the server: a server without a model is useless).
         self.on_load_failed: Callable[[str], None] | None = None
+        # The live iteration view's step feed (server.live_feed); None without the web UI.
+        self.live_feed: IterationFeed | None = IterationFeed() if config.webui else None
 
     @property
     def ready(self) -> bool:
@@ -60,6 +63,8 @@ class ServerState:
         if not self.draining:
             logger.info("draining: no new requests; those in flight may finish")
         self.draining = True
+        if self.live_feed is not None:  # open live views end now, or they would hold up the drain
+            self.live_feed.end()
 
     def require_ready(self) -> tuple[LoopClient, ServerTokenizer]:
         if self.loop is None or self.tokenizer is None:
@@ -91,6 +96,8 @@ class ServerState:
             loop = IterationLoop(loaded.executor, cfg.scheduler)
             await loop.start()
             loop.add_step_listener(self._on_step)
+            if self.live_feed is not None:
+                loop.add_step_listener(self.live_feed.on_step)
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
             logger.error("loading the model failed: %s", self.load_error, exc_info=exc)
@@ -128,6 +135,8 @@ class ServerState:
 
     async def shutdown(self) -> None:
         self.draining = True
+        if self.live_feed is not None:
+            await self.live_feed.close()
         if self._stats_task is not None:
             self._stats_task.cancel()
         if self._load_task is not None and not self._load_task.done():

@@ -74,3 +74,36 @@ def tokenizer(smollm2_tokenizer_dir):
     from server.tokenizer import ServerTokenizer
 
     return ServerTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
+
+
+@pytest.fixture(scope="session")
+def chromium_session():
+    """One headless Chromium for all browser tests; they skip, saying how to get it, where it is missing."""
+    from browser import chromium, missing_browser
+
+    reason = missing_browser()
+    if reason is not None:
+        pytest.skip(reason)
+    with chromium() as driver:
+        yield driver
+
+
+@pytest.fixture
+def browser(chromium_session):
+    """The session's Chromium, left with one blank tab after the test, which fails if a page logged an
+    error (an uncaught exception, a file that did not load). Every test serves its app on a new port,
+    so it starts with its own (empty) local storage."""
+    from browser import page_errors
+
+    page_errors(chromium_session)  # what earlier tests left
+    yield chromium_session
+    errors: list[str] = []
+    handles = chromium_session.window_handles
+    for handle in reversed(handles):
+        chromium_session.switch_to.window(handle)
+        errors += page_errors(chromium_session)
+        if handle != handles[0]:
+            chromium_session.close()
+    chromium_session.switch_to.window(handles[0])
+    chromium_session.get("about:blank")
+    assert not errors, errors
