@@ -16,7 +16,7 @@ else
 EXTRAS := dev,triton
 endif
 
-.PHONY: install browser serve test test-slow test-all lint bench clean
+.PHONY: install browser serve test test-slow test-all lint bench bench-peers clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -59,6 +59,11 @@ lint: install
 
 bench: install
 	$(PY) -m engine.bench
+
+# orca-serve against llama.cpp's llama-server on the same GGUF file (../shared/peers/llama.cpp/), in one
+# run: closed-loop streaming chat at concurrency 1, 8 and 32 and a 512-token prefill run, as ratios.
+bench-peers: install
+	$(PY) -m loadtest.peers
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

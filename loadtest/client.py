@@ -66,6 +66,11 @@ def _chunk_text(choice: dict[str, Any], endpoint: str) -> str | None:
     return choice.get("text")
 
 
+def _announces_role(choice: dict[str, Any], endpoint: str) -> bool:
+    delta = choice.get("delta") or {}
+    return endpoint == "chat" and "role" in delta and not delta.get("content") and not delta.get("tool_calls")
+
+
 def _handle_event(data: str, record: RequestRecord, endpoint: str, now: float) -> None:
     try:
         chunk = json.loads(data)
@@ -82,8 +87,10 @@ def _handle_event(data: str, record: RequestRecord, endpoint: str, now: float) -
             record.prompt_tokens_reported = int(usage["prompt_tokens"])
     for choice in chunk.get("choices") or []:
         text = _chunk_text(choice, endpoint)
-        # A closing chunk (finish_reason set, no text) comes after the last token: not a token event.
-        if text or choice.get("finish_reason") is None:
+        # A closing chunk (finish_reason set, no text) comes after the last token, and a chat stream's
+        # opening chunk (the role, no text) before the first: neither is a token event. A chunk with no
+        # text otherwise is one (a token whose text is held back, e.g. part of a character).
+        if text or (choice.get("finish_reason") is None and not _announces_role(choice, endpoint)):
             if record.first_token_time is None:
                 record.first_token_time = now
             record.token_times.append(now)
