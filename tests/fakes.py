@@ -7,7 +7,11 @@ import asyncio
 import contextlib
 import dataclasses
 import json
-from collections.abc import AsyncIterator, Callable, Sequence
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -224,3 +228,48 @@ async def greedy_through_loop(
         return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
     finally:
         await engine.shutdown()
+
+
+# --- a real `python -m server` process ----------------------------------------------------------------
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TINY_SERVER_FLAGS = ("--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "512")
+
+
+def server_process(model: str, log: Path, served_name: str, *flags: str) -> Iterator[str]:
+    """`python -m server` on a free port until the generator is closed; yields its base URL once
+    /health says 200 (for module-scoped fixtures: `yield from server_process(...)`)."""
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "server", "--model", model, "--served-model-name", served_name,
+        "--port", str(port), "--log-level", "warning", *flags,
+    ]  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://{LOOPBACK}:{port}"
+    try:
+        _wait_healthy(proc, url, log)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
+    """Poll /health until 200 (503 meanwhile, while the model loads). Fails if the process dies."""
+    import pytest
+
+    for _ in range(1200):  # bounded by probes; a load takes a few seconds
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
+        with contextlib.suppress(httpx.TransportError):
+            r = httpx.get(url + "/health", timeout=5)
+            if r.status_code == 200:
+                return
+            assert r.status_code == 503 and "error" in r.json()
+        time.sleep(0.1)
+    pytest.fail(f"server never became healthy:\n{log.read_text()}")

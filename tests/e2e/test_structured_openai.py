@@ -5,15 +5,12 @@ default model (SmolLM2-135M-Instruct) for the slow ones that read what a real mo
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import openai
 import pytest
-from fakes import free_port
+from fakes import TINY_SERVER_FLAGS, server_process
 from pydantic import BaseModel, Field
-from test_openai_client import _wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "default"
@@ -56,25 +53,7 @@ class Person(BaseModel):
 
 
 def _serve(model: str, tmp_path_factory, extra: list[str]):
-    port = free_port()
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [
-        sys.executable, "-m", "server", "--model", model, "--served-model-name", MODEL, "--port", str(port),
-        "--log-level", "warning", *extra,
-    ]  # fmt: skip
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(proc, url, log)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    yield from server_process(model, tmp_path_factory.mktemp("server") / "server.log", MODEL, *extra)
 
 
 @pytest.fixture(scope="module")
@@ -82,7 +61,7 @@ def tiny_url(tiny_llama_dir, tmp_path_factory):
     yield from _serve(
         str(tiny_llama_dir),
         tmp_path_factory,
-        ["--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "512"],
+        list(TINY_SERVER_FLAGS),
     )
 
 
