@@ -26,7 +26,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from loadtest.cli import auto_labels, is_loopback, normalize_base_url
+from loadtest.cli import add_server_args, auto_labels, normalize_base_url, validate_servers
 from loadtest.client import Target, send_request
 from loadtest.conversation import (
     ConversationShape,
@@ -241,14 +241,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     g = p.add_argument_group("server")
-    g.add_argument("--base-url", default="http://127.0.0.1:8000", help="server to measure (without --launch)")
-    g.add_argument("--launch", action="append", default=[], metavar="CMD", help="server command (repeatable)")
-    g.add_argument("--label", action="append", default=[], help="name of each --launch configuration")
-    g.add_argument("--launch-timeout", type=float, default=600.0)
-    g.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
-    g.add_argument("--api-key", default=None)
+    add_server_args(g)
     g.add_argument("--tokenizer", default=None, help="as in python -m loadtest (default: the model's)")
-    g.add_argument("--allow-remote", action="store_true", help="allow a --base-url that is not loopback")
 
     d = ConversationShape()
     g = p.add_argument_group("conversations")
@@ -273,10 +267,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     args.base_url = normalize_base_url(args.base_url)
-    if args.label and args.launch and len(args.label) != len(args.launch):
-        parser.error("give one --label per --launch (or none)")
-    if not args.launch and not args.allow_remote and not is_loopback(args.base_url):
-        parser.error(f"{args.base_url} is not loopback; pass --allow-remote to measure another machine")
+    validate_servers(args, parser)
     if args.num_conversations < 1:
         parser.error("--num-conversations must be >= 1")
     try:

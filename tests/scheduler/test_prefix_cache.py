@@ -199,10 +199,14 @@ def test_n_choices_compute_their_prompt_once():
     check_pool(sched)
 
 
-def test_choices_follow_a_prompt_computed_in_chunks():
+def chunking_scheduler() -> tuple[FakeRunner, Scheduler, list[int]]:
+    """A 16-token step budget and a 70-token prompt: the prompt runs in 5 chunks."""
     runner = FakeRunner(num_kv_blocks=128, block_size=BS, max_model_len=512)
-    sched = make(runner, max_num_seqs=4, max_num_batched_tokens=16)
-    prompt = tokens("long", 70)
+    return runner, make(runner, max_num_seqs=4, max_num_batched_tokens=16), tokens("long", 70)
+
+
+def test_choices_follow_a_prompt_computed_in_chunks():
+    runner, sched, prompt = chunking_scheduler()
     a, b = request("a", prompt), request("b", prompt)
     sched.add(a)
     sched.add(b)
@@ -215,9 +219,7 @@ def test_choices_follow_a_prompt_computed_in_chunks():
 
 
 def test_a_request_arriving_mid_prompt_takes_the_blocks_computed_so_far():
-    runner = FakeRunner(num_kv_blocks=128, block_size=BS, max_model_len=512)
-    sched = make(runner, max_num_seqs=4, max_num_batched_tokens=16)
-    prompt = tokens("long", 70)
+    runner, sched, prompt = chunking_scheduler()
     a = request("a", prompt)
     sched.add(a)
     run_step(sched, runner)
@@ -230,9 +232,7 @@ def test_a_request_arriving_mid_prompt_takes_the_blocks_computed_so_far():
 
 
 def test_a_waiting_choice_computes_the_prompt_itself_when_the_first_is_aborted():
-    runner = FakeRunner(num_kv_blocks=128, block_size=BS, max_model_len=512)
-    sched = make(runner, max_num_seqs=4, max_num_batched_tokens=16)
-    prompt = tokens("long", 70)
+    runner, sched, prompt = chunking_scheduler()
     a, b = request("a", prompt), request("b", prompt)
     sched.add(a)
     sched.add(b)
