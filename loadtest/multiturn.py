@@ -176,7 +176,8 @@ def shape_of(args: argparse.Namespace) -> ConversationShape:
 def run_config(args: argparse.Namespace, console: Console, label: str, command: str | None) -> ConfigResult:
     if command is None:
         return asyncio.run(measure(args.base_url, args, console, label, None))
-    log = args.output.with_name(f"{args.output.stem}-server-{_slug(label)}.log")
+    name = f"{args.output.stem}-server-{_slug(label)}.log"
+    log = args.log_dir / name if args.log_dir else args.output.with_name(name)
     server = LaunchedServer(command, log, health_timeout=args.launch_timeout)
     console.print(f"[bold]{label}[/]: starting {' '.join(server.argv)} (log: {log})")
     server.start()
@@ -260,6 +261,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--request-timeout", type=float, default=600.0)
     g.add_argument("--warmup-requests", type=int, default=1)
     g.add_argument("--output", type=Path, default=None, help="results JSON (default loadtest-results/...)")
+    g.add_argument(
+        "--log-dir", type=Path, default=None, help="launched servers' logs (default: beside --output)"
+    )
     return p
 
 
