@@ -27,6 +27,10 @@ class SchedulerConfig:
     # "lazy": blocks are taken as tokens need them, preempt (recompute) when none is free (vLLM);
     # "reserve": ORCA's rule, reserve prompt + max_tokens at admission and never preempt.
     kv_policy: KVPolicyName = "lazy"
+    # Automatic prefix caching (vLLM's, on by default there too): full KV blocks stay cached under a
+    # hash of their tokens after their request ends, and a request whose prompt starts with cached
+    # blocks starts after them (a chat's next turn, a shared system prompt, the n choices of a prompt).
+    enable_prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -68,6 +72,13 @@ class SchedulerConfig:
         )
         g.add_argument("--scheduling", default=d.scheduling, choices=["iteration", "request"])
         g.add_argument("--kv-policy", default=d.kv_policy, choices=["lazy", "reserve"])
+        g.add_argument(
+            "--enable-prefix-caching",
+            action=argparse.BooleanOptionalAction,
+            default=d.enable_prefix_caching,
+            help="reuse the KV blocks of prompts seen before (a chat's history, a shared system prompt, "
+            "the n choices of a prompt); on by default",
+        )
 
     @classmethod
     def from_cli_args(cls, a: argparse.Namespace) -> SchedulerConfig:

@@ -12,9 +12,9 @@ from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 
 from engine.contract import SampledToken, ScheduledSequence
-from scheduler.block_allocator import BlockAllocator, blocks_for_tokens
+from scheduler.block_allocator import BlockAllocator, BlockHash, blocks_for_tokens
 from scheduler.config import SchedulerConfig
-from scheduler.outputs import SchedulerStats, TokenLogprob
+from scheduler.outputs import PrefixCacheStats, SchedulerStats, TokenLogprob
 from scheduler.policy import make_batching_policy, make_kv_policy
 from scheduler.request import Request, RequestStatus
 from scheduler.stop import check_stop
@@ -57,13 +57,19 @@ class Scheduler:
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.allocator = BlockAllocator(num_kv_blocks, block_size)
+        self.allocator = BlockAllocator(num_kv_blocks, block_size, config.enable_prefix_caching)
         self.kv = make_kv_policy(config, self.allocator, max_model_len)
         self.batching = make_batching_policy(config)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # not yet handed back, finished-but-held included
         self.num_preemptions = 0
+        # Prompt blocks a running request is computing, by name (its claim): a request whose next block
+        # is claimed by another waits for it instead of computing it again (the n choices of one
+        # prompt, or two conversations arriving together with one system prompt).
+        self._claimed: dict[BlockHash, Request] = {}
+        self._claims: dict[Request, tuple[list[BlockHash], int]] = {}  # names, and tokens when done
+        self._cache_stats = PrefixCacheStats()
 
     # ---- requests in and out ----------------------------------------------------------------------
 
@@ -107,6 +113,7 @@ class Scheduler:
             kv_blocks_total=self.allocator.num_blocks,
             num_preemptions=self.num_preemptions,
             num_steps=0,
+            prefix_cache=self.prefix_cache_stats(),
         )
 
     def abort_all(self) -> list[Request]:
@@ -115,6 +122,17 @@ class Scheduler:
         for request_id in list(self.requests):
             released += self.abort(request_id)
         return released
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """A copy of the prefix cache's counters (all zero but computed tokens when caching is off)."""
+        s = self._cache_stats
+        return PrefixCacheStats(
+            queries=s.queries,
+            hits=s.hits,
+            computed_prompt_tokens=s.computed_prompt_tokens,
+            cached_blocks=self.allocator.num_cached,
+            evictions=self.allocator.num_evictions,
+        )
 
     def abort(self, request_id: str) -> list[Request]:
         """End a request (client gone, shutdown). Returns the requests to send a final delta to."""
@@ -146,7 +164,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         req.finish_time = time.monotonic()
-        self.kv.release(req)
+        self._release(req)
         released = self.batching.on_left(req, hold)
         for r in released:
             del self.requests[r.request_id]
@@ -175,6 +193,10 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted as a victim earlier in this loop
                 continue
+            if req.num_uncomputed_tokens > 1 and self.allocator.enable_caching:
+                self._take_from_cache(req, self.kv.extend_from_cache(req))
+                if self._waits_for_prefix(req):
+                    continue
             n = self._prompt_share(req.num_uncomputed_tokens, budget, alone=not chosen)
             if n == 0:
                 continue
@@ -194,6 +216,7 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING:
                 chosen[req] = n
                 budget -= n
+                self._claim(req)
 
         # No admission in a step that preempted: the blocks just freed would otherwise go to the next
         # waiting request and the victim would be preempted again at once (thrashing).
@@ -244,10 +267,15 @@ class Scheduler:
             if max_seqs is not None and len(chosen) >= max_seqs:
                 break
             req = self.waiting[0]
-            n = self._prompt_share(req.num_uncomputed_tokens, budget, alone=not chosen)
-            if n == 0 and uses_budget:
+            cached = self.kv.cached_prefix(req)
+            start = len(cached) * self.allocator.block_size
+            # A request whose next block another is computing joins without running (no budget): it
+            # continues from that block once it is cached.
+            waits = self._waits_for_prefix(req, start)
+            n = 0 if waits else self._prompt_share(req.num_tokens - start, budget, alone=not chosen)
+            if n == 0 and uses_budget and not waits:
                 break
-            if not self.kv.admit(req, n):
+            if not self.kv.admit(req, cached, n):
                 if self.running:
                     break
                 # Alone and still no room: it never will fit (IterationLoop's length check prevents it).
@@ -255,18 +283,22 @@ class Scheduler:
                 step.released += self._finish(req, RequestStatus.FINISHED_ERROR, hold=False)
                 continue
             self.waiting.popleft()
+            if req.status is RequestStatus.WAITING and self.allocator.enable_caching:
+                self._cache_stats.queries += req.num_tokens  # first admission only, as vLLM counts
+            self._take_from_cache(req, start)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self.batching.on_admitted(req)
             if n:
                 chosen[req] = n
                 budget -= n
+                self._claim(req)
 
     def _preempt(self, req: Request, step: ScheduledStep) -> None:
         """Free the request's blocks and put it at the front of the queue, to be recomputed from its
         prompt + outputs so far (its outputs are kept, so nothing is emitted twice)."""
         self.running.remove(req)
-        self.kv.release(req)
+        self._release(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -277,6 +309,49 @@ class Scheduler:
             del self.requests[r.request_id]
             step.released.append(r)
 
+    # ---- prefix caching ---------------------------------------------------------------------------
+
+    def _take_from_cache(self, req: Request, num_tokens: int) -> None:
+        """Account for prompt tokens the request took from the cache instead of computing them."""
+        if num_tokens and req.num_preemptions == 0:  # a recompute is not a prompt's cache hit
+            req.num_cached_tokens += num_tokens
+            self._cache_stats.hits += num_tokens
+
+    def _waits_for_prefix(self, req: Request, start: int | None = None) -> bool:
+        """Whether the block the request would compute next (from `start`, default its computed
+        tokens) is one another running request is computing: it waits, and takes it from the cache."""
+        if not self._claimed:
+            return False
+        start = req.num_computed_tokens if start is None else start
+        bs = self.allocator.block_size
+        i = start // bs
+        if start % bs or i >= self.kv.num_cacheable_blocks(req):
+            return False
+        owner = self._claimed.get(self.kv.block_hashes(req, i + 1)[i])
+        return owner is not None and owner is not req
+
+    def _claim(self, req: Request) -> None:
+        """Claim the full prompt blocks a request is starting to compute (once per prompt phase)."""
+        if not self.allocator.enable_caching or req in self._claims or req.num_uncomputed_tokens <= 1:
+            return
+        bs = self.allocator.block_size
+        first, end = -(-req.num_computed_tokens // bs), req.num_tokens // bs
+        if first >= end:
+            return
+        names = self.kv.block_hashes(req, end)[first:end]
+        mine = [h for h in names if self._claimed.setdefault(h, req) is req]
+        self._claims[req] = (mine, end * bs)
+
+    def _unclaim(self, req: Request) -> None:
+        claim = self._claims.pop(req, None)
+        if claim is not None:
+            for h in claim[0]:
+                del self._claimed[h]
+
+    def _release(self, req: Request) -> None:
+        self._unclaim(req)
+        self.kv.release(req)
+
     def update(self, step: ScheduledStep, sampled: Sequence[SampledToken | None]) -> list[Request]:
         """Apply a step's sampled tokens and check stop conditions.
 
@@ -285,12 +360,17 @@ class Scheduler:
         the step (the caller then fails the step's requests).
         """
         self._check_sampled(step, sampled)
+        self._cache_stats.computed_prompt_tokens += step.num_prompt_tokens
         now = time.monotonic()
         out: list[Request] = []
         for req, seq, tok in zip(step.requests, step.seqs, sampled, strict=True):
             if req.status is not RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens += seq.num_tokens
+            self.kv.offer_computed(req)
+            claim = self._claims.get(req)
+            if claim is not None and req.num_computed_tokens >= claim[1]:
+                self._unclaim(req)
             if tok is None:  # a prompt chunk that is not the last
                 continue
             req.output_token_ids.append(tok.token_id)

@@ -2,11 +2,15 @@
 load tester's fake server.
 
 Its "model" maps a whole context to the next token with a hash, and it keeps the context in a simulated
-paged KV cache that remembers which request wrote each slot. So a scheduling bug (a block table that is
-too short or shared, a stale block read back, a wrong start position, a recompute that skips tokens)
-raises or changes the tokens, as it would with a real model. With `pipeline_depth` > 1 it also checks
-ORCA's rules for batches in flight (no request in two of them, each batch continuing where the last
-one ended, collected in submission order).
+paged KV cache. Like a real model's K/V, what a slot holds stands for the whole context up to its
+position: the token and a digest of every token before it. A read checks that digest against the
+reading request's own tokens, so a request may read a block another request wrote (a shared prefix
+from the prefix cache) only if it holds exactly what the reader would have computed itself. So a
+scheduling bug (a block table that is too short, a block written by two sequences of one step, a stale
+or evicted block read back, a wrong start position, a recompute that skips tokens) raises or changes the
+tokens, as it would with a real model. With `pipeline_depth` > 1 it also checks ORCA's rules for
+batches in flight (no request in two of them, each batch continuing where the last one ended or from
+cached blocks, no block read that a batch in flight is still writing, collected in submission order).
 
 Output is a function of the request's own context (and seed, when sampling with one) only, never of
 what shares the batch, like a real model's greedy output; unseeded sampling gives the greedy tokens. A `script` replaces that with fixed tokens, so stop-string and
@@ -86,8 +90,8 @@ class FakeRunner:
         # costs O(context) Python per sampled token (the load tester's fake server runs long contexts).
         self.simulate_kv = simulate_kv
         self.dead_reason: str | None = None
-        # slot -> (request_id, token) of the last write
-        self._slots: list[tuple[str, int] | None] = [None] * (
+        # slot -> (token, digest of the context through it) of the last write
+        self._slots: list[tuple[int, int] | None] = [None] * (
             num_kv_blocks * block_size if simulate_kv else 0
         )
         self.history: list[list[StepRecord]] = []
@@ -105,10 +109,23 @@ class FakeRunner:
 
     def submit(self, batch: Sequence[ScheduledSequence]) -> list[ScheduledSequence]:
         busy = {s.request_id for b in self.in_flight for s in b}
+        bs = self.block_size
+        writing = {
+            s.block_table[pos // bs]
+            for b in self.in_flight
+            for s in b
+            for pos in range(s.start_position, s.context_len)
+        }
         for seq in batch:
             assert seq.request_id not in busy, f"{seq.request_id} in two in-flight batches"
-            # Preempted requests restart at 0; otherwise each batch continues where the last ended.
-            assert seq.start_position in (0, self._computed.get(seq.request_id, 0)), seq.request_id
+            # Each batch continues where the last ended, except a preempted request (from 0) and one
+            # starting from cached blocks (at a block boundary).
+            start = seq.start_position
+            assert start == self._computed.get(seq.request_id, 0) or start % bs == 0, seq.request_id
+            # Blocks it reads without writing hold K/V that exist: no batch in flight is writing them.
+            assert not set(seq.block_table[: start // bs]) & writing, (
+                f"{seq.request_id} reads a block in flight"
+            )
             self._computed[seq.request_id] = seq.context_len
         self.in_flight.append(list(batch))
         self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
@@ -139,19 +156,22 @@ class FakeRunner:
             self.fail_at_step is not None and self.num_steps >= self.fail_at_step
         ):
             raise RuntimeError("injected step failure")
-        if self.simulate_kv:
-            self._check_blocks(batch)
-            bs = self.block_size
-            for seq in batch:
-                for i, tok in enumerate(seq.token_ids):
-                    pos = seq.start_position + i
-                    self._slots[seq.block_table[pos // bs] * bs + pos % bs] = (seq.request_id, tok)
-        return [self._sample(seq) if seq.sample else None for seq in batch]
+        if not self.simulate_kv:
+            return [self._sample(seq, None) if seq.sample else None for seq in batch]
+        self._check_blocks(batch)
+        bs = self.block_size
+        digests = [self._digests(seq) for seq in batch]
+        # Every write of the step lands before any read, as in a real forward pass (per layer).
+        for seq, digest in zip(batch, digests, strict=True):
+            for i, tok in enumerate(seq.token_ids):
+                pos = seq.start_position + i
+                self._slots[seq.block_table[pos // bs] * bs + pos % bs] = (tok, digest[pos])
+        return [self._sample(seq, d) if seq.sample else None for seq, d in zip(batch, digests, strict=True)]
 
-    def _sample(self, seq: ScheduledSequence) -> SampledToken:
+    def _sample(self, seq: ScheduledSequence, digest: list[int] | None) -> SampledToken:
         params = seq.sampling
-        if self.simulate_kv:
-            context = [self._read(seq, pos) for pos in range(seq.context_len)]
+        if digest is not None:
+            context = [self._read(seq, pos, digest[pos]) for pos in range(seq.context_len)]
         else:
             context = [*seq.prompt_token_ids, *seq.output_token_ids]
         if self.script is not None:
@@ -169,24 +189,49 @@ class FakeRunner:
         top = [(tok, logprob)] + [(tok + i, logprob - i) for i in range(1, params.logprobs)]
         return SampledToken(tok, logprob, top[: params.logprobs])
 
-    def _read(self, seq: ScheduledSequence, pos: int) -> int:
+    @staticmethod
+    def _digests(seq: ScheduledSequence) -> list[int]:
+        """Digest of the request's context through each position of this step's context."""
+        context = [*seq.prompt_token_ids, *seq.output_token_ids][: seq.context_len]
+        if len(context) < seq.context_len or list(seq.token_ids) != context[seq.start_position :]:
+            raise AssertionError(f"{seq.request_id}: the step's tokens are not its prompt + outputs")
+        digests = []
+        crc = 0
+        for tok in context:
+            crc = zlib.crc32(tok.to_bytes(8, "little", signed=True), crc)
+            digests.append(crc)
+        return digests
+
+    def _read(self, seq: ScheduledSequence, pos: int, digest: int) -> int:
         bs = self.block_size
         entry = self._slots[seq.block_table[pos // bs] * bs + pos % bs]
-        if entry is None or entry[0] != seq.request_id:
-            raise AssertionError(f"{seq.request_id}: KV position {pos} holds {entry}, not its own token")
-        return entry[1]
+        if entry is None or entry[1] != digest:
+            raise AssertionError(f"{seq.request_id}: KV position {pos} holds {entry}, not its context's")
+        return entry[0]
 
     def _check_blocks(self, batch: Sequence[ScheduledSequence]) -> None:
-        seen: set[int] = set()
+        bs = self.block_size
         for seq in batch:
-            need = -(-seq.context_len // self.block_size)
+            need = -(-seq.context_len // bs)
             if len(seq.block_table) < need:
                 raise AssertionError(
                     f"{seq.request_id}: {len(seq.block_table)} blocks for {seq.context_len} tokens"
                 )
             if seq.context_len > self.max_model_len:
                 raise AssertionError(f"{seq.request_id}: context {seq.context_len} > {self.max_model_len}")
+            if len(set(seq.block_table)) != len(seq.block_table):
+                raise AssertionError(f"{seq.request_id}: a block twice in one table")
+            if not all(0 <= b < self.num_kv_blocks for b in seq.block_table):
+                raise AssertionError(f"{seq.request_id}: a block out of range in {list(seq.block_table)}")
+        # A block a sequence writes is in no other sequence's table this step: shared blocks are only
+        # read (a cached prefix), never written under another reader.
+        written: dict[int, str] = {}
+        for seq in batch:
+            for pos in range(seq.start_position, seq.context_len):
+                block = seq.block_table[pos // bs]
+                if written.setdefault(block, seq.request_id) != seq.request_id:
+                    raise AssertionError(f"{seq.request_id}: block {block} is written by two sequences")
+        for seq in batch:
             for b in seq.block_table:
-                if not 0 <= b < self.num_kv_blocks or b in seen:
-                    raise AssertionError(f"{seq.request_id}: block {b} out of range or shared")
-                seen.add(b)
+                if written.get(b, seq.request_id) != seq.request_id:
+                    raise AssertionError(f"{seq.request_id}: reads block {b}, which another sequence writes")

@@ -51,6 +51,7 @@ def _merge(a: RequestDelta, b: RequestDelta) -> RequestDelta:
         error=b.error,
         num_prompt_tokens=b.num_prompt_tokens,
         num_output_tokens=b.num_output_tokens,
+        num_cached_tokens=b.num_cached_tokens,
         queue_time_s=a.queue_time_s if a.queue_time_s is not None else b.queue_time_s,
     )
 
@@ -391,6 +392,7 @@ class IterationLoop:
                 error=req.error,
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_output_tokens=req.num_output_tokens,
+                num_cached_tokens=req.num_cached_tokens,
                 queue_time_s=queue_time,
             )
         )

@@ -31,19 +31,33 @@ class RequestDelta:
     error: str | None = None  # with FinishReason.ERROR
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far, this delta included
+    # Prompt tokens that came from the prefix cache instead of being computed (usage's cached_tokens).
+    num_cached_tokens: int = 0
     # On the request's first delta only (None after): seconds from arrival to its first scheduling,
     # vLLM's request_queue_time. None also when the request ended before it was ever scheduled.
     queue_time_s: float | None = None
 
 
 @dataclass
+class PrefixCacheStats:
+    """Running totals of the prefix cache, in tokens like vLLM's counters, and its size now."""
+
+    queries: int = 0  # tokens of requests looked up at their first admission (vLLM's queries)
+    hits: int = 0  # of those, tokens taken from the cache instead of computed (vLLM's hits)
+    computed_prompt_tokens: int = 0  # prompt tokens (and recomputed outputs) actually run
+    cached_blocks: int = 0  # blocks holding a reusable prefix now, held or evictable
+    evictions: int = 0  # cached blocks whose memory was taken for new tokens
+
+
+@dataclass
 class SchedulerStats:
     running: int
     waiting: int
-    kv_blocks_used: int
+    kv_blocks_used: int  # held by requests; cached blocks nobody holds count as free
     kv_blocks_total: int
     num_preemptions: int
     num_steps: int
+    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
 
     @property
     def kv_usage(self) -> float:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from engine.contract import SamplingParams
+from scheduler.block_allocator import BlockHash
 from scheduler.outputs import FinishReason, TokenLogprob
 
 
@@ -49,6 +50,13 @@ class Request:
     # Tokens of prompt + outputs whose K/V are in the cache. Reset to 0 by preemption (recompute).
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # Prefix caching: names of the request's full blocks of prompt + outputs (computed on demand, kept
+    # across preemptions: they depend only on the tokens), how many of `block_ids` have been offered to
+    # the cache, and the prompt tokens taken from the cache instead of computed (OpenAI's
+    # usage.prompt_tokens_details.cached_tokens; fixed once the request is first preempted).
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_offered_blocks: int = 0
+    num_cached_tokens: int = 0
     # Output tokens already handed to the client, so a recomputed request never re-emits them.
     num_emitted_tokens: int = 0
     num_preemptions: int = 0

@@ -57,6 +57,7 @@ class ChoiceDelta:
     finish_reason: str | None = None  # "stop" | "length" on the last delta of the choice
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens that came from the prefix cache
 
 
 @dataclass
@@ -69,6 +70,7 @@ class ChoiceSpec:
     params: SamplingParams
     stops: list[str]
     skip_special_tokens: bool = True
+    prompt_index: int = 0  # which of the request's prompts (the n choices of one prompt share it)
 
 
 def open_choices(loop: LoopClient, specs: list[ChoiceSpec]) -> list[AsyncIterator[RequestDelta]]:
@@ -124,7 +126,11 @@ async def generate_choice(
             text = matcher.feed("".join(pieces))
             emitted_len += len(text)
             out = ChoiceDelta(
-                spec.index, text, prompt_tokens=prompt_tokens, completion_tokens=delta.num_output_tokens
+                spec.index,
+                text,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=delta.num_output_tokens,
+                cached_tokens=delta.num_cached_tokens,
             )
             if matcher.matched is not None:
                 # Tokens that start after the cut belong to the stop string: they are not reported.

@@ -39,11 +39,13 @@ class ResponseMeta:
         }
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; cached_tokens: prompt tokens served from the prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -89,7 +91,7 @@ def completion_choice(
 
 
 def completion_response(
-    meta: ResponseMeta, choices: list[dict[str, Any]], use: dict[str, int]
+    meta: ResponseMeta, choices: list[dict[str, Any]], use: dict[str, Any]
 ) -> dict[str, Any]:
     return {**meta.header("text_completion"), "choices": choices, "usage": use}
 
@@ -97,7 +99,7 @@ def completion_response(
 def completion_chunk(
     meta: ResponseMeta,
     choices: list[dict[str, Any]],
-    use: dict[str, int] | None = None,
+    use: dict[str, Any] | None = None,
     with_usage: bool = False,
 ) -> dict[str, Any]:
     chunk = {**meta.header("text_completion"), "choices": choices}
@@ -138,7 +140,7 @@ def tool_call_delta(
     return {"index": index, "function": {"arguments": arguments}}
 
 
-def chat_response(meta: ResponseMeta, choices: list[dict[str, Any]], use: dict[str, int]) -> dict[str, Any]:
+def chat_response(meta: ResponseMeta, choices: list[dict[str, Any]], use: dict[str, Any]) -> dict[str, Any]:
     return {**meta.header("chat.completion"), "choices": choices, "usage": use}
 
 
@@ -154,7 +156,7 @@ def chat_chunk_choice(
 def chat_chunk(
     meta: ResponseMeta,
     choices: list[dict[str, Any]],
-    use: dict[str, int] | None = None,
+    use: dict[str, Any] | None = None,
     with_usage: bool = False,
 ) -> dict[str, Any]:
     chunk = {**meta.header("chat.completion.chunk"), "choices": choices}

@@ -142,7 +142,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     if body.stream:
         return stream_response(run, _stream(state, run, meta, body, plan))
 
-    def build(choices: list[CollectedChoice], use: dict[str, int]) -> dict[str, Any]:
+    def build(choices: list[CollectedChoice], use: dict[str, Any]) -> dict[str, Any]:
         out = []
         for c in choices:
             lp = _logprobs_of(state, body, c.logprobs)

@@ -179,7 +179,7 @@ def choice_specs(
             if grammar is not None:
                 seeded = replace(seeded, grammar=grammar.new_matcher())
             specs.append(
-                ChoiceSpec(index, f"{request_prefix}-{index}", prompt, seeded, stops, skip_special_tokens)
+                ChoiceSpec(index, f"{request_prefix}-{index}", prompt, seeded, stops, skip_special_tokens, p)
             )
     return specs
 

@@ -114,7 +114,7 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
     if body.stream:
         return stream_response(run, _stream(state, run, meta, body, echoes))
 
-    def build(choices: list[CollectedChoice], use: dict[str, int]) -> dict[str, Any]:
+    def build(choices: list[CollectedChoice], use: dict[str, Any]) -> dict[str, Any]:
         out = []
         for c in choices:
             prefix = echoes[c.index // n] if echoes else ""

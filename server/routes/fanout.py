@@ -8,7 +8,7 @@ as callables; everything about the choices' lifetime (aborting them however the 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from fastapi import Request
@@ -42,7 +42,7 @@ from server.state import ServerState
 from server.tokenizer import ServerTokenizer
 
 # (choices, usage or None) -> one response chunk; a partial of responses.chat_chunk / completion_chunk.
-ChunkBuilder = Callable[[list[dict[str, Any]], dict[str, int] | None], dict[str, Any]]
+ChunkBuilder = Callable[[list[dict[str, Any]], dict[str, Any] | None], dict[str, Any]]
 
 
 @dataclass
@@ -57,6 +57,30 @@ class ChoiceRun:
 
     def abort(self) -> None:
         abort_all(self.loop, self.specs)
+
+
+@dataclass
+class UsageTally:
+    """The usage of a request's choices from their deltas. Each prompt counts once however many
+    choices it has (OpenAI's rule); its cached tokens are those of the choice that computed the most
+    of it, i.e. what the cache held before this request (its other choices reuse that choice's blocks)."""
+
+    specs: list[ChoiceSpec]
+    prompt_tokens: int
+    completion: dict[int, int] = field(default_factory=dict)  # choice index -> completion tokens
+    cached: dict[int, int] = field(default_factory=dict)  # choice index -> cached prompt tokens
+
+    def observe(self, d: ChoiceDelta) -> None:
+        self.completion[d.index] = d.completion_tokens
+        self.cached[d.index] = d.cached_tokens
+
+    def usage(self) -> dict[str, Any]:
+        per_prompt: dict[int, int] = {}
+        for s in self.specs:
+            if s.index in self.cached:
+                seen = per_prompt.get(s.prompt_index, self.cached[s.index])
+                per_prompt[s.prompt_index] = min(seen, self.cached[s.index])
+        return usage(self.prompt_tokens, sum(self.completion.values()), sum(per_prompt.values()))
 
 
 @dataclass
@@ -92,17 +116,17 @@ def start_choices(
     return ChoiceRun(loop, specs, gens, deadline, prompt_tokens)
 
 
-async def collect_choices(run: ChoiceRun) -> tuple[list[CollectedChoice], dict[str, int]]:
+async def collect_choices(run: ChoiceRun) -> tuple[list[CollectedChoice], dict[str, Any]]:
     """Every choice to its end, in index order, and the request's usage."""
     texts: dict[int, list[str]] = {s.index: [] for s in run.specs}
     entries: dict[int, list[LogprobEntry]] = {s.index: [] for s in run.specs}
     finish: dict[int, str | None] = {}
-    completion_tokens: dict[int, int] = {}
+    tally = UsageTally(run.specs, run.prompt_tokens)
     try:
         async for d in merge_choices(run.gens):
             texts[d.index].append(d.text)
             entries[d.index].extend(d.logprobs)
-            completion_tokens[d.index] = d.completion_tokens
+            tally.observe(d)
             if d.finish_reason is not None:
                 finish[d.index] = d.finish_reason
     finally:
@@ -111,7 +135,7 @@ async def collect_choices(run: ChoiceRun) -> tuple[list[CollectedChoice], dict[s
         CollectedChoice(s.index, "".join(texts[s.index]), entries[s.index], finish.get(s.index))
         for s in run.specs
     ]
-    return choices, usage(run.prompt_tokens, sum(completion_tokens.values()))
+    return choices, tally.usage()
 
 
 async def stream_chunks(
@@ -123,17 +147,17 @@ async def stream_chunks(
 ) -> AsyncIterator[dict[str, Any]]:
     """One chunk per choice in `first` (chat's role, completions' echo), then one per delta, then (with
     stream_options.include_usage) a last chunk with no choices and the usage."""
-    completion_tokens: dict[int, int] = {}
+    tally = UsageTally(run.specs, run.prompt_tokens)
     try:
         for c in first:
             yield chunk([c], None)
         async for d in merge_choices(run.gens):
-            completion_tokens[d.index] = d.completion_tokens
+            tally.observe(d)
             yield chunk([choice(d)], None)
     finally:
         run.abort()
     if with_usage:
-        yield chunk([], usage(run.prompt_tokens, sum(completion_tokens.values())))
+        yield chunk([], tally.usage())
 
 
 def stream_response(run: ChoiceRun, events: AsyncIterator[dict[str, Any]]) -> EventSourceResponse:
@@ -143,7 +167,7 @@ def stream_response(run: ChoiceRun, events: AsyncIterator[dict[str, Any]]) -> Ev
 async def collect_response(
     request: Request,
     run: ChoiceRun,
-    build: Callable[[list[CollectedChoice], dict[str, int]], dict[str, Any]],
+    build: Callable[[list[CollectedChoice], dict[str, Any]], dict[str, Any]],
 ) -> Response:
     """The choices collected under the deadline into one JSON body; cancelled if the client leaves."""
 

@@ -64,6 +64,29 @@ def test_sync_chat(client):
     assert all(len(t.top_logprobs) == 2 for t in lp.choices[0].logprobs.content)
 
 
+def test_chat_next_turn_reports_cached_tokens(client):
+    """A conversation's second turn resends the first: the official client reads the reused part in
+    usage.prompt_tokens_details.cached_tokens, streamed or not."""
+    history = [{"role": "system", "content": "You are a terse assistant. " * 12}, *MSGS]
+    turn1 = client.chat.completions.create(model=MODEL, messages=history, max_tokens=6, temperature=0)
+    assert turn1.usage.prompt_tokens_details.cached_tokens == 0
+    history += [{"role": "assistant", "content": turn1.choices[0].message.content}]
+    history += [{"role": "user", "content": "Go on."}]
+    turn2 = client.chat.completions.create(model=MODEL, messages=history, max_tokens=6, temperature=0)
+    assert turn1.usage.prompt_tokens // 16 * 16 <= turn2.usage.prompt_tokens_details.cached_tokens
+    assert turn2.usage.prompt_tokens_details.cached_tokens < turn2.usage.prompt_tokens
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=history,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None]
+    assert usage[-1].prompt_tokens_details.cached_tokens >= turn2.usage.prompt_tokens_details.cached_tokens
+
+
 def test_sync_errors(client):
     with pytest.raises(openai.NotFoundError) as exc:
         client.completions.create(model="missing", prompt="x")

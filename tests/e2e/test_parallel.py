@@ -34,6 +34,7 @@ from models.loader import load_tokenizer
 from models.registry import model_class_for
 from models.weight_packing import packable_layers
 from scheduler.config import SchedulerConfig
+from scheduler.loop import IterationLoop
 from server.app import create_app
 from server.state import LoadedModel
 from server.tokenizer import ServerTokenizer
@@ -291,6 +292,32 @@ class TestParallelEqualsOneProcess:
         """The uneven shards (rank 0's o_proj input is 64 of 96 columns) still pack exactly."""
         layers = packable_layers(parallel_runner.runner.model)
         assert layers and all(m.packed is not None for m in layers)
+
+    async def test_shared_prefixes_equal_one_process_without_caching(
+        self, parallel_runner: DistributedExecutor, uneven_llama_dir: Path
+    ) -> None:
+        """Every rank follows the scheduler's block tables: prompts that share cached blocks (a common
+        stem, repeated prompts, then all of them again) give one uncached process's tokens."""
+        stem = [11 + (i * 37) % 500 for i in range(35)]
+        prompts = [stem + PROMPTS[i % 4] for i in range(4)] + [stem + PROMPTS[1]] * 2
+        no_cache = dataclasses.replace(SCHED, enable_prefix_caching=False)
+        want = await greedy_through_loop(
+            LocalExecutor(engine_config(uneven_llama_dir)), prompts, MAX_TOKENS, no_cache
+        )
+        engine = IterationLoop(parallel_runner, SCHED)
+        await engine.start()
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+        async def one(rid: str, prompt: Sequence[int]) -> list[int]:
+            return [t async for d in engine.generate(prompt, params, rid) for t in d.token_ids]
+
+        try:
+            for round_ in range(2):
+                got = await asyncio.gather(*(one(f"{round_}-{i}", p) for i, p in enumerate(prompts)))
+                assert list(got) == want
+        finally:
+            await engine.shutdown()
+        assert engine.stats().prefix_cache.hits >= 5 * 32 + 6 * 32
 
     async def test_parallel_server_matches_one_process(
         self, parallel_runner: DistributedExecutor, uneven_llama_dir: Path, reference_texts: list[str]

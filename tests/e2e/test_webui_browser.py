@@ -23,9 +23,13 @@ class RecordingRunner(FakeRunner):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.prompts: list[list[int]] = []
+        self._seen: set[str] = set()
 
     def step(self, batch: Sequence[ScheduledSequence]) -> list[SampledToken | None]:
-        self.prompts += [list(s.prompt_token_ids) for s in batch if s.start_position == 0]
+        # A request's first step (not position 0: a next turn starts after its cached history).
+        new = [s for s in batch if s.request_id not in self._seen]
+        self._seen.update(s.request_id for s in new)
+        self.prompts += [list(s.prompt_token_ids) for s in new]
         return super().step(batch)
 
 
