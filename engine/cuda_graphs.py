@@ -129,10 +129,9 @@ class GraphInputBuffers:
         b, width = step.size, step.block_tables.shape[1]
         if width > self.max_blocks_per_seq:
             raise ValueError(f"block tables of {width} blocks exceed the graphs' {self.max_blocks_per_seq}")
-        device = self.int64.device
-        self.int64[: 3 * b].copy_(to_device(step.int64, device), non_blocking=True)
-        self.int32[: 2 * b + 1].copy_(to_device(step.int32, device), non_blocking=True)
-        self.block_tables[:b, :width].copy_(to_device(step.block_tables, device), non_blocking=True)
+        copy_from_host(self.int64[: 3 * b], step.int64)
+        copy_from_host(self.int32[: 2 * b + 1], step.int32)
+        copy_from_host(self.block_tables[:b, :width], step.block_tables)
 
     def inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids, positions) of the graph of `size`."""
@@ -154,6 +153,15 @@ class GraphInputBuffers:
             max_seq_len=max_model_len,
             block_size=block_size,
         )
+
+
+def copy_from_host(dst: torch.Tensor, host: torch.Tensor) -> None:
+    """dst[...] = host; on CUDA straight from pinned memory without waiting (torch keeps the pinned
+    block alive until the copy has run)."""
+    if dst.device.type == "cpu":
+        dst.copy_(host)
+    else:
+        dst.copy_(host.pin_memory(), non_blocking=True)
 
 
 class Replayable(Protocol):
