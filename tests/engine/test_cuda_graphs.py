@@ -284,6 +284,42 @@ def test_cuda_graph_tokens_equal_eager_tokens(tiny_llama_dir: Path, caplog: pyte
     )
 
 
+@pytest.mark.cuda
+@cuda
+def test_cuda_graph_logits_match_eager_in_bfloat16(tiny_llama_dir: Path):
+    """Serving's dtype: a replayed graph's logits against the eager forward's on the same step, at the
+    bucket boundaries (1, a padded 3, a full 4)."""
+    ex = LocalExecutor(
+        EngineConfig(
+            model=str(tiny_llama_dir),
+            dtype="bfloat16",
+            device="cuda",
+            block_size=BLOCK_SIZE,
+            num_kv_blocks=4 * BLOCKS_PER_REQUEST,
+            attention_backend="triton",
+            max_num_seqs=MAX_NUM_SEQS,
+        )
+    )
+    assert ex.use_cuda_graphs
+    tables = [list(range(i * BLOCKS_PER_REQUEST, (i + 1) * BLOCKS_PER_REQUEST)) for i in range(4)]
+    prompts = [list(range(100 + 20 * i, 109 + 20 * i + i)) for i in range(4)]
+    first = ex.step([ScheduledSequence(str(i), p, 0, tables[i], True, GREEDY) for i, p in enumerate(prompts)])
+    runner = ex.runner
+    for n in (1, 3, 4):
+        batch = [
+            ScheduledSequence(str(i), [first[i].token_id], len(prompts[i]), tables[i], True, GREEDY)
+            for i in range(n)
+        ]
+        with torch.inference_mode():
+            host = runner.prepare_host(batch)
+            graph = runner.graph_logits(host)
+            assert graph is not None
+            graph = graph.clone()
+            inputs = host.to(runner.device)
+            eager = runner.sampled_logits(inputs, runner.forward(inputs))
+        torch.testing.assert_close(graph, eager, atol=0.1, rtol=0.05)
+
+
 def count_syncs(fn: Callable[[], object]) -> int:
     """How many times fn synchronised the host with the GPU (torch's sync debug mode warns each time)."""
     torch.cuda.synchronize()
