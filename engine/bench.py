@@ -425,7 +425,7 @@ def describe(args: argparse.Namespace, runner: LocalExecutor, costs: DecodeBytes
             "capture_s": graphs.stats.seconds if graphs.stats else None,
             "capture_mib": graphs.stats.memory_bytes / 2**20 if graphs.stats else None,
         },
-        "native_kernels": cpu_kernels.available() and device.type == "cpu",
+        "native_kernels": device.type == "cpu" and cpu_kernels.available(),
         "packed_weights": sum(m.packed is not None for m in packable_layers(runner.runner.model)),
         "prompt_len": args.prompt_len,
         "new_tokens": args.new_tokens,
