@@ -361,7 +361,9 @@ def run(args: argparse.Namespace) -> BenchResult:
     hf = None if args.skip_hf else load_hf(runner, args)
     pad_id = min(runner.eos_token_ids) if runner.eos_token_ids else 0
     costs = decode_bytes(runner.runner.model, runner.runner.kv_cache.spec)
-    bandwidth = measure_copy_bandwidth(device, args.bandwidth_bytes)
+    bandwidth = measure_copy_bandwidth(
+        device, args.bandwidth_bytes or (1 << 30 if device.type == "cuda" else 1 << 28)
+    )
 
     # Warm-up: first calls pay for kernel selection and allocator growth.
     warm = make_prompts(WARMUP_SEQS, args.prompt_len, runner.vocab_size, seed=123)
@@ -556,8 +558,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--bandwidth-bytes",
         type=int,
-        default=1 << 30,
-        help="bytes of the copy that measures the device's bandwidth for the roofline",
+        default=None,
+        help="bytes of the copy that measures the device's bandwidth for the roofline (default: 1 GiB on "
+        "CUDA, 256 MiB on a CPU; far larger than the caches either way)",
     )
     p.add_argument("--skip-hf", action="store_true", help="engine only")
     p.add_argument("--json", type=Path, help="also write the figures here")
