@@ -4,7 +4,8 @@ Every process runs this same class (nano-vllm's design): the single-process engi
 1 and pipeline stage 0 of 1. A runner loads its shard of its stage's layers, owns their KV cache, turns
 a batch into flat inputs and attention metadata, runs its layers, and (on the last stage) computes the
 logits at the sampled positions. Who sends what to whom, and sampling, belong to the executors
-(engine/executor.py, engine/distributed_executor.py).
+(engine/executor.py, engine/distributed_executor.py). On CUDA a runner may also hold CUDA graphs of
+its decode steps (engine/cuda_graphs.py), which the one-process executor captures and replays.
 """
 
 from __future__ import annotations
