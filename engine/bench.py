@@ -415,9 +415,7 @@ def describe(args: argparse.Namespace, runner: LocalExecutor, costs: DecodeBytes
         "weights": "random (load_format dummy)" if args.shape else "checkpoint",
         "dtype": str(runner.dtype).removeprefix("torch."),
         "device": str(device),
-        "device_name": torch.cuda.get_device_name(device)
-        if device.type == "cuda"
-        else platform.processor() or platform.machine(),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "torch": torch.__version__,
         "attention_backend": runner.runner.model.attn_backend.name,
         "cuda_graphs": None
@@ -449,6 +447,17 @@ def describe(args: argparse.Namespace, runner: LocalExecutor, costs: DecodeBytes
         flags = cpu_kernels.cpu_flags()
         setup["cpu_isa"] = sorted(f for f in flags if f.startswith(("avx", "amx", "fma")))
     return setup
+
+
+def cpu_name() -> str:
+    """The CPU's model name (/proc/cpuinfo), else what the platform module knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def _pool(runs: list[StepTimes]) -> StepTimes:
