@@ -19,6 +19,9 @@ DTYPE_NAMES = ("float32", "bfloat16", "float16")
 # "auto": on CPU in float32, weights that are exactly group-quantized (a GGUF model's) run on the native
 # kernels (models/weight_packing.py); "off": every weight stays in the checkpoint's float form.
 WEIGHT_PACKING_MODES = ("auto", "off")
+# "auto": the checkpoint's weights; "dummy": random weights, no checkpoint read (vLLM's name): the model's
+# exact shapes and costs without its files, for benchmarks (models/loader.py).
+LOAD_FORMATS = ("auto", "dummy")
 
 # KV budget when neither num_kv_blocks nor kv_cache_memory is given.
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in float32
@@ -41,6 +44,14 @@ class EngineConfig:
     pipeline_parallel_size: int = 1  # stages the layers are split into (engine.distributed_executor)
     # Seconds a rank waits on a peer inside a step (and at start-up) before the engine declares it dead.
     distributed_timeout_s: float = 300.0
+    load_format: str = "auto"  # one of LOAD_FORMATS
+    # CUDA: run every step eagerly instead of replaying CUDA graphs for decode steps (vLLM's flag).
+    enforce_eager: bool = False
+    # The most sequences one step holds: the scheduler's max_num_seqs, which has the one flag and the one
+    # default (ServerConfig passes it down; from_cli_args reads it where a parser has the scheduler's
+    # flags). It bounds the batch sizes decode graphs are captured for; None (the engine used without a
+    # scheduler, and not told) captures none.
+    max_num_seqs: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
@@ -64,6 +75,10 @@ class EngineConfig:
             )
         if self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -125,10 +140,25 @@ class EngineConfig:
             help="stages the layers are split into; that many batches are kept in flight",
         )
         g.add_argument("--seed", type=int, default=d.seed, help="seed for sampled requests that send none")
+        g.add_argument(
+            "--load-format",
+            default=d.load_format,
+            choices=LOAD_FORMATS,
+            help="dummy: random weights of the model's shape (its config.json only, no weights read); "
+            "for benchmarks",
+        )
+        g.add_argument(
+            "--enforce-eager",
+            action="store_true",
+            default=d.enforce_eager,
+            help="CUDA: no CUDA graphs; every step runs eagerly (graphs replay decode steps of up to "
+            "--max-num-seqs sequences)",
+        )
 
     @classmethod
     def from_cli_args(cls, a: argparse.Namespace) -> EngineConfig:
-        """The config the flags of add_cli_args describe (flags a parser lacks keep their defaults)."""
+        """The config the flags of add_cli_args describe (flags a parser lacks keep their defaults).
+        `max_num_seqs` has no flag here: it is the scheduler's --max-num-seqs, read when present."""
         return cls(**{f.name: getattr(a, f.name) for f in fields(cls) if hasattr(a, f.name)})
 
 
@@ -176,11 +206,12 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
-def resolve_model_path(model: str) -> Path:
-    """The HF directory for `model` (the models package converts GGUF and resolves "default")."""
+def resolve_model_path(model: str, load_format: str = "auto") -> Path:
+    """The HF directory for `model` (the models package converts GGUF and resolves "default"); with the
+    "dummy" load format a directory needs its config.json only."""
     from models.loader import resolve_model
 
-    return Path(resolve_model(model))
+    return Path(resolve_model(model, need_weights=load_format != "dummy"))
 
 
 def resolve_max_model_len(requested: int | None, model_max: int) -> int:

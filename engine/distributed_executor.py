@@ -166,7 +166,7 @@ def run_torchrun_worker(config: EngineConfig) -> None:
     device = rank_device(config, local_rank)
     if device.type == "cpu":
         share_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    model_path = resolve_model_path(config.model)
+    model_path = resolve_model_path(config.model, config.load_format)
     groups = init_groups(rank, topology, "env://", device, config.distributed_timeout_s)
     try:
         serve_rank(ModelRunner(config, model_path, device, groups), groups)
@@ -186,7 +186,9 @@ class DistributedExecutor(ExecutorBase):
                 "this process already belongs to a process group: one parallel engine per process"
             )
         self.topology = Topology(config.tensor_parallel_size, config.pipeline_parallel_size)
-        model_path = resolve_model_path(config.model)  # converts a GGUF once, before any worker starts
+        model_path = resolve_model_path(
+            config.model, config.load_format
+        )  # converts a GGUF once, before any worker starts
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._dead_reason: str | None = None
         self._closed = False

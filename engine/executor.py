@@ -11,6 +11,7 @@ the sampling entries and samples them here, on the driver.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -24,6 +25,8 @@ from engine.contract import SampledToken, ScheduledSequence
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.token_mask import PendingMask, TokenMasker
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -93,15 +96,39 @@ class ExecutorBase(ABC):
         return None
 
 
+def cuda_graphs_off_reason(config: EngineConfig, runner: ModelRunner) -> str | None:
+    """Why a LocalExecutor cannot replay CUDA graphs for decode steps (None: it can)."""
+    backend = runner.model.attn_backend
+    if runner.device.type != "cuda":
+        return f"the device is {runner.device}"
+    if config.enforce_eager:
+        return "--enforce-eager"
+    if config.max_num_seqs is None:
+        return "the largest batch is unknown (EngineConfig.max_num_seqs: the scheduler's --max-num-seqs)"
+    if backend is None or not backend.capturable:
+        name = backend.name if backend is not None else "none"
+        return f"the {name!r} attention backend cannot be captured (the triton backend can)"
+    return None
+
+
 class LocalExecutor(ExecutorBase):
-    """The whole model in this process (tensor and pipeline parallel size 1)."""
+    """The whole model in this process (tensor and pipeline parallel size 1). On CUDA, decode steps
+    replay CUDA graphs captured at start-up (engine/cuda_graphs.py) unless --enforce-eager."""
 
     def __init__(self, config: EngineConfig) -> None:
         if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
             raise ValueError("LocalExecutor runs one process; tensor/pipeline parallel sizes must be 1")
-        model_path = resolve_model_path(config.model)
+        model_path = resolve_model_path(config.model, config.load_format)
         runner = ModelRunner(config, model_path, resolve_device(config.device))
         super().__init__(config, model_path, runner, pipeline_depth=1)
+        off = cuda_graphs_off_reason(config, runner)
+        if off is None:
+            assert config.max_num_seqs is not None
+            runner.capture_decode_graphs(config.max_num_seqs)
+        elif runner.device.type == "cuda":
+            logger.info("CUDA graphs off: %s; every step runs eagerly", off)
+        # Whether decode steps replay the captured graphs (engine.bench turns it off to compare).
+        self.use_cuda_graphs = runner.decode_graphs is not None
 
     def submit(self, batch: Sequence[ScheduledSequence]) -> PendingStep:
         pending = PendingStep(batch)
@@ -112,11 +139,16 @@ class LocalExecutor(ExecutorBase):
         # work, for a batch without a grammar).
         pending.mask = self.masker.start([s for s in batch if s.sample])
         with torch.inference_mode():
-            inputs = runner.prepare(batch)
-            hidden = runner.forward(inputs)  # [T, hidden]
-            pending.sample_rows = inputs.sample_rows
-            if inputs.sample_rows:
-                pending.logits = runner.sampled_logits(inputs, hidden)  # [S, vocab]
+            host = runner.prepare_host(batch)
+            pending.sample_rows = host.sample_rows
+            logits = runner.graph_logits(host) if self.use_cuda_graphs else None
+            if logits is None:
+                inputs = host.to(self.device)
+                hidden = runner.forward(inputs)  # [T, hidden]
+                if host.sample_rows:
+                    logits = runner.sampled_logits(inputs, hidden)  # [S, vocab]
+            if host.sample_rows:
+                pending.logits = logits
         return pending
 
 

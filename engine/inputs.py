@@ -1,7 +1,8 @@
 """One step's flat model inputs and attention metadata, built from the scheduler's batch.
 
-One pass in Python over the batch collects plain lists, then each tensor is created once; on CUDA they go
-through pinned memory with non-blocking copies.
+One pass in Python over the batch collects plain lists, then each host tensor is created once
+(build_host_inputs); on CUDA they reach the device through pinned memory with non-blocking copies
+(HostStepInputs.to), or, for a CUDA-graph decode step, into the graph's own buffers.
 """
 
 from __future__ import annotations
@@ -35,17 +36,73 @@ class InputLimits:
     vocab_size: int
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+@dataclass
+class HostStepInputs:
+    """A step's inputs on the host (CPU tensors and their Python lists), before any device copy: what
+    `to(device)` turns into StepInputs for an eager step, and what a CUDA-graph step copies into the
+    graph's persistent buffers instead (engine/cuda_graphs.py)."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    query_lens: list[int]
+    seq_lens_list: list[int]
+    sample_rows: list[int]  # indices into the batch of the entries that sample a token
+    last_token_index: list[int]  # [S] flat index of each sampling entry's last token
+    block_size: int
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def is_decode_only(self) -> bool:
+        """One token per sequence (decodes, and one-token prompts or chunks)."""
+        return len(self.query_lens) == self.input_ids.shape[0]
+
+    def to(self, device: torch.device) -> StepInputs:
+        """Device tensors and attention metadata; on CUDA through pinned memory with non-blocking
+        copies, so building a step never waits for the previous one."""
+        query_lens_t = torch.tensor(self.query_lens, dtype=torch.int32)
+        query_start_loc = torch.zeros(self.num_seqs + 1, dtype=torch.int32)  # [B+1]
+        query_start_loc[1:] = torch.cumsum(query_lens_t, 0)
+        seq_start_loc = torch.zeros(self.num_seqs + 1, dtype=torch.int32)  # [B+1]
+        seq_start_loc[1:] = torch.cumsum(self.seq_lens, 0)
+        metadata = AttentionMetadata(
+            slot_mapping=to_device(self.slot_mapping, device),
+            query_start_loc=to_device(query_start_loc, device),
+            seq_start_loc=to_device(seq_start_loc, device),
+            seq_lens=to_device(self.seq_lens, device),
+            block_tables=to_device(self.block_tables, device),
+            query_lens_cpu=self.query_lens,
+            seq_lens_cpu=self.seq_lens_list,
+            max_query_len=max(self.query_lens),
+            max_seq_len=max(self.seq_lens_list),
+            block_size=self.block_size,
+        )
+        return StepInputs(
+            input_ids=to_device(self.input_ids, device),
+            positions=to_device(self.positions, device),
+            attn_metadata=metadata,
+            sample_rows=self.sample_rows,
+            logits_indices=to_device(torch.tensor(self.last_token_index, dtype=torch.int64), device),
+        )
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`: itself on the CPU; on CUDA a non-blocking copy from pinned memory
+    (a copy from pageable memory would synchronise the stream)."""
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def build_step_inputs(
-    batch: Sequence[ScheduledSequence], block_size: int, device: torch.device
-) -> StepInputs:
-    """Turn `batch` into tensors. The batch is trusted: every request was validated at admission and
-    the scheduler builds block tables from its own allocator (check_batch verifies it in debug runs)."""
+def build_host_inputs(batch: Sequence[ScheduledSequence], block_size: int) -> HostStepInputs:
+    """Turn `batch` into host tensors. The batch is trusted: every request was validated at admission
+    and the scheduler builds block tables from its own allocator (check_batch verifies it in debug
+    runs)."""
     input_ids: list[int] = []
     positions: list[int] = []
     query_lens: list[int] = []
@@ -71,37 +128,30 @@ def build_step_inputs(
     max_blocks = max(len(t) for t in tables)
     padded = [list(t) + [0] * (max_blocks - len(t)) for t in tables]
 
-    input_ids_cpu = torch.tensor(input_ids, dtype=torch.int64)  # [T]
-    block_tables_cpu = torch.tensor(padded, dtype=torch.int32)  # [B, max_blocks]
-    positions_cpu = torch.tensor(positions, dtype=torch.int64)  # [T]
-    query_lens_t = torch.tensor(query_lens, dtype=torch.int64)  # [B]
-    seq_index = torch.repeat_interleave(torch.arange(len(batch)), query_lens_t)  # [T]
-    slots_cpu = compute_slot_mapping(block_tables_cpu, seq_index, positions_cpu, block_size)  # [T]
-    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)  # [B]
-    query_start_loc = torch.zeros(len(batch) + 1, dtype=torch.int32)  # [B+1]
-    query_start_loc[1:] = torch.cumsum(query_lens_t, 0)
-    seq_start_loc = torch.zeros(len(batch) + 1, dtype=torch.int32)  # [B+1]
-    seq_start_loc[1:] = torch.cumsum(seq_lens_t, 0)
-
-    metadata = AttentionMetadata(
-        slot_mapping=_to_device(slots_cpu, device),
-        query_start_loc=_to_device(query_start_loc, device),
-        seq_start_loc=_to_device(seq_start_loc, device),
-        seq_lens=_to_device(seq_lens_t, device),
-        block_tables=_to_device(block_tables_cpu, device),
-        query_lens_cpu=query_lens,
-        seq_lens_cpu=seq_lens,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
+    block_tables = torch.tensor(padded, dtype=torch.int32)  # [B, max_blocks]
+    positions_t = torch.tensor(positions, dtype=torch.int64)  # [T]
+    seq_index = torch.repeat_interleave(
+        torch.arange(len(batch)), torch.tensor(query_lens, dtype=torch.int64)
+    )  # [T]
+    return HostStepInputs(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64),
+        positions=positions_t,
+        slot_mapping=compute_slot_mapping(block_tables, seq_index, positions_t, block_size),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        query_lens=query_lens,
+        seq_lens_list=seq_lens,
+        sample_rows=sample_rows,
+        last_token_index=last_token_index,
         block_size=block_size,
     )
-    return StepInputs(
-        input_ids=_to_device(input_ids_cpu, device),
-        positions=_to_device(positions_cpu, device),
-        attn_metadata=metadata,
-        sample_rows=sample_rows,
-        logits_indices=_to_device(torch.tensor(last_token_index, dtype=torch.int64), device),
-    )
+
+
+def build_step_inputs(
+    batch: Sequence[ScheduledSequence], block_size: int, device: torch.device
+) -> StepInputs:
+    """The step's inputs on `device` (build_host_inputs, then HostStepInputs.to)."""
+    return build_host_inputs(batch, block_size).to(device)
 
 
 def check_batch(batch: Sequence[ScheduledSequence], limits: InputLimits) -> None:

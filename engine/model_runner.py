@@ -4,7 +4,8 @@ Every process runs this same class (nano-vllm's design): the single-process engi
 1 and pipeline stage 0 of 1. A runner loads its shard of its stage's layers, owns their KV cache, turns
 a batch into flat inputs and attention metadata, runs its layers, and (on the last stage) computes the
 logits at the sampled positions. Who sends what to whom, and sampling, belong to the executors
-(engine/executor.py, engine/distributed_executor.py).
+(engine/executor.py, engine/distributed_executor.py). On CUDA a runner may also hold CUDA graphs of
+its decode steps (engine/cuda_graphs.py), which the one-process executor captures and replays.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 
 from engine.config import EngineConfig, resolve_dtype, resolve_max_model_len
 from engine.contract import ScheduledSequence
-from engine.inputs import InputLimits, StepInputs, build_step_inputs, check_batch
+from engine.cuda_graphs import CaptureStats, DecodeGraphs, GraphCapturer
+from engine.inputs import HostStepInputs, InputLimits, StepInputs, build_host_inputs, check_batch
 from engine.kv_cache import PagedKVCache, plan_kv_cache
 
 if TYPE_CHECKING:
@@ -80,6 +82,7 @@ class ModelRunner:
             device,
             attention_backend=config.attention_backend,
             weight_packing=config.weight_packing,
+            load_format=config.load_format,
             **parallel,
         )
         hf_config = self.model.config
@@ -101,12 +104,36 @@ class ModelRunner:
         if os.environ.get(DEBUG_CHECKS_ENV) == "1":
             self._limits = InputLimits(num_blocks, config.block_size, self.max_model_len, self.vocab_size)
             logger.warning("%s=1: every batch is checked before it runs (slower)", DEBUG_CHECKS_ENV)
+        self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
+
+    def prepare_host(self, batch: Sequence[ScheduledSequence]) -> HostStepInputs:
+        """The step's flat inputs on the host (a graph step copies them into its own buffers)."""
+        if self._limits is not None:
+            check_batch(batch, self._limits)
+        return build_host_inputs(batch, self.block_size)
 
     def prepare(self, batch: Sequence[ScheduledSequence]) -> StepInputs:
         """The step's flat inputs and attention metadata (on this runner's device)."""
-        if self._limits is not None:
-            check_batch(batch, self._limits)
-        return build_step_inputs(batch, self.block_size, self.device)
+        return self.prepare_host(batch).to(self.device)
+
+    def capture_decode_graphs(self, max_num_seqs: int, capturer: GraphCapturer | None = None) -> CaptureStats:
+        """Capture a CUDA graph of the whole forward pass for decode steps of each size up to
+        max_num_seqs (engine/cuda_graphs.py); `capturer` stands in for CUDA in tests."""
+        graphs = DecodeGraphs(
+            self.model, self.kv_cache, max_num_seqs, self.max_model_len, self.device, capturer
+        )
+        stats = graphs.capture()
+        self.decode_graphs = graphs
+        return stats
+
+    def graph_logits(self, host: HostStepInputs) -> torch.Tensor | None:
+        """[S, vocab] float32 logits of the sampling entries from a captured graph, or None when no graph
+        covers this step (it has prompt tokens, or more sequences than the largest graph)."""
+        graphs = self.decode_graphs
+        size = graphs.size_for(host) if graphs is not None else None
+        if graphs is None or size is None:
+            return None
+        return graphs.run(host, size)
 
     def forward(self, inputs: StepInputs, hidden_in: torch.Tensor | None = None) -> torch.Tensor:
         """This stage's layers over the step: [T, hidden] in (None on the first stage), [T, hidden] out."""

@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from engine.contract import SampledToken, SamplingParams
+from engine.inputs import to_device
 
 if TYPE_CHECKING:
     from engine.token_mask import PendingMask
@@ -50,6 +51,25 @@ class SamplingRow(Protocol):
     def prompt_token_ids(self) -> Sequence[int]: ...
     @property
     def output_token_ids(self) -> Sequence[int]: ...
+
+
+def _tensor(values: Sequence, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """torch.tensor(values) on `device` without a synchronisation: on CUDA, torch.tensor(list,
+    device="cuda") copies from pageable memory and waits for the stream; this goes through pinned
+    memory, non-blocking, so the sampler's kernels queue up behind the forward pass."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def _to_host(*tensors: torch.Tensor) -> list[list]:
+    """Each tensor's .tolist(), for the price of one synchronisation: on CUDA, non-blocking copies into
+    pinned memory and one wait for the stream (a .tolist() each would wait once each)."""
+    if not tensors or tensors[0].device.type == "cpu":
+        return [t.tolist() for t in tensors]
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for h, t in zip(host, tensors, strict=True):
+        h.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return [h.tolist() for h in host]
 
 
 def row_seed(seed: int, num_output_tokens: int) -> int:
@@ -104,12 +124,12 @@ class Sampler:
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)  # [B]
         if greedy_rows:
-            g = torch.tensor(greedy_rows, device=logits.device)
+            g = _tensor(greedy_rows, logits.device)
             tokens[g] = logits[g].argmax(dim=-1)
         s: torch.Tensor | None = None
         if sampled_rows:
-            s = torch.tensor(sampled_rows, device=logits.device)
-            temps = torch.tensor([params[i].temperature for i in sampled_rows], device=logits.device)
+            s = _tensor(sampled_rows, logits.device)
+            temps = _tensor([params[i].temperature for i in sampled_rows], logits.device)
             logits[s] = logits[s] / temps[:, None]
         # Extreme but valid settings (repetition_penalty=1e-300, a tiny temperature after a big bias)
         # can push a logit to +inf, whose softmax is NaN for every token: cap at the largest float.
@@ -118,7 +138,7 @@ class Sampler:
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         logprobs: torch.Tensor | None = None
         if logprob_rows:
-            lp_idx = torch.tensor(logprob_rows, device=logits.device)
+            lp_idx = _tensor(logprob_rows, logits.device)
             logprobs = torch.log_softmax(logits[lp_idx], dim=-1)  # [L, V]: before truncation
 
         if sampled_rows:
@@ -127,11 +147,9 @@ class Sampler:
             sub = self._truncate(sub, [params[i] for i in sampled_rows])
             tokens[s] = self._draw(sub, [params[i] for i in sampled_rows], [num_out[i] for i in sampled_rows])
 
-        token_list = tokens.tolist()
-        out = [SampledToken(t) for t in token_list]
-        if logprobs is not None:
-            self._fill_logprobs(out, logprobs, logprob_rows, params, token_list)
-        return out
+        if logprobs is None:
+            return [SampledToken(t) for t in tokens.tolist()]
+        return self._with_logprobs(tokens, logprobs, lp_idx, logprob_rows, params)
 
     # --- processing -----------------------------------------------------------------------------
 
@@ -151,9 +169,7 @@ class Sampler:
                 rows.extend([i] * len(banned))
                 cols.extend(banned)
         if rows:
-            logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = (
-                float("-inf")
-            )
+            logits[_tensor(rows, logits.device), _tensor(cols, logits.device)] = float("-inf")
 
     @staticmethod
     def _allows_besides(row: torch.Tensor, tokens: set[int]) -> bool:
@@ -175,8 +191,8 @@ class Sampler:
         if rows:
             dev = logits.device
             logits.index_put_(
-                (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
-                torch.tensor(vals, dtype=logits.dtype, device=dev),
+                (_tensor(rows, dev), _tensor(cols, dev)),
+                _tensor(vals, dev, logits.dtype),
                 accumulate=True,
             )
 
@@ -188,8 +204,8 @@ class Sampler:
         seen = self._token_mask(
             [list(rows[i].prompt_token_ids) + list(rows[i].output_token_ids) for i in idx], dev
         )  # [R, V] bool
-        penalty = torch.tensor([rows[i].sampling.repetition_penalty for i in idx], device=dev)[:, None]
-        r = torch.tensor(idx, device=dev)
+        penalty = _tensor([rows[i].sampling.repetition_penalty for i in idx], dev)[:, None]
+        r = _tensor(idx, dev)
         sub = logits[r]  # [R, V]
         penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
         logits[r] = torch.where(seen, penalised, sub)
@@ -204,9 +220,9 @@ class Sampler:
             return
         dev = logits.device
         counts = self._token_counts([rows[i].output_token_ids for i in idx], dev)  # [R, V]
-        presence = torch.tensor([rows[i].sampling.presence_penalty for i in idx], device=dev)[:, None]
-        frequency = torch.tensor([rows[i].sampling.frequency_penalty for i in idx], device=dev)[:, None]
-        r = torch.tensor(idx, device=dev)
+        presence = _tensor([rows[i].sampling.presence_penalty for i in idx], dev)[:, None]
+        frequency = _tensor([rows[i].sampling.frequency_penalty for i in idx], dev)[:, None]
+        r = _tensor(idx, dev)
         logits[r] = logits[r] - presence * (counts > 0) - frequency * counts
 
     def _token_counts(self, token_lists: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
@@ -216,7 +232,7 @@ class Sampler:
         if row_idx:
             flat = [t for toks in token_lists for t in toks]
             counts.index_put_(
-                (torch.tensor(row_idx, device=device), torch.tensor(flat, device=device)),
+                (_tensor(row_idx, device), _tensor(flat, device)),
                 torch.ones(len(flat), device=device),
                 accumulate=True,
             )
@@ -228,7 +244,7 @@ class Sampler:
         row_idx = [i for i, toks in enumerate(token_lists) for _ in range(len(toks))]
         if row_idx:
             flat = [t for toks in token_lists for t in toks]
-            mask[torch.tensor(row_idx, device=device), torch.tensor(flat, device=device)] = True
+            mask[_tensor(row_idx, device), _tensor(flat, device)] = True
         return mask
 
     # --- truncation and drawing -----------------------------------------------------------------
@@ -243,11 +259,11 @@ class Sampler:
             # A full sort serves both top-k and top-p.
             sorted_logits, order = logits.sort(dim=-1, descending=True)  # [S, V] each
             ranks = torch.arange(vocab, device=dev)[None, :]
-            k = torch.tensor(top_k, device=dev)[:, None]
+            k = _tensor(top_k, dev)[:, None]
             sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
             probs = sorted_logits.softmax(dim=-1)
             mass_before = probs.cumsum(dim=-1) - probs  # mass of the better-ranked tokens
-            p = torch.tensor(top_p, device=dev, dtype=probs.dtype)[:, None]
+            p = _tensor(top_p, dev, probs.dtype)[:, None]
             # Keep a token while the better ones have not reached p yet; the best is always kept.
             drop = (mass_before >= p) & (ranks > 0)
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
@@ -256,13 +272,13 @@ class Sampler:
             # top-k only: the k-th best value is the threshold (ties at the threshold are kept).
             kmax = max(top_k)
             best = logits.topk(kmax, dim=-1).values  # [S, kmax]
-            k = torch.tensor(top_k, device=dev)[:, None].clamp(max=kmax)
+            k = _tensor(top_k, dev)[:, None].clamp(max=kmax)
             kth = best.gather(-1, k - 1)  # [S, 1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         min_p = [p.min_p for p in params]
         if any(m > 0.0 for m in min_p):
             # prob < min_p * max_prob  <=>  logit < max_logit + log(min_p)
-            mp = torch.tensor(min_p, device=dev, dtype=logits.dtype)[:, None]
+            mp = _tensor(min_p, dev, logits.dtype)[:, None]
             threshold = logits.max(dim=-1, keepdim=True).values + torch.log(mp)  # -inf where min_p == 0
             logits = logits.masked_fill(logits < threshold, float("-inf"))
         return logits
@@ -273,7 +289,7 @@ class Sampler:
         noise = torch.empty_like(probs)  # [S, V] ~ Exp(1)
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
         if unseeded:
-            u = torch.tensor(unseeded, device=probs.device)
+            u = _tensor(unseeded, probs.device)
             noise[u] = torch.empty(len(unseeded), probs.shape[-1], device=probs.device).exponential_(
                 generator=self.generator
             )
@@ -284,28 +300,25 @@ class Sampler:
                 noise[i].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
 
-    def _fill_logprobs(
+    def _with_logprobs(
         self,
-        out: list[SampledToken],
+        tokens: torch.Tensor,  # [B] int64
         logprobs: torch.Tensor,  # [L, V]
+        lp_idx: torch.Tensor,  # [L]: the rows that asked for logprobs
         logprob_rows: list[int],
         params: list[SamplingParams],
-        tokens: list[int],
-    ) -> None:
-        dev = logprobs.device
+    ) -> list[SampledToken]:
         # A banned token (min_tokens' stop tokens) has logprob -inf, which JSON cannot carry: report
         # it as vLLM does, as a finite floor.
         logprobs = logprobs.clamp(min=LOGPROB_FLOOR)
-        chosen = torch.tensor([tokens[i] for i in logprob_rows], device=dev)[:, None]
-        chosen_lp = logprobs.gather(-1, chosen).squeeze(-1).tolist()  # [L]
+        chosen = logprobs.gather(-1, tokens[lp_idx][:, None]).squeeze(-1)  # [L]
         n_max = max(params[i].logprobs or 0 for i in logprob_rows)
-        top_vals: list[list[float]] = [[] for _ in logprob_rows]
-        top_ids: list[list[int]] = [[] for _ in logprob_rows]
-        if n_max > 0:
-            top = logprobs.topk(min(n_max, logprobs.shape[-1]), dim=-1)
-            top_vals = top.values.tolist()
-            top_ids = top.indices.tolist()
+        top = logprobs.topk(min(max(n_max, 1), logprobs.shape[-1]), dim=-1)  # [L, n]
+        # Tokens, chosen logprobs and top lists come to the host together: one synchronisation.
+        token_list, chosen_lp, top_vals, top_ids = _to_host(tokens, chosen, top.values, top.indices)
+        out = [SampledToken(t) for t in token_list]
         for j, i in enumerate(logprob_rows):
             n = params[i].logprobs or 0
             out[i].logprob = chosen_lp[j]
             out[i].top_logprobs = list(zip(top_ids[j][:n], top_vals[j][:n], strict=True))
+        return out

@@ -3,7 +3,7 @@ CLI (server/cli.py) or by tests."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from engine.config import EngineConfig
@@ -41,6 +41,17 @@ class ServerConfig:
     log_stats_interval_s: float = 10.0  # the periodic throughput / queue / KV log line; 0: off
     webui: bool = True  # the chat page at /, the live iteration view at /live and its event stream
     log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        # The engine sizes its CUDA graphs by the largest batch the scheduler forms: the scheduler's
+        # max_num_seqs, passed down here so that the number has one flag and one default.
+        if self.engine.max_num_seqs is None:
+            self.engine = replace(self.engine, max_num_seqs=self.scheduler.max_num_seqs)
+        elif self.engine.max_num_seqs != self.scheduler.max_num_seqs:
+            raise ValueError(
+                f"engine max_num_seqs ({self.engine.max_num_seqs}) differs from the scheduler's "
+                f"({self.scheduler.max_num_seqs})"
+            )
 
     @property
     def model_name(self) -> str:

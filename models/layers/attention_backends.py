@@ -25,6 +25,10 @@ from models.layers.metadata import AttentionMetadata
 
 class AttentionBackend(ABC):
     name: str
+    # Whether a step's attention can be captured in a CUDA graph (engine/cuda_graphs.py): per-layer work
+    # that reads host-side sizes only, allocates through torch, and never synchronises. The per-request
+    # plans of sdpa and cpu-decode, and history_slots' host-sized gathers, are not.
+    capturable: bool = False
 
     @abstractmethod
     def plan(self, md: AttentionMetadata) -> Any:
@@ -301,6 +305,7 @@ class TritonBackend(AttentionBackend):
     tensors only under Triton's interpreter (TRITON_INTERPRET=1), which is how it is tested."""
 
     name = "triton"
+    capturable = True  # launch sizes from host values, no sync (see launch_config)
 
     def __init__(self) -> None:
         from models.layers import triton_attention

@@ -35,14 +35,16 @@ def test_budget_too_small_is_an_error():
 def test_shapes_views_and_size():
     s = spec()
     cache = PagedKVCache(s, num_blocks=5, device="cpu")
-    assert cache.k_cache.shape == (3, 5, 4, 2, 8)
-    assert cache.v_cache.shape == (3, 5, 4, 2, 8)
+    # 5 blocks for the scheduler and the scratch block (6th) for graph steps' padding rows.
+    assert cache.k_cache.shape == (3, 6, 4, 2, 8)
+    assert cache.v_cache.shape == (3, 6, 4, 2, 8)
+    assert cache.scratch_block == 5
     assert cache.num_slots == 20
     assert cache.total_bytes == 5 * s.bytes_per_block
-    assert cache.k_cache.numel() * 4 * 2 == cache.total_bytes
+    assert cache.k_cache.numel() * 4 * 2 == cache.total_bytes + s.bytes_per_block
     assert len(cache.layers) == 3
     k1, v1 = cache.layers[1]
-    assert k1.shape == (5, 4, 2, 8)
+    assert k1.shape == (6, 4, 2, 8)
     # Views, not copies: a write through the layer view lands in the big tensor.
     k1[2, 3].fill_(7.0)
     v1[0, 0].fill_(-1.0)

@@ -107,13 +107,8 @@ def test_runner_attributes(runner: LocalExecutor, tiny_llama_dir: Path):
     assert runner.dtype == torch.float32
     assert runner.device == torch.device("cpu")
     assert Path(runner.model_path) == tiny_llama_dir
-    assert runner.runner.kv_cache.k_cache.shape == (
-        2,
-        16,
-        4,
-        2,
-        16,
-    )  # layers, blocks, block, kv heads, head dim
+    # layers, blocks (16 and the scratch block), block, kv heads, head dim
+    assert runner.runner.kv_cache.k_cache.shape == (2, 17, 4, 2, 16)
 
 
 def test_eos_ids_from_generation_config_and_kv_budget(tiny_llama_dir: Path, tmp_path: Path):

@@ -82,6 +82,21 @@ def test_benchmarks_take_the_servers_engine_and_scheduler_flags():
     for module in (engine_bench, parallel_bench, scheduler_bench):
         parser = module.build_parser()
         a, _ = parser.parse_known_args(flags)
-        assert EngineConfig.from_cli_args(a) == EngineConfig(model="m", dtype="float32", block_size=32)
+        # The engine reads the scheduler's --max-num-seqs where the parser has it (it sizes CUDA graphs).
+        max_num_seqs = 4 if module is scheduler_bench else None
+        assert EngineConfig.from_cli_args(a) == EngineConfig(
+            model="m", dtype="float32", block_size=32, max_num_seqs=max_num_seqs
+        )
     a = scheduler_bench.build_parser().parse_args(flags)
     assert SchedulerConfig.from_cli_args(a) == SchedulerConfig(max_num_seqs=4)
+
+
+def test_the_engine_gets_the_schedulers_max_num_seqs():
+    """One flag, one default: the server passes the scheduler's max_num_seqs down to the engine (its
+    CUDA graphs' largest batch), and refuses two configs that disagree."""
+    assert parse_args([]).engine.max_num_seqs == SchedulerConfig().max_num_seqs
+    assert parse_args(["--max-num-seqs", "8"]).engine.max_num_seqs == 8
+    built = ServerConfig(scheduler=SchedulerConfig(max_num_seqs=16))
+    assert built.engine.max_num_seqs == 16
+    with pytest.raises(ValueError, match="differs"):
+        ServerConfig(engine=EngineConfig(max_num_seqs=8), scheduler=SchedulerConfig(max_num_seqs=16))
