@@ -21,12 +21,13 @@ import random
 import statistics
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, replace
 
 from engine.config import EngineConfig
 from engine.contract import Executor, SamplingParams
 from scheduler.config import SchedulerConfig
-from scheduler.loop import IterationLoop
+from scheduler.loop import IterationLoop, new_step_thread
 from scheduler.outputs import FinishReason
 
 logger = logging.getLogger("scheduler.bench")
@@ -184,7 +185,9 @@ def print_table(rows: Sequence[RunSummary], slo_ms: float | None) -> None:
             print(f"{policy}: highest rate with median <= {slo_ms:g} ms/token: {best}")
 
 
-async def run_all(runner: Executor, args: argparse.Namespace) -> list[RunSummary]:
+async def run_all(
+    runner: Executor, args: argparse.Namespace, step_thread: ThreadPoolExecutor
+) -> list[RunSummary]:
     vocab = int(getattr(runner, "vocab_size", 32000))
     workload = make_workload(
         args.num_requests,
@@ -200,7 +203,7 @@ async def run_all(runner: Executor, args: argparse.Namespace) -> list[RunSummary
         config = replace(SchedulerConfig.from_cli_args(args), scheduling=scheduling, kv_policy=kv_policy)
         for rate in (float(r) for r in args.rates.split(",")):
             items = workload if args.duration is None else within(workload, rate, args.duration)
-            engine = IterationLoop(runner, config)
+            engine = IterationLoop(runner, config, step_thread=step_thread)
             await engine.start()
             try:
                 t = time.perf_counter()
@@ -213,9 +216,9 @@ async def run_all(runner: Executor, args: argparse.Namespace) -> list[RunSummary
     return rows
 
 
-async def warm_up(runner: Executor) -> None:
+async def warm_up(runner: Executor, step_thread: ThreadPoolExecutor) -> None:
     """One short request, so the first measured step does not pay for lazy initialisation."""
-    engine = IterationLoop(runner, SchedulerConfig())
+    engine = IterationLoop(runner, SchedulerConfig(), step_thread=step_thread)
     await engine.start()
     try:
         async for _ in engine.generate(
@@ -260,9 +263,12 @@ def main(argv: Sequence[str] | None = None) -> None:
     # Imported here: the scheduler package stays free of torch, only this CLI needs the real engine.
     from engine.executor import LocalExecutor
 
-    runner = LocalExecutor(EngineConfig.from_cli_args(args))
-    asyncio.run(warm_up(runner))
-    rows = asyncio.run(run_all(runner, args))
+    # Built in the thread its steps run in: one OpenMP thread team (scheduler.loop.IterationLoop says why).
+    step_thread = new_step_thread()
+    runner = step_thread.submit(LocalExecutor, EngineConfig.from_cli_args(args)).result()
+    asyncio.run(warm_up(runner, step_thread))
+    rows = asyncio.run(run_all(runner, args, step_thread))
+    step_thread.shutdown()
     print_table(rows, args.slo_ms)
     if args.json:
         with open(args.json, "w") as f:

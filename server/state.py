@@ -7,11 +7,12 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from engine.contract import Executor
 from engine.grammar import GrammarCompiler
-from scheduler.loop import IterationLoop
+from scheduler.loop import IterationLoop, new_step_thread
 from scheduler.outputs import SchedulerStats, StepReport
 from server.config import ServerConfig
 from server.errors import not_ready
@@ -48,6 +49,7 @@ class ServerState:
         self.metrics = ServerMetrics(config.model_name, self._stats)
         self._load_task: asyncio.Task[None] | None = None
         self._stats_task: asyncio.Task[None] | None = None
+        self._step_thread: ThreadPoolExecutor | None = None  # the model is built and stepped in it
         # Set on SIGTERM (server.cli): new requests get 503 while those in flight finish.
         self.draining = False
         # Called when loading fails (the CLI stops the server: a server without a model is useless).
@@ -90,10 +92,12 @@ class ServerState:
 
     async def _load(self) -> None:
         t0 = time.monotonic()
+        # The model is built in the thread its steps will run in (IterationLoop explains why).
+        step_thread = self._step_thread = new_step_thread()
         try:
-            loaded = await asyncio.to_thread(self._loader)
+            loaded = await asyncio.get_running_loop().run_in_executor(step_thread, self._loader)
             cfg = self.config
-            loop = IterationLoop(loaded.executor, cfg.scheduler)
+            loop = IterationLoop(loaded.executor, cfg.scheduler, step_thread=step_thread)
             await loop.start()
             loop.add_step_listener(self._on_step)
             if self.live_feed is not None:
@@ -144,3 +148,6 @@ class ServerState:
             self._load_task.cancel()
         if self.loop is not None:
             await self.loop.shutdown()
+        if self._step_thread is not None:
+            # Not waited for if a load is still running in it (it cannot be interrupted).
+            self._step_thread.shutdown(wait=self._load_task is None or self._load_task.done())

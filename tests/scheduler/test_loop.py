@@ -15,7 +15,7 @@ from fakes import greedy_through_loop, wait_until
 from engine.contract import FatalRunnerError, SamplingParams, ScheduledSequence
 from scheduler.config import SchedulerConfig
 from scheduler.fake_runner import FakeRunner, hash_next_token
-from scheduler.loop import IterationLoop, LoopStoppedError
+from scheduler.loop import IterationLoop, LoopStoppedError, new_step_thread
 from scheduler.outputs import FinishReason, RequestDelta, StepReport
 
 GUARD_S = 20  # a hang fails the test instead of stalling the suite
@@ -382,3 +382,25 @@ async def test_a_fatal_step_error_stops_the_loop(depth: int) -> None:
     with pytest.raises(LoopStoppedError):
         engine.generate([5], SamplingParams(max_tokens=2), "late")
     await engine.shutdown()
+
+
+async def test_steps_run_in_the_callers_thread_which_the_loop_leaves_running():
+    """One thread builds the engine and runs every step (one OpenMP thread team; IterationLoop says why)."""
+    seen: set[str] = set()
+
+    class Recording(FakeRunner):
+        def step(self, batch):
+            seen.add(threading.current_thread().name)
+            return super().step(batch)
+
+    thread = new_step_thread()
+    built_in = await asyncio.get_running_loop().run_in_executor(
+        thread, lambda: threading.current_thread().name
+    )
+    engine = IterationLoop(Recording(), step_thread=thread)
+    await engine.start()
+    await collect(engine.generate(prompt(5), SamplingParams(max_tokens=3), "a"))
+    await engine.shutdown()
+    assert seen == {built_in}
+    assert thread.submit(lambda: 1).result() == 1  # the caller's pool is still open
+    thread.shutdown()

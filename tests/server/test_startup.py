@@ -54,3 +54,23 @@ async def test_load_failure_reported_by_health():
         err = error_of(await client.get("/health"), 503)
         assert err["code"] == "model_load_failed" and "/nowhere" in err["message"]
         assert failures and "/nowhere" in failures[0]
+
+
+async def test_the_model_is_built_in_the_thread_its_steps_run_in(tokenizer):
+    loaded_in: list[str] = []
+    stepped_in: set[str] = set()
+
+    class Recording(FakeRunner):
+        def step(self, batch):
+            stepped_in.add(threading.current_thread().name)
+            return super().step(batch)
+
+    def loader() -> LoadedModel:
+        loaded_in.append(threading.current_thread().name)
+        runner = Recording()
+        return LoadedModel(runner, tokenizer, runner.vocab_size)
+
+    async with running_app(create_app(server_config(model=MODEL), loader)) as client:
+        r = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        assert r.status_code == 200
+    assert stepped_in == set(loaded_in) and loaded_in[0].startswith("orca-step")
