@@ -217,7 +217,9 @@ class DistributedExecutor(ExecutorBase):
             self._groups = self._watching_workers(
                 lambda: init_groups(0, self.topology, init_method, device, config.distributed_timeout_s)
             )
-            runner = self._watching_workers(lambda: ModelRunner(config, model_path, device, self._groups))
+            # Built here, in the caller's thread (the one steps run in: one OpenMP thread team), with only
+            # the wait for the other ranks watched from a helper thread.
+            runner = ModelRunner(config, model_path, device, self._groups, agree=self._watching_workers)
         except BaseException:
             self._kill_workers()
             raise

@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -61,7 +61,12 @@ class ModelRunner:
         model_path: Path,
         device: torch.device,
         groups: RankGroups | None = None,  # None: one process holds the whole model
+        agree: Callable[[Callable[[], int]], int] | None = None,
     ) -> None:
+        """`agree` runs the ranks' agreement on the KV block count (a collective that waits for every
+        rank); the distributed executor passes one that watches its workers while it waits. The rest
+        runs in the calling thread, which should be the one steps run in (scheduler.loop.IterationLoop
+        says why)."""
         from models.loader import load_model, max_model_len
 
         self.device = device
@@ -96,7 +101,8 @@ class ModelRunner:
             from engine.distributed import agree_on_min
 
             # Block ids mean the same on every rank, so all ranks use the smallest count any can hold.
-            num_blocks = agree_on_min(num_blocks, groups.cpu)
+            cpu_group, mine = groups.cpu, num_blocks
+            num_blocks = (agree or (lambda run: run()))(lambda: agree_on_min(mine, cpu_group))
         self.kv_cache = PagedKVCache(spec, num_blocks, device)
         self.num_kv_blocks: int = num_blocks
         self.block_size: int = config.block_size
