@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
 from dataclasses import fields
 from pathlib import Path
 from types import FrameType
@@ -177,12 +179,6 @@ def make_server(app: Any, config: ServerConfig) -> Any:
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             state.start_draining()
             super().handle_exit(sig, frame)
-            if sig == signal.SIGTERM:
-                # uvicorn re-raises a caught signal once it has shut down, which would end the process
-                # with -SIGTERM; a drain that completed is a clean exit.
-                captured = getattr(self, "_captured_signals", None)
-                if isinstance(captured, list) and sig in captured:
-                    captured.remove(sig)
 
     return DrainingServer(
         uvicorn.Config(
@@ -208,8 +204,28 @@ def serve(app: Any, config: ServerConfig) -> int:
         server.should_exit = True
 
     app.state.server.on_load_failed = stop
-    server.run()
+    with sigterm_after_drain_is_clean():
+        server.run()
     return 1 if failed else 0
+
+
+@contextlib.contextmanager
+def sigterm_after_drain_is_clean() -> Iterator[None]:
+    """uvicorn re-raises a signal it caught once it has shut down, to the handler that was installed
+    before it started (so the process ends as that signal says). A SIGTERM has been drained by then, so
+    the handler installed here does nothing and the process exits 0; SIGINT keeps Python's default."""
+    if threading.current_thread() is not threading.main_thread():  # signals are the main thread's
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _ignore_signal)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _ignore_signal(sig: int, frame: FrameType | None) -> None:
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
