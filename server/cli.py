@@ -79,6 +79,28 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.max_body_bytes,
         help="request body limit (413)",
     )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=d.max_connections,
+        help="open connections; a request on a connection past it gets a fast 503 (0: no cap)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        dest="body_timeout_s",
+        metavar="SECONDS",
+        type=float,
+        default=d.body_timeout_s,
+        help="seconds a request body may take to arrive whole (408; 0: no limit)",
+    )
+    p.add_argument(
+        "--stream-send-timeout",
+        dest="stream_send_timeout_s",
+        metavar="SECONDS",
+        type=float,
+        default=d.stream_send_timeout_s,
+        help="abort a stream whose client has read nothing for this long (0: never)",
+    )
     p.add_argument("--max-n", type=int, default=d.max_n, help="largest n a request may ask for")
     p.add_argument(
         "--max-choices", type=int, default=d.max_choices, help="largest prompts x n of one request"
@@ -134,7 +156,7 @@ def _api_keys(parser: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[s
 def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
     parser = build_parser()
     a = parser.parse_args(argv)
-    for name in ("max_n", "max_choices", "max_logprobs", "max_stop_strings"):
+    for name in ("max_n", "max_choices", "max_logprobs", "max_stop_strings", "max_connections"):
         if getattr(a, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must not be negative")
     keys = _api_keys(parser, a)
@@ -145,6 +167,9 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
         api_keys=keys[1:],
         allowed_origins=tuple(a.allowed_origins) if a.allowed_origins is not None else None,
         max_queue_len=a.max_queue_len or None,
+        max_connections=a.max_connections or None,
+        body_timeout_s=a.body_timeout_s or None,
+        stream_send_timeout_s=a.stream_send_timeout_s or None,
     )
     try:
         return ServerConfig(
@@ -187,6 +212,8 @@ def make_server(app: Any, config: ServerConfig) -> Any:
             port=config.port,
             log_level=config.log_level,
             timeout_graceful_shutdown=config.shutdown_grace_s,
+            # A request on a connection past the cap gets uvicorn's 503 before the app sees it.
+            limit_concurrency=config.max_connections,
             # server.middleware writes the access log itself, with the request id.
             access_log=False,
         )

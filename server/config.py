@@ -30,6 +30,12 @@ class ServerConfig:
     # Seconds a request may take from arrival to its last token; None: no limit.
     request_timeout_s: float | None = None
     max_body_bytes: int = 4 * 2**20  # a larger body is refused with 413 before it is read whole
+    # Floods and slow clients. Open connections past max_connections get uvicorn's fast 503 (None: no
+    # cap); a body must arrive whole within body_timeout_s (408); a stream whose client has read
+    # nothing for stream_send_timeout_s (its send buffers are full) is aborted.
+    max_connections: int | None = 1024
+    body_timeout_s: float | None = 30.0
+    stream_send_timeout_s: float | None = 30.0
     # What a client may ask for in one request (vLLM has no caps; OpenAI documents n <= 128).
     max_n: int = 16
     max_choices: int = 64  # prompts x n of one request: each choice is a request in the loop

@@ -60,11 +60,18 @@ async def running_app(app: FastAPI, wait: bool = True) -> AsyncIterator[httpx.As
 
 
 @contextlib.asynccontextmanager
-async def live_server(app: FastAPI) -> AsyncIterator[str]:
+async def live_server(app: FastAPI, as_cli: bool = False) -> AsyncIterator[str]:
     """uvicorn serving the app on a free local port inside this event loop; yields the base URL.
-    uvicorn runs the app's lifespan itself (model loading at startup, engine shutdown at exit)."""
+    uvicorn runs the app's lifespan itself (model loading at startup, engine shutdown at exit).
+    as_cli: the server `python -m server` runs (server.cli.make_server: its connection cap included)."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host=LOOPBACK, port=port, log_level="warning"))
+    if as_cli:
+        from server.cli import make_server
+
+        config = dataclasses.replace(app.state.server.config, host=LOOPBACK, port=port, log_level="warning")
+        server = make_server(app, config)
+    else:
+        server = uvicorn.Server(uvicorn.Config(app, host=LOOPBACK, port=port, log_level="warning"))
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():

@@ -15,7 +15,9 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import Response
 from sse_starlette import EventSourceResponse
+from sse_starlette.sse import SendTimeoutError
 from starlette.background import BackgroundTask
+from starlette.types import Receive, Scope, Send
 
 from engine.contract import SamplingParams
 from engine.grammar import CompiledGrammar
@@ -274,11 +276,16 @@ def disconnected_response() -> Response:
     return Response(status_code=499)
 
 
-def sse(events: AsyncIterator[dict[str, Any] | str], cleanup: Callable[[], None]) -> EventSourceResponse:
+def sse(
+    events: AsyncIterator[dict[str, Any] | str],
+    cleanup: Callable[[], None],
+    send_timeout_s: float | None = None,
+) -> EventSourceResponse:
     """`data: {json}` events, then `data: [DONE]`. An error mid-stream arrives as an event holding the
     OpenAI error object (the status line is long gone), followed by [DONE]. `cleanup` runs once the
     response is over however it ended: a client gone before the first event never starts `events`,
-    so their own `finally` would not run."""
+    so their own `finally` would not run. A send that waits `send_timeout_s` (the client reads nothing
+    and every buffer on the way is full) ends the stream: see SlowClientStream."""
 
     async def after() -> None:
         cleanup()
@@ -301,4 +308,31 @@ def sse(events: AsyncIterator[dict[str, Any] | str], cleanup: Callable[[], None]
 
     # Pings are SSE comments (": ping"), which every SSE parser (the openai client's included) skips;
     # they keep proxies from closing a stream whose prefill takes long.
-    return EventSourceResponse(frames(), sep="\n", ping=15, background=BackgroundTask(after))
+    return SlowClientStream(
+        frames(), sep="\n", ping=15, background=BackgroundTask(after), send_timeout=send_timeout_s
+    )
+
+
+class SlowClientStream(EventSourceResponse):
+    """An SSE response that ends when its client stops reading.
+
+    What buffers a stream: uvicorn writes each event to the asyncio transport and, once the transport
+    holds more than its high-water mark (64 KiB), makes the next send wait until it drains; below
+    that is the kernel's socket send buffer (autotuned, up to net.ipv4.tcp_wmem's maximum) and the
+    client's receive buffer. Nothing else queues: sse-starlette sends each event as the generator
+    yields it, so a blocked send stops the generator, and the engine's deltas for the request merge
+    into one (scheduler.loop) instead of piling up. What a client that never reads would pin is its
+    request: a batch slot and KV blocks until max_tokens. sse-starlette's send_timeout turns a send
+    blocked that long into SendTimeoutError; the generator is closed, which aborts the request in the
+    loop, and the connection is dropped (uvicorn closes it once the app returns)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except SendTimeoutError:
+            logger.warning("the client read nothing for %g s; stream aborted", self.send_timeout)
+        except BaseExceptionGroup as group:  # raised from sse-starlette's task group
+            rest = group.subgroup(lambda e: not isinstance(e, SendTimeoutError))
+            if rest is not None:
+                raise rest from None
+            logger.warning("the client read nothing for %g s; stream aborted", self.send_timeout)

@@ -54,6 +54,7 @@ class ChoiceRun:
     gens: list[AsyncIterator[ChoiceDelta]]
     deadline: Deadline
     prompt_tokens: int  # over all prompts, for usage
+    send_timeout_s: float | None = None  # a stream's client that reads nothing this long is cut
 
     def abort(self) -> None:
         abort_all(self.loop, self.specs)
@@ -113,7 +114,7 @@ def start_choices(
         generate_choice(loop, tokenizer, s, st, state.metrics.tracker())
         for s, st in zip(specs, streams, strict=True)
     ]
-    return ChoiceRun(loop, specs, gens, deadline, prompt_tokens)
+    return ChoiceRun(loop, specs, gens, deadline, prompt_tokens, state.config.stream_send_timeout_s)
 
 
 async def collect_choices(run: ChoiceRun) -> tuple[list[CollectedChoice], dict[str, Any]]:
@@ -161,7 +162,7 @@ async def stream_chunks(
 
 
 def stream_response(run: ChoiceRun, events: AsyncIterator[dict[str, Any]]) -> EventSourceResponse:
-    return sse(run.deadline.iterate(events), run.abort)
+    return sse(run.deadline.iterate(events), run.abort, run.send_timeout_s)
 
 
 async def collect_response(
