@@ -89,8 +89,10 @@ class SampledToken:
 
 
 class FatalRunnerError(RuntimeError):
-    """The executor can run no more steps (a worker process died, a collective broke). The loop fails
-    every request and stops; any other exception from a step fails only that step's requests."""
+    """The executor can run no more steps (a worker process died, a collective broke). Any other
+    exception from a step fails only that step's requests. After this one the loop fails the requests
+    whose KV cache went with it and calls `restart()` where the executor `can_restart` (within the
+    restart budget); otherwise it fails every request and stops."""
 
 
 class Executor(Protocol):
@@ -115,6 +117,17 @@ class Executor(Protocol):
     @property
     def dead_reason(self) -> str | None:
         """Why no more steps can run (None while they can). Cheap: read by /health and the loop."""
+        ...
+
+    @property
+    def can_restart(self) -> bool:
+        """Whether restart() can bring this executor back once it is down (it owns its workers)."""
+        ...
+
+    def restart(self) -> None:
+        """Bring a down executor back: fresh worker processes and process group, the same sizes, an
+        empty KV cache (what the old one held is lost). Blocks for as long as that takes (processes
+        start, weights load). Raises FatalRunnerError when it cannot."""
         ...
 
     def submit(self, batch: Sequence[ScheduledSequence]) -> Any:

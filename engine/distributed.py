@@ -38,8 +38,8 @@ OP_SHUTDOWN = 2
 
 
 class WorkerDiedError(FatalRunnerError):
-    """A rank of the process group died or stopped answering. The group cannot be repaired, so the
-    executor is finished (FatalRunnerError: the scheduler loop stops instead of carrying on)."""
+    """A rank of the process group died or stopped answering. The group cannot be repaired: the
+    executor is down until restart() replaces the whole group (FatalRunnerError)."""
 
 
 @dataclass(frozen=True)

@@ -19,6 +19,7 @@ waits for a batch's logits and samples. `step()` is submit + collect.
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import multiprocessing.connection
 import multiprocessing.process
@@ -67,6 +68,8 @@ DEATH_GRACE_S = 1.0
 STARTUP_POLL_S = 0.2
 # How often a driver on CUDA checks a pending receive (and its workers) while it waits.
 NCCL_POLL_S = 0.0005
+# How long a restart waits to leave the broken process group.
+LEAVE_GROUP_TIMEOUT_S = 30.0
 
 T = TypeVar("T")
 
@@ -192,8 +195,10 @@ class DistributedExecutor(ExecutorBase):
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._dead_reason: str | None = None
         self._closed = False
-        world = self.topology.world_size
-        if launched_by_torchrun():
+        # Ranks started by torchrun (across machines) are not ours to restart.
+        self._torchrun = launched_by_torchrun()
+        if self._torchrun:
+            world = self.topology.world_size
             if int(os.environ["RANK"]) != 0:
                 raise ValueError(
                     "DistributedExecutor is rank 0; other torchrun ranks run run_torchrun_worker"
@@ -203,10 +208,20 @@ class DistributedExecutor(ExecutorBase):
                     f"torchrun started {os.environ['WORLD_SIZE']} processes, but tensor x pipeline "
                     f"parallel size is {world}"
                 )
+        runner = self._start(config, model_path)
+        atexit.register(self.close)
+        # ORCA: as many batches in flight as there are stages.
+        super().__init__(config, model_path, runner, pipeline_depth=self.topology.pp_size)
+
+    def _start(self, config: EngineConfig, model_path: Path) -> ModelRunner:
+        """Spawn the workers (unless torchrun started them), join the rendezvous, load rank 0's shard."""
+        world = self.topology.world_size
+        if self._torchrun:
             init_method = "env://"
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
             device = rank_device(config, int(os.environ.get("LOCAL_RANK", 0)))
         else:
+            # A fresh port each time: a restarted group must not meet the old rendezvous.
             init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
             local_world = world
             device = rank_device(config, 0)
@@ -219,13 +234,10 @@ class DistributedExecutor(ExecutorBase):
             )
             # Built here, in the caller's thread (the one steps run in: one OpenMP thread team), with only
             # the wait for the other ranks watched from a helper thread.
-            runner = ModelRunner(config, model_path, device, self._groups, agree=self._watching_workers)
+            return ModelRunner(config, model_path, device, self._groups, agree=self._watching_workers)
         except BaseException:
             self._kill_workers()
             raise
-        atexit.register(self.close)
-        # ORCA: as many batches in flight as there are stages.
-        super().__init__(config, model_path, runner, pipeline_depth=self.topology.pp_size)
 
     def _spawn_workers(self, config: EngineConfig, model_path: Path, init_method: str, world: int) -> None:
         ctx = mp.get_context("spawn")
@@ -254,8 +266,9 @@ class DistributedExecutor(ExecutorBase):
 
         threading.Thread(target=run, name="orca-parallel-start", daemon=True).start()
         while not done.wait(STARTUP_POLL_S):
-            if self.dead_reason is not None:
-                raise WorkerDiedError(f"start-up failed: {self.dead_reason} (see its log above)")
+            exited = self._exited_worker()
+            if exited is not None:
+                raise WorkerDiedError(f"start-up failed: {exited} (see its log above)")
         if error:
             raise error[0]
         return result[0]
@@ -271,13 +284,14 @@ class DistributedExecutor(ExecutorBase):
         """Why this engine can run no more steps (None while it can). Cheap: the scheduler loop and the
         server's health check read it; a worker that exited is noticed here even while idle."""
         if self._dead_reason is None:
-            for proc in self._procs:
-                if not proc.is_alive():
-                    self._dead_reason = (
-                        f"worker {proc.name} (pid {proc.pid}) exited with code {proc.exitcode}"
-                    )
-                    break
+            self._dead_reason = self._exited_worker()
         return self._dead_reason
+
+    def _exited_worker(self) -> str | None:
+        for proc in self._procs:
+            if not proc.is_alive():
+                return f"worker {proc.name} (pid {proc.pid}) exited with code {proc.exitcode}"
+        return None
 
     def _check_alive(self) -> None:
         reason = self.dead_reason
@@ -363,6 +377,64 @@ class DistributedExecutor(ExecutorBase):
                 self._check_alive()
                 time.sleep(NCCL_POLL_S)
         work.wait()
+
+    # ---- restart --------------------------------------------------------------------------------
+
+    @property
+    def can_restart(self) -> bool:
+        return not self._torchrun and not self._closed
+
+    def restart(self) -> None:
+        """Replace the whole group after a rank died: kill what is left of it, leave the broken process
+        group, then start as at first (new workers, a new rendezvous on a new port, rank 0's shard
+        loaded again: its layers hold the old tensor-parallel group). The KV cache starts empty."""
+        if not self.can_restart:
+            raise WorkerDiedError(
+                "the parallel engine is shut down"
+                if self._closed
+                else "ranks started by torchrun cannot be restarted by the server; restart the job"
+            )
+        cause = self.dead_reason or "restart requested"
+        self._dead_reason = f"restarting the workers after: {cause}"
+        logger.warning("restarting the parallel engine's workers (%s)", cause)
+        t0 = time.monotonic()
+        self._kill_workers()
+        self._procs = []
+        # Drop rank 0's shard and KV cache before loading new ones: never two copies in memory.
+        del self.runner
+        gc.collect()
+        self._leave_group()
+        try:
+            runner = self._start(self.config, self.model_path)
+        except BaseException as exc:
+            self._dead_reason = f"restarting the workers failed: {type(exc).__name__}: {exc}"
+            raise WorkerDiedError(self._dead_reason) from exc
+        if runner.num_kv_blocks != self.num_kv_blocks:  # the scheduler's block ids are fixed
+            self.runner = runner
+            self._dead_reason = (
+                f"the restarted engine has {runner.num_kv_blocks} KV blocks, not {self.num_kv_blocks}"
+            )
+            raise WorkerDiedError(self._dead_reason)
+        self.runner = runner
+        self._dead_reason = None
+        logger.warning("the parallel engine's workers are back after %.1f s", time.monotonic() - t0)
+
+    def _leave_group(self) -> None:
+        """destroy_process_group on a group a rank left broken; bounded, since a collective backend
+        may wait on the dead peer (a default group that cannot be left means no new one can start)."""
+
+        def destroy() -> None:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a broken group may fail to tear down; what matters is that it is gone
+                logger.debug("destroy_process_group failed", exc_info=True)
+
+        leaving = threading.Thread(target=destroy, name="orca-leave-group", daemon=True)
+        leaving.start()
+        leaving.join(LEAVE_GROUP_TIMEOUT_S)
+        if leaving.is_alive() or dist.is_initialized():
+            self._dead_reason = "the broken process group could not be left"
+            raise WorkerDiedError(self._dead_reason)
 
     # ---- shutdown -------------------------------------------------------------------------------
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig, resolve_device, resolve_model_path
-from engine.contract import SampledToken, ScheduledSequence
+from engine.contract import FatalRunnerError, SampledToken, ScheduledSequence
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler
 from engine.token_mask import PendingMask, TokenMasker
@@ -66,6 +66,13 @@ class ExecutorBase(ABC):
     @property
     def dead_reason(self) -> str | None:
         return None
+
+    @property
+    def can_restart(self) -> bool:
+        return False  # one process: a failed step fails only its requests, nothing goes down
+
+    def restart(self) -> None:
+        raise FatalRunnerError(f"{type(self).__name__} cannot restart")
 
     @abstractmethod
     def submit(self, batch: Sequence[ScheduledSequence]) -> PendingStep: ...

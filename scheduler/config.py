@@ -31,6 +31,10 @@ class SchedulerConfig:
     # hash of their tokens after their request ends, and a request whose prompt starts with cached
     # blocks starts after them (a chat's next turn, a shared system prompt, the n choices of a prompt).
     enable_prefix_caching: bool = True
+    # A parallel engine whose worker died is restarted (its running requests fail, waiting ones are
+    # served after); past this many restarts within the window the loop gives up (/health 503).
+    max_worker_restarts: int = 3
+    worker_restart_window_s: float = 600.0
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -45,6 +49,8 @@ class SchedulerConfig:
             raise ValueError(f"scheduling must be 'iteration' or 'request', got {self.scheduling!r}")
         if self.kv_policy not in ("lazy", "reserve"):
             raise ValueError(f"kv_policy must be 'lazy' or 'reserve', got {self.kv_policy!r}")
+        if self.max_worker_restarts < 0 or self.worker_restart_window_s < 0:
+            raise ValueError("max_worker_restarts and worker_restart_window_s must not be negative")
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
@@ -78,6 +84,20 @@ class SchedulerConfig:
             default=d.enable_prefix_caching,
             help="reuse the KV blocks of prompts seen before (a chat's history, a shared system prompt, "
             "the n choices of a prompt); on by default",
+        )
+        g.add_argument(
+            "--max-worker-restarts",
+            type=int,
+            default=d.max_worker_restarts,
+            help="restarts of dead tensor/pipeline workers allowed within --worker-restart-window; "
+            "past it the server gives up (0: never restart)",
+        )
+        g.add_argument(
+            "--worker-restart-window",
+            dest="worker_restart_window_s",
+            metavar="SECONDS",
+            type=float,
+            default=d.worker_restart_window_s,
         )
 
     @classmethod

@@ -157,6 +157,12 @@ class Scheduler:
                 released += self._finish(req, RequestStatus.FINISHED_ERROR, hold=False)
         return released
 
+    def kv_cache_lost(self, message: str) -> list[Request]:
+        """The engine's KV cache is gone (its workers were restarted): the running requests, whose
+        context was there, fail; waiting and preempted ones hold nothing there and stay queued.
+        Returns the requests to send a final delta to."""
+        return self.fail(list(self.running), message)
+
     def _finish(self, req: Request, status: RequestStatus, hold: bool) -> list[Request]:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)

@@ -26,7 +26,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine.contract import SampledToken, ScheduledSequence
+from engine.contract import FatalRunnerError, SampledToken, ScheduledSequence
 
 # SmolLM2's ids 0..16 are special tokens: tokens from the plain range read as words once decoded.
 FIRST_PLAIN_TOKEN = 17
@@ -68,6 +68,7 @@ class FakeRunner:
         step_delay_s: float = 0.0,
         per_token_delay_s: float = 0.0,
         simulate_kv: bool = True,
+        can_restart: bool = False,
     ) -> None:
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
@@ -90,6 +91,11 @@ class FakeRunner:
         # costs O(context) Python per sampled token (the load tester's fake server runs long contexts).
         self.simulate_kv = simulate_kv
         self.dead_reason: str | None = None
+        # kill() takes it down like a dead worker (FatalRunnerError); restart() brings it back with an
+        # empty simulated cache, so a request that reads its old KV after a restart raises.
+        self.can_restart = can_restart
+        self.num_restarts = 0
+        self.fail_restart = False  # restart() raises instead
         # slot -> (token, digest of the context through it) of the last write
         self._slots: list[tuple[int, int] | None] = [None] * (
             num_kv_blocks * block_size if simulate_kv else 0
@@ -107,7 +113,26 @@ class FakeRunner:
 
     # ---- engine.contract.Executor ---------------------------------------------------------------------
 
+    def kill(self, reason: str = "worker fake-rank1 exited with code -9") -> None:
+        """Go down as a parallel engine does when a worker dies: every later step raises."""
+        self.dead_reason = reason
+
+    def restart(self) -> None:
+        if not self.can_restart or self.fail_restart:
+            raise FatalRunnerError(f"cannot restart: {self.dead_reason}")
+        self.num_restarts += 1
+        self.dead_reason = None
+        self.in_flight.clear()
+        self._computed.clear()
+        if self.simulate_kv:
+            self._slots = [None] * len(self._slots)
+
+    def _check_up(self) -> None:
+        if self.dead_reason is not None:
+            raise FatalRunnerError(f"the engine is down: {self.dead_reason}")
+
     def submit(self, batch: Sequence[ScheduledSequence]) -> list[ScheduledSequence]:
+        self._check_up()
         busy = {s.request_id for b in self.in_flight for s in b}
         bs = self.block_size
         writing = {
@@ -133,6 +158,7 @@ class FakeRunner:
         return self.in_flight[-1]
 
     def collect(self, handle: list[ScheduledSequence]) -> list[SampledToken | None]:
+        self._check_up()
         assert self.in_flight and handle is self.in_flight[0], "collected out of submission order"
         self.in_flight.pop(0)
         return self.step(handle)

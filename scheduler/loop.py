@@ -33,6 +33,28 @@ logger = logging.getLogger(__name__)
 StepListener = Callable[[StepReport], None]
 _Control = tuple[str, Literal["abort", "finish"]]
 
+# While idle, how often the loop checks that an executor that can restart is still up: a worker can
+# die with nothing running, and is restarted before a request needs it.
+IDLE_WATCH_S = 1.0
+
+
+class RestartBudget:
+    """At most `max_restarts` restarts within any `window_s` seconds: a worker that dies again and
+    again (a broken GPU, a request that crashes it every time) ends in a server that says so (503)."""
+
+    def __init__(self, max_restarts: int, window_s: float) -> None:
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self._times: deque[float] = deque()
+
+    def allows(self, now: float) -> bool:
+        while self._times and now - self._times[0] > self.window_s:
+            self._times.popleft()
+        return len(self._times) < self.max_restarts
+
+    def record(self, now: float) -> None:
+        self._times.append(now)
+
 
 def new_step_thread() -> ThreadPoolExecutor:
     """The single worker thread an engine is built in and steps run in (see IterationLoop)."""
@@ -110,6 +132,11 @@ class IterationLoop:
         self._stopping = False
         self._dead = False  # the loop crashed
         self._num_steps = 0
+        # The executor went down in a step (FatalRunnerError): no new batches until it is restarted.
+        self._down: FatalRunnerError | None = None
+        self._restarting = False
+        self._restarts = RestartBudget(self.config.max_worker_restarts, self.config.worker_restart_window_s)
+        self._num_restarts = 0
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -149,8 +176,17 @@ class IterationLoop:
             self._task is not None
             and not self._task.done()
             and not self._closed
+            and not self._restarting
             and self._executor.dead_reason is None
         )
+
+    @property
+    def is_restarting(self) -> bool:
+        """The executor's workers are being restarted: requests queue and run once they are back."""
+        return self._restarting and not self._closed
+
+    def _will_restart(self) -> bool:
+        return self._restarting or (self._executor.can_restart and self._restarts.allows(time.monotonic()))
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -165,7 +201,7 @@ class IterationLoop:
         delta (aclose(), a cancelled task, a client gone) aborts the request.
         """
         down = self._executor.dead_reason
-        if down is not None:
+        if down is not None and not self._will_restart():
             raise LoopStoppedError(f"the engine is not running: {down}")
         if self._closed:
             raise LoopStoppedError("the loop is not running")
@@ -231,7 +267,7 @@ class IterationLoop:
     # ---- observability --------------------------------------------------------------------------
 
     def stats(self) -> SchedulerStats:
-        return replace(self._scheduler.stats(), num_steps=self._num_steps)
+        return replace(self._scheduler.stats(), num_steps=self._num_steps, num_restarts=self._num_restarts)
 
     def add_step_listener(self, cb: StepListener) -> None:
         """Call cb(StepReport) after every step, on the event loop thread; keep it cheap."""
@@ -261,8 +297,11 @@ class IterationLoop:
         busy: set[str] = set()  # ids of the requests in in-flight batches
         while in_flight or not self._stopping:
             self._drain_control()
+            if not in_flight and not self._stopping and self._is_down():
+                await self._recover(loop)
+                continue
             new: _InFlight | None = None
-            if not self._stopping and len(in_flight) < depth and sched.has_work():
+            if not self._stopping and self._down is None and len(in_flight) < depth and sched.has_work():
                 # Spread the requests over the batches in flight: one batch holding all of them would
                 # leave the other stages idle (each request waits for its batch before it runs again).
                 step = sched.schedule(in_flight=busy, max_seqs=-(-sched.num_unfinished // depth))
@@ -278,7 +317,7 @@ class IterationLoop:
                     raise RuntimeError("the scheduler has work but scheduled nothing")
                 self._wake.clear()
                 if not self._control and not self._stopping:
-                    await self._wake.wait()
+                    await self._idle()
                 continue
             # Collect the oldest batch once the pipeline is full, or when there is nothing new to add.
             oldest = in_flight[0] if new is None or len(in_flight) == depth else None
@@ -291,6 +330,59 @@ class IterationLoop:
                 in_flight.popleft()
                 busy.difference_update(r.request_id for r in oldest.step.requests)
                 self._step_done(oldest)
+
+    async def _idle(self) -> None:
+        """Sleep until there is work; an executor that can restart is checked meanwhile (IDLE_WATCH_S)."""
+        if not self._executor.can_restart:
+            await self._wake.wait()
+            return
+        try:
+            await asyncio.wait_for(self._wake.wait(), IDLE_WATCH_S)
+        except asyncio.TimeoutError:
+            pass
+
+    def _is_down(self) -> bool:
+        return self._down is not None or self._executor.dead_reason is not None
+
+    async def _recover(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The executor is down (a worker died). Its KV cache is lost with it, so the running requests
+        fail (an error event, or a 500): recomputing them instead would run again whatever request
+        may have crashed the worker and spend the restart budget on it. Waiting requests had nothing
+        cached and are served once the executor is back. Raises FatalRunnerError, which ends the loop,
+        when the executor cannot restart, the budget is spent, or the restart fails."""
+        executor = self._executor
+        cause = executor.dead_reason or str(self._down)
+        self._down = None
+        self._emit_all(
+            self._scheduler.kv_cache_lost(f"the engine went down while running this request: {cause}")
+        )
+        now = time.monotonic()
+        if not executor.can_restart:
+            raise FatalRunnerError(cause)
+        if not self._restarts.allows(now):
+            cfg = self.config
+            logger.error(
+                "the engine is down (%s) after %d restarts within %g s: giving up",
+                cause,
+                cfg.max_worker_restarts,
+                cfg.worker_restart_window_s,
+            )
+            raise FatalRunnerError(f"{cause} (restarted {cfg.max_worker_restarts} times already)")
+        self._restarts.record(now)
+        self._restarting = True
+        logger.warning(
+            "the engine is down (%s): restarting it; %d waiting requests run once it is back",
+            cause,
+            self._scheduler.stats().waiting,
+        )
+        try:
+            await loop.run_in_executor(self._thread, executor.restart)
+        except Exception as exc:
+            logger.error("restarting the engine failed: %s", exc)
+            raise FatalRunnerError(f"{cause}; restarting failed: {exc}") from exc
+        finally:
+            self._restarting = False
+        self._num_restarts += 1
 
     def _turn(self, new: _InFlight | None, oldest: _InFlight | None) -> None:
         """The worker thread's share of one turn: submit the new batch, collect the oldest."""
@@ -308,7 +400,7 @@ class IterationLoop:
 
     def _step_done(self, done: _InFlight) -> None:
         """Apply a finished batch's tokens (or fail its requests), count it, tell the listeners.
-        Re-raises a FatalRunnerError: the executor can run no more steps, so the loop ends."""
+        A FatalRunnerError marks the executor down: no new batch until _recover()."""
         step, exc = done.step, done.error
         updated: list[Request] = []
         if exc is None:
@@ -330,8 +422,8 @@ class IterationLoop:
         self._emit_all(updated)
         if self._listeners:
             self._report(step, updated, time.perf_counter() - done.started, exc is not None)
-        if isinstance(exc, FatalRunnerError):
-            raise exc
+        if isinstance(exc, FatalRunnerError) and self._down is None:
+            self._down = exc
 
     def _drain_control(self) -> None:
         sched = self._scheduler

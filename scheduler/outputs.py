@@ -58,6 +58,7 @@ class SchedulerStats:
     num_preemptions: int
     num_steps: int
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    num_restarts: int = 0  # of the executor (its workers died), by the loop
 
     @property
     def kv_usage(self) -> float:

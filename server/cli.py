@@ -231,9 +231,36 @@ def serve(app: Any, config: ServerConfig) -> int:
         server.should_exit = True
 
     app.state.server.on_load_failed = stop
+    if config.max_connections is not None:
+        fit_open_files_limit(config.max_connections)
     with sigterm_after_drain_is_clean():
         server.run()
     return 1 if failed else 0
+
+
+# File descriptors the server needs besides its connections (model files, worker sockets, logs).
+SPARE_FILES = 256
+
+
+def fit_open_files_limit(max_connections: int) -> None:
+    """Every connection is a file descriptor: raise the soft RLIMIT_NOFILE toward the hard one, so a
+    flood meets --max-connections (a 503) rather than EMFILE (accept() failing, logged each time)."""
+    import resource
+
+    need = max_connections + SPARE_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    new = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    if new < need:
+        logging.getLogger(__name__).warning(
+            "open files are limited to %d (ulimit -n): fewer than --max-connections %d + %d; raise the "
+            "limit or lower --max-connections",
+            new,
+            max_connections,
+            SPARE_FILES,
+        )
 
 
 @contextlib.contextmanager

@@ -118,6 +118,11 @@ class _EngineCollector(Collector):
                 "Cached KV blocks whose memory was taken for new tokens.",
                 stats.prefix_cache.evictions,
             ),
+            (
+                "orca:worker_restarts",
+                "Restarts of the tensor/pipeline worker processes after one died.",
+                stats.num_restarts,
+            ),
         ):
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric(value, float(v))

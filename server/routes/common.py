@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import replace
 from http import HTTPStatus
@@ -34,6 +35,9 @@ from server.generation import ChoiceSpec, GenerationError, LoopClient
 from server.protocol import SamplingFields
 from server.state import ServerState
 from server.tokenizer import ServerTokenizer
+
+if sys.version_info < (3, 11):  # anyio's backport on 3.10
+    from exceptiongroup import BaseExceptionGroup
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")

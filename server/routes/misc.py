@@ -27,6 +27,15 @@ async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
     if state.draining:  # load balancers take this replica out while in-flight requests finish
         return draining(state.config.retry_after_s).response()
+    if state.loop is not None and state.loop.is_restarting:  # back in seconds; requests queue meanwhile
+        return APIError(
+            "The engine's workers are restarting.",
+            503,
+            "server_error",
+            None,
+            "engine_restarting",
+            {"Retry-After": str(state.config.retry_after_s)},
+        ).response()
     if state.load_error is not None:
         err = APIError(
             f"Loading the model failed: {state.load_error}", 503, "server_error", None, "model_load_failed"

@@ -123,7 +123,14 @@ async def test_a_stream_that_is_never_read_is_aborted(tokenizer):
     # 8 choices x top-5 logprobs: ~5 KB of events per step, so the buffers fill in a few hundred steps.
     max_tokens = 8000
     body = json.dumps(
-        {"prompt": "hello", "max_tokens": max_tokens, "ignore_eos": True, "stream": True, "n": 8, "logprobs": 5}
+        {
+            "prompt": "hello",
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "n": 8,
+            "logprobs": 5,
+        }
     ).encode()
     async with live_server(app) as url:
         engine = loop_of(app)
