@@ -32,6 +32,10 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     seed: int | None = None  # same seed, same tokens, whatever shares the batch
     logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the top-k
+    # None: none; k >= 0: each prompt token's logprob given the tokens before it, and the top-k there
+    # (the model's raw distribution, as vLLM and OpenAI's echo report it; the first token has none).
+    # The scheduler runs such a prompt whole through the model: a prefix cache must not skip it.
+    prompt_logprobs: int | None = None
     max_tokens: int = 16
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
@@ -47,6 +51,8 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
         if self.logprobs is not None and self.logprobs < 0:
             raise ValueError(f"logprobs must not be negative, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must not be negative, got {self.prompt_logprobs}")
 
     @property
     def greedy(self) -> bool:
@@ -70,6 +76,10 @@ class ScheduledSequence:
     # Prompt + generated tokens so far (read by penalties). A reference, not a copy.
     prompt_token_ids: Sequence[int] = ()
     output_token_ids: Sequence[int] = ()
+    # Prompt logprobs: the first this many tokens of token_ids are also scored, i.e. the logits at
+    # their positions give the logprob of the prompt token that follows each (positions
+    # start_position .. start_position + num_prompt_scored - 1 score prompt tokens one further on).
+    num_prompt_scored: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -82,10 +92,26 @@ class ScheduledSequence:
 
 
 @dataclass
+class PromptLogprobs:
+    """What one step scored of a prompt (ScheduledSequence.num_prompt_scored tokens): entry j is the
+    prompt token at position start_position + 1 + j, under the model's raw distribution."""
+
+    logprobs: list[float]
+    ranks: list[int]  # 1 = the likeliest token
+    top_logprobs: list[list[tuple[int, float]]]  # best first, SamplingParams.prompt_logprobs each
+
+
+@dataclass
 class SampledToken:
     token_id: int
     logprob: float | None = None  # of the chosen token (log-softmax of the processed logits)
     top_logprobs: list[tuple[int, float]] | None = None  # best first, len == SamplingParams.logprobs
+    prompt_logprobs: PromptLogprobs | None = None  # the last prompt chunk's, when it scored any
+
+
+# One result per batch entry: the sampled token, PromptLogprobs for a prompt chunk that scored tokens
+# but samples nothing, or None.
+StepResult = SampledToken | PromptLogprobs | None
 
 
 class FatalRunnerError(RuntimeError):
@@ -103,7 +129,7 @@ class Executor(Protocol):
 
     A step is `collect(submit(batch))`. `submit` starts it and returns a handle once the first pipeline
     stage has its share; `collect` waits for the step's tokens, one per entry of the batch in order
-    (None where `sample` is False). Up to `pipeline_depth` handles may be outstanding, collected in
+    (None where `sample` is False, or PromptLogprobs where such an entry scored prompt tokens). Up to `pipeline_depth` handles may be outstanding, collected in
     submission order. The batch is trusted: the loop validates every request at admission.
     """
 
@@ -134,6 +160,6 @@ class Executor(Protocol):
         """Start a step; raises FatalRunnerError when the executor is down."""
         ...
 
-    def collect(self, handle: Any) -> list[SampledToken | None]:
+    def collect(self, handle: Any) -> list[StepResult]:
         """Wait for a submitted step's tokens (in submission order)."""
         ...

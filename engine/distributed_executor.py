@@ -117,7 +117,7 @@ def serve_rank(runner: ModelRunner, g: RankGroups) -> None:
             if not g.is_last_stage:
                 send_message(msg, g.next_rank, g.control)
                 dist.send(hidden, g.next_rank, group=g.data)
-            elif msg.num_sample:
+            elif msg.num_logit_rows:
                 logits = runner.sampled_logits(inputs, hidden)  # every TP rank takes part
                 if g.rank == g.last_stage_head:
                     dist.send(logits, 0, group=g.data)
@@ -328,17 +328,16 @@ class DistributedExecutor(ExecutorBase):
         g, runner = self._groups, self.runner
         inputs = runner.prepare(batch)
         msg = encode_batch(batch)
-        pending.sample_rows = inputs.sample_rows
+        num_rows = self._keep_rows(pending, inputs)  # logits rows: samples and scored prompt tokens
         # Grammar hook: the masks are computed while the stages run; collect() applies them.
         pending.mask = self.masker.start([batch[i] for i in inputs.sample_rows])
-        num_sample = len(inputs.sample_rows)
         try:
             with torch.inference_mode():
                 if g.stage0_control is not None:
                     broadcast_message(msg, 0, g.stage0_control)
                 hidden = runner.forward(inputs)  # [T, hidden]
                 if g.is_last_stage:  # no pipeline: this rank also holds (a shard of) the LM head
-                    if num_sample:
+                    if num_rows:
                         pending.logits = runner.sampled_logits(inputs, hidden)
                     return pending
                 pending.keep = [msg.header, msg.payload, hidden]
@@ -346,9 +345,9 @@ class DistributedExecutor(ExecutorBase):
                 if msg.payload.numel():
                     pending.sends.append(dist.isend(msg.payload, g.next_rank, group=g.control))
                 pending.sends.append(dist.isend(hidden, g.next_rank, group=g.data))
-                if num_sample:
+                if num_rows:
                     pending.logits = torch.empty(
-                        num_sample, self.vocab_size, dtype=torch.float32, device=self.device
+                        num_rows, self.vocab_size, dtype=torch.float32, device=self.device
                     )
                     pending.recv = dist.irecv(pending.logits, g.last_stage_head, group=g.data)
         except Exception as exc:

@@ -21,9 +21,10 @@ from typing import Any
 import torch
 
 from engine.config import EngineConfig, resolve_device, resolve_model_path
-from engine.contract import FatalRunnerError, SampledToken, ScheduledSequence
+from engine.contract import FatalRunnerError, PromptLogprobs, ScheduledSequence, StepResult
+from engine.inputs import HostStepInputs, StepInputs
 from engine.model_runner import ModelRunner
-from engine.sampler import Sampler
+from engine.sampler import Sampler, score_prompt_tokens
 from engine.token_mask import PendingMask, TokenMasker
 
 logger = logging.getLogger(__name__)
@@ -35,7 +36,10 @@ class PendingStep:
 
     batch: Sequence[ScheduledSequence]
     sample_rows: list[int] = field(default_factory=list)  # indices into batch of the entries that sample
-    logits: torch.Tensor | None = None  # [S, vocab] float32 (still arriving while `recv` is pending)
+    logits: torch.Tensor | None = None  # [R, vocab] float32 (still arriving while `recv` is pending)
+    # Prompt logprobs (engine.inputs.StepInputs): which logits rows score prompts, which sample.
+    scored: list[tuple[int, int, int]] = field(default_factory=list)
+    sample_logit_rows: list[int] | None = None
     recv: Any = None  # dist.Work of the logits' irecv (pipeline parallel)
     sends: list[Any] = field(default_factory=list)  # dist.Work of the isends to stage 1
     keep: list[torch.Tensor] = field(default_factory=list)  # tensors the isends read from
@@ -81,20 +85,35 @@ class ExecutorBase(ABC):
         """Until the pending step's logits are here (a distributed executor waits on its transfers)."""
         return None  # one process: submit() computed them
 
-    def collect(self, pending: PendingStep) -> list[SampledToken | None]:
+    def collect(self, pending: PendingStep) -> list[StepResult]:
         self._wait(pending)
-        out: list[SampledToken | None] = [None] * len(pending.batch)
+        out: list[StepResult] = [None] * len(pending.batch)
         if pending.logits is None:
             return out
+        logits = pending.logits
         with torch.inference_mode():
-            sampled = self.sampler(
-                pending.logits, [pending.batch[i] for i in pending.sample_rows], pending.mask
-            )
+            if pending.scored:  # before sampling, which changes its rows in place
+                for i, scored in score_prompt_tokens(logits, pending.batch, pending.scored):
+                    out[i] = scored
+                logits = logits[pending.sample_logit_rows]
+            if not pending.sample_rows:
+                return out
+            sampled = self.sampler(logits, [pending.batch[i] for i in pending.sample_rows], pending.mask)
         for i, tok in zip(pending.sample_rows, sampled, strict=True):
+            prompt = out[i]
+            if isinstance(prompt, PromptLogprobs):  # the last prompt chunk both scores and samples
+                tok.prompt_logprobs = prompt
             out[i] = tok
         return out
 
-    def step(self, batch: Sequence[ScheduledSequence]) -> list[SampledToken | None]:
+    def _keep_rows(self, pending: PendingStep, inputs: StepInputs | HostStepInputs) -> int:
+        """Note which logits rows sample and which score prompts; returns how many rows there are."""
+        pending.sample_rows = inputs.sample_rows
+        pending.scored = inputs.scored
+        pending.sample_logit_rows = inputs.sample_logit_rows
+        return inputs.num_logit_rows
+
+    def step(self, batch: Sequence[ScheduledSequence]) -> list[StepResult]:
         """One whole step: the batch's tokens, None for entries that do not sample."""
         return self.collect(self.submit(batch))
 
@@ -147,14 +166,15 @@ class LocalExecutor(ExecutorBase):
         pending.mask = self.masker.start([s for s in batch if s.sample])
         with torch.inference_mode():
             host = runner.prepare_host(batch)
-            pending.sample_rows = host.sample_rows
-            logits = runner.graph_logits(host) if self.use_cuda_graphs else None
+            rows = self._keep_rows(pending, host)  # logits rows: samples and scored prompt tokens
+            # A graph computes the sampling rows' logits only: a step that scores a prompt runs eagerly.
+            logits = runner.graph_logits(host) if self.use_cuda_graphs and not host.scored else None
             if logits is None:
                 inputs = host.to(self.device)
                 hidden = runner.forward(inputs)  # [T, hidden]
-                if host.sample_rows:
-                    logits = runner.sampled_logits(inputs, hidden)  # [S, vocab]
-            if host.sample_rows:
+                if rows:
+                    logits = runner.sampled_logits(inputs, hidden)  # [R, vocab]
+            if rows:
                 pending.logits = logits
         return pending
 

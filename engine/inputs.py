@@ -8,7 +8,7 @@ One pass in Python over the batch collects plain lists, then each host tensor is
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,7 +23,18 @@ class StepInputs:
     positions: torch.Tensor  # [T] int64
     attn_metadata: AttentionMetadata
     sample_rows: list[int]  # indices into the batch of the entries that sample a token
-    logits_indices: torch.Tensor  # [S] int64: flat index of each sampling entry's last token
+    # [R] int64: flat indices of the tokens whose logits are computed: for each entry in batch order,
+    # its scored prompt positions (prompt logprobs), then its last token if it samples. R == S unless
+    # an entry scores its prompt.
+    logits_indices: torch.Tensor
+    # Prompt logprobs: (batch index, first logits row, rows) per entry that scores; and the logits row
+    # of each sampling entry (None when no entry scores: row i is sampling entry i).
+    scored: list[tuple[int, int, int]] = field(default_factory=list)
+    sample_logit_rows: list[int] | None = None
+
+    @property
+    def num_logit_rows(self) -> int:
+        return int(self.logits_indices.numel())
 
 
 @dataclass(frozen=True)
@@ -50,12 +61,18 @@ class HostStepInputs:
     query_lens: list[int]
     seq_lens_list: list[int]
     sample_rows: list[int]  # indices into the batch of the entries that sample a token
-    last_token_index: list[int]  # [S] flat index of each sampling entry's last token
+    last_token_index: list[int]  # [R] the logits rows (see StepInputs.logits_indices)
     block_size: int
+    scored: list[tuple[int, int, int]] = field(default_factory=list)  # see StepInputs
+    sample_logit_rows: list[int] | None = None
 
     @property
     def num_seqs(self) -> int:
         return len(self.query_lens)
+
+    @property
+    def num_logit_rows(self) -> int:
+        return len(self.last_token_index)
 
     @property
     def is_decode_only(self) -> bool:
@@ -88,6 +105,8 @@ class HostStepInputs:
             attn_metadata=metadata,
             sample_rows=self.sample_rows,
             logits_indices=to_device(torch.tensor(self.last_token_index, dtype=torch.int64), device),
+            scored=self.scored,
+            sample_logit_rows=self.sample_logit_rows,
         )
 
 
@@ -109,20 +128,27 @@ def build_host_inputs(batch: Sequence[ScheduledSequence], block_size: int) -> Ho
     seq_lens: list[int] = []
     tables: list[Sequence[int]] = []
     sample_rows: list[int] = []
-    last_token_index: list[int] = []
+    last_token_index: list[int] = []  # the logits rows, in order (see StepInputs.logits_indices)
+    scored: list[tuple[int, int, int]] = []
+    sample_logit_rows: list[int] = []
 
     for i, seq in enumerate(batch):
         n = len(seq.token_ids)
         start = seq.start_position
         ctx = start + n
+        first = len(input_ids)
         input_ids.extend(seq.token_ids)
         positions.extend(range(start, ctx))
         query_lens.append(n)
         seq_lens.append(ctx)
         # Only the blocks that hold this context: a reserving scheduler may hand over more.
         tables.append(seq.block_table[: -(-ctx // block_size)])
+        if seq.num_prompt_scored:
+            scored.append((i, len(last_token_index), seq.num_prompt_scored))
+            last_token_index.extend(range(first, first + seq.num_prompt_scored))
         if seq.sample:
             sample_rows.append(i)
+            sample_logit_rows.append(len(last_token_index))
             last_token_index.append(len(input_ids) - 1)
 
     max_blocks = max(len(t) for t in tables)
@@ -144,6 +170,8 @@ def build_host_inputs(batch: Sequence[ScheduledSequence], block_size: int) -> Ho
         sample_rows=sample_rows,
         last_token_index=last_token_index,
         block_size=block_size,
+        scored=scored,
+        sample_logit_rows=sample_logit_rows if scored else None,
     )
 
 

@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from engine.contract import SampledToken, SamplingParams
+from engine.contract import PromptLogprobs, SampledToken, SamplingParams, ScheduledSequence
 from engine.inputs import to_device
 
 if TYPE_CHECKING:
@@ -70,6 +70,51 @@ def _to_host(*tensors: torch.Tensor) -> list[list]:
         h.copy_(t, non_blocking=True)
     torch.cuda.current_stream(tensors[0].device).synchronize()
     return [h.tolist() for h in host]
+
+
+def score_prompt_tokens(
+    logits: torch.Tensor, batch: Sequence[ScheduledSequence], scored: Sequence[tuple[int, int, int]]
+) -> list[tuple[int, PromptLogprobs]]:
+    """Prompt logprobs: for each (batch index, first row, rows) of `scored`, the raw log-softmax of
+    those rows of `logits` [R, vocab] at the prompt tokens that follow their positions, the tokens'
+    ranks, and the top-k (the entry's SamplingParams.prompt_logprobs). Raw: no penalty, bias,
+    temperature or grammar applies to a prompt, as in vLLM and OpenAI's echo."""
+    rows: list[int] = []
+    targets: list[int] = []
+    for i, first, n in scored:
+        seq = batch[i]
+        start = seq.start_position + 1
+        rows.extend(range(first, first + n))
+        targets.extend(seq.prompt_token_ids[start : start + n])
+    dev = logits.device
+    lp = torch.log_softmax(logits[torch.tensor(rows, device=dev)].float(), dim=-1)  # [N, V]
+    target = torch.tensor(targets, device=dev)[:, None]
+    chosen = lp.gather(-1, target)  # [N, 1]
+    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+    chosen_lp = chosen.squeeze(-1).clamp(min=LOGPROB_FLOOR).tolist()
+    k_max = max(batch[i].sampling.prompt_logprobs or 0 for i, _, _ in scored)
+    top_ids: list[list[int]] = [[] for _ in rows]
+    top_vals: list[list[float]] = [[] for _ in rows]
+    if k_max:
+        top = lp.topk(min(k_max, lp.shape[-1]), dim=-1)
+        top_ids, top_vals = top.indices.tolist(), top.values.clamp(min=LOGPROB_FLOOR).tolist()
+    out: list[tuple[int, PromptLogprobs]] = []
+    at = 0
+    for i, _, n in scored:
+        k = batch[i].sampling.prompt_logprobs or 0
+        span = range(at, at + n)
+        out.append(
+            (
+                i,
+                PromptLogprobs(
+                    logprobs=chosen_lp[at : at + n],
+                    ranks=ranks[at : at + n],
+                    top_logprobs=[list(zip(top_ids[j][:k], top_vals[j][:k], strict=True)) for j in span],
+                ),
+            )
+        )
+        at += n
+    return out
 
 
 def row_seed(seed: int, num_output_tokens: int) -> int:

@@ -124,6 +124,15 @@ class BlockAllocator:
         self._hash[block] = block_hash
         self._cached[block_hash] = block
 
+    def forget_cached(self) -> None:
+        """The K/V of every block are gone (the engine's workers restarted): nothing is cached any
+        more; unheld cached blocks become free ones."""
+        self._free.extend(self._evictable)
+        self._evictable.clear()
+        for b in self._cached.values():
+            self._hash[b] = None
+        self._cached.clear()
+
     # ---- taking and returning blocks --------------------------------------------------------------
 
     def allocate(self, n: int) -> list[int]:

@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 
-from engine.contract import SampledToken, ScheduledSequence
+from engine.contract import PromptLogprobs, SampledToken, ScheduledSequence, StepResult
 from scheduler.block_allocator import BlockAllocator, BlockHash, blocks_for_tokens
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import PrefixCacheStats, SchedulerStats, TokenLogprob
@@ -160,8 +160,11 @@ class Scheduler:
     def kv_cache_lost(self, message: str) -> list[Request]:
         """The engine's KV cache is gone (its workers were restarted): the running requests, whose
         context was there, fail; waiting and preempted ones hold nothing there and stay queued.
-        Returns the requests to send a final delta to."""
-        return self.fail(list(self.running), message)
+        Cached prefixes are forgotten: their blocks hold nothing now. Returns the requests to send a
+        final delta to."""
+        failed = self.fail(list(self.running), message)
+        self.allocator.forget_cached()
+        return failed
 
     def _finish(self, req: Request, status: RequestStatus, hold: bool) -> list[Request]:
         if req.status is RequestStatus.RUNNING:
@@ -243,6 +246,7 @@ class Scheduler:
                     sampling=req.sampling,
                     prompt_token_ids=req.prompt_token_ids,
                     output_token_ids=req.output_token_ids,
+                    num_prompt_scored=req.prompt_tokens_to_score(start, end),
                 )
             )
             step.requests.append(req)
@@ -358,7 +362,7 @@ class Scheduler:
         self._unclaim(req)
         self.kv.release(req)
 
-    def update(self, step: ScheduledStep, sampled: Sequence[SampledToken | None]) -> list[Request]:
+    def update(self, step: ScheduledStep, sampled: Sequence[StepResult]) -> list[Request]:
         """Apply a step's sampled tokens and check stop conditions.
 
         Returns the requests with something to hand out: new tokens (when the batching policy
@@ -377,7 +381,10 @@ class Scheduler:
             claim = self._claims.get(req)
             if claim is not None and req.num_computed_tokens >= claim[1]:
                 self._unclaim(req)
-            if tok is None:  # a prompt chunk that is not the last
+            scored = _scored(tok)
+            if scored is not None:
+                req.add_prompt_logprobs(seq.start_position, scored)
+            if not isinstance(tok, SampledToken):  # a prompt chunk that is not the last
                 continue
             req.output_token_ids.append(tok.token_id)
             if req.sampling.logprobs is not None:
@@ -393,11 +400,23 @@ class Scheduler:
         return out
 
     @staticmethod
-    def _check_sampled(step: ScheduledStep, sampled: Sequence[SampledToken | None]) -> None:
+    def _check_sampled(step: ScheduledStep, sampled: Sequence[StepResult]) -> None:
         if len(sampled) != len(step.seqs):
             raise ValueError(f"the runner returned {len(sampled)} results for {len(step.seqs)} sequences")
         for seq, tok in zip(step.seqs, sampled, strict=True):
-            if seq.sample and tok is None:
+            if seq.sample and not isinstance(tok, SampledToken):
                 raise ValueError(f"the runner sampled no token for {seq.request_id!r}")
-            if tok is not None and seq.sampling.logprobs is not None and tok.logprob is None:
+            scored = _scored(tok)
+            if seq.num_prompt_scored and (scored is None or len(scored.logprobs) != seq.num_prompt_scored):
+                raise ValueError(f"the runner scored the wrong prompt tokens for {seq.request_id!r}")
+            if not isinstance(tok, SampledToken):
+                continue
+            if seq.sampling.logprobs is not None and tok.logprob is None:
                 raise ValueError(f"the runner returned no logprob for {seq.request_id!r}")
+
+
+def _scored(result: StepResult) -> PromptLogprobs | None:
+    """The prompt logprobs a step's result for one entry carries, if any."""
+    if isinstance(result, PromptLogprobs):
+        return result
+    return result.prompt_logprobs if result is not None else None

@@ -22,7 +22,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from engine.contract import Executor, FatalRunnerError, SampledToken, SamplingParams
+from engine.contract import Executor, FatalRunnerError, SamplingParams, StepResult
 from scheduler.config import SchedulerConfig
 from scheduler.core import ScheduledStep, Scheduler
 from scheduler.outputs import FinishReason, RequestDelta, SchedulerStats, StepReport
@@ -80,6 +80,7 @@ def _merge(a: RequestDelta, b: RequestDelta) -> RequestDelta:
         num_output_tokens=b.num_output_tokens,
         num_cached_tokens=b.num_cached_tokens,
         queue_time_s=a.queue_time_s if a.queue_time_s is not None else b.queue_time_s,
+        prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
     )
 
 
@@ -90,7 +91,7 @@ class _InFlight:
     step: ScheduledStep
     started: float  # perf_counter() at submission
     handle: Any = None  # the executor's, from submit()
-    sampled: list[SampledToken | None] | None = None  # from collect()
+    sampled: list[StepResult] | None = None  # from collect()
     error: Exception | None = None  # submit() or collect() raised
 
 
@@ -503,6 +504,9 @@ class IterationLoop:
                 num_output_tokens=req.num_output_tokens,
                 num_cached_tokens=req.num_cached_tokens,
                 queue_time_s=queue_time,
+                prompt_logprobs=[None, *req.prompt_logprobs]
+                if start == 0 and req.sampling.prompt_logprobs is not None
+                else None,
             )
         )
         req.num_emitted_tokens = req.num_output_tokens

@@ -18,6 +18,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # best first
+    rank: int | None = None  # 1 = the likeliest (prompt logprobs report it, as vLLM does)
 
 
 @dataclass
@@ -36,6 +37,9 @@ class RequestDelta:
     # On the request's first delta only (None after): seconds from arrival to its first scheduling,
     # vLLM's request_queue_time. None also when the request ended before it was ever scheduled.
     queue_time_s: float | None = None
+    # On the first delta only, with SamplingParams.prompt_logprobs: one per prompt token, None for
+    # the first (nothing precedes it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass

@@ -69,7 +69,10 @@ class KVPolicy(ABC):
 
     def num_cacheable_blocks(self, req: Request) -> int:
         """Blocks of the request that may come from the cache: the last token is always computed, since
-        its logits give the next token."""
+        its logits give the next token; none for a request that scores its prompt (prompt logprobs
+        need the logits at every prompt position, as in vLLM)."""
+        if req.sampling.prompt_logprobs is not None:
+            return 0
         return (req.num_tokens - 1) // self.block_size
 
     def cached_prefix(self, req: Request) -> list[int]:
