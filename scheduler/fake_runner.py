@@ -26,7 +26,7 @@ from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine.contract import FatalRunnerError, SampledToken, ScheduledSequence
+from engine.contract import FatalRunnerError, PromptLogprobs, SampledToken, ScheduledSequence, StepResult
 
 # SmolLM2's ids 0..16 are special tokens: tokens from the plain range read as words once decoded.
 FIRST_PLAIN_TOKEN = 17
@@ -157,7 +157,7 @@ class FakeRunner:
         assert len(self.in_flight) <= self.pipeline_depth, "more batches in flight than pipeline_depth"
         return self.in_flight[-1]
 
-    def collect(self, handle: list[ScheduledSequence]) -> list[SampledToken | None]:
+    def collect(self, handle: list[ScheduledSequence]) -> list[StepResult]:
         self._check_up()
         assert self.in_flight and handle is self.in_flight[0], "collected out of submission order"
         self.in_flight.pop(0)
@@ -165,7 +165,7 @@ class FakeRunner:
 
     # ---- one step -------------------------------------------------------------------------------------
 
-    def step(self, batch: Sequence[ScheduledSequence]) -> list[SampledToken | None]:
+    def step(self, batch: Sequence[ScheduledSequence]) -> list[StepResult]:
         self.step_started.set()
         self.gate.wait()
         delay = self.step_delay_s + self.per_token_delay_s * sum(s.num_tokens for s in batch)
@@ -183,7 +183,7 @@ class FakeRunner:
         ):
             raise RuntimeError("injected step failure")
         if not self.simulate_kv:
-            return [self._sample(seq, None) if seq.sample else None for seq in batch]
+            return self._results(batch, [None] * len(batch))
         self._check_blocks(batch)
         bs = self.block_size
         digests = [self._digests(seq) for seq in batch]
@@ -192,7 +192,37 @@ class FakeRunner:
             for i, tok in enumerate(seq.token_ids):
                 pos = seq.start_position + i
                 self._slots[seq.block_table[pos // bs] * bs + pos % bs] = (tok, digest[pos])
-        return [self._sample(seq, d) if seq.sample else None for seq, d in zip(batch, digests, strict=True)]
+        return self._results(batch, digests)
+
+    def _results(
+        self, batch: Sequence[ScheduledSequence], digests: Sequence[list[int] | None]
+    ) -> list[StepResult]:
+        out: list[StepResult] = []
+        for seq, digest in zip(batch, digests, strict=True):
+            scored = self._score(seq) if seq.num_prompt_scored else None
+            if seq.sample:
+                tok = self._sample(seq, digest)
+                tok.prompt_logprobs = scored
+                out.append(tok)
+            else:
+                out.append(scored)
+        return out
+
+    @staticmethod
+    def _score(seq: ScheduledSequence) -> PromptLogprobs:
+        """Made-up but well-formed prompt logprobs: each scored token at rank 1, then alternatives."""
+        first = seq.start_position + 1
+        targets = seq.prompt_token_ids[first : first + seq.num_prompt_scored]
+        k = seq.sampling.prompt_logprobs or 0
+        logprobs = [-float(t % 5) / 5.0 for t in targets]
+        return PromptLogprobs(
+            logprobs=logprobs,
+            ranks=[1] * len(targets),
+            top_logprobs=[
+                [(t, lp), *((t + i, lp - i) for i in range(1, k))][:k]
+                for t, lp in zip(targets, logprobs, strict=True)
+            ],
+        )
 
     def _sample(self, seq: ScheduledSequence, digest: list[int] | None) -> SampledToken:
         params = seq.sampling

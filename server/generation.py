@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from engine.contract import SamplingParams
-from scheduler.outputs import FinishReason, RequestDelta, SchedulerStats
+from scheduler.outputs import FinishReason, RequestDelta, SchedulerStats, TokenLogprob
 from server.metrics import RequestTracker
 from server.stop_strings import StopStringMatcher
 from server.tokenizer import ServerTokenizer
@@ -58,6 +58,8 @@ class ChoiceDelta:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens that came from the prefix cache
+    # On the choice's first delta, with SamplingParams.prompt_logprobs (None for the first token).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -131,6 +133,7 @@ async def generate_choice(
                 prompt_tokens=prompt_tokens,
                 completion_tokens=delta.num_output_tokens,
                 cached_tokens=delta.num_cached_tokens,
+                prompt_logprobs=delta.prompt_logprobs,
             )
             if matcher.matched is not None:
                 # Tokens that start after the cut belong to the stop string: they are not reported.
@@ -159,7 +162,7 @@ async def generate_choice(
                 len(pending) if not matcher.held else sum(1 for e in pending if e.text_offset < emitted_len)
             )
             out.logprobs, pending = pending[:ready], pending[ready:]
-            if out.text or out.logprobs:
+            if out.text or out.logprobs or out.prompt_logprobs is not None:
                 yield out
         raise GenerationError("the engine ended the request without a finish reason")
     finally:

@@ -134,6 +134,8 @@ class CompletionRequest(SamplingFields):
     max_tokens: Annotated[int, Field(ge=0)] | None = 16
     logprobs: Annotated[int, Field(ge=0)] | None = None
     echo: bool | None = False
+    # vLLM's: the prompt tokens' logprobs (and the top-k at each), in the choice's `prompt_logprobs`.
+    prompt_logprobs: Annotated[int, Field(ge=0)] | None = None
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
 

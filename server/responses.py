@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from scheduler.outputs import TokenLogprob
 from server.generation import LogprobEntry
 from server.tokenizer import ServerTokenizer
 
@@ -65,6 +66,62 @@ def completion_logprobs(
         "top_logprobs": tops,
         "text_offset": [offset_base + e.text_offset for e in entries],
     }
+
+
+def echo_logprobs(
+    prompt_ids: list[int], scored: list[TokenLogprob | None], tokenizer: ServerTokenizer
+) -> dict[str, Any]:
+    """The legacy logprobs of an echoed prompt (OpenAI's echo with logprobs): every prompt token, None
+    for the first (nothing precedes it), text offsets into the prompt's decoded text."""
+    detok = tokenizer.decode_stream([], skip_special_tokens=False)
+    offsets, at = [], 0
+    for token_id in prompt_ids:
+        offsets.append(at)
+        at += len(detok.step(token_id))
+    tops: list[dict[str, float] | None] = []
+    for token_id, lp in zip(prompt_ids, scored, strict=True):
+        if lp is None:
+            tops.append(None)
+            continue
+        top = {tokenizer.token_text(tid): v for tid, v in lp.top_logprobs}
+        top.setdefault(tokenizer.token_text(token_id), lp.logprob)
+        tops.append(top)
+    return {
+        "tokens": [tokenizer.token_text(t) for t in prompt_ids],
+        "token_logprobs": [None if lp is None else lp.logprob for lp in scored],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def join_logprobs(first: dict[str, Any], then: dict[str, Any] | None) -> dict[str, Any]:
+    """Two legacy logprobs objects as one (the echoed prompt's, then the generated text's)."""
+    if then is None:
+        return first
+    return {key: [*first[key], *then[key]] for key in first}
+
+
+def vllm_prompt_logprobs(
+    prompt_ids: list[int], scored: list[TokenLogprob | None], tokenizer: ServerTokenizer
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first), token id -> {logprob, rank,
+    decoded_token} for the prompt token itself and the top-k there."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for token_id, lp in zip(prompt_ids, scored, strict=True):
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {
+            str(tid): {"logprob": v, "rank": rank, "decoded_token": tokenizer.token_text(tid)}
+            for rank, (tid, v) in enumerate(lp.top_logprobs, start=1)
+        }
+        entry[str(token_id)] = {
+            "logprob": lp.logprob,
+            "rank": lp.rank,
+            "decoded_token": tokenizer.token_text(token_id),
+        }
+        out.append(entry)
+    return out
 
 
 def chat_logprobs(entries: list[LogprobEntry], tokenizer: ServerTokenizer) -> dict[str, Any]:

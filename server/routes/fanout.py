@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response
 from sse_starlette import EventSourceResponse
 
 from scheduler.loop import LoopStoppedError
+from scheduler.outputs import TokenLogprob
 from server.errors import invalid
 from server.generation import (
     ChoiceDelta,
@@ -92,6 +93,7 @@ class CollectedChoice:
     text: str
     logprobs: list[LogprobEntry]
     finish_reason: str | None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 def start_choices(
@@ -123,8 +125,11 @@ async def collect_choices(run: ChoiceRun) -> tuple[list[CollectedChoice], dict[s
     entries: dict[int, list[LogprobEntry]] = {s.index: [] for s in run.specs}
     finish: dict[int, str | None] = {}
     tally = UsageTally(run.specs, run.prompt_tokens)
+    prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}
     try:
         async for d in merge_choices(run.gens):
+            if d.prompt_logprobs is not None:
+                prompt_logprobs[d.index] = d.prompt_logprobs
             texts[d.index].append(d.text)
             entries[d.index].extend(d.logprobs)
             tally.observe(d)
@@ -133,7 +138,13 @@ async def collect_choices(run: ChoiceRun) -> tuple[list[CollectedChoice], dict[s
     finally:
         run.abort()
     choices = [
-        CollectedChoice(s.index, "".join(texts[s.index]), entries[s.index], finish.get(s.index))
+        CollectedChoice(
+            s.index,
+            "".join(texts[s.index]),
+            entries[s.index],
+            finish.get(s.index),
+            prompt_logprobs.get(s.index),
+        )
         for s in run.specs
     ]
     return choices, tally.usage()
