@@ -56,7 +56,6 @@ COMPLETION_CASES = [
     ({"prompt": [1, 10**7]}, "prompt"),
     ({"suffix": "and then"}, "suffix"),
     ({"best_of": 3}, "best_of"),
-    ({"echo": True, "logprobs": 1}, "echo"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
 ]
 
