@@ -90,12 +90,15 @@ class ChaosReport:
 
 def worker_pids(server_pid: int) -> list[int]:
     """The server's tensor/pipeline worker processes: its children started by multiprocessing's spawn
-    (not the resource tracker)."""
+    (not the resource tracker). Linux lists children per thread, and the workers are started from the
+    thread that loads the model."""
+    children: list[str] = []
+    for task in Path(f"/proc/{server_pid}/task").glob("*"):
+        try:
+            children += (task / "children").read_text().split()
+        except OSError:
+            continue
     out = []
-    try:
-        children = Path(f"/proc/{server_pid}/task/{server_pid}/children").read_text().split()
-    except OSError:
-        return []
     for pid in map(int, children):
         try:
             cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ")
