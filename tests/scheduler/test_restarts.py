@@ -164,3 +164,32 @@ async def test_pipelined_batches_in_flight_all_fail_and_the_loop_restarts(loops)
     await wait_until(lambda: engine.is_running)
     deltas = await collect(engine.generate([8, 8], SamplingParams(max_tokens=4, ignore_eos=True), "after"))
     assert deltas[-1].finish_reason is FinishReason.LENGTH and engine.stats().num_restarts == 1
+
+
+async def test_cached_prefixes_are_forgotten_with_the_cache_they_were_in(loops) -> None:
+    """A prompt seen before the restart is computed again after it: the fake runner's simulated cache
+    is empty after restart(), so a prefix served from a stale block would fail the step."""
+    runner = FakeRunner(can_restart=True, num_kv_blocks=64, block_size=4)
+    engine = loops(runner, enable_prefix_caching=True)
+    prompt = list(range(100, 130))
+    params = SamplingParams(max_tokens=3, ignore_eos=True)
+    before = await collect(engine.generate(prompt, params, "before"))
+    assert engine.stats().prefix_cache.queries > 0
+    runner.kill()
+    await wait_until(lambda: runner.num_restarts == 1, steps=1000)
+    after = await collect(engine.generate(prompt, params, "after"))
+    assert after[-1].finish_reason is FinishReason.LENGTH
+    assert [t for d in after for t in d.token_ids] == [t for d in before for t in d.token_ids]
+
+
+async def test_a_prompt_that_is_scored_never_comes_from_the_prefix_cache(loops) -> None:
+    runner = FakeRunner(num_kv_blocks=64, block_size=4)
+    engine = loops(runner, enable_prefix_caching=True)
+    prompt = list(range(100, 130))
+    await collect(engine.generate(prompt, SamplingParams(max_tokens=2), "warm"))
+    hits = engine.stats().prefix_cache.hits
+    deltas = await collect(engine.generate(prompt, SamplingParams(max_tokens=2, prompt_logprobs=1), "scored"))
+    assert engine.stats().prefix_cache.hits == hits
+    scored = deltas[0].prompt_logprobs
+    assert scored is not None and scored[0] is None and len(scored) == len(prompt)
+    assert [lp.token_id for lp in scored[1:] if lp is not None] == prompt[1:]
