@@ -26,7 +26,6 @@ import json
 import os
 import random
 import signal
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -36,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from loadtest.launcher import LaunchedServer
+from loadtest.launcher import server_to_load
 from loadtest.soak import parse_metrics, served_model
 
 DEFAULT_LAUNCH = "python -m server --model default --log-stats-interval 0"
@@ -344,18 +343,12 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    server: LaunchedServer | None = None
-    if args.url is None:
-        server = LaunchedServer(args.launch, args.log)
-        print(f"[chaos] starting: {' '.join(server.argv)} (log: {args.log})", file=sys.stderr, flush=True)
-        server.start()
-    try:
-        base_url = args.url or (server.base_url if server else "")
-        pid = args.pid if server is None or server.proc is None else server.proc.pid
-        parallel = "--tensor-parallel-size" in args.launch or "--pipeline-parallel-size" in args.launch
-        kill = args.kill_workers if args.kill_workers is not None else (server is not None and parallel)
-        if kill and pid is None:
-            raise SystemExit("--kill-workers needs the server's --pid")
+    launched = args.url is None
+    parallel = "--tensor-parallel-size" in args.launch or "--pipeline-parallel-size" in args.launch
+    kill = args.kill_workers if args.kill_workers is not None else (launched and parallel)
+    if kill and not launched and args.pid is None:
+        raise SystemExit("--kill-workers needs the server's --pid")
+    with server_to_load(args.url, args.launch, args.log, args.pid, "chaos") as (base_url, pid):
         chaos = Chaos(
             base_url,
             args.model or served_model(base_url, headers),
@@ -368,9 +361,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             headers=headers,
         )
         report = asyncio.run(chaos.run())
-    finally:
-        if server is not None:
-            server.stop()
     print("\n".join(report.lines()))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -29,7 +29,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.client import Target, build_payload, send_request
-from loadtest.launcher import LaunchedServer
+from loadtest.launcher import server_to_load
 from loadtest.prompts import PromptBuilder
 from loadtest.records import ErrorKind, RequestRecord
 from loadtest.tokenizer import resolve_tokenizer
@@ -286,19 +286,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0 <= args.disconnect + args.non_streamed <= 1:
         raise SystemExit("--disconnect + --non-streamed must be within [0, 1]")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    server: LaunchedServer | None = None
-    if args.url is None:
-        server = LaunchedServer(args.launch, args.log)
-        print(f"[soak] starting: {' '.join(server.argv)} (log: {args.log})", file=sys.stderr, flush=True)
-        server.start()
-    try:
-        base_url = args.url or (server.base_url if server else "")
-        pid = args.pid if server is None or server.proc is None else server.proc.pid
+    with server_to_load(args.url, args.launch, args.log, args.pid, "soak") as (base_url, pid):
         model = args.model or served_model(base_url, headers)
         report = asyncio.run(Soak(args, base_url, pid, model).run())
-    finally:
-        if server is not None:
-            server.stop()
     print("\n".join(report.lines()))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
