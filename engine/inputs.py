@@ -1,17 +1,18 @@
 """One step's flat model inputs and attention metadata, built from the scheduler's batch.
 
-One pass in Python over the batch collects plain lists (and validates them), then each tensor is
-created once; on CUDA they go through pinned memory with non-blocking copies.
+One pass in Python over the batch collects plain lists, then each host tensor is created once
+(build_host_inputs); on CUDA they reach the device through pinned memory with non-blocking copies
+(HostStepInputs.to), or, for a CUDA-graph decode step, into the graph's own buffers.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
-from engine.batch import ScheduledSequence
+from engine.contract import ScheduledSequence
 from engine.kv_cache import slot_mapping as compute_slot_mapping
 from models.layers.metadata import AttentionMetadata
 
@@ -22,124 +23,194 @@ class StepInputs:
     positions: torch.Tensor  # [T] int64
     attn_metadata: AttentionMetadata
     sample_rows: list[int]  # indices into the batch of the entries that sample a token
-    logits_indices: torch.Tensor  # [S] int64: flat index of each sampling entry's last token
+    # [R] int64: flat indices of the tokens whose logits are computed: for each entry in batch order,
+    # its scored prompt positions (prompt logprobs), then its last token if it samples. R == S unless
+    # an entry scores its prompt.
+    logits_indices: torch.Tensor
+    # Prompt logprobs: (batch index, first logits row, rows) per entry that scores; and the logits row
+    # of each sampling entry (None when no entry scores: row i is sampling entry i).
+    scored: list[tuple[int, int, int]] = field(default_factory=list)
+    sample_logit_rows: list[int] | None = None
+
+    @property
+    def num_logit_rows(self) -> int:
+        return int(self.logits_indices.numel())
 
 
 @dataclass(frozen=True)
 class InputLimits:
+    """What a batch must fit (checked only under the debug switch: see check_batch)."""
+
     num_kv_blocks: int
     block_size: int
     max_model_len: int
     vocab_size: int
 
 
-def _to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+@dataclass
+class HostStepInputs:
+    """A step's inputs on the host (CPU tensors and their Python lists), before any device copy: what
+    `to(device)` turns into StepInputs for an eager step, and what a CUDA-graph step copies into the
+    graph's persistent buffers instead (engine/cuda_graphs.py)."""
+
+    input_ids: torch.Tensor  # [T] int64
+    positions: torch.Tensor  # [T] int64
+    slot_mapping: torch.Tensor  # [T] int64
+    seq_lens: torch.Tensor  # [B] int32
+    block_tables: torch.Tensor  # [B, max_blocks] int32, padded with 0
+    query_lens: list[int]
+    seq_lens_list: list[int]
+    sample_rows: list[int]  # indices into the batch of the entries that sample a token
+    last_token_index: list[int]  # [R] the logits rows (see StepInputs.logits_indices)
+    block_size: int
+    scored: list[tuple[int, int, int]] = field(default_factory=list)  # see StepInputs
+    sample_logit_rows: list[int] | None = None
+
+    @property
+    def num_seqs(self) -> int:
+        return len(self.query_lens)
+
+    @property
+    def num_logit_rows(self) -> int:
+        return len(self.last_token_index)
+
+    @property
+    def is_decode_only(self) -> bool:
+        """One token per sequence (decodes, and one-token prompts or chunks)."""
+        return len(self.query_lens) == self.input_ids.shape[0]
+
+    def to(self, device: torch.device) -> StepInputs:
+        """Device tensors and attention metadata; on CUDA through pinned memory with non-blocking
+        copies, so building a step never waits for the previous one."""
+        query_lens_t = torch.tensor(self.query_lens, dtype=torch.int32)
+        query_start_loc = torch.zeros(self.num_seqs + 1, dtype=torch.int32)  # [B+1]
+        query_start_loc[1:] = torch.cumsum(query_lens_t, 0)
+        seq_start_loc = torch.zeros(self.num_seqs + 1, dtype=torch.int32)  # [B+1]
+        seq_start_loc[1:] = torch.cumsum(self.seq_lens, 0)
+        metadata = AttentionMetadata(
+            slot_mapping=to_device(self.slot_mapping, device),
+            query_start_loc=to_device(query_start_loc, device),
+            seq_start_loc=to_device(seq_start_loc, device),
+            seq_lens=to_device(self.seq_lens, device),
+            block_tables=to_device(self.block_tables, device),
+            query_lens_cpu=self.query_lens,
+            seq_lens_cpu=self.seq_lens_list,
+            max_query_len=max(self.query_lens),
+            max_seq_len=max(self.seq_lens_list),
+            block_size=self.block_size,
+        )
+        return StepInputs(
+            input_ids=to_device(self.input_ids, device),
+            positions=to_device(self.positions, device),
+            attn_metadata=metadata,
+            sample_rows=self.sample_rows,
+            logits_indices=to_device(torch.tensor(self.last_token_index, dtype=torch.int64), device),
+            scored=self.scored,
+            sample_logit_rows=self.sample_logit_rows,
+        )
+
+
+def to_device(t: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A host tensor on `device`: itself on the CPU; on CUDA a non-blocking copy from pinned memory
+    (a copy from pageable memory would synchronise the stream)."""
     if device.type == "cpu":
         return t
     return t.pin_memory().to(device, non_blocking=True)
 
 
-def build_step_inputs(
-    batch: Sequence[ScheduledSequence], limits: InputLimits, device: torch.device
-) -> StepInputs:
-    """Validate `batch` and turn it into tensors. Raises ValueError before anything touches the cache."""
-    block_size = limits.block_size
+def build_host_inputs(batch: Sequence[ScheduledSequence], block_size: int) -> HostStepInputs:
+    """Turn `batch` into host tensors. The batch is trusted: every request was validated at admission
+    and the scheduler builds block tables from its own allocator (check_batch verifies it in debug
+    runs)."""
     input_ids: list[int] = []
     positions: list[int] = []
     query_lens: list[int] = []
     seq_lens: list[int] = []
     tables: list[Sequence[int]] = []
     sample_rows: list[int] = []
-    last_token_index: list[int] = []
-    seen: set[str] = set()
+    last_token_index: list[int] = []  # the logits rows, in order (see StepInputs.logits_indices)
+    scored: list[tuple[int, int, int]] = []
+    sample_logit_rows: list[int] = []
 
     for i, seq in enumerate(batch):
         n = len(seq.token_ids)
         start = seq.start_position
         ctx = start + n
-        if n == 0:
-            raise ValueError(f"request {seq.request_id!r}: no tokens to run")
-        if seq.request_id in seen:
-            raise ValueError(f"request {seq.request_id!r} appears twice in one batch")
-        seen.add(seq.request_id)
-        if start < 0:
-            raise ValueError(f"request {seq.request_id!r}: negative start_position {start}")
-        if ctx > limits.max_model_len:
-            raise ValueError(
-                f"request {seq.request_id!r}: {ctx} tokens exceed max_model_len {limits.max_model_len}"
-            )
-        needed = -(-ctx // block_size)
-        if len(seq.block_table) < needed:
-            raise ValueError(
-                f"request {seq.request_id!r}: block table has {len(seq.block_table)} blocks, "
-                f"{needed} needed for {ctx} tokens at block_size {block_size}"
-            )
+        first = len(input_ids)
         input_ids.extend(seq.token_ids)
         positions.extend(range(start, ctx))
         query_lens.append(n)
         seq_lens.append(ctx)
         # Only the blocks that hold this context: a reserving scheduler may hand over more.
-        tables.append(seq.block_table[:needed])
+        tables.append(seq.block_table[: -(-ctx // block_size)])
+        if seq.num_prompt_scored:
+            scored.append((i, len(last_token_index), seq.num_prompt_scored))
+            last_token_index.extend(range(first, first + seq.num_prompt_scored))
         if seq.sample:
             sample_rows.append(i)
+            sample_logit_rows.append(len(last_token_index))
             last_token_index.append(len(input_ids) - 1)
 
     max_blocks = max(len(t) for t in tables)
     padded = [list(t) + [0] * (max_blocks - len(t)) for t in tables]
 
-    input_ids_cpu = torch.tensor(input_ids, dtype=torch.int64)  # [T]
-    lo, hi = torch.aminmax(input_ids_cpu)
-    if lo.item() < 0 or hi.item() >= limits.vocab_size:
-        _raise_bad_tokens(batch, limits.vocab_size)
-    block_tables_cpu = torch.tensor(padded, dtype=torch.int32)  # [B, max_blocks]
-    lo, hi = torch.aminmax(block_tables_cpu)
-    if lo.item() < 0 or hi.item() >= limits.num_kv_blocks:
-        _raise_bad_blocks(tables, batch, limits.num_kv_blocks)
-
-    positions_cpu = torch.tensor(positions, dtype=torch.int64)  # [T]
-    query_lens_t = torch.tensor(query_lens, dtype=torch.int64)  # [B]
-    seq_index = torch.repeat_interleave(torch.arange(len(batch)), query_lens_t)  # [T]
-    slots_cpu = compute_slot_mapping(block_tables_cpu, seq_index, positions_cpu, block_size)  # [T]
-    seq_lens_t = torch.tensor(seq_lens, dtype=torch.int32)  # [B]
-    query_start_loc = torch.zeros(len(batch) + 1, dtype=torch.int32)  # [B+1]
-    query_start_loc[1:] = torch.cumsum(query_lens_t, 0)
-    seq_start_loc = torch.zeros(len(batch) + 1, dtype=torch.int32)  # [B+1]
-    seq_start_loc[1:] = torch.cumsum(seq_lens_t, 0)
-
-    metadata = AttentionMetadata(
-        slot_mapping=_to_device(slots_cpu, device),
-        query_start_loc=_to_device(query_start_loc, device),
-        seq_start_loc=_to_device(seq_start_loc, device),
-        seq_lens=_to_device(seq_lens_t, device),
-        block_tables=_to_device(block_tables_cpu, device),
-        query_lens_cpu=query_lens,
-        seq_lens_cpu=seq_lens,
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        block_size=block_size,
-    )
-    return StepInputs(
-        input_ids=_to_device(input_ids_cpu, device),
-        positions=_to_device(positions_cpu, device),
-        attn_metadata=metadata,
+    block_tables = torch.tensor(padded, dtype=torch.int32)  # [B, max_blocks]
+    positions_t = torch.tensor(positions, dtype=torch.int64)  # [T]
+    seq_index = torch.repeat_interleave(
+        torch.arange(len(batch)), torch.tensor(query_lens, dtype=torch.int64)
+    )  # [T]
+    return HostStepInputs(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64),
+        positions=positions_t,
+        slot_mapping=compute_slot_mapping(block_tables, seq_index, positions_t, block_size),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        query_lens=query_lens,
+        seq_lens_list=seq_lens,
         sample_rows=sample_rows,
-        logits_indices=_to_device(torch.tensor(last_token_index, dtype=torch.int64), device),
+        last_token_index=last_token_index,
+        block_size=block_size,
+        scored=scored,
+        sample_logit_rows=sample_logit_rows if scored else None,
     )
 
 
-def _raise_bad_tokens(batch: Sequence[ScheduledSequence], vocab_size: int) -> None:
+def build_step_inputs(
+    batch: Sequence[ScheduledSequence], block_size: int, device: torch.device
+) -> StepInputs:
+    """The step's inputs on `device` (build_host_inputs, then HostStepInputs.to)."""
+    return build_host_inputs(batch, block_size).to(device)
+
+
+def check_batch(batch: Sequence[ScheduledSequence], limits: InputLimits) -> None:
+    """Raise ValueError for a batch the engine must not run (it would read or write the wrong KV slots,
+    or index past the embedding). Only under the debug switch (ORCA_DEBUG_CHECKS=1): in serving, the
+    loop validates requests once at admission and the scheduler's block tables are right by
+    construction, so paying for this every step would check the same facts again."""
+    seen: set[str] = set()
     for seq in batch:
-        bad = [t for t in seq.token_ids if not 0 <= t < vocab_size]
-        if bad:
-            raise ValueError(f"request {seq.request_id!r}: token id {bad[0]} out of range [0, {vocab_size})")
-    raise AssertionError("unreachable: a token id was out of range")
-
-
-def _raise_bad_blocks(
-    tables: Sequence[Sequence[int]], batch: Sequence[ScheduledSequence], num_blocks: int
-) -> None:
-    for table, seq in zip(tables, batch, strict=True):
-        bad = [b for b in table if not 0 <= b < num_blocks]
-        if bad:
-            raise ValueError(f"request {seq.request_id!r}: block id {bad[0]} out of range [0, {num_blocks})")
-    raise AssertionError("unreachable: a block id was out of range")
+        rid, n, start = seq.request_id, len(seq.token_ids), seq.start_position
+        ctx = start + n
+        if n == 0:
+            raise ValueError(f"request {rid!r}: no tokens to run")
+        if rid in seen:
+            raise ValueError(f"request {rid!r} appears twice in one batch")
+        seen.add(rid)
+        if start < 0:
+            raise ValueError(f"request {rid!r}: negative start_position {start}")
+        if ctx > limits.max_model_len:
+            raise ValueError(f"request {rid!r}: {ctx} tokens exceed max_model_len {limits.max_model_len}")
+        needed = -(-ctx // limits.block_size)
+        if len(seq.block_table) < needed:
+            raise ValueError(
+                f"request {rid!r}: block table has {len(seq.block_table)} blocks, "
+                f"{needed} needed for {ctx} tokens at block_size {limits.block_size}"
+            )
+        bad_token = next((t for t in seq.token_ids if not 0 <= t < limits.vocab_size), None)
+        if bad_token is not None:
+            raise ValueError(f"request {rid!r}: token id {bad_token} out of range [0, {limits.vocab_size})")
+        bad_block = next((b for b in seq.block_table[:needed] if not 0 <= b < limits.num_kv_blocks), None)
+        if bad_block is not None:
+            raise ValueError(
+                f"request {rid!r}: block id {bad_block} out of range [0, {limits.num_kv_blocks})"
+            )

@@ -35,8 +35,14 @@ class KVCacheSpec:
         return budget_bytes // self.bytes_per_block
 
 
-class KVCacheManager:
-    """Owns the K and V tensors, [num_layers, num_blocks, block_size, num_kv_heads, head_dim] each."""
+class PagedKVCache:
+    """Owns the K and V tensors, [num_layers, num_blocks + 1, block_size, num_kv_heads, head_dim] each.
+
+    Blocks 0 .. num_blocks - 1 are the scheduler's to hand out. One more, `scratch_block`, is never
+    handed out: the padding rows of a CUDA-graph decode step (engine/cuda_graphs.py) write their K/V
+    there and attend to it, so a batch padded up to its graph's size never touches a real sequence's
+    blocks.
+    """
 
     def __init__(self, spec: KVCacheSpec, num_blocks: int, device: torch.device | str) -> None:
         if num_blocks <= 0:
@@ -46,13 +52,18 @@ class KVCacheManager:
         self.spec = spec
         self.num_blocks = num_blocks
         self.block_size = spec.block_size
-        shape = (spec.num_layers, num_blocks, spec.block_size, spec.num_kv_heads, spec.head_dim)
+        shape = (spec.num_layers, num_blocks + 1, spec.block_size, spec.num_kv_heads, spec.head_dim)
         # zeros, not empty: padded block-table entries point at block 0, and a kernel that reads it
         # (masked out) must not meet NaNs from uninitialised memory.
         self.k_cache = torch.zeros(shape, dtype=spec.dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=spec.dtype, device=device)
-        # Per-layer views, no copies: [num_blocks, block_size, num_kv_heads, head_dim] each.
+        # Per-layer views, no copies: [num_blocks + 1, block_size, num_kv_heads, head_dim] each.
         self.layers: list[KVCache] = [(self.k_cache[i], self.v_cache[i]) for i in range(spec.num_layers)]
+
+    @property
+    def scratch_block(self) -> int:
+        """The block no sequence owns (the last one): padding rows of graph steps write and read it."""
+        return self.num_blocks
 
     @property
     def bytes_per_block(self) -> int:
@@ -64,6 +75,7 @@ class KVCacheManager:
 
     @property
     def total_bytes(self) -> int:
+        """What the scheduler's blocks hold (the scratch block adds one block more)."""
         return self.num_blocks * self.bytes_per_block
 
 

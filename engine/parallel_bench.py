@@ -1,8 +1,9 @@
 """What tensor and pipeline parallelism cost: step times of one configuration, plus the bytes each step
-moves between ranks (counted from the shapes, per the layout in engine/parallel_runner.py).
+moves between ranks (counted from the shapes, per the layout in engine/distributed_executor.py).
 
-    python -m engine.parallel_bench --tp 2 --pp 1 [--model default] [--batch-sizes 1,8,32]
+    python -m engine.parallel_bench -tp 2 -pp 1 [--model default] [--batch-sizes 1,8,32]
                                     [--prompt-len 64] [--steps 16] [--dtype float32] [--json out.json]
+                                    (and every engine flag of `python -m server`)
 
 One configuration per run (a process joins one process group). Per batch size: one prefill step of
 batch x prompt-len tokens, then --steps decode steps, each timed alone (submit + collect: one batch in
@@ -20,13 +21,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
-from engine.batch import SamplingParams, ScheduledSequence
 from engine.config import EngineConfig
-from engine.parallel_runner import create_runner
+from engine.contract import SamplingParams, ScheduledSequence
+from engine.executor import ExecutorBase, create_executor
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 
@@ -96,10 +96,10 @@ def seqs_for(
 
 
 def bench_batch(
-    runner: Any, batch: int, prompt_len: int, steps: int
+    runner: ExecutorBase, batch: int, prompt_len: int, steps: int
 ) -> tuple[float, list[float], float | None]:
     """(prefill seconds, decode step seconds, pipelined decode tokens/s or None)."""
-    pipelined = getattr(runner, "pipeline_depth", 1) > 1
+    pipelined = runner.pipeline_depth > 1
     num_seqs = 2 * batch if pipelined else batch
     blocks_per_seq = -(-(prompt_len + 2 * steps + 1) // runner.block_size)
     if num_seqs * blocks_per_seq > runner.num_kv_blocks:
@@ -133,41 +133,34 @@ def bench_batch(
     return prefill, times, 2 * batch * steps / (time.perf_counter() - t0)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="default")
-    p.add_argument("--tp", type=int, default=1)
-    p.add_argument("--pp", type=int, default=1)
-    p.add_argument("--dtype", default="float32")
-    p.add_argument("--device", default="cpu")
+    EngineConfig.add_cli_args(p)
     p.add_argument("--batch-sizes", default="1,8,32")
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--steps", type=int, default=16)
-    p.add_argument("--num-kv-blocks", type=int, default=1024)
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--threads", type=int, default=None, help="torch threads of a one-process run")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = build_parser()
     a = p.parse_args(argv)
     if a.threads is not None:
         torch.set_num_threads(a.threads)  # parallel runs give each rank cores / ranks threads
-    config = EngineConfig(
-        model=a.model,
-        dtype=a.dtype,
-        device=a.device,
-        num_kv_blocks=a.num_kv_blocks,
-        tensor_parallel_size=a.tp,
-        pipeline_parallel_size=a.pp,
-    )
-    runner = create_runner(config)
+    config = EngineConfig.from_cli_args(a)
+    runner = create_executor(config)
     try:
-        hf = getattr(runner, "_stage", runner).model.config
+        hf = runner.runner.model.config
         rows = []
         for batch in (int(b) for b in a.batch_sizes.split(",")):
             prefill, times, pipelined = bench_batch(runner, batch, a.prompt_len, a.steps)
             step_ms = 1000 * statistics.median(times)
             blocks = -(-(a.prompt_len + 2 * a.steps + 1) // runner.block_size)
             comm = comm_volume(
-                a.tp,
-                a.pp,
+                config.tensor_parallel_size,
+                config.pipeline_parallel_size,
                 hf.num_hidden_layers,
                 hf.hidden_size,
                 hf.vocab_size,
@@ -178,8 +171,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             )
             rows.append(
                 Row(
-                    a.tp,
-                    a.pp,
+                    config.tensor_parallel_size,
+                    config.pipeline_parallel_size,
                     batch,
                     a.prompt_len,
                     1000 * prefill,
@@ -192,7 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             r = rows[-1]
             piped = f"{r.pipelined_tok_s:8.1f}" if r.pipelined_tok_s is not None else "       -"
             print(
-                f"tp={a.tp} pp={a.pp} batch={batch:3d} prefill {r.prefill_ms:8.1f} ms  decode step "
+                f"tp={config.tensor_parallel_size} pp={config.pipeline_parallel_size} batch={batch:3d} prefill {r.prefill_ms:8.1f} ms  decode step "
                 f"{r.decode_step_ms:7.1f} ms  {r.decode_tok_s:7.1f} tok/s  pipelined {piped} tok/s  "
                 f"comm/step tp {comm.tensor_parallel / 1e6:.2f} MB pp {comm.pipeline / 1e6:.2f} MB "
                 f"control {comm.control / 1e3:.1f} kB",
@@ -201,9 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if a.json is not None:
             a.json.write_text(json.dumps([asdict(r) for r in rows], indent=2))
     finally:
-        close = getattr(runner, "close", None)
-        if close is not None:
-            close()
+        runner.close()
     return 0
 
 

@@ -1,7 +1,11 @@
 """Token sampling over a batch of logits, vectorised by groups of rows.
 
 Order of processing, per row (each step only for the rows that ask for it):
-  1. min_tokens: while a row has fewer outputs than min_tokens, its EOS and stop tokens get -inf.
+  0. grammar (structured outputs): tokens the row's grammar does not allow here get -inf
+     (engine/token_mask.py computed the mask while the forward ran). Everything below, logprobs
+     included, sees the constrained distribution.
+  1. min_tokens: while a row has fewer outputs than min_tokens, its EOS and stop tokens get -inf
+     (unless its grammar allows nothing else: a finished grammar wins over min_tokens).
   2. logit bias (added).
   3. repetition penalty (HF/CTRL, over prompt + output tokens): a seen token's logit is divided by the
      penalty when positive, multiplied when negative.
@@ -23,20 +27,23 @@ Order of processing, per row (each step only for the rows that ask for it):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from engine.batch import SampledToken, SamplingParams
+from engine.contract import PromptLogprobs, SampledToken, SamplingParams, ScheduledSequence
+from engine.inputs import to_device
+
+if TYPE_CHECKING:
+    from engine.token_mask import PendingMask
 
 LOGPROB_FLOOR = -9999.0  # what a -inf logprob is reported as
 
-MAX_LOGPROBS = 20
 _MASK64 = (1 << 64) - 1
 
 
 class SamplingRow(Protocol):
-    """What the sampler reads of a batch entry (engine.batch.ScheduledSequence has it)."""
+    """What the sampler reads of a batch entry (engine.contract.ScheduledSequence has it)."""
 
     @property
     def sampling(self) -> SamplingParams: ...
@@ -46,26 +53,76 @@ class SamplingRow(Protocol):
     def output_token_ids(self) -> Sequence[int]: ...
 
 
+def _tensor(values: Sequence, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """torch.tensor(values) on `device` without a synchronisation: on CUDA, torch.tensor(list,
+    device="cuda") copies from pageable memory and waits for the stream; this goes through pinned
+    memory, non-blocking, so the sampler's kernels queue up behind the forward pass."""
+    return to_device(torch.tensor(values, dtype=dtype), device)
+
+
+def _to_host(*tensors: torch.Tensor) -> list[list]:
+    """Each tensor's .tolist(), for the price of one synchronisation: on CUDA, non-blocking copies into
+    pinned memory and one wait for the stream (a .tolist() each would wait once each)."""
+    if not tensors or tensors[0].device.type == "cpu":
+        return [t.tolist() for t in tensors]
+    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+    for h, t in zip(host, tensors, strict=True):
+        h.copy_(t, non_blocking=True)
+    torch.cuda.current_stream(tensors[0].device).synchronize()
+    return [h.tolist() for h in host]
+
+
+def score_prompt_tokens(
+    logits: torch.Tensor, batch: Sequence[ScheduledSequence], scored: Sequence[tuple[int, int, int]]
+) -> list[tuple[int, PromptLogprobs]]:
+    """Prompt logprobs: for each (batch index, first row, rows) of `scored`, the raw log-softmax of
+    those rows of `logits` [R, vocab] at the prompt tokens that follow their positions, the tokens'
+    ranks, and the top-k (the entry's SamplingParams.prompt_logprobs). Raw: no penalty, bias,
+    temperature or grammar applies to a prompt, as in vLLM and OpenAI's echo."""
+    rows: list[int] = []
+    targets: list[int] = []
+    for i, first, n in scored:
+        seq = batch[i]
+        start = seq.start_position + 1
+        rows.extend(range(first, first + n))
+        targets.extend(seq.prompt_token_ids[start : start + n])
+    dev = logits.device
+    lp = torch.log_softmax(logits[torch.tensor(rows, device=dev)].float(), dim=-1)  # [N, V]
+    target = torch.tensor(targets, device=dev)[:, None]
+    chosen = lp.gather(-1, target)  # [N, 1]
+    ranks = ((lp > chosen).sum(dim=-1) + 1).tolist()
+    chosen_lp = chosen.squeeze(-1).clamp(min=LOGPROB_FLOOR).tolist()
+    k_max = max(batch[i].sampling.prompt_logprobs or 0 for i, _, _ in scored)
+    top_ids: list[list[int]] = [[] for _ in rows]
+    top_vals: list[list[float]] = [[] for _ in rows]
+    if k_max:
+        top = lp.topk(min(k_max, lp.shape[-1]), dim=-1)
+        top_ids, top_vals = top.indices.tolist(), top.values.clamp(min=LOGPROB_FLOOR).tolist()
+    out: list[tuple[int, PromptLogprobs]] = []
+    at = 0
+    for i, _, n in scored:
+        k = batch[i].sampling.prompt_logprobs or 0
+        span = range(at, at + n)
+        out.append(
+            (
+                i,
+                PromptLogprobs(
+                    logprobs=chosen_lp[at : at + n],
+                    ranks=ranks[at : at + n],
+                    top_logprobs=[list(zip(top_ids[j][:k], top_vals[j][:k], strict=True)) for j in span],
+                ),
+            )
+        )
+        at += n
+    return out
+
+
 def row_seed(seed: int, num_output_tokens: int) -> int:
     """A 64-bit generator seed from (request seed, step), mixed with splitmix64 so nearby pairs differ."""
     x = (seed * 0x9E3779B97F4A7C15 + num_output_tokens + 1) & _MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
     return x ^ (x >> 31)
-
-
-def validate_sampling(rows: Sequence[SamplingRow], vocab_size: int) -> None:
-    """Raise ValueError for parameters the sampler cannot apply (checked before a step runs)."""
-    for row in rows:
-        p = row.sampling
-        if p.logit_bias:
-            for tok in p.logit_bias:
-                if not 0 <= tok < vocab_size:
-                    raise ValueError(f"logit_bias token id {tok} out of range [0, {vocab_size})")
-        if p.logprobs is not None and not 0 <= p.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {p.logprobs}")
-        if p.repetition_penalty <= 0:
-            raise ValueError(f"repetition_penalty must be positive, got {p.repetition_penalty}")
 
 
 class Sampler:
@@ -82,8 +139,13 @@ class Sampler:
         self.generator = torch.Generator(device=self.device)
         self.generator.manual_seed(seed)
 
-    def __call__(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> list[SampledToken]:
-        """Pick one token per row. `logits` is [B, vocab] float32 and is modified in place."""
+    def __call__(
+        self, logits: torch.Tensor, rows: Sequence[SamplingRow], mask: PendingMask | None = None
+    ) -> list[SampledToken]:
+        """Pick one token per row. `logits` is [B, vocab] float32 and is modified in place. `mask`: the
+        grammar masks of the constrained rows (TokenMasker.start on the same rows), None without any."""
+        if mask is not None:
+            mask.apply(logits)
         params = [r.sampling for r in rows]
         num_out = [len(r.output_token_ids) for r in rows]
         plain = all(
@@ -107,12 +169,12 @@ class Sampler:
         sampled_rows = [i for i, p in enumerate(params) if not p.greedy]
         tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)  # [B]
         if greedy_rows:
-            g = torch.tensor(greedy_rows, device=logits.device)
+            g = _tensor(greedy_rows, logits.device)
             tokens[g] = logits[g].argmax(dim=-1)
         s: torch.Tensor | None = None
         if sampled_rows:
-            s = torch.tensor(sampled_rows, device=logits.device)
-            temps = torch.tensor([params[i].temperature for i in sampled_rows], device=logits.device)
+            s = _tensor(sampled_rows, logits.device)
+            temps = _tensor([params[i].temperature for i in sampled_rows], logits.device)
             logits[s] = logits[s] / temps[:, None]
         # Extreme but valid settings (repetition_penalty=1e-300, a tiny temperature after a big bias)
         # can push a logit to +inf, whose softmax is NaN for every token: cap at the largest float.
@@ -121,7 +183,7 @@ class Sampler:
         logprob_rows = [i for i, p in enumerate(params) if p.logprobs is not None]
         logprobs: torch.Tensor | None = None
         if logprob_rows:
-            lp_idx = torch.tensor(logprob_rows, device=logits.device)
+            lp_idx = _tensor(logprob_rows, logits.device)
             logprobs = torch.log_softmax(logits[lp_idx], dim=-1)  # [L, V]: before truncation
 
         if sampled_rows:
@@ -130,11 +192,9 @@ class Sampler:
             sub = self._truncate(sub, [params[i] for i in sampled_rows])
             tokens[s] = self._draw(sub, [params[i] for i in sampled_rows], [num_out[i] for i in sampled_rows])
 
-        token_list = tokens.tolist()
-        out = [SampledToken(t) for t in token_list]
-        if logprobs is not None:
-            self._fill_logprobs(out, logprobs, logprob_rows, params, token_list)
-        return out
+        if logprobs is None:
+            return [SampledToken(t) for t in tokens.tolist()]
+        return self._with_logprobs(tokens, logprobs, lp_idx, logprob_rows, params)
 
     # --- processing -----------------------------------------------------------------------------
 
@@ -149,12 +209,20 @@ class Sampler:
                 if not p.ignore_eos:
                     banned |= self.eos_token_ids
                 banned = {t for t in banned if 0 <= t < self.vocab_size}
+                if p.grammar is not None and not self._allows_besides(logits[i], banned):
+                    continue  # the grammar is complete: only EOS is left, so min_tokens gives way
                 rows.extend([i] * len(banned))
                 cols.extend(banned)
         if rows:
-            logits[torch.tensor(rows, device=logits.device), torch.tensor(cols, device=logits.device)] = (
-                float("-inf")
-            )
+            logits[_tensor(rows, logits.device), _tensor(cols, logits.device)] = float("-inf")
+
+    @staticmethod
+    def _allows_besides(row: torch.Tensor, tokens: set[int]) -> bool:
+        """Whether a (masked) row of logits allows some token outside `tokens`."""
+        allowed = int(torch.isfinite(row).sum())
+        if tokens:
+            allowed -= int(torch.isfinite(row[torch.tensor(sorted(tokens), device=row.device)]).sum())
+        return allowed > 0
 
     def _apply_logit_bias(self, logits: torch.Tensor, params: list[SamplingParams]) -> None:
         rows: list[int] = []
@@ -168,8 +236,8 @@ class Sampler:
         if rows:
             dev = logits.device
             logits.index_put_(
-                (torch.tensor(rows, device=dev), torch.tensor(cols, device=dev)),
-                torch.tensor(vals, dtype=logits.dtype, device=dev),
+                (_tensor(rows, dev), _tensor(cols, dev)),
+                _tensor(vals, dev, logits.dtype),
                 accumulate=True,
             )
 
@@ -181,8 +249,8 @@ class Sampler:
         seen = self._token_mask(
             [list(rows[i].prompt_token_ids) + list(rows[i].output_token_ids) for i in idx], dev
         )  # [R, V] bool
-        penalty = torch.tensor([rows[i].sampling.repetition_penalty for i in idx], device=dev)[:, None]
-        r = torch.tensor(idx, device=dev)
+        penalty = _tensor([rows[i].sampling.repetition_penalty for i in idx], dev)[:, None]
+        r = _tensor(idx, dev)
         sub = logits[r]  # [R, V]
         penalised = torch.where(sub > 0, sub / penalty, sub * penalty)
         logits[r] = torch.where(seen, penalised, sub)
@@ -197,9 +265,9 @@ class Sampler:
             return
         dev = logits.device
         counts = self._token_counts([rows[i].output_token_ids for i in idx], dev)  # [R, V]
-        presence = torch.tensor([rows[i].sampling.presence_penalty for i in idx], device=dev)[:, None]
-        frequency = torch.tensor([rows[i].sampling.frequency_penalty for i in idx], device=dev)[:, None]
-        r = torch.tensor(idx, device=dev)
+        presence = _tensor([rows[i].sampling.presence_penalty for i in idx], dev)[:, None]
+        frequency = _tensor([rows[i].sampling.frequency_penalty for i in idx], dev)[:, None]
+        r = _tensor(idx, dev)
         logits[r] = logits[r] - presence * (counts > 0) - frequency * counts
 
     def _token_counts(self, token_lists: Sequence[Sequence[int]], device: torch.device) -> torch.Tensor:
@@ -209,7 +277,7 @@ class Sampler:
         if row_idx:
             flat = [t for toks in token_lists for t in toks]
             counts.index_put_(
-                (torch.tensor(row_idx, device=device), torch.tensor(flat, device=device)),
+                (_tensor(row_idx, device), _tensor(flat, device)),
                 torch.ones(len(flat), device=device),
                 accumulate=True,
             )
@@ -221,7 +289,7 @@ class Sampler:
         row_idx = [i for i, toks in enumerate(token_lists) for _ in range(len(toks))]
         if row_idx:
             flat = [t for toks in token_lists for t in toks]
-            mask[torch.tensor(row_idx, device=device), torch.tensor(flat, device=device)] = True
+            mask[_tensor(row_idx, device), _tensor(flat, device)] = True
         return mask
 
     # --- truncation and drawing -----------------------------------------------------------------
@@ -236,11 +304,11 @@ class Sampler:
             # A full sort serves both top-k and top-p.
             sorted_logits, order = logits.sort(dim=-1, descending=True)  # [S, V] each
             ranks = torch.arange(vocab, device=dev)[None, :]
-            k = torch.tensor(top_k, device=dev)[:, None]
+            k = _tensor(top_k, dev)[:, None]
             sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
             probs = sorted_logits.softmax(dim=-1)
             mass_before = probs.cumsum(dim=-1) - probs  # mass of the better-ranked tokens
-            p = torch.tensor(top_p, device=dev, dtype=probs.dtype)[:, None]
+            p = _tensor(top_p, dev, probs.dtype)[:, None]
             # Keep a token while the better ones have not reached p yet; the best is always kept.
             drop = (mass_before >= p) & (ranks > 0)
             sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
@@ -249,13 +317,13 @@ class Sampler:
             # top-k only: the k-th best value is the threshold (ties at the threshold are kept).
             kmax = max(top_k)
             best = logits.topk(kmax, dim=-1).values  # [S, kmax]
-            k = torch.tensor(top_k, device=dev)[:, None].clamp(max=kmax)
+            k = _tensor(top_k, dev)[:, None].clamp(max=kmax)
             kth = best.gather(-1, k - 1)  # [S, 1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
         min_p = [p.min_p for p in params]
         if any(m > 0.0 for m in min_p):
             # prob < min_p * max_prob  <=>  logit < max_logit + log(min_p)
-            mp = torch.tensor(min_p, device=dev, dtype=logits.dtype)[:, None]
+            mp = _tensor(min_p, dev, logits.dtype)[:, None]
             threshold = logits.max(dim=-1, keepdim=True).values + torch.log(mp)  # -inf where min_p == 0
             logits = logits.masked_fill(logits < threshold, float("-inf"))
         return logits
@@ -266,7 +334,7 @@ class Sampler:
         noise = torch.empty_like(probs)  # [S, V] ~ Exp(1)
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
         if unseeded:
-            u = torch.tensor(unseeded, device=probs.device)
+            u = _tensor(unseeded, probs.device)
             noise[u] = torch.empty(len(unseeded), probs.shape[-1], device=probs.device).exponential_(
                 generator=self.generator
             )
@@ -277,28 +345,25 @@ class Sampler:
                 noise[i].exponential_(generator=gen)
         return (probs / noise).argmax(dim=-1)
 
-    def _fill_logprobs(
+    def _with_logprobs(
         self,
-        out: list[SampledToken],
+        tokens: torch.Tensor,  # [B] int64
         logprobs: torch.Tensor,  # [L, V]
+        lp_idx: torch.Tensor,  # [L]: the rows that asked for logprobs
         logprob_rows: list[int],
         params: list[SamplingParams],
-        tokens: list[int],
-    ) -> None:
-        dev = logprobs.device
+    ) -> list[SampledToken]:
         # A banned token (min_tokens' stop tokens) has logprob -inf, which JSON cannot carry: report
         # it as vLLM does, as a finite floor.
         logprobs = logprobs.clamp(min=LOGPROB_FLOOR)
-        chosen = torch.tensor([tokens[i] for i in logprob_rows], device=dev)[:, None]
-        chosen_lp = logprobs.gather(-1, chosen).squeeze(-1).tolist()  # [L]
+        chosen = logprobs.gather(-1, tokens[lp_idx][:, None]).squeeze(-1)  # [L]
         n_max = max(params[i].logprobs or 0 for i in logprob_rows)
-        top_vals: list[list[float]] = [[] for _ in logprob_rows]
-        top_ids: list[list[int]] = [[] for _ in logprob_rows]
-        if n_max > 0:
-            top = logprobs.topk(min(n_max, logprobs.shape[-1]), dim=-1)
-            top_vals = top.values.tolist()
-            top_ids = top.indices.tolist()
+        top = logprobs.topk(min(max(n_max, 1), logprobs.shape[-1]), dim=-1)  # [L, n]
+        # Tokens, chosen logprobs and top lists come to the host together: one synchronisation.
+        token_list, chosen_lp, top_vals, top_ids = _to_host(tokens, chosen, top.values, top.indices)
+        out = [SampledToken(t) for t in token_list]
         for j, i in enumerate(logprob_rows):
             n = params[i].logprobs or 0
             out[i].logprob = chosen_lp[j]
             out[i].top_logprobs = list(zip(top_ids[j][:n], top_vals[j][:n], strict=True))
+        return out

@@ -48,17 +48,11 @@ def parse_slo(text: str) -> SLO:
         raise argparse.ArgumentTypeError(str(exc)) from exc
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m loadtest",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    g = p.add_argument_group("server")
+def add_server_args(g: argparse._ArgumentGroup) -> None:
+    """Which servers to measure (shared by python -m loadtest and python -m loadtest.multiturn)."""
     g.add_argument("--base-url", default=DEFAULT_BASE_URL, help="server to benchmark (without --launch)")
     g.add_argument("--model", default=None, help="model name to send (default: the first of /v1/models)")
     g.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY"), help="bearer token")
-    g.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     g.add_argument(
         "--launch",
         action="append",
@@ -70,15 +64,35 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--label", action="append", default=[], help="name of each --launch configuration")
     g.add_argument("--launch-timeout", type=float, default=600.0, help="seconds to wait for /health")
     g.add_argument(
+        "--allow-remote",
+        action="store_true",
+        help="allow a --base-url that is not loopback (by default all traffic stays on this machine)",
+    )
+
+
+def validate_servers(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    if args.label and args.launch and len(args.label) != len(args.launch):
+        parser.error("give one --label per --launch (or none)")
+    if len(args.label) > 1 and not args.launch:
+        parser.error("several --label values need as many --launch commands")
+    if not args.launch and not args.allow_remote and not is_loopback(args.base_url):
+        parser.error(f"{args.base_url} is not loopback; pass --allow-remote to benchmark another machine")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    g = p.add_argument_group("server")
+    add_server_args(g)
+    g.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
+    g.add_argument(
         "--interleave",
         action="store_true",
         help="start every --launch server at once and run the configurations in turn at each rate, so "
         "drift in a shared machine's load falls on all of them alike",
-    )
-    g.add_argument(
-        "--allow-remote",
-        action="store_true",
-        help="allow a --base-url that is not loopback (by default all traffic stays on this machine)",
     )
 
     g = p.add_argument_group("workload")
@@ -200,12 +214,7 @@ def auto_labels(commands: Sequence[str]) -> list[str]:
 
 
 def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    if args.label and args.launch and len(args.label) != len(args.launch):
-        parser.error("give one --label per --launch (or none)")
-    if len(args.label) > 1 and not args.launch:
-        parser.error("several --label values need as many --launch commands")
-    if not args.launch and not args.allow_remote and not is_loopback(args.base_url):
-        parser.error(f"{args.base_url} is not loopback; pass --allow-remote to benchmark another machine")
+    validate_servers(args, parser)
     # Workload mistakes are caught here, before any server is started for them.
     try:
         if args.workload == "file":
@@ -326,7 +335,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     latencies = [float(x) for x in args.at_latency.split(",") if x.strip()]
     print_report(results.runs, latencies, console)
     if not args.no_plot:
-        from loadtest.plots import write_plots  # matplotlib loads in seconds; only when plotting
+        from loadtest.figures import write_plots  # matplotlib loads in seconds; only when plotting
 
         for path in write_plots(results.runs, stem):
             console.print(f"plot: {path}")

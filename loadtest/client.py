@@ -46,9 +46,12 @@ def build_payload(target: Target, spec: RequestSpec) -> dict[str, Any]:
         "stream_options": {"include_usage": True},
     }
     if target.endpoint == "chat":
-        if not isinstance(spec.prompt, str):
+        if spec.messages is not None:
+            body["messages"] = list(spec.messages)
+        elif isinstance(spec.prompt, str):
+            body["messages"] = [{"role": "user", "content": spec.prompt}]
+        else:
             raise ValueError("the chat endpoint takes text prompts")
-        body["messages"] = [{"role": "user", "content": spec.prompt}]
         body["max_completion_tokens"] = spec.output_len  # the current name; max_tokens is the old one
     else:
         body["prompt"] = spec.prompt
@@ -66,7 +69,14 @@ def _chunk_text(choice: dict[str, Any], endpoint: str) -> str | None:
     return choice.get("text")
 
 
-def _handle_event(data: str, record: RequestRecord, endpoint: str, now: float) -> None:
+def _announces_role(choice: dict[str, Any], endpoint: str) -> bool:
+    delta = choice.get("delta") or {}
+    return endpoint == "chat" and "role" in delta and not delta.get("content") and not delta.get("tool_calls")
+
+
+def _handle_event(
+    data: str, record: RequestRecord, endpoint: str, now: float, text_sink: list[str] | None = None
+) -> None:
     try:
         chunk = json.loads(data)
     except json.JSONDecodeError as exc:
@@ -80,17 +90,29 @@ def _handle_event(data: str, record: RequestRecord, endpoint: str, now: float) -
         record.output_tokens = int(usage.get("completion_tokens") or 0)
         if usage.get("prompt_tokens") is not None:
             record.prompt_tokens_reported = int(usage["prompt_tokens"])
+        details = usage.get("prompt_tokens_details") or {}
+        if details.get("cached_tokens") is not None:
+            record.cached_tokens_reported = int(details["cached_tokens"])
     for choice in chunk.get("choices") or []:
         text = _chunk_text(choice, endpoint)
-        # A closing chunk (finish_reason set, no text) comes after the last token: not a token event.
-        if text or choice.get("finish_reason") is None:
+        if text and text_sink is not None:
+            text_sink.append(text)
+        # A closing chunk (finish_reason set, no text) comes after the last token, and a chat stream's
+        # opening chunk (the role, no text) before the first: neither is a token event. A chunk with no
+        # text otherwise is one (a token whose text is held back, e.g. part of a character).
+        if text or (choice.get("finish_reason") is None and not _announces_role(choice, endpoint)):
             if record.first_token_time is None:
                 record.first_token_time = now
             record.token_times.append(now)
 
 
 async def _stream(
-    client: httpx.AsyncClient, target: Target, spec: RequestSpec, record: RequestRecord, t0: float
+    client: httpx.AsyncClient,
+    target: Target,
+    spec: RequestSpec,
+    record: RequestRecord,
+    t0: float,
+    text_sink: list[str] | None,
 ) -> None:
     body = build_payload(target, spec)
     record.send_time = time.perf_counter() - t0
@@ -108,7 +130,7 @@ async def _stream(
             data = line[len("data:") :].strip()
             if data == "[DONE]":
                 break
-            _handle_event(data, record, target.endpoint, now)
+            _handle_event(data, record, target.endpoint, now, text_sink)
             usage_seen = usage_seen or record.output_tokens > 0
         record.end_time = time.perf_counter() - t0
     if record.first_token_time is None:
@@ -118,15 +140,23 @@ async def _stream(
 
 
 async def send_request(
-    client: httpx.AsyncClient, target: Target, spec: RequestSpec, record: RequestRecord, t0: float
+    client: httpx.AsyncClient,
+    target: Target,
+    spec: RequestSpec,
+    record: RequestRecord,
+    t0: float,
+    text_sink: list[str] | None = None,
 ) -> RequestRecord:
-    """Send one request and fill `record` (times relative to `t0`, a perf_counter reading).
+    """Send one request and fill `record` (times relative to `t0`, a perf_counter reading); the
+    generated text goes to `text_sink` when given (a conversation resends it).
 
     Never raises for a failed request: the failure is recorded (error kind and message) so a run
     goes on and the summary counts it.
     """
     try:
-        await asyncio.wait_for(_stream(client, target, spec, record, t0), timeout=target.request_timeout)
+        await asyncio.wait_for(
+            _stream(client, target, spec, record, t0, text_sink), timeout=target.request_timeout
+        )
     except (TimeoutError, httpx.TimeoutException) as exc:
         record.error_kind, record.error = ErrorKind.TIMEOUT, repr(exc)
     except httpx.TransportError as exc:  # connect refused, reset, incomplete chunked read

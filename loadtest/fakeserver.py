@@ -1,11 +1,13 @@
 """A model-free OpenAI-compatible server that simulates batched generation, for testing the harness.
 
-It keeps the shape of a real server's timing without a model: an iteration loop takes a step every
-`step_ms` (plus `per_token_ms` for each token in the step), and every running request gets one token
-per step. `--scheduling iteration` admits waiting requests at every step; `request` admits a new
-batch only when the whole running batch has finished (the baseline the ORCA paper compares against),
-so a sweep over both shows the paper's gap with no model at all. Failure injection (`fail_every`,
-`break_every`) exercises the error accounting.
+It keeps the shape of a real server's timing without a model: the real iteration loop
+(scheduler.loop.IterationLoop, with its scheduler and policies) drives the fake executor
+(scheduler.fake_runner.FakeRunner), whose step takes `step_ms` (plus `per_token_ms` for each token in the
+step). `--scheduling iteration` admits waiting requests at every step; `request` admits a new batch only
+when the whole running batch has finished and returns results when it ends (the baseline the ORCA paper
+compares against), so a sweep over both shows the paper's gap with no model at all. The HTTP layer is
+its own, deliberately not the server's: it speaks a plain subset of the API and injects failures
+(`fail_every`, `break_every`, refused token-id prompts) to exercise the load tester's error accounting.
 
     python -m loadtest.fakeserver --port 8001 --scheduling request --step-ms 5
 """
@@ -13,19 +15,23 @@ so a sweep over both shows the paper's gap with no model at all. Failure injecti
 from __future__ import annotations
 
 import argparse
-import asyncio
+import contextlib
 import itertools
 import json
 import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from engine.contract import SamplingParams
 from loadtest.tokenizer import HFTokenizer, PromptTokenizer, default_model_tokenizer_path
+from scheduler.config import SchedulerConfig
+from scheduler.fake_runner import FIRST_PLAIN_TOKEN, FakeRunner
+from scheduler.loop import IterationLoop
 
 
 @dataclass
@@ -42,64 +48,27 @@ class FakeConfig:
     api_key: str | None = None  # required as `Authorization: Bearer <key>` on generation routes
 
 
-@dataclass
-class _Sequence:
-    prompt_tokens: int
-    max_tokens: int
-    queue: asyncio.Queue[int | None] = field(default_factory=asyncio.Queue)
-    generated: int = 0
-    prefilled: bool = False
+# Enough KV blocks of 16 tokens for max_batch sequences of this many tokens.
+SIM_CONTEXT = 8192
+SIM_BLOCK_SIZE = 16
 
 
-class FakeEngine:
-    """The simulated iteration loop. `steps` counts iterations, for tests that reason about order."""
-
-    def __init__(self, config: FakeConfig) -> None:
-        self.config = config
-        self.waiting: list[_Sequence] = []
-        self.running: list[_Sequence] = []
-        self.steps = 0
-        self._wake = asyncio.Event()
-        self._task: asyncio.Task[None] | None = None
-
-    def submit(self, seq: _Sequence) -> None:
-        if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._loop())
-        self.waiting.append(seq)
-        self._wake.set()
-
-    def _admit(self) -> list[_Sequence]:
-        cfg = self.config
-        if cfg.scheduling == "request" and self.running:
-            return []  # request-level batching: the batch runs until its longest request is done
-        room = cfg.max_batch - len(self.running)
-        admitted, self.waiting = self.waiting[:room], self.waiting[room:]
-        self.running.extend(admitted)
-        return admitted
-
-    async def _loop(self) -> None:
-        cfg = self.config
-        while True:
-            if not self.waiting and not self.running:
-                self._wake.clear()
-                await self._wake.wait()
-            self._admit()
-            tokens = sum(1 if s.prefilled else s.prompt_tokens for s in self.running)
-            await asyncio.sleep((cfg.step_ms + cfg.per_token_ms * tokens) / 1000.0)
-            self.steps += 1
-            for seq in self.running:
-                seq.prefilled = True
-                if seq.generated < seq.max_tokens:
-                    seq.generated += 1
-                    seq.queue.put_nowait(seq.generated)
-                    if seq.generated == seq.max_tokens:
-                        seq.queue.put_nowait(None)
-            if cfg.scheduling == "request":
-                # Finished requests stay in the batch (their slots idle) until every one is done.
-                if all(s.generated >= s.max_tokens for s in self.running):
-                    self.running = []
-            else:
-                self.running = [s for s in self.running if s.generated < s.max_tokens]
+def simulated_loop(config: FakeConfig) -> IterationLoop:
+    """The real iteration loop over an executor whose steps only take time."""
+    executor = FakeRunner(
+        num_kv_blocks=config.max_batch * SIM_CONTEXT // SIM_BLOCK_SIZE,
+        block_size=SIM_BLOCK_SIZE,
+        max_model_len=SIM_CONTEXT,
+        step_delay_s=config.step_ms / 1000.0,
+        per_token_delay_s=config.per_token_ms / 1000.0,
+        simulate_kv=False,
+    )
+    scheduler = SchedulerConfig(
+        max_num_seqs=config.max_batch,
+        max_num_batched_tokens=max(SIM_CONTEXT, config.max_batch),  # prompts are never chunked
+        scheduling=config.scheduling,  # type: ignore[arg-type]
+    )
+    return IterationLoop(executor, scheduler)
 
 
 def _error(status: int, message: str) -> JSONResponse:
@@ -109,18 +78,24 @@ def _error(status: int, message: str) -> JSONResponse:
 
 
 def create_app(config: FakeConfig) -> FastAPI:
-    app = FastAPI()
-    engine = FakeEngine(config)
-    counter = itertools.count(1)
-    app.state.engine = engine
+    loop = simulated_loop(config)
 
-    def count_prompt(prompt: Any) -> int | None:
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        yield
+        await loop.shutdown()
+
+    app = FastAPI(lifespan=lifespan)
+    counter = itertools.count(1)
+    app.state.loop = loop
+
+    def prompt_ids(prompt: Any) -> list[int] | None:
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
-            return len(prompt) if config.accept_token_ids else None
+            return prompt if config.accept_token_ids else None
         if isinstance(prompt, str) and prompt:
             if config.tokenizer is not None:
-                return len(config.tokenizer.encode(prompt, add_special_tokens=True))
-            return len(prompt.split())
+                return config.tokenizer.encode(prompt, add_special_tokens=True)
+            return [FIRST_PLAIN_TOKEN] * len(prompt.split())  # words are tokens
         return None
 
     @app.get("/health")
@@ -158,13 +133,18 @@ def create_app(config: FakeConfig) -> FastAPI:
             prompt: Any = " ".join(str(m.get("content", "")) for m in messages)
         else:
             prompt = body.get("prompt")
-        prompt_tokens = count_prompt(prompt)
-        if prompt_tokens is None:
+        ids = prompt_ids(prompt)
+        if ids is None:
             return _error(400, "prompt must be a non-empty string (or token ids, where accepted)")
+        prompt_tokens = len(ids)
         max_tokens = int(body.get("max_completion_tokens") or body.get("max_tokens") or 16)
-        seq = _Sequence(prompt_tokens, max_tokens)
-        engine.submit(seq)
         rid = f"fake-{n}"
+        try:
+            deltas = loop.generate(
+                ids, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True), rid
+            )
+        except ValueError as exc:
+            return _error(400, str(exc))
         usage = {
             "prompt_tokens": prompt_tokens,
             "completion_tokens": max_tokens,
@@ -180,7 +160,7 @@ def create_app(config: FakeConfig) -> FastAPI:
             return {"index": 0, "text": text, "finish_reason": finish}
 
         if not body.get("stream"):
-            while await seq.queue.get() is not None:
+            async for _ in deltas:
                 pass
             text = "".join(f" t{i}" for i in range(1, max_tokens + 1))
             answer = {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
@@ -195,11 +175,15 @@ def create_app(config: FakeConfig) -> FastAPI:
 
         async def events() -> AsyncIterator[str]:
             head = {"id": rid, "object": obj + ("" if not chat else ".chunk"), "model": config.model}
-            while (token := await seq.queue.get()) is not None:
-                if breaks and token > max_tokens // 2:
-                    yield f"data: {json.dumps({'error': {'message': 'injected stream error'}})}\n\n"
-                    return
-                yield f"data: {json.dumps({**head, 'choices': [choice(token, None)]})}\n\n"
+            token = 0
+            async with contextlib.aclosing(deltas):  # leaving early aborts the request
+                async for delta in deltas:
+                    for _ in delta.token_ids:  # one event per token, as a real server streams them
+                        token += 1
+                        if breaks and token > max_tokens // 2:
+                            yield f"data: {json.dumps({'error': {'message': 'injected stream error'}})}\n\n"
+                            return
+                        yield f"data: {json.dumps({**head, 'choices': [choice(token, None)]})}\n\n"
             yield f"data: {json.dumps({**head, 'choices': [choice(None, 'length')]})}\n\n"
             if (body.get("stream_options") or {}).get("include_usage"):
                 yield f"data: {json.dumps({**head, 'choices': [], 'usage': usage})}\n\n"

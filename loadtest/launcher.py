@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -10,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
@@ -152,3 +154,21 @@ class LaunchedServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+@contextlib.contextmanager
+def server_to_load(
+    url: str | None, launch: str, log: Path, pid: int | None, name: str
+) -> Iterator[tuple[str, int | None]]:
+    """(base URL, process id) of the server a long run loads: the one at `url` (with `pid`, when
+    given, for its RSS or its workers), or `launch` started on a free port and stopped afterwards."""
+    if url is not None:
+        yield url, pid
+        return
+    server = LaunchedServer(launch, log)
+    print(f"[{name}] starting: {' '.join(server.argv)} (log: {log})", file=sys.stderr, flush=True)
+    server.start()
+    try:
+        yield server.base_url, server.proc.pid if server.proc is not None else None
+    finally:
+        server.stop()

@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Sequence
 from pathlib import Path
 
-from loadtest.plots import write_plots
+from loadtest.figures import write_plots
 from loadtest.report import print_report
 from loadtest.results import BenchmarkResults, RunResult
 

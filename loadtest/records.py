@@ -32,6 +32,7 @@ class RequestRecord:
     end_time: float | None = None
     output_tokens: int = 0  # the server's usage count if it sent one, else the number of token chunks
     prompt_tokens_reported: int | None = None  # the server's usage.prompt_tokens, to check prompt lengths
+    cached_tokens_reported: int | None = None  # usage.prompt_tokens_details.cached_tokens (prefix cache)
     error: str | None = None
     error_kind: str | None = None
 

@@ -29,6 +29,25 @@ def format_rate(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
+# The instruction-set extensions that decide a CPU server's kernels: every figure is read beside them.
+ISA_FLAGS = (
+    "avx2", "fma", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni", "avx512_bf16",
+    "avx512_fp16", "amx_tile", "amx_int8", "amx_bf16",
+)  # fmt: skip
+
+
+def isa_flags() -> list[str]:
+    """Which of ISA_FLAGS this machine's CPU has (from /proc/cpuinfo; empty where there is none)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                have = set(line.split(":", 1)[1].split())
+                return [f for f in ISA_FLAGS if f in have]
+    except OSError:
+        pass
+    return []
+
+
 def machine_info() -> dict[str, Any]:
     cpu = platform.processor()
     try:
@@ -42,6 +61,7 @@ def machine_info() -> dict[str, Any]:
         "platform": platform.platform(),
         "cpu": cpu,
         "cpu_count": os.cpu_count(),
+        "isa": isa_flags(),
         "python": sys.version.split()[0],
     }
 

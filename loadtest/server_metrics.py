@@ -17,6 +17,9 @@ WATCHED: dict[str, str] = {
     "preemptions": "vllm:num_preemptions",
     "prompt_tokens": "vllm:prompt_tokens",
     "generation_tokens": "vllm:generation_tokens",
+    "prefix_cache_queries": "vllm:prefix_cache_queries",
+    "prefix_cache_hits": "vllm:prefix_cache_hits",
+    "prompt_tokens_computed": "orca:prompt_tokens_computed",
 }
 
 

@@ -7,7 +7,9 @@ KV blocks in use once the load stops (from /metrics; it must be 0).
 
 Each of `--concurrency` workers sends requests back to back until the time is up: streamed completions
 (token-id prompts) and chats, some non-streamed, and with probability `--disconnect` a client that
-leaves before its first token or after a few chunks.
+leaves before its first token or after a few chunks. With probability `--repeat` a request resends the
+prompt of an earlier one, so the prefix cache is hit (and its blocks shared) under the same churn; at
+the end, blocks the cache keeps count as free, and none may be held.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.client import Target, build_payload, send_request
-from loadtest.launcher import LaunchedServer
+from loadtest.launcher import server_to_load
 from loadtest.prompts import PromptBuilder
 from loadtest.records import ErrorKind, RequestRecord
 from loadtest.tokenizer import resolve_tokenizer
@@ -47,6 +49,8 @@ class SoakReport:
     rss_end_mib: float | None = None
     rss_peak_mib: float | None = None
     kv_blocks_used_end: float | None = None
+    kv_blocks_cached_end: float | None = None  # kept by the prefix cache, held by nobody
+    prefix_cache_hit_rate: float | None = None  # hit tokens / queried tokens over the run
     kv_usage_end: float | None = None
     requests_running_end: float | None = None
     requests_waiting_end: float | None = None
@@ -61,7 +65,8 @@ class SoakReport:
             f"errors by kind:      {errors}",
             f"server RSS:          start {_mib(self.rss_start_mib)}, end {_mib(self.rss_end_mib)}, "
             f"peak {_mib(self.rss_peak_mib)}",
-            f"KV blocks in use at the end: {self.kv_blocks_used_end} (usage {self.kv_usage_end})",
+            f"KV blocks in use at the end: {self.kv_blocks_used_end} (usage {self.kv_usage_end}); "
+            f"cached: {self.kv_blocks_cached_end}, prefix cache hit rate {self.prefix_cache_hit_rate}",
             f"running / waiting at the end: {self.requests_running_end} / {self.requests_waiting_end}",
         ]
 
@@ -150,6 +155,8 @@ class Soak:
     async def one(self, client: httpx.AsyncClient, index: int) -> None:
         chat = self.rng.random() < self.args.chat_fraction
         target = self.chat if chat else self.completions
+        if index > 1 and self.rng.random() < self.args.repeat:
+            index = self.rng.randrange(1, index)  # an earlier request's prompt again
         spec = self._spec(index, chat)
         self.sent += 1
         roll = self.rng.random()
@@ -220,6 +227,12 @@ class Soak:
         report.rss_end_mib = rss_mib(self.pid)
         report.rss_peak_mib = self.rss_peak
         report.kv_blocks_used_end = metrics.get("orca:kv_cache_blocks_used")
+        report.kv_blocks_cached_end = metrics.get("orca:kv_cache_blocks_cached")
+        queries = metrics.get("vllm:prefix_cache_queries_total")
+        if queries:
+            report.prefix_cache_hit_rate = round(
+                metrics.get("vllm:prefix_cache_hits_total", 0.0) / queries, 4
+            )
         report.kv_usage_end = metrics.get("vllm:kv_cache_usage_perc")
         report.requests_running_end = metrics.get("vllm:num_requests_running")
         report.requests_waiting_end = metrics.get("vllm:num_requests_waiting")
@@ -251,6 +264,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disconnect", type=float, default=0.25, help="fraction of clients that leave early")
     p.add_argument("--non-streamed", type=float, default=0.1, help="fraction sent without stream")
     p.add_argument("--chat-fraction", type=float, default=0.3)
+    p.add_argument("--repeat", type=float, default=0.3, help="fraction resending an earlier prompt")
     p.add_argument("--input-min", type=int, default=16)
     p.add_argument("--input-max", type=int, default=256)
     p.add_argument("--output-min", type=int, default=8)
@@ -272,19 +286,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not 0 <= args.disconnect + args.non_streamed <= 1:
         raise SystemExit("--disconnect + --non-streamed must be within [0, 1]")
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    server: LaunchedServer | None = None
-    if args.url is None:
-        server = LaunchedServer(args.launch, args.log)
-        print(f"[soak] starting: {' '.join(server.argv)} (log: {args.log})", file=sys.stderr, flush=True)
-        server.start()
-    try:
-        base_url = args.url or (server.base_url if server else "")
-        pid = args.pid if server is None or server.proc is None else server.proc.pid
+    with server_to_load(args.url, args.launch, args.log, args.pid, "soak") as (base_url, pid):
         model = args.model or served_model(base_url, headers)
         report = asyncio.run(Soak(args, base_url, pid, model).run())
-    finally:
-        if server is not None:
-            server.stop()
     print("\n".join(report.lines()))
     if args.out is not None:
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -25,6 +25,8 @@ class RequestSpec:
     prompt: list[int] | str  # token ids (exact length) or text
     prompt_len: int
     output_len: int  # sent as max_tokens and min_tokens, with ignore_eos
+    # A whole conversation for the chat endpoint (multi-turn workloads); `prompt` is then unused.
+    messages: tuple[dict[str, str], ...] | None = None
 
 
 class LengthSampler(Protocol):

@@ -28,7 +28,9 @@ DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 
 def cache_root() -> Path:
-    return Path(os.environ.get("ORCA_CACHE_DIR") or Path.home() / ".cache" / "orca-serve" / "models")
+    """orca-serve's cache: $ORCA_CACHE_DIR, by default ~/.cache/orca-serve. Converted GGUF models live in
+    its models/ folder, the compiled native kernels in kernels/ (models/kernels/cpu.py)."""
+    return Path(os.environ.get("ORCA_CACHE_DIR") or Path.home() / ".cache" / "orca-serve")
 
 
 def default_gguf_path() -> Path:
@@ -54,7 +56,7 @@ CACHE_FORMAT = 2  # 1: every weight dequantized to float32 safetensors; 2: a man
 def cache_dir_for(gguf: Path) -> Path:
     st = gguf.stat()
     key = hashlib.sha256(f"{st.st_size}:{st.st_mtime_ns}:{CACHE_FORMAT}".encode()).hexdigest()[:12]
-    return cache_root() / f"{gguf.stem}-{key}"
+    return cache_root() / "models" / f"{gguf.stem}-{key}"
 
 
 def check_gguf_header(gguf: Path) -> None:

@@ -37,8 +37,9 @@ __all__ = [
 CONFIG_FILE = "config.json"
 
 
-def resolve_model(source: str) -> Path:
-    """A local HF directory, a .gguf file (converted once, then cached) or "default" -> an HF directory."""
+def resolve_model(source: str, need_weights: bool = True) -> Path:
+    """A local HF directory, a .gguf file (converted once, then cached) or "default" -> an HF directory.
+    need_weights=False (random weights, load_format "dummy") accepts a directory with a config alone."""
     if source == "default":
         return convert_gguf(default_gguf_path())
     path = Path(source).expanduser()
@@ -50,7 +51,8 @@ def resolve_model(source: str) -> Path:
         return convert_gguf(path)
     if not (path / CONFIG_FILE).is_file():
         raise ModelLoadError(f"{path}: no {CONFIG_FILE} in this directory (not an HF model directory)")
-    if not has_manifest(path):  # a converted GGUF directory reads its GGUF file instead
+    # A converted GGUF directory reads its GGUF file instead of safetensors.
+    if need_weights and not has_manifest(path):
         safetensors_files(path)  # fail now, not after the engine has started, when there are no weights
     return path
 
@@ -88,8 +90,10 @@ def load_model(
     pp_rank: int = 0,
     pp_size: int = 1,
     weight_packing: str = "auto",
+    load_format: str = "auto",
 ) -> nn.Module:
-    """Build the model for an HF directory on `device` and stream its safetensors weights in.
+    """Build the model for an HF directory on `device` and stream its safetensors weights in (with
+    load_format "dummy", fill it with random weights instead: see dummy_weights).
 
     With tp_size > 1 this process holds shard tp_rank of every sharded layer; with pp_size > 1 only
     pipeline stage pp_rank's layers (and the embedding / LM head if it is the first / last stage).
@@ -100,12 +104,7 @@ def load_model(
     device = torch.device(device)
     config = load_config(path)
     pack = should_pack(weight_packing, device, dtype)
-    # A converted GGUF file is read in place; its quantized blocks go straight to packed weights.
-    reader = (
-        GGUFWeights(path, keep_quantized=pack)
-        if has_manifest(path)
-        else SafetensorsReader(safetensors_files(path), device)
-    )
+    files = safetensors_files(path) if load_format != "dummy" and not has_manifest(path) else []
     tp = TPContext(tp_rank, tp_size, tp_group)
     pp = PPContext(pp_rank, pp_size)
     try:
@@ -117,6 +116,14 @@ def load_model(
         raise ModelLoadError(f"{path / CONFIG_FILE}: {e}") from None
     except ValueError as e:  # unsupported settings found while building (activation, head counts, ...)
         raise ModelLoadError(f"{path / CONFIG_FILE}: {e}") from None
+    if load_format == "dummy":
+        dummy_weights(model)
+        model.set_attention_backend(attention_backend, device)
+        return model.eval()
+    # A converted GGUF file is read in place; its quantized blocks go straight to packed weights.
+    reader = (
+        GGUFWeights(path, keep_quantized=pack) if has_manifest(path) else SafetensorsReader(files, device)
+    )
     try:
         model.load_weights(reader)
     except ModelLoadError as e:
@@ -129,6 +136,23 @@ def load_model(
         pack_model_weights(model, linear_precision(weight_packing))
     model.set_attention_backend(attention_backend, device)
     return model.eval()
+
+
+DUMMY_WEIGHT_RANGE = 1e-3  # vLLM's --load-format dummy draws from the same uniform range
+DUMMY_WEIGHT_SEED = 0
+
+
+def dummy_weights(model: nn.Module) -> None:
+    """Every parameter uniform in [-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE], drawn on its own device from
+    a fixed seed: a model with the checkpoint's shapes, dtype and cost per step (what benchmarks
+    measure), without reading or even having its weights (an 8B model needs no 16 GB download)."""
+    generators: dict[torch.device, torch.Generator] = {}
+    with torch.no_grad():
+        for param in model.parameters():
+            gen = generators.get(param.device)
+            if gen is None:
+                gen = generators[param.device] = torch.Generator(param.device).manual_seed(DUMMY_WEIGHT_SEED)
+            param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=gen)
 
 
 def load_tokenizer(path: Path) -> Any:

@@ -1,4 +1,4 @@
-"""Replay ORCA's synthetic workload into AsyncEngine, in process (no HTTP), for each policy and rate.
+"""Replay ORCA's synthetic workload into IterationLoop, in process (no HTTP), for each policy and rate.
 
     python -m scheduler.bench --rates 0.5,1,2 --num-requests 100
 
@@ -8,7 +8,7 @@ The same requests (same prompts, lengths and arrival gaps, scaled by the rate) a
 policy. Reported per (policy, rate): request throughput, output tokens/s, and the median normalized
 latency (end-to-end latency / generated tokens, ms/token), the paper's y axis.
 
-The engine is the real one (engine.runner.TorchModelRunner), built once and shared by every run.
+The engine is the real one (engine.executor.LocalExecutor), built once and shared by every run.
 """
 
 from __future__ import annotations
@@ -21,11 +21,13 @@ import random
 import statistics
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import asdict, dataclass, replace
 
-from engine.batch import ModelRunner, SamplingParams
+from engine.config import EngineConfig
+from engine.contract import Executor, SamplingParams
 from scheduler.config import SchedulerConfig
-from scheduler.loop import AsyncEngine
+from scheduler.loop import IterationLoop, new_step_thread
 from scheduler.outputs import FinishReason
 
 logger = logging.getLogger("scheduler.bench")
@@ -83,7 +85,7 @@ def make_workload(
     return items
 
 
-async def replay(engine: AsyncEngine, workload: Sequence[WorkItem], rate: float) -> list[RequestResult]:
+async def replay(engine: IterationLoop, workload: Sequence[WorkItem], rate: float) -> list[RequestResult]:
     """Send each request at its Poisson arrival time and consume its stream; returns one result each."""
     loop = asyncio.get_running_loop()
     t0 = loop.time()
@@ -121,7 +123,9 @@ def within(workload: Sequence[WorkItem], rate: float, duration: float) -> Sequen
     return workload
 
 
-def summarize(policy: str, rate: float, results: Sequence[RequestResult], engine: AsyncEngine) -> RunSummary:
+def summarize(
+    policy: str, rate: float, results: Sequence[RequestResult], engine: IterationLoop
+) -> RunSummary:
     duration = max(r.finish_s for r in results) - min(r.arrival_s for r in results)
     norm = sorted((r.finish_s - r.arrival_s) / r.num_output_tokens * 1000.0 for r in results)
     stats = engine.stats()
@@ -181,7 +185,9 @@ def print_table(rows: Sequence[RunSummary], slo_ms: float | None) -> None:
             print(f"{policy}: highest rate with median <= {slo_ms:g} ms/token: {best}")
 
 
-async def run_all(runner: ModelRunner, args: argparse.Namespace) -> list[RunSummary]:
+async def run_all(
+    runner: Executor, args: argparse.Namespace, step_thread: ThreadPoolExecutor
+) -> list[RunSummary]:
     vocab = int(getattr(runner, "vocab_size", 32000))
     workload = make_workload(
         args.num_requests,
@@ -193,16 +199,11 @@ async def run_all(runner: ModelRunner, args: argparse.Namespace) -> list[RunSumm
     rows = []
     for spec in args.policies.split(","):
         scheduling, kv_policy = parse_policy(spec.strip())
-        config = SchedulerConfig(
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            chunked_prefill=not args.no_chunked_prefill,
-            scheduling=scheduling,  # type: ignore[arg-type]
-            kv_policy=kv_policy,  # type: ignore[arg-type]
-        )
+        # The flags' scheduler config, with this run's policies.
+        config = replace(SchedulerConfig.from_cli_args(args), scheduling=scheduling, kv_policy=kv_policy)
         for rate in (float(r) for r in args.rates.split(",")):
             items = workload if args.duration is None else within(workload, rate, args.duration)
-            engine = AsyncEngine(runner, config)
+            engine = IterationLoop(runner, config, step_thread=step_thread)
             await engine.start()
             try:
                 t = time.perf_counter()
@@ -215,9 +216,9 @@ async def run_all(runner: ModelRunner, args: argparse.Namespace) -> list[RunSumm
     return rows
 
 
-async def warm_up(runner: ModelRunner) -> None:
+async def warm_up(runner: Executor, step_thread: ThreadPoolExecutor) -> None:
     """One short request, so the first measured step does not pay for lazy initialisation."""
-    engine = AsyncEngine(runner, SchedulerConfig())
+    engine = IterationLoop(runner, SchedulerConfig(), step_thread=step_thread)
     await engine.start()
     try:
         async for _ in engine.generate(
@@ -228,37 +229,31 @@ async def warm_up(runner: ModelRunner) -> None:
         await engine.shutdown()
 
 
-def main(argv: Sequence[str] | None = None) -> None:
+def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m scheduler.bench", description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="default", help="'default', an HF directory or a .gguf file")
-    p.add_argument("--dtype", default="auto")
-    p.add_argument("--device", default="auto")
-    p.add_argument(
-        "--num-kv-blocks", type=int, default=None, help="KV cache size in blocks (default: engine's)"
-    )
-    p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--attention-backend", default="auto")
-    p.add_argument("--weight-packing", default="auto", choices=["auto", "off"])
+    EngineConfig.add_cli_args(p)  # --seed also seeds the workload
+    SchedulerConfig.add_cli_args(p)
     p.add_argument("--rates", default="0.25,0.5,1,2", help="request rates (req/s), comma-separated")
     p.add_argument("--num-requests", type=int, default=100, help="requests per (policy, rate) run")
     p.add_argument(
         "--duration", type=float, default=None, help="instead of --num-requests: seconds of arrivals"
     )
-    p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--policies",
         default="iteration:lazy,iteration:reserve,request:reserve",
         help="comma-separated scheduling:kv_policy pairs (iteration|request : lazy|reserve)",
     )
-    p.add_argument("--max-num-seqs", type=int, default=SchedulerConfig.max_num_seqs)
-    p.add_argument("--max-num-batched-tokens", type=int, default=SchedulerConfig.max_num_batched_tokens)
-    p.add_argument("--no-chunked-prefill", action="store_true")
     p.add_argument("--input-min", type=int, default=32)
     p.add_argument("--input-max", type=int, default=512)
     p.add_argument("--output-min", type=int, default=1)
     p.add_argument("--output-max", type=int, default=128)
     p.add_argument("--slo-ms", type=float, default=None, help="report the highest rate under this ms/token")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    p = build_parser()
     args = p.parse_args(argv)
     if args.duration is not None:
         # Enough requests to cover the duration at the highest rate; runs at lower rates use a prefix.
@@ -266,11 +261,14 @@ def main(argv: Sequence[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     # Imported here: the scheduler package stays free of torch, only this CLI needs the real engine.
-    from engine.bench import bench_runner
+    from engine.executor import LocalExecutor
 
-    runner = bench_runner(args, num_kv_blocks=args.num_kv_blocks)
-    asyncio.run(warm_up(runner))
-    rows = asyncio.run(run_all(runner, args))
+    # Built in the thread its steps run in: one OpenMP thread team (scheduler.loop.IterationLoop says why).
+    step_thread = new_step_thread()
+    runner = step_thread.submit(LocalExecutor, EngineConfig.from_cli_args(args)).result()
+    asyncio.run(warm_up(runner, step_thread))
+    rows = asyncio.run(run_all(runner, args, step_thread))
+    step_thread.shutdown()
     print_table(rows, args.slo_ms)
     if args.json:
         with open(args.json, "w") as f:

@@ -11,10 +11,10 @@ from collections import deque
 from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 
-from engine.batch import SampledToken, ScheduledSequence
-from scheduler.block_allocator import BlockAllocator, blocks_for_tokens
+from engine.contract import PromptLogprobs, SampledToken, ScheduledSequence, StepResult
+from scheduler.block_allocator import BlockAllocator, BlockHash, blocks_for_tokens
 from scheduler.config import SchedulerConfig
-from scheduler.outputs import TokenLogprob
+from scheduler.outputs import PrefixCacheStats, SchedulerStats, TokenLogprob
 from scheduler.policy import make_batching_policy, make_kv_policy
 from scheduler.request import Request, RequestStatus
 from scheduler.stop import check_stop
@@ -57,13 +57,19 @@ class Scheduler:
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
-        self.allocator = BlockAllocator(num_kv_blocks, block_size)
+        self.allocator = BlockAllocator(num_kv_blocks, block_size, config.enable_prefix_caching)
         self.kv = make_kv_policy(config, self.allocator, max_model_len)
         self.batching = make_batching_policy(config)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}  # not yet handed back, finished-but-held included
         self.num_preemptions = 0
+        # Prompt blocks a running request is computing, by name (its claim): a request whose next block
+        # is claimed by another waits for it instead of computing it again (the n choices of one
+        # prompt, or two conversations arriving together with one system prompt).
+        self._claimed: dict[BlockHash, Request] = {}
+        self._claims: dict[Request, tuple[list[BlockHash], int]] = {}  # names, and tokens when done
+        self._cache_stats = PrefixCacheStats()
 
     # ---- requests in and out ----------------------------------------------------------------------
 
@@ -89,6 +95,45 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
+    @property
+    def num_unfinished(self) -> int:
+        """Requests waiting or running."""
+        return len(self.waiting) + len(self.running)
+
+    def get(self, request_id: str) -> Request | None:
+        """A request not yet handed back (finished-but-held included)."""
+        return self.requests.get(request_id)
+
+    def stats(self) -> SchedulerStats:
+        """The scheduler's counters (num_steps is the loop's: 0 here)."""
+        return SchedulerStats(
+            running=len(self.running),
+            waiting=len(self.waiting),
+            kv_blocks_used=self.allocator.num_used,
+            kv_blocks_total=self.allocator.num_blocks,
+            num_preemptions=self.num_preemptions,
+            num_steps=0,
+            prefix_cache=self.prefix_cache_stats(),
+        )
+
+    def abort_all(self) -> list[Request]:
+        """Abort every request (shutdown). Returns the requests to send a final delta to."""
+        released: list[Request] = []
+        for request_id in list(self.requests):
+            released += self.abort(request_id)
+        return released
+
+    def prefix_cache_stats(self) -> PrefixCacheStats:
+        """A copy of the prefix cache's counters (all zero but computed tokens when caching is off)."""
+        s = self._cache_stats
+        return PrefixCacheStats(
+            queries=s.queries,
+            hits=s.hits,
+            computed_prompt_tokens=s.computed_prompt_tokens,
+            cached_blocks=self.allocator.num_cached,
+            evictions=self.allocator.num_evictions,
+        )
+
     def abort(self, request_id: str) -> list[Request]:
         """End a request (client gone, shutdown). Returns the requests to send a final delta to."""
         return self._end_external(request_id, RequestStatus.FINISHED_ABORTED)
@@ -112,6 +157,15 @@ class Scheduler:
                 released += self._finish(req, RequestStatus.FINISHED_ERROR, hold=False)
         return released
 
+    def kv_cache_lost(self, message: str) -> list[Request]:
+        """The engine's KV cache is gone (its workers were restarted): the running requests, whose
+        context was there, fail; waiting and preempted ones hold nothing there and stay queued.
+        Cached prefixes are forgotten: their blocks hold nothing now. Returns the requests to send a
+        final delta to."""
+        failed = self.fail(list(self.running), message)
+        self.allocator.forget_cached()
+        return failed
+
     def _finish(self, req: Request, status: RequestStatus, hold: bool) -> list[Request]:
         if req.status is RequestStatus.RUNNING:
             self.running.remove(req)
@@ -119,7 +173,7 @@ class Scheduler:
             self.waiting.remove(req)
         req.status = status
         req.finish_time = time.monotonic()
-        self.kv.release(req)
+        self._release(req)
         released = self.batching.on_left(req, hold)
         for r in released:
             del self.requests[r.request_id]
@@ -148,12 +202,16 @@ class Scheduler:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted as a victim earlier in this loop
                 continue
+            if req.num_uncomputed_tokens > 1 and self.allocator.enable_caching:
+                self._take_from_cache(req, self.kv.extend_from_cache(req))
+                if self._waits_for_prefix(req):
+                    continue
             n = self._prompt_share(req.num_uncomputed_tokens, budget, alone=not chosen)
             if n == 0:
                 continue
             while not self.kv.grow(req, n):
                 if not self.kv.preempts or len(self.running) == 1:
-                    # Cannot happen when max_model_len fits the cache (AsyncEngine ensures it); fail
+                    # Cannot happen when max_model_len fits the cache (IterationLoop ensures it); fail
                     # the request rather than loop forever.
                     req.error = "out of KV cache blocks"
                     step.released += self._finish(req, RequestStatus.FINISHED_ERROR, hold=False)
@@ -167,6 +225,7 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING:
                 chosen[req] = n
                 budget -= n
+                self._claim(req)
 
         # No admission in a step that preempted: the blocks just freed would otherwise go to the next
         # waiting request and the victim would be preempted again at once (thrashing).
@@ -187,6 +246,7 @@ class Scheduler:
                     sampling=req.sampling,
                     prompt_token_ids=req.prompt_token_ids,
                     output_token_ids=req.output_token_ids,
+                    num_prompt_scored=req.prompt_tokens_to_score(start, end),
                 )
             )
             step.requests.append(req)
@@ -217,29 +277,38 @@ class Scheduler:
             if max_seqs is not None and len(chosen) >= max_seqs:
                 break
             req = self.waiting[0]
-            n = self._prompt_share(req.num_uncomputed_tokens, budget, alone=not chosen)
-            if n == 0 and uses_budget:
+            cached = self.kv.cached_prefix(req)
+            start = len(cached) * self.allocator.block_size
+            # A request whose next block another is computing joins without running (no budget): it
+            # continues from that block once it is cached.
+            waits = self._waits_for_prefix(req, start)
+            n = 0 if waits else self._prompt_share(req.num_tokens - start, budget, alone=not chosen)
+            if n == 0 and uses_budget and not waits:
                 break
-            if not self.kv.admit(req, n):
+            if not self.kv.admit(req, cached, n):
                 if self.running:
                     break
-                # Alone and still no room: it never will fit (AsyncEngine's length check prevents it).
+                # Alone and still no room: it never will fit (IterationLoop's length check prevents it).
                 req.error = "the request does not fit in the KV cache"
                 step.released += self._finish(req, RequestStatus.FINISHED_ERROR, hold=False)
                 continue
             self.waiting.popleft()
+            if req.status is RequestStatus.WAITING and self.allocator.enable_caching:
+                self._cache_stats.queries += req.num_tokens  # first admission only, as vLLM counts
+            self._take_from_cache(req, start)
             req.status = RequestStatus.RUNNING
             self.running.append(req)
             self.batching.on_admitted(req)
             if n:
                 chosen[req] = n
                 budget -= n
+                self._claim(req)
 
     def _preempt(self, req: Request, step: ScheduledStep) -> None:
         """Free the request's blocks and put it at the front of the queue, to be recomputed from its
         prompt + outputs so far (its outputs are kept, so nothing is emitted twice)."""
         self.running.remove(req)
-        self.kv.release(req)
+        self._release(req)
         req.num_computed_tokens = 0
         req.status = RequestStatus.PREEMPTED
         req.num_preemptions += 1
@@ -250,7 +319,50 @@ class Scheduler:
             del self.requests[r.request_id]
             step.released.append(r)
 
-    def update(self, step: ScheduledStep, sampled: Sequence[SampledToken | None]) -> list[Request]:
+    # ---- prefix caching ---------------------------------------------------------------------------
+
+    def _take_from_cache(self, req: Request, num_tokens: int) -> None:
+        """Account for prompt tokens the request took from the cache instead of computing them."""
+        if num_tokens and req.num_preemptions == 0:  # a recompute is not a prompt's cache hit
+            req.num_cached_tokens += num_tokens
+            self._cache_stats.hits += num_tokens
+
+    def _waits_for_prefix(self, req: Request, start: int | None = None) -> bool:
+        """Whether the block the request would compute next (from `start`, default its computed
+        tokens) is one another running request is computing: it waits, and takes it from the cache."""
+        if not self._claimed:
+            return False
+        start = req.num_computed_tokens if start is None else start
+        bs = self.allocator.block_size
+        i = start // bs
+        if start % bs or i >= self.kv.num_cacheable_blocks(req):
+            return False
+        owner = self._claimed.get(self.kv.block_hashes(req, i + 1)[i])
+        return owner is not None and owner is not req
+
+    def _claim(self, req: Request) -> None:
+        """Claim the full prompt blocks a request is starting to compute (once per prompt phase)."""
+        if not self.allocator.enable_caching or req in self._claims or req.num_uncomputed_tokens <= 1:
+            return
+        bs = self.allocator.block_size
+        first, end = -(-req.num_computed_tokens // bs), req.num_tokens // bs
+        if first >= end:
+            return
+        names = self.kv.block_hashes(req, end)[first:end]
+        mine = [h for h in names if self._claimed.setdefault(h, req) is req]
+        self._claims[req] = (mine, end * bs)
+
+    def _unclaim(self, req: Request) -> None:
+        claim = self._claims.pop(req, None)
+        if claim is not None:
+            for h in claim[0]:
+                del self._claimed[h]
+
+    def _release(self, req: Request) -> None:
+        self._unclaim(req)
+        self.kv.release(req)
+
+    def update(self, step: ScheduledStep, sampled: Sequence[StepResult]) -> list[Request]:
         """Apply a step's sampled tokens and check stop conditions.
 
         Returns the requests with something to hand out: new tokens (when the batching policy
@@ -258,13 +370,21 @@ class Scheduler:
         the step (the caller then fails the step's requests).
         """
         self._check_sampled(step, sampled)
+        self._cache_stats.computed_prompt_tokens += step.num_prompt_tokens
         now = time.monotonic()
         out: list[Request] = []
         for req, seq, tok in zip(step.requests, step.seqs, sampled, strict=True):
             if req.status is not RequestStatus.RUNNING:
                 continue
             req.num_computed_tokens += seq.num_tokens
-            if tok is None:  # a prompt chunk that is not the last
+            self.kv.offer_computed(req)
+            claim = self._claims.get(req)
+            if claim is not None and req.num_computed_tokens >= claim[1]:
+                self._unclaim(req)
+            scored = _scored(tok)
+            if scored is not None:
+                req.add_prompt_logprobs(seq.start_position, scored)
+            if not isinstance(tok, SampledToken):  # a prompt chunk that is not the last
                 continue
             req.output_token_ids.append(tok.token_id)
             if req.sampling.logprobs is not None:
@@ -280,11 +400,23 @@ class Scheduler:
         return out
 
     @staticmethod
-    def _check_sampled(step: ScheduledStep, sampled: Sequence[SampledToken | None]) -> None:
+    def _check_sampled(step: ScheduledStep, sampled: Sequence[StepResult]) -> None:
         if len(sampled) != len(step.seqs):
             raise ValueError(f"the runner returned {len(sampled)} results for {len(step.seqs)} sequences")
         for seq, tok in zip(step.seqs, sampled, strict=True):
-            if seq.sample and tok is None:
+            if seq.sample and not isinstance(tok, SampledToken):
                 raise ValueError(f"the runner sampled no token for {seq.request_id!r}")
-            if tok is not None and seq.sampling.logprobs is not None and tok.logprob is None:
+            scored = _scored(tok)
+            if seq.num_prompt_scored and (scored is None or len(scored.logprobs) != seq.num_prompt_scored):
+                raise ValueError(f"the runner scored the wrong prompt tokens for {seq.request_id!r}")
+            if not isinstance(tok, SampledToken):
+                continue
+            if seq.sampling.logprobs is not None and tok.logprob is None:
                 raise ValueError(f"the runner returned no logprob for {seq.request_id!r}")
+
+
+def _scored(result: StepResult) -> PromptLogprobs | None:
+    """The prompt logprobs a step's result for one entry carries, if any."""
+    if isinstance(result, PromptLogprobs):
+        return result
+    return result.prompt_logprobs if result is not None else None

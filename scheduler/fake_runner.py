@@ -1,25 +1,43 @@
-"""FakeRunner: a deterministic, torch-free ModelRunner for tests (scheduler, loop, server) and demos.
+"""FakeRunner: a deterministic, torch-free executor (engine.contract.Executor) for tests, demos and the
+load tester's fake server.
 
-Its "model" maps a whole context to the next token with a hash, and it keeps the context in a
-simulated paged KV cache that remembers which request wrote each slot. So a scheduling bug (a block
-table that is too short or shared, a stale block read back, a wrong start position, a recompute that
-skips tokens) raises or changes the tokens, as it would with a real model.
+Its "model" maps a whole context to the next token with a hash, and it keeps the context in a simulated
+paged KV cache. Like a real model's K/V, what a slot holds stands for the whole context up to its
+position: the token and a digest of every token before it. A read checks that digest against the
+reading request's own tokens, so a request may read a block another request wrote (a shared prefix
+from the prefix cache) only if it holds exactly what the reader would have computed itself. So a
+scheduling bug (a block table that is too short, a block written by two sequences of one step, a stale
+or evicted block read back, a wrong start position, a recompute that skips tokens) raises or changes the
+tokens, as it would with a real model. With `pipeline_depth` > 1 it also checks ORCA's rules for
+batches in flight (no request in two of them, each batch continuing where the last one ended or from
+cached blocks, no block read that a batch in flight is still writing, collected in submission order).
+
+Output is a function of the request's own context (and seed, when sampling with one) only, never of
+what shares the batch, like a real model's greedy output; unseeded sampling gives the greedy tokens. A `script` replaces that with fixed tokens, so stop-string and
+multi-byte tests know exactly what comes out.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 import zlib
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from engine.batch import SampledToken, ScheduledSequence
+from engine.contract import FatalRunnerError, PromptLogprobs, SampledToken, ScheduledSequence, StepResult
+
+# SmolLM2's ids 0..16 are special tokens: tokens from the plain range read as words once decoded.
+FIRST_PLAIN_TOKEN = 17
+PLAIN_TOKEN_SPAN = 20000
 
 
-def hash_next_token(context: Sequence[int], vocab_size: int = 49152, first_id: int = 3) -> int:
-    """A token in [first_id, vocab_size) that depends on every token of the context (never EOS=2)."""
-    return first_id + zlib.crc32(array("q", context).tobytes()) % (vocab_size - first_id)
+def hash_next_token(
+    context: Sequence[int], first_id: int = FIRST_PLAIN_TOKEN, span: int = PLAIN_TOKEN_SPAN
+) -> int:
+    """A token in [first_id, first_id + span) that depends on every token of the context (never EOS)."""
+    return first_id + zlib.crc32(array("q", context).tobytes()) % span
 
 
 @dataclass(frozen=True)
@@ -41,76 +59,235 @@ class FakeRunner:
         max_model_len: int = 256,
         eos_token_ids: frozenset[int] = frozenset({2}),
         vocab_size: int = 49152,
+        pipeline_depth: int = 1,
         token_fn: Callable[[Sequence[int]], int] = hash_next_token,
+        script: Sequence[int] | None = None,
         fail_when: Callable[[Sequence[ScheduledSequence]], bool] | None = None,
+        fail_at_step: int | None = None,
         gate: threading.Event | None = None,
+        step_delay_s: float = 0.0,
+        per_token_delay_s: float = 0.0,
+        simulate_kv: bool = True,
+        can_restart: bool = False,
     ) -> None:
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
+        self.pipeline_depth = pipeline_depth
         self.token_fn = token_fn
-        self.fail_when = fail_when  # raise inside step() when it returns True
-        self.gate = gate  # step() blocks until it is set (lets tests hold a step "in flight")
+        self.script = list(script) if script is not None else None
+        self.fail_when = fail_when  # a step raises when it returns True
+        self.fail_at_step = fail_at_step  # every step from this one (1-based) raises
+        # step() blocks until the gate is set: tests hold a step "in flight" without sleeping on a clock.
+        self.gate = gate if gate is not None else threading.Event()
+        if gate is None:
+            self.gate.set()
         self.step_started = threading.Event()  # set when a step begins (cleared by the test)
-        # slot -> (request_id, token) of the last write
-        self._slots: list[tuple[str, int] | None] = [None] * (num_kv_blocks * block_size)
+        self.step_delay_s = step_delay_s  # a step's simulated time, plus per_token_delay_s per token
+        self.per_token_delay_s = per_token_delay_s
+        # False: read the context from the batch's prompt/output ids instead of the simulated cache, which
+        # costs O(context) Python per sampled token (the load tester's fake server runs long contexts).
+        self.simulate_kv = simulate_kv
+        self.dead_reason: str | None = None
+        # kill() takes it down like a dead worker (FatalRunnerError); restart() brings it back with an
+        # empty simulated cache, so a request that reads its old KV after a restart raises.
+        self.can_restart = can_restart
+        self.num_restarts = 0
+        self.fail_restart = False  # restart() raises instead
+        # slot -> (token, digest of the context through it) of the last write
+        self._slots: list[tuple[int, int] | None] = [None] * (
+            num_kv_blocks * block_size if simulate_kv else 0
+        )
         self.history: list[list[StepRecord]] = []
+        self.max_batch_seen = 0
+        # Pipelined submission (pipeline_depth > 1): batches submitted and not collected yet.
+        self.in_flight: list[list[ScheduledSequence]] = []
+        self.max_in_flight = 0
+        self._computed: dict[str, int] = {}  # tokens each request has had submitted
 
     @property
     def num_steps(self) -> int:
         return len(self.history)
 
-    def step(self, batch: Sequence[ScheduledSequence]) -> list[SampledToken | None]:
+    # ---- engine.contract.Executor ---------------------------------------------------------------------
+
+    def kill(self, reason: str = "worker fake-rank1 exited with code -9") -> None:
+        """Go down as a parallel engine does when a worker dies: every later step raises."""
+        self.dead_reason = reason
+
+    def restart(self) -> None:
+        if not self.can_restart or self.fail_restart:
+            raise FatalRunnerError(f"cannot restart: {self.dead_reason}")
+        self.num_restarts += 1
+        self.dead_reason = None
+        self.in_flight.clear()
+        self._computed.clear()
+        if self.simulate_kv:
+            self._slots = [None] * len(self._slots)
+
+    def _check_up(self) -> None:
+        if self.dead_reason is not None:
+            raise FatalRunnerError(f"the engine is down: {self.dead_reason}")
+
+    def submit(self, batch: Sequence[ScheduledSequence]) -> list[ScheduledSequence]:
+        self._check_up()
+        busy = {s.request_id for b in self.in_flight for s in b}
+        bs = self.block_size
+        writing = {
+            s.block_table[pos // bs]
+            for b in self.in_flight
+            for s in b
+            for pos in range(s.start_position, s.context_len)
+        }
+        for seq in batch:
+            assert seq.request_id not in busy, f"{seq.request_id} in two in-flight batches"
+            # Each batch continues where the last ended, except a preempted request (from 0) and one
+            # starting from cached blocks (at a block boundary).
+            start = seq.start_position
+            assert start == self._computed.get(seq.request_id, 0) or start % bs == 0, seq.request_id
+            # Blocks it reads without writing hold K/V that exist: no batch in flight is writing them.
+            assert not set(seq.block_table[: start // bs]) & writing, (
+                f"{seq.request_id} reads a block in flight"
+            )
+            self._computed[seq.request_id] = seq.context_len
+        self.in_flight.append(list(batch))
+        self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
+        assert len(self.in_flight) <= self.pipeline_depth, "more batches in flight than pipeline_depth"
+        return self.in_flight[-1]
+
+    def collect(self, handle: list[ScheduledSequence]) -> list[StepResult]:
+        self._check_up()
+        assert self.in_flight and handle is self.in_flight[0], "collected out of submission order"
+        self.in_flight.pop(0)
+        return self.step(handle)
+
+    # ---- one step -------------------------------------------------------------------------------------
+
+    def step(self, batch: Sequence[ScheduledSequence]) -> list[StepResult]:
         self.step_started.set()
-        if self.gate is not None:
-            self.gate.wait()
+        self.gate.wait()
+        delay = self.step_delay_s + self.per_token_delay_s * sum(s.num_tokens for s in batch)
+        if delay:
+            time.sleep(delay)
         self.history.append(
             [
                 StepRecord(s.request_id, s.start_position, s.num_tokens, s.sample, len(s.block_table))
                 for s in batch
             ]
         )
-        if self.fail_when is not None and self.fail_when(batch):
+        self.max_batch_seen = max(self.max_batch_seen, len(batch))
+        if (self.fail_when is not None and self.fail_when(batch)) or (
+            self.fail_at_step is not None and self.num_steps >= self.fail_at_step
+        ):
             raise RuntimeError("injected step failure")
+        if not self.simulate_kv:
+            return self._results(batch, [None] * len(batch))
         self._check_blocks(batch)
         bs = self.block_size
-        for seq in batch:
+        digests = [self._digests(seq) for seq in batch]
+        # Every write of the step lands before any read, as in a real forward pass (per layer).
+        for seq, digest in zip(batch, digests, strict=True):
             for i, tok in enumerate(seq.token_ids):
                 pos = seq.start_position + i
-                self._slots[seq.block_table[pos // bs] * bs + pos % bs] = (seq.request_id, tok)
-        out: list[SampledToken | None] = []
-        for seq in batch:
-            if not seq.sample:
-                out.append(None)
-                continue
-            context = [self._read(seq, pos) for pos in range(seq.context_len)]
-            tok = self.token_fn(context)
-            assert 0 <= tok < self.vocab_size
-            logprob = -float(tok % 7) / 7.0  # deterministic, so tests can check it is carried through
-            top = [(tok, logprob)] if seq.sampling.logprobs else []
-            out.append(SampledToken(tok, logprob if seq.sampling.logprobs is not None else None, top))
+                self._slots[seq.block_table[pos // bs] * bs + pos % bs] = (tok, digest[pos])
+        return self._results(batch, digests)
+
+    def _results(
+        self, batch: Sequence[ScheduledSequence], digests: Sequence[list[int] | None]
+    ) -> list[StepResult]:
+        out: list[StepResult] = []
+        for seq, digest in zip(batch, digests, strict=True):
+            scored = self._score(seq) if seq.num_prompt_scored else None
+            if seq.sample:
+                tok = self._sample(seq, digest)
+                tok.prompt_logprobs = scored
+                out.append(tok)
+            else:
+                out.append(scored)
         return out
 
-    def _read(self, seq: ScheduledSequence, pos: int) -> int:
+    @staticmethod
+    def _score(seq: ScheduledSequence) -> PromptLogprobs:
+        """Made-up but well-formed prompt logprobs: each scored token at rank 1, then alternatives."""
+        first = seq.start_position + 1
+        targets = seq.prompt_token_ids[first : first + seq.num_prompt_scored]
+        k = seq.sampling.prompt_logprobs or 0
+        logprobs = [-float(t % 5) / 5.0 for t in targets]
+        return PromptLogprobs(
+            logprobs=logprobs,
+            ranks=[1] * len(targets),
+            top_logprobs=[
+                [(t, lp), *((t + i, lp - i) for i in range(1, k))][:k]
+                for t, lp in zip(targets, logprobs, strict=True)
+            ],
+        )
+
+    def _sample(self, seq: ScheduledSequence, digest: list[int] | None) -> SampledToken:
+        params = seq.sampling
+        if digest is not None:
+            context = [self._read(seq, pos, digest[pos]) for pos in range(seq.context_len)]
+        else:
+            context = [*seq.prompt_token_ids, *seq.output_token_ids]
+        if self.script is not None:
+            tok = self.script[len(seq.output_token_ids) % len(self.script)]
+        elif params.seed is not None and not params.greedy:
+            tok = self.token_fn([params.seed, *context])
+        else:  # greedy, and unseeded sampling too: the same request always gives the same tokens
+            tok = self.token_fn(context)
+        assert 0 <= tok < self.vocab_size
+        if params.logprobs is None:
+            return SampledToken(tok)
+        # A made-up but well-formed distribution, deterministic so tests can check it is carried
+        # through: the chosen token is the likeliest, then `logprobs` alternatives.
+        logprob = -float(tok % 7) / 7.0
+        top = [(tok, logprob)] + [(tok + i, logprob - i) for i in range(1, params.logprobs)]
+        return SampledToken(tok, logprob, top[: params.logprobs])
+
+    @staticmethod
+    def _digests(seq: ScheduledSequence) -> list[int]:
+        """Digest of the request's context through each position of this step's context."""
+        context = [*seq.prompt_token_ids, *seq.output_token_ids][: seq.context_len]
+        if len(context) < seq.context_len or list(seq.token_ids) != context[seq.start_position :]:
+            raise AssertionError(f"{seq.request_id}: the step's tokens are not its prompt + outputs")
+        digests = []
+        crc = 0
+        for tok in context:
+            crc = zlib.crc32(tok.to_bytes(8, "little", signed=True), crc)
+            digests.append(crc)
+        return digests
+
+    def _read(self, seq: ScheduledSequence, pos: int, digest: int) -> int:
         bs = self.block_size
         entry = self._slots[seq.block_table[pos // bs] * bs + pos % bs]
-        if entry is None or entry[0] != seq.request_id:
-            raise AssertionError(f"{seq.request_id}: KV position {pos} holds {entry}, not its own token")
-        return entry[1]
+        if entry is None or entry[1] != digest:
+            raise AssertionError(f"{seq.request_id}: KV position {pos} holds {entry}, not its context's")
+        return entry[0]
 
     def _check_blocks(self, batch: Sequence[ScheduledSequence]) -> None:
-        seen: set[int] = set()
+        bs = self.block_size
         for seq in batch:
-            need = -(-seq.context_len // self.block_size)
+            need = -(-seq.context_len // bs)
             if len(seq.block_table) < need:
                 raise AssertionError(
                     f"{seq.request_id}: {len(seq.block_table)} blocks for {seq.context_len} tokens"
                 )
             if seq.context_len > self.max_model_len:
                 raise AssertionError(f"{seq.request_id}: context {seq.context_len} > {self.max_model_len}")
+            if len(set(seq.block_table)) != len(seq.block_table):
+                raise AssertionError(f"{seq.request_id}: a block twice in one table")
+            if not all(0 <= b < self.num_kv_blocks for b in seq.block_table):
+                raise AssertionError(f"{seq.request_id}: a block out of range in {list(seq.block_table)}")
+        # A block a sequence writes is in no other sequence's table this step: shared blocks are only
+        # read (a cached prefix), never written under another reader.
+        written: dict[int, str] = {}
+        for seq in batch:
+            for pos in range(seq.start_position, seq.context_len):
+                block = seq.block_table[pos // bs]
+                if written.setdefault(block, seq.request_id) != seq.request_id:
+                    raise AssertionError(f"{seq.request_id}: block {block} is written by two sequences")
+        for seq in batch:
             for b in seq.block_table:
-                if not 0 <= b < self.num_kv_blocks or b in seen:
-                    raise AssertionError(f"{seq.request_id}: block {b} out of range or shared")
-                seen.add(b)
+                if written.get(b, seq.request_id) != seq.request_id:
+                    raise AssertionError(f"{seq.request_id}: reads block {b}, which another sequence writes")

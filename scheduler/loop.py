@@ -1,9 +1,14 @@
-"""AsyncEngine: the asyncio iteration loop between the server and the model runner.
+"""IterationLoop: the asyncio iteration loop between the server and the engine's executor.
 
 One background task owns the scheduler. Each turn it drains pending aborts and finishes (so their KV
-blocks are free before the next step), schedules one iteration, runs `runner.step` in a single worker
-thread (the event loop keeps serving HTTP meanwhile), applies the sampled tokens and pushes deltas to
-per-request queues. With nothing to do it sleeps on an asyncio.Event until a request arrives.
+blocks are free before the next step), schedules one iteration, hands it to the executor in a single
+worker thread (the event loop keeps serving HTTP meanwhile), applies the sampled tokens and pushes
+deltas to per-request queues. With nothing to do it sleeps on an asyncio.Event until a request arrives.
+
+There is one loop for every executor: it keeps up to `pipeline_depth` batches in flight (ORCA's rule for
+pipeline parallelism, one batch per stage) and the single-process case is depth 1. Each turn makes one
+trip to the worker thread, which submits the new batch and, when the pipeline is full (always, at depth
+1), collects the oldest one.
 """
 
 from __future__ import annotations
@@ -14,12 +19,13 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 from typing import Any, Literal
 
-from engine.batch import ModelRunner, SamplingParams
+from engine.contract import Executor, FatalRunnerError, SamplingParams, StepResult
 from scheduler.config import SchedulerConfig
 from scheduler.core import ScheduledStep, Scheduler
-from scheduler.outputs import EngineStats, FinishReason, RequestDelta, StepReport
+from scheduler.outputs import FinishReason, RequestDelta, SchedulerStats, StepReport
 from scheduler.request import Request
 
 logger = logging.getLogger(__name__)
@@ -27,9 +33,36 @@ logger = logging.getLogger(__name__)
 StepListener = Callable[[StepReport], None]
 _Control = tuple[str, Literal["abort", "finish"]]
 
+# While idle, how often the loop checks that an executor that can restart is still up: a worker can
+# die with nothing running, and is restarted before a request needs it.
+IDLE_WATCH_S = 1.0
 
-class EngineDeadError(RuntimeError):
-    """The engine was shut down or its loop died; it takes no more requests."""
+
+class RestartBudget:
+    """At most `max_restarts` restarts within any `window_s` seconds: a worker that dies again and
+    again (a broken GPU, a request that crashes it every time) ends in a server that says so (503)."""
+
+    def __init__(self, max_restarts: int, window_s: float) -> None:
+        self.max_restarts = max_restarts
+        self.window_s = window_s
+        self._times: deque[float] = deque()
+
+    def allows(self, now: float) -> bool:
+        while self._times and now - self._times[0] > self.window_s:
+            self._times.popleft()
+        return len(self._times) < self.max_restarts
+
+    def record(self, now: float) -> None:
+        self._times.append(now)
+
+
+def new_step_thread() -> ThreadPoolExecutor:
+    """The single worker thread an engine is built in and steps run in (see IterationLoop)."""
+    return ThreadPoolExecutor(max_workers=1, thread_name_prefix="orca-step")
+
+
+class LoopStoppedError(RuntimeError):
+    """The loop was shut down or died (or its executor is down); it takes no more requests."""
 
 
 def _merge(a: RequestDelta, b: RequestDelta) -> RequestDelta:
@@ -45,26 +78,46 @@ def _merge(a: RequestDelta, b: RequestDelta) -> RequestDelta:
         error=b.error,
         num_prompt_tokens=b.num_prompt_tokens,
         num_output_tokens=b.num_output_tokens,
+        num_cached_tokens=b.num_cached_tokens,
         queue_time_s=a.queue_time_s if a.queue_time_s is not None else b.queue_time_s,
+        prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
     )
 
 
-class AsyncEngine:
-    def __init__(self, runner: ModelRunner, config: SchedulerConfig | None = None) -> None:
+@dataclass
+class _InFlight:
+    """A batch handed to the executor and not yet applied."""
+
+    step: ScheduledStep
+    started: float  # perf_counter() at submission
+    handle: Any = None  # the executor's, from submit()
+    sampled: list[StepResult] | None = None  # from collect()
+    error: Exception | None = None  # submit() or collect() raised
+
+
+class IterationLoop:
+    def __init__(
+        self,
+        executor: Executor,
+        config: SchedulerConfig | None = None,
+        step_thread: ThreadPoolExecutor | None = None,
+    ) -> None:
+        """`step_thread`: the one-worker pool steps run in (the caller's: the loop shuts down only a pool
+        it made itself). Pass the pool the executor was built in: OpenMP (torch's and the native kernels'
+        threads) keeps a team of threads per thread that starts parallel regions, and with a second
+        team on a machine with few cores libgomp stops spin-waiting, so every parallel region of a step
+        pays a sleep and a wake-up (measured on 2 cores: a 22 ms decode step took 30 ms)."""
         self.config = config or SchedulerConfig()
-        self._runner = runner
+        self._executor = executor
         # A request longer than the whole KV cache could never run (reserve) or would preempt itself
         # forever (lazy), so the cache's capacity caps the length like the model's limit does.
-        limits = [runner.max_model_len, runner.num_kv_blocks * runner.block_size]
-        if self.config.max_model_len is not None:
-            limits.append(self.config.max_model_len)
-        self.max_model_len: int = min(limits)
+        self.max_model_len: int = min(executor.max_model_len, executor.num_kv_blocks * executor.block_size)
         self._scheduler = Scheduler(
             self.config,
-            num_kv_blocks=runner.num_kv_blocks,
-            block_size=runner.block_size,
+            num_kv_blocks=executor.num_kv_blocks,
+            block_size=executor.block_size,
             max_model_len=self.max_model_len,
-            eos_token_ids=runner.eos_token_ids,
+            eos_token_ids=executor.eos_token_ids,
         )
         self._queues: dict[str, asyncio.Queue[RequestDelta]] = {}
         # Aborts and finishes from any thread; deque append/popleft are atomic, and the loop applies
@@ -74,11 +127,17 @@ class AsyncEngine:
         self._listeners: list[StepListener] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
-        self._executor: ThreadPoolExecutor | None = None
+        self._thread: ThreadPoolExecutor | None = step_thread
+        self._owns_thread = step_thread is None
         self._closed = False  # shut down, or the loop died: no new requests
         self._stopping = False
         self._dead = False  # the loop crashed
         self._num_steps = 0
+        # The executor went down in a step (FatalRunnerError): no new batches until it is restarted.
+        self._down: FatalRunnerError | None = None
+        self._restarting = False
+        self._restarts = RestartBudget(self.config.max_worker_restarts, self.config.worker_restart_window_s)
+        self._num_restarts = 0
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -87,15 +146,16 @@ class AsyncEngine:
 
     def _ensure_started(self) -> None:
         if self._closed:
-            raise EngineDeadError("the engine is not running")
+            raise LoopStoppedError("the loop is not running")
         if self._task is not None:
             return
         self._loop = asyncio.get_running_loop()
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orca-step")
+        if self._thread is None:
+            self._thread = new_step_thread()
         self._task = self._loop.create_task(self._run(), name="orca-scheduler-loop")
 
     async def shutdown(self) -> None:
-        """Abort everything, stop the loop after its current step, join the worker thread."""
+        """Abort everything, stop the loop after the steps in flight, join the worker thread."""
         self._closed = True
         self._stopping = True
         self._wake.set()
@@ -105,12 +165,11 @@ class AsyncEngine:
             except BaseException:  # already logged by the loop; shutting down regardless
                 logger.debug("scheduler loop ended with an error", exc_info=True)
         if not self._dead:  # after a crash the scheduler's state is not to be trusted; streams are closed
-            for request_id in list(self._scheduler.requests):
-                self._emit_all(self._scheduler.abort(request_id))
+            self._emit_all(self._scheduler.abort_all())
         self._fail_all(FinishReason.ABORT, None)  # any stream still open (none in normal operation)
-        if self._executor is not None:
-            executor, self._executor = self._executor, None
-            await asyncio.get_running_loop().run_in_executor(None, executor.shutdown, True)
+        if self._thread is not None and self._owns_thread:
+            thread, self._thread = self._thread, None
+            await asyncio.get_running_loop().run_in_executor(None, thread.shutdown, True)
 
     @property
     def is_running(self) -> bool:
@@ -118,14 +177,17 @@ class AsyncEngine:
             self._task is not None
             and not self._task.done()
             and not self._closed
-            and self._runner_down() is None
+            and not self._restarting
+            and self._executor.dead_reason is None
         )
 
-    def _runner_down(self) -> str | None:
-        """Why the runner can take no more steps (a multi-process runner whose worker died), if it
-        says so; a plain runner has no `dead_reason` and is never down."""
-        reason = getattr(self._runner, "dead_reason", None)
-        return reason if isinstance(reason, str) else None
+    @property
+    def is_restarting(self) -> bool:
+        """The executor's workers are being restarted: requests queue and run once they are back."""
+        return self._restarting and not self._closed
+
+    def _will_restart(self) -> bool:
+        return self._restarting or (self._executor.can_restart and self._restarts.allows(time.monotonic()))
 
     # ---- requests -------------------------------------------------------------------------------
 
@@ -134,32 +196,29 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestDelta]:
         """Queue a request and return its deltas as an async iterator (call from the event loop).
 
-        Raises ValueError at once for a request that cannot run (empty prompt, too long, duplicate
-        id) and EngineDeadError once the engine is shut down. Closing the iterator before the last
+        This is where a request is validated, once: ValueError at once for a request that cannot run
+        (empty prompt, too long, token ids outside the vocabulary, duplicate id), LoopStoppedError once
+        the loop is shut down. Steps then trust their batches. Closing the iterator before the last
         delta (aclose(), a cancelled task, a client gone) aborts the request.
         """
-        down = self._runner_down()
-        if down is not None:
-            raise EngineDeadError(f"the engine is not running: {down}")
+        down = self._executor.dead_reason
+        if down is not None and not self._will_restart():
+            raise LoopStoppedError(f"the engine is not running: {down}")
         if self._closed:
-            raise EngineDeadError("the engine is not running")
+            raise LoopStoppedError("the loop is not running")
         prompt = tuple(prompt_ids)
-        self._scheduler.validate(request_id, len(prompt), params.max_tokens)
         self._check_token_ids(prompt, params)
-        self._ensure_started()
         # Safe while a step is in flight: the step holds only running requests, this joins `waiting`.
-        self._scheduler.add(Request(request_id, prompt, params))
+        self._scheduler.add(Request(request_id, prompt, params))  # validates lengths and the id
+        self._ensure_started()
         queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         self._queues[request_id] = queue
         self._wake.set()
         return self._stream(request_id, queue)
 
     def _check_token_ids(self, prompt: Sequence[int], params: SamplingParams) -> None:
-        """Reject ids the model does not have here: in a step they would fail every request batched
-        with this one. (The runner's vocab_size is optional in the protocol; skipped without it.)"""
-        vocab = getattr(self._runner, "vocab_size", None)
-        if not isinstance(vocab, int):
-            return
+        """Reject ids the model does not have: in a step they would index past the embedding."""
+        vocab = self._executor.vocab_size
         ids = [*prompt, *(params.logit_bias or ()), *params.stop_token_ids]
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
@@ -208,16 +267,8 @@ class AsyncEngine:
 
     # ---- observability --------------------------------------------------------------------------
 
-    def stats(self) -> EngineStats:
-        s = self._scheduler
-        return EngineStats(
-            running=len(s.running),
-            waiting=len(s.waiting),
-            kv_blocks_used=s.allocator.num_used,
-            kv_blocks_total=s.allocator.num_blocks,
-            num_preemptions=s.num_preemptions,
-            num_steps=self._num_steps,
-        )
+    def stats(self) -> SchedulerStats:
+        return replace(self._scheduler.stats(), num_steps=self._num_steps, num_restarts=self._num_restarts)
 
     def add_step_listener(self, cb: StepListener) -> None:
         """Call cb(StepReport) after every step, on the event loop thread; keep it cheap."""
@@ -233,124 +284,147 @@ class AsyncEngine:
             self._fail_all(FinishReason.ERROR, "the scheduler loop was cancelled")
             raise
         except Exception as exc:
-            logger.exception("the scheduler loop died")
+            if not isinstance(exc, FatalRunnerError):
+                logger.exception("the scheduler loop died")
             self._closed = self._dead = True
             self._fail_all(FinishReason.ERROR, f"the scheduler loop died: {type(exc).__name__}: {exc}")
 
     async def _iterate(self) -> None:
-        depth = getattr(self._runner, "pipeline_depth", 1)
-        if isinstance(depth, int) and depth > 1:
-            await self._iterate_pipelined(depth)
-            return
         loop = asyncio.get_running_loop()
-        assert self._executor is not None
+        assert self._thread is not None
         sched = self._scheduler
-        while not self._stopping:
-            self._drain_control()
-            if not sched.has_work():
-                self._wake.clear()
-                if not self._control and not self._stopping:
-                    await self._wake.wait()
-                continue
-            step = sched.schedule()
-            self._emit_all(step.released)
-            if not step.seqs:
-                if step.released or step.preempted:
-                    continue
-                raise RuntimeError("the scheduler has work but scheduled nothing")
-            t0 = time.perf_counter()
-            failed = False
-            try:
-                sampled = await loop.run_in_executor(self._executor, self._runner.step, step.seqs)
-                updated = sched.update(step, sampled)
-            except Exception as exc:
-                logger.exception(
-                    "step %d failed; failing its %d requests: %s",
-                    self._num_steps,
-                    step.num_seqs,
-                    ", ".join(r.request_id for r in step.requests),
-                )
-                updated = sched.fail(step.requests, f"{type(exc).__name__}: {exc}")
-                failed = True
-                if getattr(exc, "fatal", False):
-                    # The runner cannot recover (a worker process died): stop, failing every request.
-                    self._emit_all(updated)
-                    raise
-            duration = time.perf_counter() - t0
-            self._num_steps += 1
-            self._emit_all(updated)
-            if self._listeners:
-                self._report(step, updated, duration, failed)
-
-    async def _iterate_pipelined(self, depth: int) -> None:
-        """ORCA's pipelined loop: keep up to `depth` batches in flight (one per pipeline stage) and wait
-        only when that many are outstanding. The runner has submit(seqs) -> handle (returns once the
-        first stage has its share) and collect(handle) -> sampled tokens, called in submission order.
-        A request is in at most one in-flight batch: the scheduler skips those in flight."""
-        loop = asyncio.get_running_loop()
-        assert self._executor is not None
-        runner: Any = self._runner
-        sched = self._scheduler
-        in_flight: deque[tuple[ScheduledStep, Any, float]] = deque()
-        busy: set[str] = set()
+        depth = self._executor.pipeline_depth
+        in_flight: deque[_InFlight] = deque()
+        busy: set[str] = set()  # ids of the requests in in-flight batches
         while in_flight or not self._stopping:
             self._drain_control()
-            if not self._stopping and len(in_flight) < depth and sched.has_work():
+            if not in_flight and not self._stopping and self._is_down():
+                await self._recover(loop)
+                continue
+            new: _InFlight | None = None
+            if not self._stopping and self._down is None and len(in_flight) < depth and sched.has_work():
                 # Spread the requests over the batches in flight: one batch holding all of them would
                 # leave the other stages idle (each request waits for its batch before it runs again).
-                per_batch = -(-(len(sched.running) + len(sched.waiting)) // depth)
-                step = sched.schedule(in_flight=busy, max_seqs=per_batch)
+                step = sched.schedule(in_flight=busy, max_seqs=-(-sched.num_unfinished // depth))
                 self._emit_all(step.released)
                 if step.seqs:
-                    t0 = time.perf_counter()
-                    try:
-                        handle = await loop.run_in_executor(self._executor, runner.submit, step.seqs)
-                    except Exception as exc:
-                        self._step_failed(step, exc, t0)
-                        continue
-                    in_flight.append((step, handle, t0))
+                    new = _InFlight(step, time.perf_counter())
+                    in_flight.append(new)
                     busy.update(r.request_id for r in step.requests)
+                elif (step.released or step.preempted) and not in_flight:
                     continue
-                if (step.released or step.preempted) and not in_flight:
-                    continue
-            if in_flight:
-                step, handle, t0 = in_flight.popleft()
-                try:
-                    sampled = await loop.run_in_executor(self._executor, runner.collect, handle)
-                    updated = sched.update(step, sampled)
-                except Exception as exc:
-                    self._step_failed(step, exc, t0)
-                    continue
-                finally:
-                    busy.difference_update(r.request_id for r in step.requests)
-                self._num_steps += 1
-                self._emit_all(updated)
-                if self._listeners:
-                    self._report(step, updated, time.perf_counter() - t0, False)
-                continue
-            if not sched.has_work():
+            if not in_flight:
+                if sched.has_work() and not self._stopping:
+                    raise RuntimeError("the scheduler has work but scheduled nothing")
                 self._wake.clear()
                 if not self._control and not self._stopping:
-                    await self._wake.wait()
+                    await self._idle()
                 continue
-            raise RuntimeError("the scheduler has work but scheduled nothing")
+            # Collect the oldest batch once the pipeline is full, or when there is nothing new to add.
+            oldest = in_flight[0] if new is None or len(in_flight) == depth else None
+            await loop.run_in_executor(self._thread, self._turn, new, oldest)
+            if new is not None and new.error is not None:
+                in_flight.remove(new)
+                busy.difference_update(r.request_id for r in new.step.requests)
+                self._step_done(new)
+            if oldest is not None and oldest in in_flight:
+                in_flight.popleft()
+                busy.difference_update(r.request_id for r in oldest.step.requests)
+                self._step_done(oldest)
 
-    def _step_failed(self, step: ScheduledStep, exc: Exception, t0: float) -> None:
-        """Fail a step's requests; re-raise (ending the loop) if the runner cannot recover."""
-        logger.error(
-            "step %d failed; failing its %d requests: %s",
-            self._num_steps,
-            step.num_seqs,
-            ", ".join(r.request_id for r in step.requests),
-            exc_info=exc,
+    async def _idle(self) -> None:
+        """Sleep until there is work; an executor that can restart is checked meanwhile (IDLE_WATCH_S)."""
+        if not self._executor.can_restart:
+            await self._wake.wait()
+            return
+        try:
+            await asyncio.wait_for(self._wake.wait(), IDLE_WATCH_S)
+        except asyncio.TimeoutError:
+            pass
+
+    def _is_down(self) -> bool:
+        return self._down is not None or self._executor.dead_reason is not None
+
+    async def _recover(self, loop: asyncio.AbstractEventLoop) -> None:
+        """The executor is down (a worker died). Its KV cache is lost with it, so the running requests
+        fail (an error event, or a 500): recomputing them instead would run again whatever request
+        may have crashed the worker and spend the restart budget on it. Waiting requests had nothing
+        cached and are served once the executor is back. Raises FatalRunnerError, which ends the loop,
+        when the executor cannot restart, the budget is spent, or the restart fails."""
+        executor = self._executor
+        cause = executor.dead_reason or str(self._down)
+        self._down = None
+        self._emit_all(
+            self._scheduler.kv_cache_lost(f"the engine went down while running this request: {cause}")
         )
-        updated = self._scheduler.fail(step.requests, f"{type(exc).__name__}: {exc}")
+        now = time.monotonic()
+        if not executor.can_restart:
+            raise FatalRunnerError(cause)
+        if not self._restarts.allows(now):
+            cfg = self.config
+            logger.error(
+                "the engine is down (%s) after %d restarts within %g s: giving up",
+                cause,
+                cfg.max_worker_restarts,
+                cfg.worker_restart_window_s,
+            )
+            raise FatalRunnerError(f"{cause} (restarted {cfg.max_worker_restarts} times already)")
+        self._restarts.record(now)
+        self._restarting = True
+        logger.warning(
+            "the engine is down (%s): restarting it; %d waiting requests run once it is back",
+            cause,
+            self._scheduler.stats().waiting,
+        )
+        try:
+            await loop.run_in_executor(self._thread, executor.restart)
+        except Exception as exc:
+            logger.error("restarting the engine failed: %s", exc)
+            raise FatalRunnerError(f"{cause}; restarting failed: {exc}") from exc
+        finally:
+            self._restarting = False
+        self._num_restarts += 1
+
+    def _turn(self, new: _InFlight | None, oldest: _InFlight | None) -> None:
+        """The worker thread's share of one turn: submit the new batch, collect the oldest."""
+        executor = self._executor
+        if new is not None:
+            try:
+                new.handle = executor.submit(new.step.seqs)
+            except Exception as exc:
+                new.error = exc
+        if oldest is not None and oldest.error is None:
+            try:
+                oldest.sampled = executor.collect(oldest.handle)
+            except Exception as exc:
+                oldest.error = exc
+
+    def _step_done(self, done: _InFlight) -> None:
+        """Apply a finished batch's tokens (or fail its requests), count it, tell the listeners.
+        A FatalRunnerError marks the executor down: no new batch until _recover()."""
+        step, exc = done.step, done.error
+        updated: list[Request] = []
+        if exc is None:
+            assert done.sampled is not None
+            try:
+                updated = self._scheduler.update(step, done.sampled)
+            except Exception as update_exc:  # the executor returned something that does not fit
+                exc = update_exc
+        if exc is not None:
+            logger.error(
+                "step %d failed; failing its %d requests: %s",
+                self._num_steps,
+                step.num_seqs,
+                ", ".join(r.request_id for r in step.requests),
+                exc_info=exc,
+            )
+            updated = self._scheduler.fail(step.requests, f"{type(exc).__name__}: {exc}")
         self._num_steps += 1
         self._emit_all(updated)
-        if getattr(exc, "fatal", False):
-            raise exc
         if self._listeners:
-            self._report(step, updated, time.perf_counter() - t0, True)
+            self._report(step, updated, time.perf_counter() - done.started, exc is not None)
+        if isinstance(exc, FatalRunnerError) and self._down is None:
+            self._down = exc
 
     def _drain_control(self) -> None:
         sched = self._scheduler
@@ -360,6 +434,11 @@ class AsyncEngine:
             self._emit_all(released)
 
     def _report(self, step: ScheduledStep, updated: list[Request], duration: float, failed: bool) -> None:
+        # Plain lists of ids and ints, built only when someone listens: a few hundred ns per request.
+        finished = [r.request_id for r in step.released]
+        finished += [r.request_id for r in updated if r.is_finished]
+        starts = [seq.start_position for seq in step.seqs]
+        stats = self._scheduler.stats()
         report = StepReport(
             num_seqs=step.num_seqs,
             num_tokens=step.num_tokens,
@@ -369,6 +448,20 @@ class AsyncEngine:
             num_preempted=len(step.preempted),
             num_finished=sum(1 for r in updated if r.is_finished),
             failed=failed,
+            step=self._num_steps,
+            request_ids=[seq.request_id for seq in step.seqs],
+            request_num_tokens=[len(seq.token_ids) for seq in step.seqs],
+            request_start_positions=starts,
+            # As the scheduler counts decode tokens: one token past the prompt.
+            request_is_decode=[
+                len(seq.token_ids) == 1 and start >= req.num_prompt_tokens
+                for seq, start, req in zip(step.seqs, starts, step.requests, strict=True)
+            ],
+            preempted_ids=[r.request_id for r in step.preempted],
+            finished_ids=finished,
+            num_waiting=stats.waiting,
+            kv_blocks_used=stats.kv_blocks_used,
+            kv_blocks_total=stats.kv_blocks_total,
         )
         for cb in self._listeners:
             try:
@@ -409,7 +502,11 @@ class AsyncEngine:
                 error=req.error,
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_output_tokens=req.num_output_tokens,
+                num_cached_tokens=req.num_cached_tokens,
                 queue_time_s=queue_time,
+                prompt_logprobs=[None, *req.prompt_logprobs]
+                if start == 0 and req.sampling.prompt_logprobs is not None
+                else None,
             )
         )
         req.num_emitted_tokens = req.num_output_tokens
@@ -418,7 +515,7 @@ class AsyncEngine:
         """End every open stream (the loop died, or shutdown), so no client waits forever."""
         queues, self._queues = self._queues, {}
         for request_id, queue in queues.items():
-            req = self._scheduler.requests.get(request_id)
+            req = self._scheduler.get(request_id)
             queue.put_nowait(
                 RequestDelta(
                     request_id=request_id,

@@ -18,6 +18,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # best first
+    rank: int | None = None  # 1 = the likeliest (prompt logprobs report it, as vLLM does)
 
 
 @dataclass
@@ -31,19 +32,37 @@ class RequestDelta:
     error: str | None = None  # with FinishReason.ERROR
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far, this delta included
+    # Prompt tokens that came from the prefix cache instead of being computed (usage's cached_tokens).
+    num_cached_tokens: int = 0
     # On the request's first delta only (None after): seconds from arrival to its first scheduling,
     # vLLM's request_queue_time. None also when the request ended before it was ever scheduled.
     queue_time_s: float | None = None
+    # On the first delta only, with SamplingParams.prompt_logprobs: one per prompt token, None for
+    # the first (nothing precedes it).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
-class EngineStats:
+class PrefixCacheStats:
+    """Running totals of the prefix cache, in tokens like vLLM's counters, and its size now."""
+
+    queries: int = 0  # tokens of requests looked up at their first admission (vLLM's queries)
+    hits: int = 0  # of those, tokens taken from the cache instead of computed (vLLM's hits)
+    computed_prompt_tokens: int = 0  # prompt tokens (and recomputed outputs) actually run
+    cached_blocks: int = 0  # blocks holding a reusable prefix now, held or evictable
+    evictions: int = 0  # cached blocks whose memory was taken for new tokens
+
+
+@dataclass
+class SchedulerStats:
     running: int
     waiting: int
-    kv_blocks_used: int
+    kv_blocks_used: int  # held by requests; cached blocks nobody holds count as free
     kv_blocks_total: int
     num_preemptions: int
     num_steps: int
+    prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
+    num_restarts: int = 0  # of the executor (its workers died), by the loop
 
     @property
     def kv_usage(self) -> float:
@@ -52,7 +71,7 @@ class EngineStats:
 
 @dataclass
 class StepReport:
-    """What one iteration did, for the server's metrics (handed to AsyncEngine step listeners)."""
+    """What one iteration did, for the server's metrics (handed to IterationLoop step listeners)."""
 
     num_seqs: int
     num_tokens: int
@@ -62,3 +81,18 @@ class StepReport:
     num_preempted: int = 0
     num_finished: int = 0
     failed: bool = False  # the step raised; its requests got an error delta
+    # Per-request detail, for the live iteration view: what the loop already holds, as ids and ints
+    # (no per-request objects). The batch in order: request_ids[i] ran request_num_tokens[i] tokens
+    # from position request_start_positions[i] (0: admitted this step, or recomputing after a
+    # preemption); request_is_decode[i] says it ran one output token rather than a prompt chunk.
+    step: int = 0  # the loop's step counter, 1 for the first step
+    request_ids: list[str] = field(default_factory=list)
+    request_num_tokens: list[int] = field(default_factory=list)
+    request_start_positions: list[int] = field(default_factory=list)
+    request_is_decode: list[bool] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+    # Ended by this step (or while scheduling it): stop, length, error. Aborts between steps are not here.
+    finished_ids: list[str] = field(default_factory=list)
+    num_waiting: int = 0  # after the step
+    kv_blocks_used: int = 0
+    kv_blocks_total: int = 0

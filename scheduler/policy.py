@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 
-from scheduler.block_allocator import BlockAllocator
+from scheduler.block_allocator import BlockAllocator, BlockHash, blocks_for_tokens, hash_block
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request
 
@@ -14,27 +14,112 @@ from scheduler.request import Request
 
 
 class KVPolicy(ABC):
-    """Decides how many KV blocks a request takes, and when."""
+    """Decides how many KV blocks a request takes, and when; with prefix caching, also which cached
+    blocks a request starts from and when its computed blocks become cached."""
 
     # Whether running out of blocks preempts a running request (else it is a bug: the policy reserved).
     preempts: bool
 
     def __init__(self, allocator: BlockAllocator, max_model_len: int) -> None:
         self.allocator = allocator
+        self.block_size = allocator.block_size
         self.max_model_len = max_model_len
 
     @abstractmethod
-    def admit(self, req: Request, num_new_tokens: int) -> bool:
-        """Take the blocks a waiting request needs to join with num_new_tokens run at once.
-        False, with nothing taken, if they are not free."""
+    def _tokens_to_hold(self, req: Request, num_tokens_after: int) -> int:
+        """Tokens a request's table must cover at admission, where the step leaves num_tokens_after
+        computed."""
+
+    def admit(self, req: Request, cached: list[int], num_new_tokens: int) -> bool:
+        """Start a waiting request from `cached` (from cached_prefix) and take the blocks it needs to
+        run num_new_tokens more. False, with nothing taken, if they are not free."""
+        bs = self.block_size
+        start = len(cached) * bs
+        need = max(0, blocks_for_tokens(self._tokens_to_hold(req, start + num_new_tokens), bs) - len(cached))
+        # A cached block nobody holds counts among the free ones: taking it uses one up.
+        if need + self.allocator.num_unheld(cached) > self.allocator.num_free:
+            return False
+        self.allocator.take(cached)
+        req.block_ids.extend(cached)
+        self.allocator.append_blocks(req.block_ids, need)
+        req.num_computed_tokens = start
+        req.num_offered_blocks = len(cached)
+        return True
 
     def grow(self, req: Request, num_new_tokens: int) -> bool:
         """Take the blocks a running request needs to run num_new_tokens more. False if not free."""
         return self.allocator.ensure_capacity(req.block_ids, req.num_computed_tokens + num_new_tokens)
 
     def release(self, req: Request) -> None:
-        self.allocator.free(req.block_ids)
+        self.allocator.free(reversed(req.block_ids))  # the tail first: it is evicted first
         req.block_ids.clear()
+        req.num_offered_blocks = 0
+
+    # ---- the prefix cache -------------------------------------------------------------------------
+
+    def block_hashes(self, req: Request, num_blocks: int) -> list[BlockHash]:
+        """The request's list of full-block names, grown to at least num_blocks (each one is computed
+        once per request: a name depends only on the tokens up to its block's end)."""
+        hashes = req.block_hashes
+        bs = self.block_size
+        while len(hashes) < num_blocks:
+            i = len(hashes)
+            hashes.append(hash_block(hashes[-1] if hashes else None, req.token_slice(i * bs, (i + 1) * bs)))
+        return hashes
+
+    def num_cacheable_blocks(self, req: Request) -> int:
+        """Blocks of the request that may come from the cache: the last token is always computed, since
+        its logits give the next token; none for a request that scores its prompt (prompt logprobs
+        need the logits at every prompt position, as in vLLM)."""
+        if req.sampling.prompt_logprobs is not None:
+            return 0
+        return (req.num_tokens - 1) // self.block_size
+
+    def cached_prefix(self, req: Request) -> list[int]:
+        """The cached blocks that continue the request from its first uncomputed block: the longest run
+        whose names match its tokens (nothing is taken). Empty unless that block starts at a block
+        boundary and caching is on."""
+        bs = self.block_size
+        if not self.allocator.enable_caching or req.num_computed_tokens % bs:
+            return []
+        first = req.num_computed_tokens // bs
+        last = self.num_cacheable_blocks(req)
+        if first >= last:
+            return []
+        return self.allocator.lookup(self.block_hashes(req, last)[first:last])
+
+    def extend_from_cache(self, req: Request) -> int:
+        """Continue a running request mid-prompt from blocks another request has computed since it was
+        admitted (it waited for them). Blocks it reserved past its computed tokens were never written
+        and are given back. Returns the tokens it no longer has to compute."""
+        cached = self.cached_prefix(req)
+        if not cached:
+            return 0
+        first = req.num_computed_tokens // self.block_size
+        table = req.block_ids
+        self.allocator.take(cached)
+        for i, block in enumerate(cached, start=first):
+            if i < len(table):
+                self.allocator.free([table[i]])
+                table[i] = block
+            else:
+                table.append(block)
+        req.num_computed_tokens += len(cached) * self.block_size
+        req.num_offered_blocks = req.num_computed_tokens // self.block_size
+        return len(cached) * self.block_size
+
+    def offer_computed(self, req: Request) -> None:
+        """Cache the request's blocks that its computed tokens have filled (called once a step's K/V
+        exist, never at scheduling: a block a batch in flight is still writing must not be reused)."""
+        if not self.allocator.enable_caching:
+            return
+        full = req.num_computed_tokens // self.block_size
+        if full <= req.num_offered_blocks:
+            return
+        hashes = self.block_hashes(req, full)
+        for i in range(req.num_offered_blocks, full):
+            self.allocator.cache(req.block_ids[i], hashes[i])
+        req.num_offered_blocks = full
 
 
 class LazyKV(KVPolicy):
@@ -42,21 +127,21 @@ class LazyKV(KVPolicy):
 
     preempts = True
 
-    def admit(self, req: Request, num_new_tokens: int) -> bool:
-        return self.grow(req, num_new_tokens)
+    def _tokens_to_hold(self, req: Request, num_tokens_after: int) -> int:
+        return num_tokens_after
 
 
 class ReserveKV(KVPolicy):
-    """ORCA's rule: reserve prompt + max_tokens at admission, so a running request never runs out."""
+    """ORCA's rule: reserve prompt + max_tokens at admission, so a running request never runs out.
+    Blocks that come from the prefix cache are shared, not reserved again."""
 
     preempts = False
 
-    def admit(self, req: Request, num_new_tokens: int) -> bool:
+    def _tokens_to_hold(self, req: Request, num_tokens_after: int) -> int:
         # Outputs already made count against max_tokens (relevant only if a request was preempted
         # under another policy; reserve itself never preempts).
         remaining_outputs = req.sampling.max_tokens - req.num_output_tokens
-        total = min(req.num_tokens + remaining_outputs, self.max_model_len)
-        return self.allocator.ensure_capacity(req.block_ids, total)
+        return min(req.num_tokens + remaining_outputs, self.max_model_len)
 
 
 def make_kv_policy(config: SchedulerConfig, allocator: BlockAllocator, max_model_len: int) -> KVPolicy:

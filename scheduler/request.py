@@ -7,7 +7,8 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.batch import SamplingParams
+from engine.contract import PromptLogprobs, SamplingParams
+from scheduler.block_allocator import BlockHash
 from scheduler.outputs import FinishReason, TokenLogprob
 
 
@@ -46,9 +47,18 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     # One per output token, only when sampling.logprobs is set.
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Prompt tokens 1.. scored so far, only when sampling.prompt_logprobs is set (token 0 has none).
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     # Tokens of prompt + outputs whose K/V are in the cache. Reset to 0 by preemption (recompute).
     num_computed_tokens: int = 0
     block_ids: list[int] = field(default_factory=list)
+    # Prefix caching: names of the request's full blocks of prompt + outputs (computed on demand, kept
+    # across preemptions: they depend only on the tokens), how many of `block_ids` have been offered to
+    # the cache, and the prompt tokens taken from the cache instead of computed (OpenAI's
+    # usage.prompt_tokens_details.cached_tokens; fixed once the request is first preempted).
+    block_hashes: list[BlockHash] = field(default_factory=list)
+    num_offered_blocks: int = 0
+    num_cached_tokens: int = 0
     # Output tokens already handed to the client, so a recomputed request never re-emits them.
     num_emitted_tokens: int = 0
     num_preemptions: int = 0
@@ -84,6 +94,25 @@ class Request:
     @property
     def finish_reason(self) -> FinishReason | None:
         return self.status.finish_reason
+
+    def prompt_tokens_to_score(self, start: int, end: int) -> int:
+        """How many leading positions of the chunk [start, end) to score for prompt logprobs: each
+        position before the prompt's last predicts a prompt token. None once all are scored (a
+        recompute after a preemption does not score them again)."""
+        if self.sampling.prompt_logprobs is None or len(self.prompt_logprobs) >= self.num_prompt_tokens - 1:
+            return 0
+        return max(0, min(end, self.num_prompt_tokens - 1) - start)
+
+    def add_prompt_logprobs(self, start: int, scored: PromptLogprobs) -> None:
+        """Keep what a step scored from position `start` on (prompt token start + 1 first)."""
+        have = len(self.prompt_logprobs)
+        for j, (lp, top) in enumerate(zip(scored.logprobs, scored.top_logprobs, strict=True)):
+            index = start + 1 + j  # the prompt token scored
+            if index == have + 1:
+                self.prompt_logprobs.append(
+                    TokenLogprob(self.prompt_token_ids[index], lp, top, rank=scored.ranks[j])
+                )
+                have += 1
 
     def token_slice(self, start: int, end: int) -> Sequence[int]:
         """Tokens [start, end) of prompt + outputs, without copying the prompt when it is enough."""

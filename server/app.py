@@ -11,13 +11,13 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from server.config import ServerConfig
 from server.errors import install_error_handlers
-from server.middleware import APIKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
-from server.routes import chat, completions, misc
+from server.middleware import PUBLIC_PATHS, APIKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
+from server.routes import chat, completions, misc, webui
 from server.state import ModelLoader, ServerState
 
 
 def create_app(config: ServerConfig, loader: ModelLoader | None = None) -> FastAPI:
-    """An app serving `config.model`. `loader` builds the runner and tokenizer (in a worker thread);
+    """An app serving `config.engine.model`. `loader` builds the runner and tokenizer (in a worker thread);
     the default loads the real engine. The model loads during the lifespan's startup without
     blocking it, so the server answers (/health: 503) while the weights load."""
     if loader is None:
@@ -40,8 +40,13 @@ def create_app(config: ServerConfig, loader: ModelLoader | None = None) -> FastA
     # add_middleware puts each one outside the previous: the request id is outermost so that every
     # answer (401 and 413 included) carries it; CORS sits outside the key check so that a browser
     # can read a 401; the key check comes before the body is read.
-    app.add_middleware(BodySizeLimitMiddleware, limit=config.max_body_bytes)
-    app.add_middleware(APIKeyMiddleware, keys=config.all_api_keys)
+    app.add_middleware(BodySizeLimitMiddleware, limit=config.max_body_bytes, timeout_s=config.body_timeout_s)
+    app.add_middleware(
+        APIKeyMiddleware,
+        keys=config.all_api_keys,
+        public_paths=PUBLIC_PATHS | webui.PAGES if config.webui else PUBLIC_PATHS,
+        public_prefixes=(webui.ASSETS_PREFIX,) if config.webui else (),
+    )
     if config.allowed_origins is not None:
         app.add_middleware(
             CORSMiddleware,
@@ -55,4 +60,6 @@ def create_app(config: ServerConfig, loader: ModelLoader | None = None) -> FastA
     app.include_router(misc.router)
     app.include_router(completions.router)
     app.include_router(chat.router)
+    if config.webui:
+        webui.mount(app)
     return app

@@ -3,16 +3,22 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import signal
 import sys
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import fields
 from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from server.config import ServerConfig, parse_size, read_key_file
+from engine.cli_args import size_arg
+from engine.config import EngineConfig
+from scheduler.config import SchedulerConfig
+from server.config import ServerConfig, read_key_file
 
 if TYPE_CHECKING:
     from server.state import ServerState
@@ -22,74 +28,21 @@ if TYPE_CHECKING:
 API_KEY_ENV = "ORCA_API_KEY"
 
 
-def _size(text: str) -> int:
-    try:
-        return parse_size(text)
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
-
-
 def build_parser() -> argparse.ArgumentParser:
-    d = ServerConfig()
+    """Every flag, each default taken from the config dataclass that holds it."""
+    d = ServerConfig
     p = argparse.ArgumentParser(
         prog="orca-serve", description="OpenAI-compatible LLM server with ORCA iteration-level scheduling."
     )
+    EngineConfig.add_cli_args(p)
+    SchedulerConfig.add_cli_args(p)
     p.add_argument(
-        "--model",
-        default=d.model,
-        help="HF model directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)",
-    )
-    p.add_argument(
-        "--served-model-name", default=None, help="name clients send as `model` (default: the --model value)"
+        "--served-model-name",
+        default=d.served_model_name,
+        help="name clients send as `model` (default: the --model value)",
     )
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
-    p.add_argument("--dtype", default=d.dtype, choices=["auto", "float32", "bfloat16", "float16"])
-    p.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
-    p.add_argument(
-        "--max-num-seqs", type=int, default=d.max_num_seqs, help="most requests per iteration (ORCA's max_bs)"
-    )
-    p.add_argument(
-        "--max-num-batched-tokens",
-        type=int,
-        default=d.max_num_batched_tokens,
-        help="token budget per iteration",
-    )
-    p.add_argument(
-        "--max-model-len", type=int, default=None, help="cap on prompt + output tokens (default: the model's)"
-    )
-    kv = p.add_mutually_exclusive_group()
-    kv.add_argument(
-        "--kv-cache-memory", type=_size, default=None, help="KV cache bytes, suffixes allowed: 512MiB, 2GiB"
-    )
-    kv.add_argument("--num-kv-blocks", type=int, default=None, help="exact number of KV cache blocks")
-    p.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-    p.add_argument("--scheduling", default=d.scheduling, choices=["iteration", "request"])
-    p.add_argument("--kv-policy", default=d.kv_policy, choices=["lazy", "reserve"])
-    p.add_argument("--no-chunked-prefill", action="store_true", help="run each prompt in one iteration")
-    p.add_argument(
-        "--attention-backend", default=d.attention_backend, help="auto, sdpa, torch-varlen, flash-attn, ..."
-    )
-    p.add_argument(
-        "--weight-packing",
-        default=d.weight_packing,
-        choices=["auto", "off"],
-        help="auto: run exactly group-quantized weights (a GGUF model's) on the int8 CPU kernel, "
-        "bit-identical weights at 1.25 instead of 4 bytes each; off: keep float32",
-    )
-    p.add_argument(
-        "--tensor-parallel-size",
-        type=int,
-        default=d.tensor_parallel_size,
-        help="ranks that split every layer; workers start on this machine, or under torchrun "
-        "(docs/parallelism.md)",
-    )
-    p.add_argument(
-        "--pipeline-parallel-size",
-        type=int,
-        default=d.pipeline_parallel_size,
-        help="stages the layers are split into; that many batches are kept in flight",
-    )
     p.add_argument(
         "--api-key",
         action="append",
@@ -112,31 +65,78 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--request-timeout",
+        dest="request_timeout_s",
+        metavar="SECONDS",
         type=float,
-        default=None,
+        default=d.request_timeout_s,
         help="seconds a request may run before it is aborted with 408 (default: no limit)",
     )
-    p.add_argument("--max-body-size", type=_size, default=d.max_body_bytes, help="request body limit (413)")
+    p.add_argument(
+        "--max-body-size",
+        dest="max_body_bytes",
+        metavar="SIZE",
+        type=size_arg,
+        default=d.max_body_bytes,
+        help="request body limit (413)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=d.max_connections,
+        help="open connections; a request on a connection past it gets a fast 503 (0: no cap)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        dest="body_timeout_s",
+        metavar="SECONDS",
+        type=float,
+        default=d.body_timeout_s,
+        help="seconds a request body may take to arrive whole (408; 0: no limit)",
+    )
+    p.add_argument(
+        "--stream-send-timeout",
+        dest="stream_send_timeout_s",
+        metavar="SECONDS",
+        type=float,
+        default=d.stream_send_timeout_s,
+        help="abort a stream whose client has read nothing for this long (0: never)",
+    )
     p.add_argument("--max-n", type=int, default=d.max_n, help="largest n a request may ask for")
     p.add_argument(
         "--max-choices", type=int, default=d.max_choices, help="largest prompts x n of one request"
     )
     p.add_argument("--max-logprobs", type=int, default=d.max_logprobs, help="largest (top_)logprobs")
     p.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings)
-    p.add_argument("--max-tokens-limit", type=int, default=None, help="largest max_tokens of a request")
+    p.add_argument(
+        "--max-tokens-limit",
+        dest="max_tokens",
+        metavar="N",
+        type=int,
+        default=d.max_tokens,
+        help="largest max_tokens of a request",
+    )
     p.add_argument(
         "--shutdown-grace",
+        dest="shutdown_grace_s",
+        metavar="SECONDS",
         type=float,
         default=d.shutdown_grace_s,
         help="on SIGTERM, seconds in-flight requests get to finish before they are cut",
     )
     p.add_argument(
         "--log-stats-interval",
+        dest="log_stats_interval_s",
+        metavar="SECONDS",
         type=float,
         default=d.log_stats_interval_s,
         help="seconds between throughput / queue / KV log lines (0: off)",
     )
-    p.add_argument("--seed", type=int, default=d.seed, help="seed for requests that send none")
+    p.add_argument(
+        "--no-webui",
+        dest="webui",
+        action="store_false",
+        help="serve no chat page at / and no live iteration view at /live (the API only)",
+    )
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     return p
 
@@ -156,49 +156,27 @@ def _api_keys(parser: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[s
 def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
     parser = build_parser()
     a = parser.parse_args(argv)
-    for name in ("max_n", "max_choices", "max_logprobs", "max_stop_strings"):
+    for name in ("max_n", "max_choices", "max_logprobs", "max_stop_strings", "max_connections"):
         if getattr(a, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must not be negative")
-    for name in ("tensor_parallel_size", "pipeline_parallel_size"):
-        if getattr(a, name) < 1:
-            parser.error(f"--{name.replace('_', '-')} must be at least 1")
     keys = _api_keys(parser, a)
-    return ServerConfig(
-        model=a.model,
-        served_model_name=a.served_model_name,
-        host=a.host,
-        port=a.port,
-        dtype=a.dtype,
-        device=a.device,
-        max_num_seqs=a.max_num_seqs,
-        max_num_batched_tokens=a.max_num_batched_tokens,
-        max_model_len=a.max_model_len,
-        kv_cache_memory=a.kv_cache_memory,
-        num_kv_blocks=a.num_kv_blocks,
-        block_size=a.block_size,
-        scheduling=a.scheduling,
-        kv_policy=a.kv_policy,
-        chunked_prefill=not a.no_chunked_prefill,
-        attention_backend=a.attention_backend,
-        weight_packing=a.weight_packing,
-        tensor_parallel_size=a.tensor_parallel_size,
-        pipeline_parallel_size=a.pipeline_parallel_size,
+    # The server's own fields come straight from the flags of the same name; a few are shaped here.
+    own = {f.name: getattr(a, f.name) for f in fields(ServerConfig) if hasattr(a, f.name)}
+    own.update(
         api_key=keys[0] if keys else None,
         api_keys=keys[1:],
         allowed_origins=tuple(a.allowed_origins) if a.allowed_origins is not None else None,
         max_queue_len=a.max_queue_len or None,
-        request_timeout_s=a.request_timeout,
-        max_body_bytes=a.max_body_size,
-        max_n=a.max_n,
-        max_choices=a.max_choices,
-        max_logprobs=a.max_logprobs,
-        max_stop_strings=a.max_stop_strings,
-        max_tokens=a.max_tokens_limit,
-        shutdown_grace_s=a.shutdown_grace,
-        log_stats_interval_s=a.log_stats_interval,
-        seed=a.seed,
-        log_level=a.log_level,
+        max_connections=a.max_connections or None,
+        body_timeout_s=a.body_timeout_s or None,
+        stream_send_timeout_s=a.stream_send_timeout_s or None,
     )
+    try:
+        return ServerConfig(
+            engine=EngineConfig.from_cli_args(a), scheduler=SchedulerConfig.from_cli_args(a), **own
+        )
+    except ValueError as exc:  # a value each flag accepts alone, but not together
+        parser.error(str(exc))
 
 
 def configure_logging(level: str) -> None:
@@ -226,12 +204,6 @@ def make_server(app: Any, config: ServerConfig) -> Any:
         def handle_exit(self, sig: int, frame: FrameType | None) -> None:
             state.start_draining()
             super().handle_exit(sig, frame)
-            if sig == signal.SIGTERM:
-                # uvicorn re-raises a caught signal once it has shut down, which would end the process
-                # with -SIGTERM; a drain that completed is a clean exit.
-                captured = getattr(self, "_captured_signals", None)
-                if isinstance(captured, list) and sig in captured:
-                    captured.remove(sig)
 
     return DrainingServer(
         uvicorn.Config(
@@ -240,6 +212,8 @@ def make_server(app: Any, config: ServerConfig) -> Any:
             port=config.port,
             log_level=config.log_level,
             timeout_graceful_shutdown=config.shutdown_grace_s,
+            # A request on a connection past the cap gets uvicorn's 503 before the app sees it.
+            limit_concurrency=config.max_connections,
             # server.middleware writes the access log itself, with the request id.
             access_log=False,
         )
@@ -257,14 +231,61 @@ def serve(app: Any, config: ServerConfig) -> int:
         server.should_exit = True
 
     app.state.server.on_load_failed = stop
-    server.run()
+    if config.max_connections is not None:
+        fit_open_files_limit(config.max_connections)
+    with sigterm_after_drain_is_clean():
+        server.run()
     return 1 if failed else 0
+
+
+# File descriptors the server needs besides its connections (model files, worker sockets, logs).
+SPARE_FILES = 256
+
+
+def fit_open_files_limit(max_connections: int) -> None:
+    """Every connection is a file descriptor: raise the soft RLIMIT_NOFILE toward the hard one, so a
+    flood meets --max-connections (a 503) rather than EMFILE (accept() failing, logged each time)."""
+    import resource
+
+    need = max_connections + SPARE_FILES
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft >= need:
+        return
+    new = need if hard == resource.RLIM_INFINITY else min(need, hard)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    if new < need:
+        logging.getLogger(__name__).warning(
+            "open files are limited to %d (ulimit -n): fewer than --max-connections %d + %d; raise the "
+            "limit or lower --max-connections",
+            new,
+            max_connections,
+            SPARE_FILES,
+        )
+
+
+@contextlib.contextmanager
+def sigterm_after_drain_is_clean() -> Iterator[None]:
+    """uvicorn re-raises a signal it caught once it has shut down, to the handler that was installed
+    before it started (so the process ends as that signal says). A SIGTERM has been drained by then, so
+    the handler installed here does nothing and the process exits 0; SIGINT keeps Python's default."""
+    if threading.current_thread() is not threading.main_thread():  # signals are the main thread's
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, _ignore_signal)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _ignore_signal(sig: int, frame: FrameType | None) -> None:
+    return None
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(argv)
     configure_logging(config.log_level)
-    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+    if config.engine.tensor_parallel_size * config.engine.pipeline_parallel_size > 1:
         from server.loader import is_torchrun_worker, run_torchrun_worker
 
         if is_torchrun_worker():  # torchrun started every rank with this command; rank 0 serves HTTP

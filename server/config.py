@@ -1,66 +1,25 @@
-"""The server's settings (one dataclass, filled by the CLI or by tests) and byte-size parsing."""
+"""The server's settings: one dataclass nesting the engine's and the scheduler's configs, filled by the
+CLI (server/cli.py) or by tests."""
 
 from __future__ import annotations
 
-import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "k": 10**3,
-    "kb": 10**3,
-    "m": 10**6,
-    "mb": 10**6,
-    "g": 10**9,
-    "gb": 10**9,
-    "t": 10**12,
-    "tb": 10**12,
-    "ki": 2**10,
-    "kib": 2**10,
-    "mi": 2**20,
-    "mib": 2**20,
-    "gi": 2**30,
-    "gib": 2**30,
-    "ti": 2**40,
-    "tib": 2**40,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
-
-
-def parse_size(text: str) -> int:
-    """'2GiB' -> 2147483648, '512MB' -> 512000000, '1e9' is not accepted, '4096' -> 4096."""
-    match = _SIZE_RE.match(text)
-    if not match or match.group(2).lower() not in _SIZE_UNITS:
-        raise ValueError(f"not a size: {text!r} (use bytes or a suffix such as 512MiB, 2GiB, 1GB)")
-    value = int(float(match.group(1)) * _SIZE_UNITS[match.group(2).lower()])
-    if value <= 0:
-        raise ValueError(f"size must be positive: {text!r}")
-    return value
+from engine.config import EngineConfig
+from scheduler.config import SchedulerConfig
 
 
 @dataclass
 class ServerConfig:
-    model: str = "default"
+    """Everything `python -m server` runs with: the engine's and the scheduler's configs as they are
+    (vLLM's VllmConfig nests its parts the same way), and the HTTP server's own settings."""
+
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     served_model_name: str | None = None  # None: the --model value, as vLLM does
     host: str = "127.0.0.1"
     port: int = 8000
-    dtype: str = "auto"
-    device: str = "auto"
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int = 2048
-    max_model_len: int | None = None
-    kv_cache_memory: int | None = None
-    num_kv_blocks: int | None = None
-    block_size: int = 16
-    scheduling: str = "iteration"
-    kv_policy: str = "lazy"
-    chunked_prefill: bool = True
-    attention_backend: str = "auto"
-    weight_packing: str = "auto"  # "auto" | "off": see engine.config.EngineConfig
-    tensor_parallel_size: int = 1  # ranks that split every layer (engine.parallel_runner)
-    pipeline_parallel_size: int = 1  # pipeline stages; the loop keeps this many batches in flight
     api_key: str | None = field(default=None, repr=False)  # secrets stay out of logs and reprs
     # More keys (rotation, one per client); any of these or api_key is accepted.
     api_keys: tuple[str, ...] = field(default=(), repr=False)
@@ -71,6 +30,12 @@ class ServerConfig:
     # Seconds a request may take from arrival to its last token; None: no limit.
     request_timeout_s: float | None = None
     max_body_bytes: int = 4 * 2**20  # a larger body is refused with 413 before it is read whole
+    # Floods and slow clients. Open connections past max_connections get uvicorn's fast 503 (None: no
+    # cap); a body must arrive whole within body_timeout_s (408); a stream whose client has read
+    # nothing for stream_send_timeout_s (its send buffers are full) is aborted.
+    max_connections: int | None = 1024
+    body_timeout_s: float | None = 30.0
+    stream_send_timeout_s: float | None = 30.0
     # What a client may ask for in one request (vLLM has no caps; OpenAI documents n <= 128).
     max_n: int = 16
     max_choices: int = 64  # prompts x n of one request: each choice is a request in the loop
@@ -80,12 +45,23 @@ class ServerConfig:
     retry_after_s: int = 1  # the Retry-After header of 429 / draining 503 answers
     shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     log_stats_interval_s: float = 10.0  # the periodic throughput / queue / KV log line; 0: off
-    seed: int = 0
+    webui: bool = True  # the chat page at /, the live iteration view at /live and its event stream
     log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        # The engine sizes its CUDA graphs by the largest batch the scheduler forms: the scheduler's
+        # max_num_seqs, passed down here so that the number has one flag and one default.
+        if self.engine.max_num_seqs is None:
+            self.engine = replace(self.engine, max_num_seqs=self.scheduler.max_num_seqs)
+        elif self.engine.max_num_seqs != self.scheduler.max_num_seqs:
+            raise ValueError(
+                f"engine max_num_seqs ({self.engine.max_num_seqs}) differs from the scheduler's "
+                f"({self.scheduler.max_num_seqs})"
+            )
 
     @property
     def model_name(self) -> str:
-        return self.served_model_name or self.model
+        return self.served_model_name or self.engine.model
 
     @property
     def all_api_keys(self) -> tuple[str, ...]:

@@ -84,6 +84,16 @@ def request_timeout(timeout_s: float) -> APIError:
     )
 
 
+def body_timeout(timeout_s: float) -> APIError:
+    return APIError(
+        f"The request body did not arrive within the server's limit of {timeout_s:g} s.",
+        HTTPStatus.REQUEST_TIMEOUT,
+        "invalid_request_error",
+        None,
+        "body_timeout",
+    )
+
+
 def payload_too_large(limit: int) -> APIError:
     return APIError(
         f"The request body is larger than the server's limit of {limit} bytes.",

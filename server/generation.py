@@ -13,15 +13,15 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from engine.batch import SamplingParams
-from scheduler.outputs import EngineStats, FinishReason, RequestDelta
+from engine.contract import SamplingParams
+from scheduler.outputs import FinishReason, RequestDelta, SchedulerStats, TokenLogprob
 from server.metrics import RequestTracker
-from server.stop import StopStringMatcher
+from server.stop_strings import StopStringMatcher
 from server.tokenizer import ServerTokenizer
 
 
-class EngineClient(Protocol):
-    """What the server needs from scheduler.loop.AsyncEngine."""
+class LoopClient(Protocol):
+    """What the server needs from scheduler.loop.IterationLoop."""
 
     max_model_len: int
 
@@ -33,7 +33,7 @@ class EngineClient(Protocol):
 
     def finish(self, request_id: str) -> None: ...
 
-    def stats(self) -> EngineStats: ...
+    def stats(self) -> SchedulerStats: ...
 
 
 class GenerationError(Exception):
@@ -57,6 +57,9 @@ class ChoiceDelta:
     finish_reason: str | None = None  # "stop" | "length" on the last delta of the choice
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens that came from the prefix cache
+    # On the choice's first delta, with SamplingParams.prompt_logprobs (None for the first token).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -69,23 +72,24 @@ class ChoiceSpec:
     params: SamplingParams
     stops: list[str]
     skip_special_tokens: bool = True
+    prompt_index: int = 0  # which of the request's prompts (the n choices of one prompt share it)
 
 
-def open_choices(engine: EngineClient, specs: list[ChoiceSpec]) -> list[AsyncIterator[RequestDelta]]:
+def open_choices(loop: LoopClient, specs: list[ChoiceSpec]) -> list[AsyncIterator[RequestDelta]]:
     """Submit every choice to the loop at once; the loop's ValueError (bad input) aborts those submitted."""
     streams: list[AsyncIterator[RequestDelta]] = []
     try:
         for spec in specs:
-            streams.append(engine.generate(spec.prompt_ids, spec.params, spec.request_id))
+            streams.append(loop.generate(spec.prompt_ids, spec.params, spec.request_id))
     except BaseException:
         for spec in specs[: len(streams)]:
-            engine.abort(spec.request_id)
+            loop.abort(spec.request_id)
         raise
     return streams
 
 
 async def generate_choice(
-    engine: EngineClient,
+    loop: LoopClient,
     tokenizer: ServerTokenizer,
     spec: ChoiceSpec,
     stream: AsyncIterator[RequestDelta],
@@ -124,13 +128,18 @@ async def generate_choice(
             text = matcher.feed("".join(pieces))
             emitted_len += len(text)
             out = ChoiceDelta(
-                spec.index, text, prompt_tokens=prompt_tokens, completion_tokens=delta.num_output_tokens
+                spec.index,
+                text,
+                prompt_tokens=prompt_tokens,
+                completion_tokens=delta.num_output_tokens,
+                cached_tokens=delta.num_cached_tokens,
+                prompt_logprobs=delta.prompt_logprobs,
             )
             if matcher.matched is not None:
                 # Tokens that start after the cut belong to the stop string: they are not reported.
                 out.logprobs = [e for e in pending if e.text_offset < emitted_len]
                 out.finish_reason = "stop"
-                engine.finish(spec.request_id)
+                loop.finish(spec.request_id)
                 tracker.on_finish(delta.num_output_tokens, out.finish_reason)
                 yield out
                 return
@@ -153,7 +162,7 @@ async def generate_choice(
                 len(pending) if not matcher.held else sum(1 for e in pending if e.text_offset < emitted_len)
             )
             out.logprobs, pending = pending[:ready], pending[ready:]
-            if out.text or out.logprobs:
+            if out.text or out.logprobs or out.prompt_logprobs is not None:
                 yield out
         raise GenerationError("the engine ended the request without a finish reason")
     finally:

@@ -4,44 +4,21 @@ ranks) and the model's tokenizer."""
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING
 
 from server.config import ServerConfig
 from server.state import LoadedModel
 from server.tokenizer import ServerTokenizer
 
-if TYPE_CHECKING:
-    from engine.config import EngineConfig
-
-
-def engine_config(config: ServerConfig) -> EngineConfig:
-    from engine.config import EngineConfig
-
-    return EngineConfig(
-        model=config.model,
-        dtype=config.dtype,
-        device=config.device,
-        block_size=config.block_size,
-        num_kv_blocks=config.num_kv_blocks,
-        kv_cache_memory=config.kv_cache_memory,
-        max_model_len=config.max_model_len,
-        attention_backend=config.attention_backend,
-        weight_packing=config.weight_packing,
-        seed=config.seed,
-        tensor_parallel_size=config.tensor_parallel_size,
-        pipeline_parallel_size=config.pipeline_parallel_size,
-    )
-
 
 def load_model(config: ServerConfig) -> LoadedModel:
     """Blocking (weights, GGUF conversion, KV cache allocation): call it from a worker thread."""
     # Imported here so that `python -m server --help` and the app factory stay free of torch.
-    from engine.parallel_runner import create_runner
+    from engine.executor import create_executor
     from models.loader import load_tokenizer
 
-    runner = create_runner(engine_config(config))  # starts the worker ranks when parallel
-    tokenizer = ServerTokenizer(load_tokenizer(runner.model_path))
-    return LoadedModel(runner=runner, tokenizer=tokenizer, vocab_size=runner.vocab_size)
+    executor = create_executor(config.engine)  # starts the worker ranks when parallel
+    tokenizer = ServerTokenizer(load_tokenizer(executor.model_path))
+    return LoadedModel(executor=executor, tokenizer=tokenizer, vocab_size=executor.vocab_size)
 
 
 def is_torchrun_worker() -> bool:
@@ -51,7 +28,7 @@ def is_torchrun_worker() -> bool:
 
 def run_torchrun_worker(config: ServerConfig) -> int:
     """Serve this rank's shard until the driver (rank 0) shuts the group down."""
-    from engine.parallel_runner import run_torchrun_worker as run_rank
+    from engine.distributed_executor import run_torchrun_worker as run_rank
 
-    run_rank(engine_config(config))
+    run_rank(config.engine)
     return 0

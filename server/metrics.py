@@ -1,5 +1,5 @@
 """Prometheus metrics under vLLM's names, in a registry of the app's own (several apps in one process
-must not clash). Engine gauges are read from AsyncEngine.stats() at scrape time; request timings are
+must not clash). Engine gauges are read from IterationLoop.stats() at scrape time; request timings are
 observed by a RequestTracker per choice; per-iteration figures come from the loop's step listener."""
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from prometheus_client import (
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from scheduler.outputs import EngineStats, StepReport
+from scheduler.outputs import SchedulerStats, StepReport
 
 # vLLM does the same: the `_created` series double the output and no dashboard reads them.
 disable_created_metrics()
@@ -61,7 +61,7 @@ REJECT_REASONS = ("queue_full", "draining", "timeout")
 class _EngineCollector(Collector):
     """Scrape-time view of the loop: queue sizes, KV usage, preemptions."""
 
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats | None]) -> None:
         self._model_name = model_name
         self._stats = stats
 
@@ -74,9 +74,18 @@ class _EngineCollector(Collector):
         for name, doc, v in (
             ("vllm:num_requests_running", "Requests in the running batch.", stats.running),
             ("vllm:num_requests_waiting", "Requests waiting to be admitted.", stats.waiting),
-            ("vllm:kv_cache_usage_perc", "Fraction of KV cache blocks in use (1 = full).", stats.kv_usage),
-            ("orca:kv_cache_blocks_used", "KV cache blocks in use.", stats.kv_blocks_used),
+            (
+                "vllm:kv_cache_usage_perc",
+                "Fraction of KV cache blocks in use (1 = full); cached blocks no request holds count as free.",
+                stats.kv_usage,
+            ),
+            ("orca:kv_cache_blocks_used", "KV cache blocks held by requests.", stats.kv_blocks_used),
             ("orca:kv_cache_blocks_total", "KV cache blocks in all.", stats.kv_blocks_total),
+            (
+                "orca:kv_cache_blocks_cached",
+                "KV cache blocks holding a reusable prefix (held or evictable).",
+                stats.prefix_cache.cached_blocks,
+            ),
         ):
             g = GaugeMetricFamily(name, doc, labels=labels)
             g.add_metric(value, float(v))
@@ -88,6 +97,32 @@ class _EngineCollector(Collector):
                 stats.num_preemptions,
             ),
             ("orca:engine_steps", "Iterations run by the loop.", stats.num_steps),
+            (
+                "vllm:prefix_cache_queries",
+                "Prefix cache queries, in terms of number of queried tokens.",
+                stats.prefix_cache.queries,
+            ),
+            (
+                "vllm:prefix_cache_hits",
+                "Prefix cache hits, in terms of number of cached tokens.",
+                stats.prefix_cache.hits,
+            ),
+            (
+                "orca:prompt_tokens_computed",
+                "Prompt tokens run through the model (prompt tokens minus prefix cache hits, plus "
+                "recomputation after preemption).",
+                stats.prefix_cache.computed_prompt_tokens,
+            ),
+            (
+                "orca:prefix_cache_evictions",
+                "Cached KV blocks whose memory was taken for new tokens.",
+                stats.prefix_cache.evictions,
+            ),
+            (
+                "orca:worker_restarts",
+                "Restarts of the tensor/pipeline worker processes after one died.",
+                stats.num_restarts,
+            ),
         ):
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric(value, float(v))
@@ -95,7 +130,7 @@ class _EngineCollector(Collector):
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, model_name: str, stats: Callable[[], SchedulerStats | None]) -> None:
         self.model_name = model_name
         self.registry = CollectorRegistry()
         reg = self.registry

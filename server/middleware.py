@@ -4,6 +4,7 @@ untouched."""
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import hashlib
 import hmac
@@ -15,7 +16,7 @@ from collections.abc import Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import APIError, payload_too_large, unauthorized
+from server.errors import APIError, body_timeout, payload_too_large, unauthorized
 
 # The id of the request being handled in this task ("-" outside a request); RequestIdFilter puts it
 # in every log record, and generation tasks inherit it (asyncio copies the context into new tasks).
@@ -98,9 +99,18 @@ class APIKeyMiddleware:
     hmac.compare_digest, against every key without stopping at a match, so neither the length nor
     the position of a key shows in the timing."""
 
-    def __init__(self, app: ASGIApp, keys: Iterable[str]) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        keys: Iterable[str],
+        public_paths: frozenset[str] = PUBLIC_PATHS,
+        public_prefixes: tuple[str, ...] = (),
+    ) -> None:
         self.app = app
         self._digests = [hashlib.sha256(k.encode()).digest() for k in keys]
+        # The web UI's pages and static files are public: they hold no data, and ask for the key.
+        self._public_paths = public_paths
+        self._public_prefixes = public_prefixes
 
     def accepts(self, authorization: str | None) -> bool:
         scheme, _, token = (authorization or "").partition(" ")
@@ -114,7 +124,8 @@ class APIKeyMiddleware:
         if (
             scope["type"] != "http"
             or not self._digests
-            or scope["path"] in PUBLIC_PATHS
+            or scope["path"] in self._public_paths
+            or scope["path"].startswith(self._public_prefixes)
             or scope["method"] == "OPTIONS"
             or self.accepts(_header(scope, b"authorization"))
         ):
@@ -125,12 +136,15 @@ class APIKeyMiddleware:
 
 class BodySizeLimitMiddleware:
     """413 for a body over `limit` bytes: at once from Content-Length, or as soon as a chunked body
-    passes the limit. The body is buffered (at most `limit` bytes) and replayed to the app; later
-    messages (http.disconnect, which the routes watch for) come from the real receive."""
+    passes the limit; 408 for a body that has not arrived whole `timeout_s` after its headers (a client
+    sending a byte a second would otherwise hold its connection and buffer for as long as it likes).
+    The body is buffered (at most `limit` bytes) and replayed to the app; later messages
+    (http.disconnect, which the routes watch for) come from the real receive."""
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, timeout_s: float | None = None) -> None:
         self.app = app
         self.limit = limit
+        self.timeout_s = timeout_s
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD", "OPTIONS"):
@@ -142,8 +156,15 @@ class BodySizeLimitMiddleware:
             return
         buffered: list[Message] = []
         size = 0
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         while True:
-            message = await receive()
+            try:
+                message = await _receive_by(receive, deadline)
+            except asyncio.TimeoutError:
+                assert self.timeout_s is not None
+                access_logger.warning("request body not received within %g s; answered 408", self.timeout_s)
+                await _send_error(scope, send, body_timeout(self.timeout_s))
+                return
             if message["type"] != "http.request":  # the client left while sending
                 return
             size += len(message.get("body", b""))
@@ -158,6 +179,12 @@ class BodySizeLimitMiddleware:
             return buffered.pop(0) if buffered else await receive()
 
         await self.app(scope, replay, send)
+
+
+async def _receive_by(receive: Receive, deadline: float | None) -> Message:
+    if deadline is None:
+        return await receive()
+    return await asyncio.wait_for(receive(), max(deadline - time.monotonic(), 0.0))
 
 
 def _header(scope: Scope, name: bytes) -> str | None:

@@ -9,13 +9,12 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-# Shared bounds, as OpenAI documents them.
+# Shared bounds, as OpenAI documents them. How many choices, stop strings and top logprobs a request may
+# ask for is the server's decision (ServerConfig.max_n, max_stop_strings, max_logprobs: flags that can
+# raise OpenAI's caps as well as lower them), checked in server/routes/common.py:check_limits.
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
-MAX_N = 128
-MAX_STOP_STRINGS = 4
-MAX_LOGPROBS = 20
 
 
 logger = logging.getLogger(__name__)
@@ -61,13 +60,20 @@ class StreamOptions(OpenAIModel):
     include_usage: bool | None = False
 
 
+class ResponseFormat(OpenAIModel):
+    """OpenAI's response_format; json_schema is {"name", "description"?, "schema"?, "strict"?}."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: dict[str, Any] | None = None
+
+
 class SamplingFields(OpenAIModel):
     """Fields both endpoints share, with OpenAI's bounds and vLLM's extras."""
 
     model: str | None = None
     temperature: Temperature | None = None
     top_p: TopP | None = None
-    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
+    n: Annotated[int, Field(ge=1)] | None = 1
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
@@ -84,6 +90,17 @@ class SamplingFields(OpenAIModel):
     ignore_eos: bool | None = False
     stop_token_ids: list[Annotated[int, Field(ge=0)]] | None = None
     skip_special_tokens: bool | None = True
+    # Structured outputs: OpenAI's response_format, vLLM's guided_* fields (before v0.12) and its
+    # structured_outputs object ({"json" | "regex" | "choice" | "grammar" | "json_object": ...,
+    # "disable_any_whitespace"?}); at most one of them (server/structured.py).
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    guided_decoding_backend: str | None = None  # accepted and ignored: there is one backend
+    guided_whitespace_pattern: str | None = None  # accepted and ignored
+    structured_outputs: dict[str, Any] | None = None
 
     @field_validator("stop")
     @classmethod
@@ -91,8 +108,6 @@ class SamplingFields(OpenAIModel):
         if v is None:
             return None
         stops = [v] if isinstance(v, str) else v
-        if len(stops) > MAX_STOP_STRINGS:
-            raise ValueError(f"at most {MAX_STOP_STRINGS} stop sequences are allowed, got {len(stops)}")
         if any(s == "" for s in stops):
             raise ValueError("stop sequences must not be empty strings")
         return stops
@@ -117,8 +132,10 @@ class SamplingFields(OpenAIModel):
 class CompletionRequest(SamplingFields):
     prompt: str | list[str] | list[Annotated[int, Field(ge=0)]] | list[list[Annotated[int, Field(ge=0)]]]
     max_tokens: Annotated[int, Field(ge=0)] | None = 16
-    logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
+    logprobs: Annotated[int, Field(ge=0)] | None = None
     echo: bool | None = False
+    # vLLM's: the prompt tokens' logprobs (and the top-k at each), in the choice's `prompt_logprobs`.
+    prompt_logprobs: Annotated[int, Field(ge=0)] | None = None
     suffix: str | None = None
     best_of: Annotated[int, Field(ge=1)] | None = None
 
@@ -145,17 +162,55 @@ class TextPart(OpenAIModel):
         return self
 
 
+FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+
+
+class FunctionDefinition(OpenAIModel):
+    name: FunctionName
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema; checked by compiling it
+    strict: bool | None = None
+
+
+class Tool(OpenAIModel):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class NamedFunction(OpenAIModel):
+    name: str
+
+
+class NamedToolChoice(OpenAIModel):
+    type: Literal["function"]
+    function: NamedFunction
+
+
+class FunctionCall(OpenAIModel):
+    name: str
+    arguments: str  # JSON text, as the model wrote it
+
+
+class ToolCall(OpenAIModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(OpenAIModel):
-    role: Literal["system", "developer", "user", "assistant"]
+    role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None
-    tool_calls: list[Any] | None = None
+    tool_calls: list[ToolCall] | None = None  # assistant messages
+    tool_call_id: str | None = None  # tool messages: the call they answer
 
     @model_validator(mode="after")
     def _check(self) -> ChatMessage:
-        if self.tool_calls:
-            raise ValueError("tool calls are not supported by this server")
-        if self.content is None:
+        if self.tool_calls and self.role != "assistant":
+            raise ValueError("only assistant messages may have tool_calls")
+        if self.role == "tool" and not self.tool_call_id:
+            raise ValueError("a tool message needs 'tool_call_id'")
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
             raise ValueError(f"a {self.role} message needs 'content'")
         return self
 
@@ -170,10 +225,10 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: Annotated[int, Field(ge=1)] | None = None
     max_completion_tokens: Annotated[int, Field(ge=1)] | None = None
     logprobs: bool | None = False
-    top_logprobs: Annotated[int, Field(ge=0, le=MAX_LOGPROBS)] | None = None
-    tools: list[Any] | None = None
-    tool_choice: Any | None = None
-    response_format: dict[str, Any] | None = None
+    top_logprobs: Annotated[int, Field(ge=0)] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
     @property
     def requested_max_tokens(self) -> int | None:

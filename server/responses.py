@@ -7,6 +7,7 @@ import uuid
 from dataclasses import dataclass
 from typing import Any
 
+from scheduler.outputs import TokenLogprob
 from server.generation import LogprobEntry
 from server.tokenizer import ServerTokenizer
 
@@ -39,11 +40,13 @@ class ResponseMeta:
         }
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage object; cached_tokens: prompt tokens served from the prefix cache."""
     return {
         "prompt_tokens": prompt_tokens,
         "completion_tokens": completion_tokens,
         "total_tokens": prompt_tokens + completion_tokens,
+        "prompt_tokens_details": {"cached_tokens": cached_tokens},
     }
 
 
@@ -63,6 +66,62 @@ def completion_logprobs(
         "top_logprobs": tops,
         "text_offset": [offset_base + e.text_offset for e in entries],
     }
+
+
+def echo_logprobs(
+    prompt_ids: list[int], scored: list[TokenLogprob | None], tokenizer: ServerTokenizer
+) -> dict[str, Any]:
+    """The legacy logprobs of an echoed prompt (OpenAI's echo with logprobs): every prompt token, None
+    for the first (nothing precedes it), text offsets into the prompt's decoded text."""
+    detok = tokenizer.decode_stream([], skip_special_tokens=False)
+    offsets, at = [], 0
+    for token_id in prompt_ids:
+        offsets.append(at)
+        at += len(detok.step(token_id))
+    tops: list[dict[str, float] | None] = []
+    for token_id, lp in zip(prompt_ids, scored, strict=True):
+        if lp is None:
+            tops.append(None)
+            continue
+        top = {tokenizer.token_text(tid): v for tid, v in lp.top_logprobs}
+        top.setdefault(tokenizer.token_text(token_id), lp.logprob)
+        tops.append(top)
+    return {
+        "tokens": [tokenizer.token_text(t) for t in prompt_ids],
+        "token_logprobs": [None if lp is None else lp.logprob for lp in scored],
+        "top_logprobs": tops,
+        "text_offset": offsets,
+    }
+
+
+def join_logprobs(first: dict[str, Any], then: dict[str, Any] | None) -> dict[str, Any]:
+    """Two legacy logprobs objects as one (the echoed prompt's, then the generated text's)."""
+    if then is None:
+        return first
+    return {key: [*first[key], *then[key]] for key in first}
+
+
+def vllm_prompt_logprobs(
+    prompt_ids: list[int], scored: list[TokenLogprob | None], tokenizer: ServerTokenizer
+) -> list[dict[str, dict[str, Any]] | None]:
+    """vLLM's `prompt_logprobs`: per prompt token (None for the first), token id -> {logprob, rank,
+    decoded_token} for the prompt token itself and the top-k there."""
+    out: list[dict[str, dict[str, Any]] | None] = []
+    for token_id, lp in zip(prompt_ids, scored, strict=True):
+        if lp is None:
+            out.append(None)
+            continue
+        entry = {
+            str(tid): {"logprob": v, "rank": rank, "decoded_token": tokenizer.token_text(tid)}
+            for rank, (tid, v) in enumerate(lp.top_logprobs, start=1)
+        }
+        entry[str(token_id)] = {
+            "logprob": lp.logprob,
+            "rank": lp.rank,
+            "decoded_token": tokenizer.token_text(token_id),
+        }
+        out.append(entry)
+    return out
 
 
 def chat_logprobs(entries: list[LogprobEntry], tokenizer: ServerTokenizer) -> dict[str, Any]:
@@ -89,7 +148,7 @@ def completion_choice(
 
 
 def completion_response(
-    meta: ResponseMeta, choices: list[dict[str, Any]], use: dict[str, int]
+    meta: ResponseMeta, choices: list[dict[str, Any]], use: dict[str, Any]
 ) -> dict[str, Any]:
     return {**meta.header("text_completion"), "choices": choices, "usage": use}
 
@@ -97,7 +156,7 @@ def completion_response(
 def completion_chunk(
     meta: ResponseMeta,
     choices: list[dict[str, Any]],
-    use: dict[str, int] | None = None,
+    use: dict[str, Any] | None = None,
     with_usage: bool = False,
 ) -> dict[str, Any]:
     chunk = {**meta.header("text_completion"), "choices": choices}
@@ -108,17 +167,37 @@ def completion_chunk(
 
 # --- chat ---
 def chat_choice(
-    index: int, text: str, logprobs: dict[str, Any] | None, finish_reason: str | None
+    index: int,
+    text: str | None,
+    logprobs: dict[str, Any] | None,
+    finish_reason: str | None,
+    tool_calls: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    return {
-        "index": index,
-        "message": {"role": "assistant", "content": text, "refusal": None},
-        "logprobs": logprobs,
-        "finish_reason": finish_reason,
-    }
+    message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if tool_calls:
+        message["tool_calls"] = tool_calls
+    return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}
 
 
-def chat_response(meta: ResponseMeta, choices: list[dict[str, Any]], use: dict[str, int]) -> dict[str, Any]:
+def tool_call(call_id: str, name: str, arguments: str) -> dict[str, Any]:
+    return {"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def tool_call_delta(
+    index: int, *, call_id: str | None = None, name: str | None = None, arguments: str = ""
+) -> dict[str, Any]:
+    """One streamed piece of a call: the first carries id, type and name; the rest argument text."""
+    if call_id is not None:
+        return {
+            "index": index,
+            "id": call_id,
+            "type": "function",
+            "function": {"name": name, "arguments": arguments},
+        }
+    return {"index": index, "function": {"arguments": arguments}}
+
+
+def chat_response(meta: ResponseMeta, choices: list[dict[str, Any]], use: dict[str, Any]) -> dict[str, Any]:
     return {**meta.header("chat.completion"), "choices": choices, "usage": use}
 
 
@@ -134,7 +213,7 @@ def chat_chunk_choice(
 def chat_chunk(
     meta: ResponseMeta,
     choices: list[dict[str, Any]],
-    use: dict[str, int] | None = None,
+    use: dict[str, Any] | None = None,
     with_usage: bool = False,
 ) -> dict[str, Any]:
     chunk = {**meta.header("chat.completion.chunk"), "choices": choices}

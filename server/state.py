@@ -1,5 +1,5 @@
 """The app's lifetime: load the model in a worker thread (the HTTP server answers meanwhile: /health
-says 503), then start the AsyncEngine on the event loop; shut it down at exit."""
+says 503), then start the IterationLoop on the event loop; shut it down at exit."""
 
 from __future__ import annotations
 
@@ -7,15 +7,17 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
-from engine.batch import ModelRunner
-from scheduler.config import SchedulerConfig
-from scheduler.loop import AsyncEngine
-from scheduler.outputs import EngineStats, StepReport
+from engine.contract import Executor
+from engine.grammar import GrammarCompiler
+from scheduler.loop import IterationLoop, new_step_thread
+from scheduler.outputs import SchedulerStats, StepReport
 from server.config import ServerConfig
 from server.errors import not_ready
-from server.generation import EngineClient
+from server.generation import LoopClient
+from server.live_feed import IterationFeed
 from server.metrics import ServerMetrics
 from server.stats_log import StatsLogger
 from server.tokenizer import ServerTokenizer
@@ -25,7 +27,7 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class LoadedModel:
-    runner: ModelRunner
+    executor: Executor
     tokenizer: ServerTokenizer
     vocab_size: int  # the model's (embedding rows); token ids at or above it are rejected
 
@@ -38,35 +40,41 @@ class ServerState:
     def __init__(self, config: ServerConfig, loader: ModelLoader) -> None:
         self.config = config
         self._loader = loader
-        self.engine: AsyncEngine | None = None
+        self.loop: IterationLoop | None = None
         self.tokenizer: ServerTokenizer | None = None
+        self.grammars: GrammarCompiler | None = None  # structured outputs and tool calls
         self.vocab_size = 0
         self.load_error: str | None = None
         self.created = int(time.time())
         self.metrics = ServerMetrics(config.model_name, self._stats)
         self._load_task: asyncio.Task[None] | None = None
         self._stats_task: asyncio.Task[None] | None = None
+        self._step_thread: ThreadPoolExecutor | None = None  # the model is built and stepped in it
         # Set on SIGTERM (server.cli): new requests get 503 while those in flight finish.
         self.draining = False
         # Called when loading fails (the CLI stops the server: a server without a model is useless).
         self.on_load_failed: Callable[[str], None] | None = None
+        # The live iteration view's step feed (server.live_feed); None without the web UI.
+        self.live_feed: IterationFeed | None = IterationFeed() if config.webui else None
 
     @property
     def ready(self) -> bool:
-        return self.engine is not None and self.engine.is_running and not self.draining
+        return self.loop is not None and self.loop.is_running and not self.draining
 
     def start_draining(self) -> None:
         if not self.draining:
             logger.info("draining: no new requests; those in flight may finish")
         self.draining = True
+        if self.live_feed is not None:  # open live views end now, or they would hold up the drain
+            self.live_feed.end()
 
-    def require_ready(self) -> tuple[EngineClient, ServerTokenizer]:
-        if self.engine is None or self.tokenizer is None:
+    def require_ready(self) -> tuple[LoopClient, ServerTokenizer]:
+        if self.loop is None or self.tokenizer is None:
             raise not_ready()
-        return self.engine, self.tokenizer
+        return self.loop, self.tokenizer
 
-    def _stats(self) -> EngineStats | None:
-        return self.engine.stats() if self.engine is not None else None
+    def _stats(self) -> SchedulerStats | None:
+        return self.loop.stats() if self.loop is not None else None
 
     def _on_step(self, report: StepReport) -> None:
         self.metrics.observe_iteration(report)
@@ -84,22 +92,16 @@ class ServerState:
 
     async def _load(self) -> None:
         t0 = time.monotonic()
+        # The model is built in the thread its steps will run in (IterationLoop explains why).
+        step_thread = self._step_thread = new_step_thread()
         try:
-            loaded = await asyncio.to_thread(self._loader)
+            loaded = await asyncio.get_running_loop().run_in_executor(step_thread, self._loader)
             cfg = self.config
-            engine = AsyncEngine(
-                loaded.runner,
-                SchedulerConfig(
-                    max_num_seqs=cfg.max_num_seqs,
-                    max_num_batched_tokens=cfg.max_num_batched_tokens,
-                    chunked_prefill=cfg.chunked_prefill,
-                    scheduling=cfg.scheduling,  # type: ignore[arg-type]
-                    kv_policy=cfg.kv_policy,  # type: ignore[arg-type]
-                    max_model_len=cfg.max_model_len,
-                ),
-            )
-            await engine.start()
-            engine.add_step_listener(self._on_step)
+            loop = IterationLoop(loaded.executor, cfg.scheduler, step_thread=step_thread)
+            await loop.start()
+            loop.add_step_listener(self._on_step)
+            if self.live_feed is not None:
+                loop.add_step_listener(self.live_feed.on_step)
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
             logger.error("loading the model failed: %s", self.load_error, exc_info=exc)
@@ -108,7 +110,10 @@ class ServerState:
             return
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.vocab_size
-        self.engine = engine
+        self.grammars = GrammarCompiler(
+            loaded.tokenizer.hf, loaded.vocab_size, sorted(loaded.executor.eos_token_ids)
+        )
+        self.loop = loop
         if cfg.log_stats_interval_s > 0:
             stats_logger = StatsLogger(self.metrics, self._stats)
             self._stats_task = asyncio.get_running_loop().create_task(
@@ -118,7 +123,7 @@ class ServerState:
             "model %r ready in %.1fs (max_model_len=%d); try:\n  %s",
             cfg.model_name,
             time.monotonic() - t0,
-            engine.max_model_len,
+            loop.max_model_len,
             self.example_curl(),
         )
 
@@ -134,10 +139,15 @@ class ServerState:
 
     async def shutdown(self) -> None:
         self.draining = True
+        if self.live_feed is not None:
+            await self.live_feed.close()
         if self._stats_task is not None:
             self._stats_task.cancel()
         if self._load_task is not None and not self._load_task.done():
             # The worker thread cannot be interrupted; the task is dropped and the thread finishes alone.
             self._load_task.cancel()
-        if self.engine is not None:
-            await self.engine.shutdown()
+        if self.loop is not None:
+            await self.loop.shutdown()
+        if self._step_thread is not None:
+            # Not waited for if a load is still running in it (it cannot be interrupted).
+            self._step_thread.shutdown(wait=self._load_task is None or self._load_task.done())

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from scheduler.outputs import EngineStats
+from scheduler.outputs import SchedulerStats
 from server.metrics import ServerMetrics
 
 logger = logging.getLogger("server.stats")
@@ -21,10 +21,12 @@ class _Mark:
     prompt_tokens: int
     decode_tokens: int
     num_steps: int
+    cache_queries: int
+    cache_hits: int
 
 
 class StatsLogger:
-    def __init__(self, metrics: ServerMetrics, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, metrics: ServerMetrics, stats: Callable[[], SchedulerStats | None]) -> None:
         self._metrics = metrics
         self._stats = stats
         self._last: _Mark | None = None
@@ -39,6 +41,8 @@ class StatsLogger:
             self._metrics.step_prompt_tokens,
             self._metrics.step_decode_tokens,
             stats.num_steps,
+            stats.prefix_cache.queries,
+            stats.prefix_cache.hits,
         )
         last, self._last = self._last, now
         if last is None:
@@ -46,12 +50,14 @@ class StatsLogger:
         if now.num_steps == last.num_steps and stats.running == 0 and stats.waiting == 0:
             return None  # idle: no line every few seconds in the logs of a quiet server
         elapsed = max(now.time - last.time, 1e-9)
+        queries = now.cache_queries - last.cache_queries
+        hit_rate = (now.cache_hits - last.cache_hits) / queries * 100 if queries else 0.0
         return (
             f"Avg prompt throughput: {(now.prompt_tokens - last.prompt_tokens) / elapsed:.1f} tokens/s, "
             f"Avg generation throughput: {(now.decode_tokens - last.decode_tokens) / elapsed:.1f} tokens/s, "
             f"Running: {stats.running} reqs, Waiting: {stats.waiting} reqs, "
             f"KV cache usage: {stats.kv_usage * 100:.1f}% ({stats.kv_blocks_used}/{stats.kv_blocks_total} "
-            f"blocks), Preemptions: {stats.num_preemptions}"
+            f"blocks), Prefix cache hit rate: {hit_rate:.1f}%, Preemptions: {stats.num_preemptions}"
         )
 
     async def run(self, interval_s: float) -> None:

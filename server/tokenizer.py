@@ -57,20 +57,37 @@ class ServerTokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
-    def render_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
-        """The prompt text; raises ValueError (template missing or rejecting the conversation)."""
+    @property
+    def chat_template(self) -> str | None:
+        template = getattr(self.hf, "chat_template", None)
+        return template if isinstance(template, str) else None
+
+    def render_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """The prompt text; raises ValueError (template missing or rejecting the conversation).
+        `tools` go to templates that render tools themselves (server/tools.py decides)."""
         if not self.has_chat_template:
             raise ValueError("This model's tokenizer has no chat template; use /v1/completions instead.")
+        extra = {"tools": tools} if tools else {}
         try:
             return self.hf.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt
+                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
             )
         except Exception as exc:  # jinja raises TemplateError / its own `raise_exception` messages
             raise ValueError(f"The chat template rejected the messages: {exc}") from exc
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[int]:
         # The template writes BOS/role tokens itself, so no special tokens are added on top (vLLM too).
-        return self.encode(self.render_chat(messages, add_generation_prompt), add_special_tokens=False)
+        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
 
     # --- decoding ---
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import glob
 import os
 from pathlib import Path
 
@@ -9,6 +10,12 @@ import pytest
 from builders import build_hf_model, default_gguf_path, gguf_structured, tiny_gpt2_config, tiny_llama_config
 
 TEST_CACHE = Path(os.environ.get("ORCA_TEST_CACHE", Path.home() / ".cache" / "orca-serve" / "tests"))
+
+# Without an NVIDIA GPU the Triton kernels (models/layers/triton_attention.py) run in Triton's
+# interpreter. Triton reads this switch once, when it is first imported, so it is set here, before any
+# test module loads; with a GPU it stays unset and the same tests run the compiled kernels.
+if not glob.glob("/dev/nvidia[0-9]*"):
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")
@@ -67,3 +74,36 @@ def tokenizer(smollm2_tokenizer_dir):
     from server.tokenizer import ServerTokenizer
 
     return ServerTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
+
+
+@pytest.fixture(scope="session")
+def chromium_session():
+    """One headless Chromium for all browser tests; they skip, saying how to get it, where it is missing."""
+    from browser import chromium, missing_browser
+
+    reason = missing_browser()
+    if reason is not None:
+        pytest.skip(reason)
+    with chromium() as driver:
+        yield driver
+
+
+@pytest.fixture
+def browser(chromium_session):
+    """The session's Chromium, left with one blank tab after the test, which fails if a page logged an
+    error (an uncaught exception, a file that did not load). Every test serves its app on a new port,
+    so it starts with its own (empty) local storage."""
+    from browser import page_errors
+
+    page_errors(chromium_session)  # what earlier tests left
+    yield chromium_session
+    errors: list[str] = []
+    handles = chromium_session.window_handles
+    for handle in reversed(handles):
+        chromium_session.switch_to.window(handle)
+        errors += page_errors(chromium_session)
+        if handle != handles[0]:
+            chromium_session.close()
+    chromium_session.switch_to.window(handles[0])
+    chromium_session.get("about:blank")
+    assert not errors, errors

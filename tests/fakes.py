@@ -1,96 +1,41 @@
-"""A fake engine.batch.ModelRunner for fast server tests: deterministic tokens, no torch.
-
-Greedy output is a function of the request's own context only (never of what shares the batch), like
-a real model's. A `script` replaces that with fixed text, so stop-string and multi-byte tests know
-exactly which tokens come out.
-"""
+"""The test harness: the scheduler's fake executor sized for server tests, the real app over it (in
+process over ASGI, or on a real socket), SSE parsing, and what tests read off responses and /metrics."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import hashlib
+import dataclasses
 import json
-import math
-import random
-import threading
+import subprocess
+import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from pathlib import Path
 from typing import Any
 
 import httpx
 import uvicorn
 from fastapi import FastAPI
 
-from engine.batch import SampledToken, ScheduledSequence
+from engine.config import EngineConfig
+from engine.contract import SamplingParams
 from loadtest.launcher import LOOPBACK, free_port
+from scheduler import fake_runner
+from scheduler.config import SchedulerConfig
+from scheduler.loop import IterationLoop
+from server.config import ServerConfig
 from server.state import LoadedModel
 from server.tokenizer import ServerTokenizer
 
-FIRST_PLAIN_TOKEN = 17  # SmolLM2's ids 0..16 are special tokens
-PLAIN_TOKEN_SPAN = 20000  # common-word ids, so the text reads like words
 
+class FakeRunner(fake_runner.FakeRunner):
+    """The scheduler's fake executor with a server-sized cache: 256 blocks of 16 tokens, 512-token context."""
 
-class FakeRunner:
     def __init__(
-        self,
-        num_kv_blocks: int = 256,
-        block_size: int = 16,
-        max_model_len: int = 512,
-        eos_token_ids: frozenset[int] = frozenset({2}),
-        script: Sequence[int] | None = None,
-        step_delay_s: float = 0.0,
-        fail_at_step: int | None = None,
+        self, num_kv_blocks: int = 256, block_size: int = 16, max_model_len: int = 512, **kwargs: Any
     ) -> None:
-        self.num_kv_blocks = num_kv_blocks
-        self.block_size = block_size
-        self.max_model_len = max_model_len
-        self.eos_token_ids = eos_token_ids
-        self.vocab_size = 49152
-        self.script = list(script) if script is not None else None
-        self.step_delay_s = step_delay_s
-        self.fail_at_step = fail_at_step
-        self.num_steps = 0
-        self.max_batch_seen = 0
-        self._rng = random.Random(0)
-        # Lets a test hold the loop inside a step (disconnect tests) without sleeping on a clock.
-        self.gate = threading.Event()
-        self.gate.set()
-
-    def step(self, batch: Sequence[ScheduledSequence]) -> list[SampledToken | None]:
-        self.gate.wait()
-        if self.step_delay_s:
-            time.sleep(self.step_delay_s)
-        self.num_steps += 1
-        if self.fail_at_step is not None and self.num_steps >= self.fail_at_step:
-            raise RuntimeError("injected step failure")
-        self.max_batch_seen = max(self.max_batch_seen, len(batch))
-        return [self._sample(seq) if seq.sample else None for seq in batch]
-
-    def _sample(self, seq: ScheduledSequence) -> SampledToken:
-        params = seq.sampling
-        out_len = len(seq.output_token_ids)
-        if self.script is not None:
-            token = self.script[out_len % len(self.script)]
-        else:
-            context = [*seq.prompt_token_ids, *seq.output_token_ids]
-            if params.greedy:
-                key = repr(context)
-            elif params.seed is not None:
-                key = f"{params.seed}:{context!r}"
-            else:
-                key = str(self._rng.random())
-            digest = hashlib.blake2b(key.encode(), digest_size=8).digest()
-            token = FIRST_PLAIN_TOKEN + int.from_bytes(digest, "little") % PLAIN_TOKEN_SPAN
-        logprob = None
-        top = None
-        if params.logprobs is not None:
-            # A made-up but well-formed distribution: the chosen token is the likeliest.
-            logprob = -0.25
-            top = [(token, logprob)] + [(token + i, -0.25 - i) for i in range(1, params.logprobs)]
-            top = top[: params.logprobs]
-            assert all(lp <= 0 and not math.isnan(lp) for _, lp in top)
-        return SampledToken(token, logprob, top)
+        super().__init__(num_kv_blocks, block_size, max_model_len, **kwargs)
 
 
 # --- harness: the app over ASGI, over real sockets, and SSE parsing -----------------------------
@@ -115,11 +60,18 @@ async def running_app(app: FastAPI, wait: bool = True) -> AsyncIterator[httpx.As
 
 
 @contextlib.asynccontextmanager
-async def live_server(app: FastAPI) -> AsyncIterator[str]:
+async def live_server(app: FastAPI, as_cli: bool = False) -> AsyncIterator[str]:
     """uvicorn serving the app on a free local port inside this event loop; yields the base URL.
-    uvicorn runs the app's lifespan itself (model loading at startup, engine shutdown at exit)."""
+    uvicorn runs the app's lifespan itself (model loading at startup, engine shutdown at exit).
+    as_cli: the server `python -m server` runs (server.cli.make_server: its connection cap included)."""
     port = free_port()
-    server = uvicorn.Server(uvicorn.Config(app, host=LOOPBACK, port=port, log_level="warning"))
+    if as_cli:
+        from server.cli import make_server
+
+        config = dataclasses.replace(app.state.server.config, host=LOOPBACK, port=port, log_level="warning")
+        server = make_server(app, config)
+    else:
+        server = uvicorn.Server(uvicorn.Config(app, host=LOOPBACK, port=port, log_level="warning"))
     task = asyncio.create_task(server.serve())
     while not server.started:
         if task.done():
@@ -160,13 +112,24 @@ async def wait_until(predicate: Callable[[], bool], steps: int = 2000) -> None:
 MODEL = "fake-model"  # the served name of every fake-runner app
 
 
+def server_config(**flat: Any) -> ServerConfig:
+    """A ServerConfig from flat keyword arguments, as flags give them: engine and scheduler fields go to
+    the nested configs, the rest to the server's own."""
+    engine = {f.name for f in dataclasses.fields(EngineConfig)}
+    sched = {f.name for f in dataclasses.fields(SchedulerConfig)}
+    return ServerConfig(
+        engine=EngineConfig(**{k: v for k, v in flat.items() if k in engine}),
+        scheduler=SchedulerConfig(**{k: v for k, v in flat.items() if k in sched}),
+        **{k: v for k, v in flat.items() if k not in engine and k not in sched},
+    )
+
+
 def make_app(tokenizer: ServerTokenizer, runner: FakeRunner | None = None, **config: Any) -> FastAPI:
-    """The real app (real AsyncEngine) over a fake runner; the periodic stats log is off unless asked."""
+    """The real app (real IterationLoop) over a fake runner; the periodic stats log is off unless asked."""
     from server.app import create_app
-    from server.config import ServerConfig
 
     config.setdefault("log_stats_interval_s", 0)
-    return create_app(ServerConfig(model=MODEL, **config), fake_loader(tokenizer, runner or FakeRunner()))
+    return create_app(server_config(model=MODEL, **config), fake_loader(tokenizer, runner or FakeRunner()))
 
 
 @contextlib.asynccontextmanager
@@ -183,13 +146,13 @@ async def serving(app: FastAPI, runner: FakeRunner) -> AsyncIterator[httpx.Async
         runner.gate.set()
 
 
-def engine_of(app: FastAPI) -> Any:
-    return app.state.server.engine
+def loop_of(app: FastAPI) -> Any:
+    return app.state.server.loop
 
 
 async def drained(app: FastAPI) -> None:
     """Until the loop holds no request and no KV block."""
-    engine = engine_of(app)
+    engine = loop_of(app)
 
     def idle() -> bool:
         s = engine.stats()
@@ -247,3 +210,73 @@ def scripted_client(tokenizer: ServerTokenizer, text: str, **runner_kwargs: Any)
     """running_app over a fake runner whose output is exactly `text` (for stop strings, UTF-8)."""
     runner = FakeRunner(script=tokenizer.encode(text, add_special_tokens=False), **runner_kwargs)
     return running_app(make_app(tokenizer, runner))
+
+
+async def greedy_through_loop(
+    executor: Any,
+    prompts: Sequence[Sequence[int]],
+    max_tokens: int,
+    config: SchedulerConfig | None = None,
+    engine: IterationLoop | None = None,
+) -> list[list[int]]:
+    """Each prompt's greedy tokens (ignore_eos), all prompts at once through a real IterationLoop."""
+    engine = engine or IterationLoop(executor, config)
+    await engine.start()
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+    async def one(i: int, prompt: Sequence[int]) -> list[int]:
+        tokens: list[int] = []
+        async for delta in engine.generate(prompt, params, f"req-{i}"):
+            assert delta.error is None, delta.error
+            tokens += delta.token_ids
+        return tokens
+
+    try:
+        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
+    finally:
+        await engine.shutdown()
+
+
+# --- a real `python -m server` process ----------------------------------------------------------------
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TINY_SERVER_FLAGS = ("--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "512")
+
+
+def server_process(model: str, log: Path, served_name: str, *flags: str) -> Iterator[str]:
+    """`python -m server` on a free port until the generator is closed; yields its base URL once
+    /health says 200 (for module-scoped fixtures: `yield from server_process(...)`)."""
+    port = free_port()
+    cmd = [
+        sys.executable, "-m", "server", "--model", model, "--served-model-name", served_name,
+        "--port", str(port), "--log-level", "warning", *flags,
+    ]  # fmt: skip
+    with open(log, "w") as out:
+        proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)
+    url = f"http://{LOOPBACK}:{port}"
+    try:
+        _wait_healthy(proc, url, log)
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def _wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
+    """Poll /health until 200 (503 meanwhile, while the model loads). Fails if the process dies."""
+    import pytest
+
+    for _ in range(1200):  # bounded by probes; a load takes a few seconds
+        if proc.poll() is not None:
+            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
+        with contextlib.suppress(httpx.TransportError):
+            r = httpx.get(url + "/health", timeout=5)
+            if r.status_code == 200:
+                return
+            assert r.status_code == 503 and "error" in r.json()
+        time.sleep(0.1)
+    pytest.fail(f"server never became healthy:\n{log.read_text()}")

@@ -5,5 +5,5 @@ import sys
 
 
 def test_scheduler_contract_imports_without_torch():
-    code = "import sys, engine.batch, scheduler; assert 'torch' not in sys.modules, 'torch imported'"
+    code = "import sys, engine.contract, scheduler; assert 'torch' not in sys.modules, 'torch imported'"
     subprocess.run([sys.executable, "-c", code], check=True)

@@ -8,7 +8,9 @@ tensors, masks) is done once per step, not once per layer; every layer's `Attent
 from __future__ import annotations
 
 import importlib.util
+import os
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import torch
@@ -21,6 +23,7 @@ from models.layers.attention_backends import (
     FlashAttnBackend,
     SdpaBackend,
     TorchVarlenBackend,
+    TritonBackend,
 )
 from models.layers.metadata import AttentionMetadata, KVCache
 from models.layers.rotary import RotaryEmbedding
@@ -30,6 +33,7 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
     "cpu-decode": BatchedDecodeBackend,
     "torch-varlen": TorchVarlenBackend,
     "flash-attn": FlashAttnBackend,
+    "triton": TritonBackend,
 }
 CUDA_ONLY = frozenset({"torch-varlen", "flash-attn"})
 BACKEND_NAMES = ("auto", *BACKENDS)
@@ -43,6 +47,32 @@ def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
 
 
+@cache
+def triton_imports() -> bool:
+    """triton is installed and imports (a broken install, say built for another torch, does not)."""
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def triton_available(device: torch.device | str) -> bool:
+    """The triton backend can run here: compiled on CUDA, or on a CPU in Triton's interpreter.
+
+    The interpreter is Triton's switch TRITON_INTERPRET=1, read when triton is first imported (the test
+    suite sets it on machines without a GPU); it runs the kernels in numpy, far too slowly to serve.
+    """
+    on_cuda = torch.device(device).type == "cuda"
+    if not (on_cuda or os.environ.get("TRITON_INTERPRET")) or not triton_imports():
+        return False
+    if on_cuda:
+        return True
+    from models.layers import triton_attention
+
+    return triton_attention.INTERPRETED
+
+
 def available_backends(device: torch.device | str) -> list[str]:
     """Backends that can run on this device in this environment."""
     names = ["sdpa", "cpu-decode"]
@@ -51,31 +81,44 @@ def available_backends(device: torch.device | str) -> list[str]:
             names.append("torch-varlen")
         if flash_attn_available():
             names.append("flash-attn")
+    if triton_available(device):
+        names.append("triton")
     return names
 
 
-def select_attention_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
-    """Pick a backend by name, or the fastest one available with "auto".
+def auto_backend_name(device: torch.device | str) -> str:
+    """The fastest backend available on this device.
 
-    auto: flash-attn if importable on CUDA, else torch-varlen on CUDA, else (CPU) cpu-decode, which is
-    sdpa for prompt chunks plus one batched call for all decode tokens.
+    On CUDA: flash-attn if importable, else triton (reads the paged cache in place), else torch-varlen
+    (gathers every history each layer), else sdpa. On a CPU: cpu-decode, which is sdpa for prompt
+    chunks plus one batched call for all decode tokens (never triton: on a CPU it only runs in
+    Triton's interpreter).
     """
+    if torch.device(device).type != "cuda":
+        return "cpu-decode"
+    if flash_attn_available():
+        return "flash-attn"
+    if triton_available(device):
+        return "triton"
+    if torch_varlen_available():
+        return "torch-varlen"
+    return "sdpa"
+
+
+def select_attention_backend(name: str = "auto", device: torch.device | str = "cpu") -> AttentionBackend:
+    """Pick a backend by name, or the fastest one available with "auto" (see auto_backend_name)."""
     device = torch.device(device)
     if name == "auto":
-        if device.type == "cuda":
-            name = (
-                "flash-attn"
-                if flash_attn_available()
-                else "torch-varlen"
-                if torch_varlen_available()
-                else "sdpa"
-            )
-        else:
-            name = "cpu-decode"
+        name = auto_backend_name(device)
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
     if name in CUDA_ONLY and device.type != "cuda":
         raise ValueError(f"attention backend {name!r} needs a CUDA device, not {device}")
+    if name == "triton" and device.type != "cuda" and not triton_available(device):
+        raise ValueError(
+            "attention backend 'triton' needs a CUDA device; on a CPU it runs only in Triton's "
+            "interpreter (TRITON_INTERPRET=1, for tests)"
+        )
     if name not in available_backends(device):
         raise ValueError(
             f"attention backend {name!r} is not available here (available: {', '.join(available_backends(device))})"

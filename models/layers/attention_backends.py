@@ -6,7 +6,7 @@ that is the same for every layer) and `forward(...)` runs once per layer. Only a
 [num_blocks, block_size, num_kv_heads, head_dim] (see metadata.py).
 
 CUDA-only backends import their kernels lazily, inside __init__, so importing this module never needs
-CUDA or flash-attn.
+CUDA, flash-attn or triton.
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ from models.layers.metadata import AttentionMetadata
 
 class AttentionBackend(ABC):
     name: str
+    # Whether a step's attention can be captured in a CUDA graph (engine/cuda_graphs.py): per-layer work
+    # that reads host-side sizes only, allocates through torch, and never synchronises. The per-request
+    # plans of sdpa and cpu-decode, and history_slots' host-sized gathers, are not.
+    capturable: bool = False
 
     @abstractmethod
     def plan(self, md: AttentionMetadata) -> Any:
@@ -283,3 +287,47 @@ class FlashAttnBackend(AttentionBackend):
         k = k_cache.view(-1, h_kv, d)[plan.slots]  # [sum(seq_lens), Hkv, D]
         v = v_cache.view(-1, h_kv, d)[plan.slots]
         return self._attn(q, k, v, **common)
+
+
+# ------------------------------------------------------------------------------------------ triton
+
+
+@dataclass
+class _TritonPlan:
+    # Tile sizes and split count per (query heads, KV heads), chosen by the first layer that asks: they
+    # depend on the step's sizes and the heads, not on the layer.
+    configs: dict[tuple[int, int], Any]
+
+
+class TritonBackend(AttentionBackend):
+    """Paged attention in Triton (models/layers/triton_attention.py): the whole step, prompt chunks and
+    decodes, in one launch that reads K/V in place from the cache blocks (no gather). CUDA; on CPU
+    tensors only under Triton's interpreter (TRITON_INTERPRET=1), which is how it is tested."""
+
+    name = "triton"
+    capturable = True  # launch sizes from host values, no sync (see launch_config)
+
+    def __init__(self) -> None:
+        from models.layers import triton_attention
+
+        self._kernels = triton_attention
+
+    def plan(self, md: AttentionMetadata) -> _TritonPlan:
+        return _TritonPlan({})
+
+    def forward(self, q, k_cache, v_cache, md, plan, scale):
+        heads = (q.shape[1], k_cache.shape[2])
+        config = plan.configs.get(heads)
+        if config is None:
+            config = plan.configs[heads] = self._kernels.launch_config(
+                num_tokens=q.shape[0],
+                num_seqs=md.num_seqs,
+                max_query_len=md.max_query_len,
+                max_seq_len=md.max_seq_len,
+                num_q_heads=heads[0],
+                num_kv_heads=heads[1],
+                device=q.device,
+            )
+        return self._kernels.paged_attention(
+            q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale, config
+        )

@@ -123,7 +123,29 @@ class PackableLinear(nn.Module):
         if self.packed is not None:
             y = cpu_kernels.quant_linear(x, self.packed, self.precision)
             return y if bias is None else y + bias
+        m = x.shape[0]
+        if x.device.type == "cpu" and x.dtype in _ONEDNN_DTYPES and x.dim() == 2:
+            rows = bucketed_rows(m)
+            if rows != m:
+                # [rows, in] with zero rows below x: oneDNN sees one of a few shapes (see bucketed_rows)
+                return F.linear(F.pad(x, (0, 0, 0, rows - m)), self.weight, bias)[:m]
         return F.linear(x, self.weight, bias)
+
+
+# On a CPU, torch runs bfloat16/float16 matmuls through oneDNN, which JIT-compiles a kernel for every
+# new shape and caches it (about 0.5 MiB per shape and weight, measured on AMX; and a new shape's
+# first call waits for the compile). Tokens per step take any value up to the token budget, so a
+# server's memory grew by those caches for as long as new step sizes kept coming (issue #17).
+_ONEDNN_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def bucketed_rows(m: int) -> int:
+    """m rounded up to one of 8 sizes per power of two past 16 (16 exact sizes below): at most 12.5%
+    more rows, and about 70 shapes for any m up to 8192."""
+    if m <= 16:
+        return m
+    step = 1 << (m.bit_length() - 4)
+    return -(-m // step) * step
 
 
 class ColumnParallelLinear(PackableLinear):

@@ -9,6 +9,7 @@ from typing import Any
 from fastapi import APIRouter, Request
 from fastapi.responses import Response
 
+from engine.grammar import CompiledGrammar, GrammarSpec
 from server.errors import context_length_exceeded, invalid
 from server.generation import ChoiceDelta, LogprobEntry
 from server.protocol import ChatCompletionRequest, ChatMessage
@@ -19,6 +20,8 @@ from server.responses import (
     chat_chunk_choice,
     chat_logprobs,
     chat_response,
+    tool_call,
+    tool_call_delta,
 )
 from server.routes.common import (
     check_context,
@@ -37,18 +40,26 @@ from server.routes.fanout import (
     stream_response,
 )
 from server.state import ServerState
+from server.structured import compile_constraint, output_constraint
 from server.tokenizer import ServerTokenizer
+from server.tool_parsers import ToolCallParser, ToolCallStart
+from server.tools import (
+    ToolPlan,
+    call_grammar,
+    check_tool_history,
+    parameters_schema,
+    plan_tools,
+    render_messages,
+)
 
 router = APIRouter()  # the API key is checked by server.middleware.APIKeyMiddleware
 
 
-def template_messages(messages: list[ChatMessage]) -> list[dict[str, str]]:
-    # "developer" is OpenAI's new name for "system"; chat templates only know the latter.
-    return [{"role": "system" if m.role == "developer" else m.role, "content": m.text()} for m in messages]
-
-
 async def encode_chat(
-    tokenizer: ServerTokenizer, messages: list[ChatMessage], add_generation_prompt: bool = True
+    tokenizer: ServerTokenizer,
+    messages: list[ChatMessage],
+    add_generation_prompt: bool = True,
+    plan: ToolPlan | None = None,
 ) -> list[int]:
     if not tokenizer.has_chat_template:
         raise invalid(
@@ -56,31 +67,47 @@ async def encode_chat(
             param="messages",
             code="chat_template_missing",
         )
-    msgs = template_messages(messages)
-    size = sum(len(m["content"]) for m in msgs)
+    check_tool_history(messages)
+    msgs = render_messages(messages, plan)
+    tools = plan.definitions() if plan is not None and plan.native else None
+    size = sum(len(str(m.get("content") or "")) for m in msgs)
     try:
-        return await offload(tokenizer.encode_chat, msgs, add_generation_prompt, size=size)
+        return await offload(tokenizer.encode_chat, msgs, add_generation_prompt, tools, size=size)
     except ValueError as exc:
         raise invalid(str(exc), param="messages") from None
 
 
 def _check_unsupported(body: ChatCompletionRequest) -> None:
-    if body.tools:
-        raise invalid("tools (function calling) are not supported by this server.", param="tools")
-    if body.tool_choice not in (None, "none", "auto"):
-        raise invalid("tool_choice is not supported by this server.", param="tool_choice")
-    if body.response_format is not None and body.response_format.get("type") != "text":
-        raise invalid(
-            "response_format other than {'type': 'text'} is not supported by this server.",
-            param="response_format",
-        )
     if body.top_logprobs is not None and not body.logprobs:
         raise invalid("top_logprobs requires logprobs to be true.", param="top_logprobs")
 
 
+async def _grammar(
+    state: ServerState, body: ChatCompletionRequest, plan: ToolPlan | None
+) -> CompiledGrammar | None:
+    """The reply's grammar: the tool calls' (required / named) or the response format's. Every tool's
+    parameters are compiled too, so a schema that is not one is a 400 whatever the tool_choice."""
+    compiler = state.grammars
+    assert compiler is not None  # set with the tokenizer
+    constraint = output_constraint(body)
+    if plan is None:
+        return None if constraint is None else await compile_constraint(compiler, *constraint)
+    for i, tool in enumerate(plan.tools):
+        param = f"tools.{i}.function.parameters"
+        await compile_constraint(compiler, GrammarSpec.json_schema(parameters_schema(tool)), param)
+    if not plan.constrained:
+        return None if constraint is None else await compile_constraint(compiler, *constraint)
+    if constraint is not None:
+        raise invalid(
+            f"{constraint[1]} cannot be combined with tool_choice {plan.choice!r}: the reply is a tool call.",
+            param=constraint[1],
+        )
+    return await compile_constraint(compiler, call_grammar(plan), "tools")
+
+
 @router.post("/v1/chat/completions", response_model=None)
 async def create_chat_completion(body: ChatCompletionRequest, request: Request) -> Response:
-    state, engine, tokenizer = ready_for(request, body.model)
+    state, loop, tokenizer = ready_for(request, body.model)
     _check_unsupported(body)
     check_limits(
         state,
@@ -91,8 +118,10 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         num_stops=len(body.stop_strings),
         max_tokens=body.requested_max_tokens,
     )
-    prompt = await encode_chat(tokenizer, body.messages)
-    limit = engine.max_model_len
+    plan = plan_tools(body, tokenizer.chat_template)
+    prompt = await encode_chat(tokenizer, body.messages, plan=plan)
+    grammar = await _grammar(state, body, plan)
+    limit = loop.max_model_len
     requested = body.requested_max_tokens
     if requested is None:  # as much as fits, as vLLM does
         if len(prompt) >= limit:
@@ -107,21 +136,23 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
     params = sampling_params(body, max_tokens, logprobs, state.vocab_size)
     meta = ResponseMeta.new("chatcmpl", state.config.model_name)
     specs = choice_specs(
-        meta.id, [prompt], body.n or 1, params, body.stop_strings, bool(body.skip_special_tokens)
+        meta.id, [prompt], body.n or 1, params, body.stop_strings, bool(body.skip_special_tokens), grammar
     )
-    run = start_choices(state, engine, tokenizer, specs, len(prompt))
+    run = start_choices(state, loop, tokenizer, specs, len(prompt))
     if body.stream:
-        return stream_response(run, _stream(state, run, meta, body))
+        return stream_response(run, _stream(state, run, meta, body, plan))
 
-    def build(choices: list[CollectedChoice], use: dict[str, int]) -> dict[str, Any]:
-        return chat_response(
-            meta,
-            [
-                chat_choice(c.index, c.text, _logprobs_of(state, body, c.logprobs), c.finish_reason)
-                for c in choices
-            ],
-            use,
-        )
+    def build(choices: list[CollectedChoice], use: dict[str, Any]) -> dict[str, Any]:
+        out = []
+        for c in choices:
+            lp = _logprobs_of(state, body, c.logprobs)
+            if plan is None:
+                out.append(chat_choice(c.index, c.text, lp, c.finish_reason))
+                continue
+            reply = ToolCallParser(plan.fmt).parse_all(c.text)
+            calls = [tool_call(*call) for call in reply.calls]
+            out.append(chat_choice(c.index, reply.content, lp, _finish(c.finish_reason, bool(calls)), calls))
+        return chat_response(meta, out, use)
 
     return await collect_response(request, run, build)
 
@@ -135,15 +166,37 @@ def _logprobs_of(
     return chat_logprobs(entries, state.tokenizer)
 
 
+def _finish(reason: str | None, called: bool) -> str | None:
+    """OpenAI's finish_reason for a reply that made tool calls (a length cut stays "length")."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
 def _stream(
-    state: ServerState, run: ChoiceRun, meta: ResponseMeta, body: ChatCompletionRequest
+    state: ServerState, run: ChoiceRun, meta: ResponseMeta, body: ChatCompletionRequest, plan: ToolPlan | None
 ) -> AsyncIterator[dict[str, Any]]:
     # The first chunk of every choice carries the role, as OpenAI's do.
     roles = [chat_chunk_choice(s.index, {"role": "assistant", "content": ""}) for s in run.specs]
+    parsers = {s.index: ToolCallParser(plan.fmt) for s in run.specs} if plan is not None else {}
 
     def choice(d: ChoiceDelta) -> dict[str, Any]:
-        delta = {"content": d.text} if d.text else {}
-        return chat_chunk_choice(d.index, delta, _logprobs_of(state, body, d.logprobs), d.finish_reason)
+        lp = _logprobs_of(state, body, d.logprobs)
+        parser = parsers.get(d.index)
+        if parser is None:
+            delta = {"content": d.text} if d.text else {}
+            return chat_chunk_choice(d.index, delta, lp, d.finish_reason)
+        content, events = parser.feed(d.text)
+        if d.finish_reason is not None:
+            tail, more = parser.finish()
+            content, events = content + tail, events + more
+        delta = {"content": content} if content else {}
+        if events:
+            delta["tool_calls"] = [
+                tool_call_delta(e.index, call_id=e.id, name=e.name)
+                if isinstance(e, ToolCallStart)
+                else tool_call_delta(e.index, arguments=e.text)
+                for e in events
+            ]
+        return chat_chunk_choice(d.index, delta, lp, _finish(d.finish_reason, parser.num_calls > 0))
 
     chunk = partial(chat_chunk, meta, with_usage=body.include_usage)
     return stream_chunks(run, roles, choice, chunk, body.include_usage)

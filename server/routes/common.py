@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import sys
 from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import replace
 from http import HTTPStatus
@@ -15,9 +16,12 @@ from typing import Any, TypeVar
 from fastapi import Request
 from fastapi.responses import Response
 from sse_starlette import EventSourceResponse
+from sse_starlette.sse import SendTimeoutError
 from starlette.background import BackgroundTask
+from starlette.types import Receive, Scope, Send
 
-from engine.batch import SamplingParams
+from engine.contract import SamplingParams
+from engine.grammar import CompiledGrammar
 from server.errors import (
     APIError,
     context_length_exceeded,
@@ -27,10 +31,13 @@ from server.errors import (
     queue_full,
     request_timeout,
 )
-from server.generation import ChoiceSpec, EngineClient, GenerationError
+from server.generation import ChoiceSpec, GenerationError, LoopClient
 from server.protocol import SamplingFields
 from server.state import ServerState
 from server.tokenizer import ServerTokenizer
+
+if sys.version_info < (3, 11):  # anyio's backport on 3.10
+    from exceptiongroup import BaseExceptionGroup
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -79,14 +86,14 @@ def check_draining(state: ServerState) -> None:
         raise draining(state.config.retry_after_s)
 
 
-def admit(state: ServerState, engine: EngineClient, num_choices: int) -> None:
+def admit(state: ServerState, loop: LoopClient, num_choices: int) -> None:
     """Refuse a request (429 + Retry-After) whose choices would overflow the waiting queue. Checked and
     followed by generate() in the same event-loop turn, so concurrent requests cannot overshoot."""
     check_draining(state)
     limit = state.config.max_queue_len
     if limit is None:
         return
-    waiting = engine.stats().waiting
+    waiting = loop.stats().waiting
     if waiting + num_choices > limit:
         state.metrics.count_rejected("queue_full")
         logger.warning("queue full (%d waiting, limit %d): refusing %d choices", waiting, limit, num_choices)
@@ -99,14 +106,14 @@ def check_model(state: ServerState, name: str | None) -> None:
         raise model_not_found(name)
 
 
-def ready_for(request: Request, model: str | None) -> tuple[ServerState, EngineClient, ServerTokenizer]:
+def ready_for(request: Request, model: str | None) -> tuple[ServerState, LoopClient, ServerTokenizer]:
     """What a generation route checks before reading its body further: a loaded model (503 while
     loading), a server taking requests (503 while draining), and the model it names (404)."""
     state = get_state(request)
-    engine, tokenizer = state.require_ready()
+    loop, tokenizer = state.require_ready()
     check_draining(state)
     check_model(state, model)
-    return state, engine, tokenizer
+    return state, loop, tokenizer
 
 
 async def offload(fn: Callable[..., T], *args: Any, size: int) -> T:
@@ -165,27 +172,31 @@ def choice_specs(
     params: SamplingParams,
     stops: list[str],
     skip_special_tokens: bool,
+    grammar: CompiledGrammar | None = None,
 ) -> list[ChoiceSpec]:
     """n choices per prompt, indexed prompt-major as OpenAI does. With a seed, choice j uses seed + j:
-    the same seed for all n would make the n choices identical."""
+    the same seed for all n would make the n choices identical. With a grammar, each choice gets its
+    own matcher (its own position in the grammar)."""
     specs = []
     for p, prompt in enumerate(prompts):
         for j in range(n):
             index = p * n + j
             seeded = params if params.seed is None else replace(params, seed=params.seed + j)
+            if grammar is not None:
+                seeded = replace(seeded, grammar=grammar.new_matcher())
             specs.append(
-                ChoiceSpec(index, f"{request_prefix}-{index}", prompt, seeded, stops, skip_special_tokens)
+                ChoiceSpec(index, f"{request_prefix}-{index}", prompt, seeded, stops, skip_special_tokens, p)
             )
     return specs
 
 
-def abort_all(engine: EngineClient, specs: list[ChoiceSpec]) -> None:
+def abort_all(loop: LoopClient, specs: list[ChoiceSpec]) -> None:
     """Idempotent: requests already finished are left alone by the loop."""
     for spec in specs:
-        engine.abort(spec.request_id)
+        loop.abort(spec.request_id)
 
 
-def engine_error(exc: Exception) -> APIError:
+def loop_stopped_error(exc: Exception) -> APIError:
     if isinstance(exc, GenerationError):
         return APIError(str(exc), HTTPStatus.INTERNAL_SERVER_ERROR, "server_error", None, "generation_failed")
     return APIError(f"The engine is not running: {exc}", HTTPStatus.SERVICE_UNAVAILABLE, "server_error")
@@ -269,11 +280,16 @@ def disconnected_response() -> Response:
     return Response(status_code=499)
 
 
-def sse(events: AsyncIterator[dict[str, Any] | str], cleanup: Callable[[], None]) -> EventSourceResponse:
+def sse(
+    events: AsyncIterator[dict[str, Any] | str],
+    cleanup: Callable[[], None],
+    send_timeout_s: float | None = None,
+) -> EventSourceResponse:
     """`data: {json}` events, then `data: [DONE]`. An error mid-stream arrives as an event holding the
     OpenAI error object (the status line is long gone), followed by [DONE]. `cleanup` runs once the
     response is over however it ended: a client gone before the first event never starts `events`,
-    so their own `finally` would not run."""
+    so their own `finally` would not run. A send that waits `send_timeout_s` (the client reads nothing
+    and every buffer on the way is full) ends the stream: see SlowClientStream."""
 
     async def after() -> None:
         cleanup()
@@ -288,12 +304,39 @@ def sse(events: AsyncIterator[dict[str, Any] | str], cleanup: Callable[[], None]
                 }
         except APIError as exc:
             yield {"data": json.dumps(exc.body())}
-        except Exception as exc:  # GenerationError, EngineDeadError, or a bug: the client must hear of it
+        except Exception as exc:  # GenerationError, LoopStoppedError, or a bug: the client must hear of it
             if not isinstance(exc, GenerationError):
                 logger.exception("stream failed")
-            yield {"data": json.dumps(engine_error(exc).body())}
+            yield {"data": json.dumps(loop_stopped_error(exc).body())}
         yield {"data": "[DONE]"}
 
     # Pings are SSE comments (": ping"), which every SSE parser (the openai client's included) skips;
     # they keep proxies from closing a stream whose prefill takes long.
-    return EventSourceResponse(frames(), sep="\n", ping=15, background=BackgroundTask(after))
+    return SlowClientStream(
+        frames(), sep="\n", ping=15, background=BackgroundTask(after), send_timeout=send_timeout_s
+    )
+
+
+class SlowClientStream(EventSourceResponse):
+    """An SSE response that ends when its client stops reading.
+
+    What buffers a stream: uvicorn writes each event to the asyncio transport and, once the transport
+    holds more than its high-water mark (64 KiB), makes the next send wait until it drains; below
+    that is the kernel's socket send buffer (autotuned, up to net.ipv4.tcp_wmem's maximum) and the
+    client's receive buffer. Nothing else queues: sse-starlette sends each event as the generator
+    yields it, so a blocked send stops the generator, and the engine's deltas for the request merge
+    into one (scheduler.loop) instead of piling up. What a client that never reads would pin is its
+    request: a batch slot and KV blocks until max_tokens. sse-starlette's send_timeout turns a send
+    blocked that long into SendTimeoutError; the generator is closed, which aborts the request in the
+    loop, and the connection is dropped (uvicorn closes it once the app returns)."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        except SendTimeoutError:
+            logger.warning("the client read nothing for %g s; stream aborted", self.send_timeout)
+        except BaseExceptionGroup as group:  # raised from sse-starlette's task group
+            rest = group.subgroup(lambda e: not isinstance(e, SendTimeoutError))
+            if rest is not None:
+                raise rest from None
+            logger.warning("the client read nothing for %g s; stream aborted", self.send_timeout)

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
+from dataclasses import dataclass, replace
 from functools import partial
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
 
+from scheduler.outputs import TokenLogprob
 from server.errors import invalid
 from server.generation import ChoiceDelta, LogprobEntry
 from server.protocol import CompletionRequest
@@ -18,7 +20,10 @@ from server.responses import (
     completion_chunk,
     completion_logprobs,
     completion_response,
+    echo_logprobs,
+    join_logprobs,
     usage,
+    vllm_prompt_logprobs,
 )
 from server.routes.common import (
     check_context,
@@ -37,7 +42,7 @@ from server.routes.fanout import (
     stream_chunks,
     stream_response,
 )
-from server.state import ServerState
+from server.structured import compile_constraint, output_constraint
 from server.tokenizer import ServerTokenizer
 
 router = APIRouter()  # the API key is checked by server.middleware.APIKeyMiddleware
@@ -69,7 +74,7 @@ async def _prompt_ids(
 
 @router.post("/v1/completions", response_model=None)
 async def create_completion(body: CompletionRequest, request: Request) -> Response:
-    state, engine, tokenizer = ready_for(request, body.model)
+    state, loop, tokenizer = ready_for(request, body.model)
     n = body.n or 1
     check_limits(
         state,
@@ -83,41 +88,107 @@ async def create_completion(body: CompletionRequest, request: Request) -> Respon
         raise invalid("suffix is not supported by this server.", param="suffix")
     if body.best_of is not None and body.best_of > n:
         raise invalid("best_of greater than n is not supported by this server.", param="best_of")
-    if body.echo and body.logprobs is not None:
-        raise invalid(
-            "echo together with logprobs (prompt logprobs) is not supported by this server.", param="echo"
+    if body.prompt_logprobs is not None:
+        check_limits(
+            state,
+            n=n,
+            num_prompts=1,
+            logprobs=body.prompt_logprobs,
+            num_stops=0,
+            max_tokens=None,
+            logprobs_param="prompt_logprobs",
         )
     max_tokens = 16 if body.max_tokens is None else body.max_tokens
     if max_tokens == 0 and not body.echo:
         raise invalid("max_tokens must be at least 1 (0 is only allowed with echo).", param="max_tokens")
+    prompt_k = _prompt_logprobs_k(body)
 
     prompts = await _prompt_ids(body, tokenizer, state.vocab_size)
+    # Scoring a prompt takes one step of the model: with max_tokens 0 its token is left out.
+    gen_tokens = max_tokens or (1 if prompt_k is not None else 0)
     for p in prompts:
-        check_context(engine.max_model_len, len(p), max_tokens)
+        check_context(loop.max_model_len, len(p), gen_tokens)
     meta = ResponseMeta.new("cmpl", state.config.model_name)
     echoes = [_echo_text(body, tokenizer, i, p) for i, p in enumerate(prompts)] if body.echo else None
 
-    if max_tokens == 0:  # echo only: the prompt back, nothing generated (OpenAI's prompt-scoring form)
+    if gen_tokens == 0:  # echo only: the prompt back, nothing generated or scored
         return _echo_only(meta, prompts, echoes or [], n)
 
-    params = sampling_params(body, max_tokens, body.logprobs, state.vocab_size)
-    specs = choice_specs(meta.id, prompts, n, params, body.stop_strings, bool(body.skip_special_tokens))
-    run = start_choices(state, engine, tokenizer, specs, sum(len(p) for p in prompts))
+    constraint = output_constraint(body)
+    grammar = None
+    if constraint is not None:
+        assert state.grammars is not None  # set with the tokenizer
+        grammar = await compile_constraint(state.grammars, *constraint)
+    params = replace(
+        sampling_params(body, gen_tokens, body.logprobs, state.vocab_size), prompt_logprobs=prompt_k
+    )
+    specs = choice_specs(
+        meta.id, prompts, n, params, body.stop_strings, bool(body.skip_special_tokens), grammar
+    )
+    run = start_choices(state, loop, tokenizer, specs, sum(len(p) for p in prompts))
+    shape = _ChoiceShape(body, tokenizer, prompts, echoes, scoring_only=max_tokens == 0)
     if body.stream:
-        return stream_response(run, _stream(state, run, meta, body, echoes))
+        return stream_response(run, _stream(run, meta, body, shape))
 
-    def build(choices: list[CollectedChoice], use: dict[str, int]) -> dict[str, Any]:
-        out = []
-        for c in choices:
-            prefix = echoes[c.index // n] if echoes else ""
-            out.append(
-                completion_choice(
-                    c.index, prefix + c.text, _logprobs_of(state, body, c.logprobs), c.finish_reason
-                )
-            )
+    def build(choices: list[CollectedChoice], use: dict[str, Any]) -> dict[str, Any]:
+        out = [
+            shape.choice(c.index, c.text, c.logprobs, c.finish_reason, c.prompt_logprobs, True)
+            for c in choices
+        ]
+        if shape.scoring_only:
+            use = {**use, "completion_tokens": 0, "total_tokens": use["prompt_tokens"]}
         return completion_response(meta, out, use)
 
     return await collect_response(request, run, build)
+
+
+def _prompt_logprobs_k(body: CompletionRequest) -> int | None:
+    """How many top alternatives to score each prompt token with: vLLM's prompt_logprobs, or logprobs
+    when echo asks for the prompt's logprobs (OpenAI), the larger when both come."""
+    ks = [body.prompt_logprobs]
+    if body.echo and body.logprobs is not None:
+        ks.append(body.logprobs)
+    given = [k for k in ks if k is not None]
+    return max(given) if given else None
+
+
+@dataclass
+class _ChoiceShape:
+    """How a completion choice (or a streamed piece of one) looks: the echoed prompt first, with its
+    logprobs when echo comes with logprobs (OpenAI), and vLLM's prompt_logprobs when asked."""
+
+    body: CompletionRequest
+    tokenizer: ServerTokenizer
+    prompts: list[list[int]]
+    echoes: list[str] | None
+    scoring_only: bool  # max_tokens 0: the prompt scored, its one generated token left out
+
+    def choice(
+        self,
+        index: int,
+        text: str,
+        entries: list[LogprobEntry],
+        finish_reason: str | None,
+        prompt_logprobs: list[TokenLogprob | None] | None,
+        starts: bool,
+    ) -> dict[str, Any]:
+        """`starts`: this piece begins the choice's text (the whole choice, or its first delta)."""
+        body, n = self.body, self.body.n or 1
+        prompt = self.prompts[index // n]
+        echo = self.echoes[index // n] if self.echoes else ""
+        if self.scoring_only:
+            text, entries, finish_reason = "", [], finish_reason and "length"
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs = completion_logprobs(entries, self.tokenizer, offset_base=len(echo))
+        if starts and echo:
+            text = echo + text
+            if body.logprobs is not None and prompt_logprobs is not None:
+                logprobs = join_logprobs(echo_logprobs(prompt, prompt_logprobs, self.tokenizer), logprobs)
+        out = completion_choice(index, text, logprobs, finish_reason)
+        if body.prompt_logprobs is not None and prompt_logprobs is not None:
+            out["prompt_logprobs"] = vllm_prompt_logprobs(prompt, prompt_logprobs, self.tokenizer)
+        return out
 
 
 def _num_prompts(body: CompletionRequest) -> int:
@@ -144,30 +215,25 @@ def _echo_only(meta: ResponseMeta, prompts: list[list[int]], echoes: list[str], 
     return JSONResponse(completion_response(meta, choices, usage(sum(len(p) for p in prompts), 0)))
 
 
-def _logprobs_of(
-    state: ServerState, body: CompletionRequest, entries: list[LogprobEntry]
-) -> dict[str, Any] | None:
-    if body.logprobs is None:
-        return None
-    assert state.tokenizer is not None
-    return completion_logprobs(entries, state.tokenizer)
-
-
 def _stream(
-    state: ServerState,
-    run: ChoiceRun,
-    meta: ResponseMeta,
-    body: CompletionRequest,
-    echoes: list[str] | None,
+    run: ChoiceRun, meta: ResponseMeta, body: CompletionRequest, shape: _ChoiceShape
 ) -> AsyncIterator[dict[str, Any]]:
     n = body.n or 1
-    # With echo, each choice's prompt comes first, as a chunk of its own.
+    # With echo, each choice's prompt comes first: as a chunk of its own, or, when its logprobs come
+    # with it, with the choice's first delta (which brings them).
+    scores_echo = body.echo and body.logprobs is not None
+    echoes = shape.echoes
     first = (
-        [completion_choice(s.index, echoes[s.index // n], None, None) for s in run.specs] if echoes else []
+        [completion_choice(s.index, echoes[s.index // n], None, None) for s in run.specs]
+        if echoes and not scores_echo
+        else []
     )
+    started: set[int] = set()
 
     def choice(d: ChoiceDelta) -> dict[str, Any]:
-        return completion_choice(d.index, d.text, _logprobs_of(state, body, d.logprobs), d.finish_reason)
+        starts = bool(scores_echo) and d.index not in started
+        started.add(d.index)
+        return shape.choice(d.index, d.text, d.logprobs, d.finish_reason, d.prompt_logprobs, starts)
 
     chunk = partial(completion_chunk, meta, with_usage=body.include_usage)
     return stream_chunks(run, first, choice, chunk, body.include_usage)

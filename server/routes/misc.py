@@ -27,12 +27,21 @@ async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
     if state.draining:  # load balancers take this replica out while in-flight requests finish
         return draining(state.config.retry_after_s).response()
+    if state.loop is not None and state.loop.is_restarting:  # back in seconds; requests queue meanwhile
+        return APIError(
+            "The engine's workers are restarting.",
+            503,
+            "server_error",
+            None,
+            "engine_restarting",
+            {"Retry-After": str(state.config.retry_after_s)},
+        ).response()
     if state.load_error is not None:
         err = APIError(
             f"Loading the model failed: {state.load_error}", 503, "server_error", None, "model_load_failed"
         )
         return err.response()
-    if state.engine is not None:  # loaded once, and the loop has stopped since
+    if state.loop is not None:  # loaded once, and the loop has stopped since
         return APIError("The engine is not running.", 503, "server_error", None, "engine_dead").response()
     return not_ready().response()
 
@@ -43,15 +52,15 @@ async def metrics(request: Request) -> Response:
 
 
 def _model_card(state: ServerState) -> dict[str, Any]:
-    engine, _ = state.require_ready()
+    loop, _ = state.require_ready()
     return {
         "id": state.config.model_name,
         "object": "model",
         "created": state.created,
         "owned_by": "orca-serve",
-        "root": state.config.model,
+        "root": state.config.engine.model,
         "parent": None,
-        "max_model_len": engine.max_model_len,
+        "max_model_len": loop.max_model_len,
     }
 
 
@@ -79,7 +88,7 @@ def _parse(model: type, payload: Any) -> Any:
 async def tokenize(request: Request, payload: dict[str, Any] = Body(...)) -> Response:
     """{prompt, add_special_tokens} or {messages, add_generation_prompt} -> {count, max_model_len, tokens}."""
     state = get_state(request)
-    engine, tokenizer = state.require_ready()
+    loop, tokenizer = state.require_ready()
     if "messages" in payload:
         chat = _parse(TokenizeChatRequest, payload)
         check_model(state, chat.model)
@@ -89,7 +98,7 @@ async def tokenize(request: Request, payload: dict[str, Any] = Body(...)) -> Res
         check_model(state, plain.model)
         ids = await offload(tokenizer.encode, plain.prompt, plain.add_special_tokens, size=len(plain.prompt))
     return JSONResponse(
-        {"count": len(ids), "max_model_len": engine.max_model_len, "tokens": ids, "token_strs": None}
+        {"count": len(ids), "max_model_len": loop.max_model_len, "tokens": ids, "token_strs": None}
     )
 
 

@@ -3,18 +3,16 @@ async, streaming and not, both endpoints) and by the README's own examples, run 
 
 from __future__ import annotations
 
-import contextlib
 import json
 import re
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 import openai
 import pytest
-from fakes import free_port, parse_sse
+from fakes import TINY_SERVER_FLAGS, free_port, parse_sse, server_process
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "default"  # the README's examples name the model as `make serve` serves it
@@ -23,40 +21,8 @@ MSGS = [{"role": "user", "content": "Hello there"}]
 
 @pytest.fixture(scope="module")
 def server_url(tiny_llama_dir, tmp_path_factory):
-    port = free_port()
     log = tmp_path_factory.mktemp("server") / "server.log"
-    cmd = [
-        sys.executable, "-m", "server", "--model", str(tiny_llama_dir), "--served-model-name", MODEL,
-        "--port", str(port), "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "512",
-        "--log-level", "warning",
-    ]  # fmt: skip
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        _wait_healthy(proc, url, log)
-        yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
-def _wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
-    """Poll /health until 200 (503 meanwhile, while the model loads). Fails if the process dies."""
-    for _ in range(1200):  # bounded by probes; a load takes a few seconds
-        if proc.poll() is not None:
-            pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
-        with contextlib.suppress(httpx.TransportError):
-            r = httpx.get(url + "/health", timeout=5)
-            if r.status_code == 200:
-                return
-            assert r.status_code == 503 and "error" in r.json()
-        time.sleep(0.1)
-    pytest.fail(f"server never became healthy:\n{log.read_text()}")
+    yield from server_process(str(tiny_llama_dir), log, MODEL, *TINY_SERVER_FLAGS)
 
 
 @pytest.fixture
@@ -96,6 +62,29 @@ def test_sync_chat(client):
     )
     assert len(lp.choices[0].logprobs.content) == 3
     assert all(len(t.top_logprobs) == 2 for t in lp.choices[0].logprobs.content)
+
+
+def test_chat_next_turn_reports_cached_tokens(client):
+    """A conversation's second turn resends the first: the official client reads the reused part in
+    usage.prompt_tokens_details.cached_tokens, streamed or not."""
+    history = [{"role": "system", "content": "You are a terse assistant. " * 12}, *MSGS]
+    turn1 = client.chat.completions.create(model=MODEL, messages=history, max_tokens=6, temperature=0)
+    assert turn1.usage.prompt_tokens_details.cached_tokens == 0
+    history += [{"role": "assistant", "content": turn1.choices[0].message.content}]
+    history += [{"role": "user", "content": "Go on."}]
+    turn2 = client.chat.completions.create(model=MODEL, messages=history, max_tokens=6, temperature=0)
+    assert turn1.usage.prompt_tokens // 16 * 16 <= turn2.usage.prompt_tokens_details.cached_tokens
+    assert turn2.usage.prompt_tokens_details.cached_tokens < turn2.usage.prompt_tokens
+    stream = client.chat.completions.create(
+        model=MODEL,
+        messages=history,
+        max_tokens=6,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    usage = [chunk.usage for chunk in stream if chunk.usage is not None]
+    assert usage[-1].prompt_tokens_details.cached_tokens >= turn2.usage.prompt_tokens_details.cached_tokens
 
 
 def test_sync_errors(client):

@@ -21,22 +21,21 @@ import httpx
 import pytest
 import torch
 from builders import build_hf_model, gguf_structured, tiny_gpt2_config, tiny_llama_config
-from fakes import FakeRunner, live_server, wait_until
+from fakes import greedy_through_loop, live_server, metric, server_config, wait_until
 from kernel_marks import needs_native_kernels
 
-from engine.batch import SampledToken, SamplingParams, ScheduledSequence
 from engine.config import EngineConfig
+from engine.contract import SampledToken, SamplingParams, ScheduledSequence
 from engine.distributed import Topology, decode_batch, encode_batch
-from engine.parallel_runner import ParallelModelRunner
-from engine.runner import TorchModelRunner
+from engine.distributed_executor import DistributedExecutor
+from engine.executor import LocalExecutor
 from models.layers.parallel import PPContext
 from models.loader import load_tokenizer
 from models.registry import model_class_for
 from models.weight_packing import packable_layers
 from scheduler.config import SchedulerConfig
-from scheduler.loop import AsyncEngine
+from scheduler.loop import IterationLoop
 from server.app import create_app
-from server.config import ServerConfig
 from server.state import LoadedModel
 from server.tokenizer import ServerTokenizer
 
@@ -78,7 +77,7 @@ def test_layer_ranges_partition_the_layers() -> None:
 def test_pipeline_stages_chained_equal_the_whole_model(family: str) -> None:
     """Stage 0 (embedding + first layers) then stage 1 (last layers, norm, head), each loading only its
     own weights from the full checkpoint, give the logits of the unsplit model."""
-    from test_models import PagedCacheHarness
+    from paged_cache import PagedCacheHarness
 
     config = {
         "llama": lambda: tiny_llama_config(vocab_size=512, num_hidden_layers=3),
@@ -140,7 +139,7 @@ def test_step_message_round_trip() -> None:
     ]
     msg = encode_batch(batch)
     # Compact: header + tokens + 3 ints per sequence + the padded block tables, all int64.
-    assert msg.payload.numel() == 6 + 3 * 3 + 3 * 3 and msg.num_sample == 2
+    assert msg.payload.numel() == 6 + 3 * 3 + 3 * 3 and msg.num_logit_rows == 2
     back = decode_batch(msg)
     assert [list(s.token_ids) for s in back] == [[5, 6, 7], [9], [1, 2]]
     assert [s.start_position for s in back] == [0, 20, 16]
@@ -165,88 +164,6 @@ def test_topology_is_stage_major() -> None:
     assert topo.world_size == 6
     assert [topo.stage_of(r) for r in range(6)] == [0, 0, 1, 1, 2, 2]
     assert topo.stage_ranks(1) == [2, 3] and topo.rank_of(2, 1) == 5
-
-
-class PipelinedFake(FakeRunner):
-    """A FakeRunner with submit/collect: checks ORCA's invariants of the pipelined loop."""
-
-    def __init__(self, depth: int, num_kv_blocks: int = 64) -> None:
-        super().__init__(num_kv_blocks=num_kv_blocks)
-        self.pipeline_depth = depth
-        self.in_flight: list[list[ScheduledSequence]] = []
-        self.max_in_flight = 0
-        self.computed: dict[str, int] = {}  # tokens each request has had submitted
-
-    def submit(self, batch: Sequence[ScheduledSequence]) -> list[ScheduledSequence]:
-        busy = {s.request_id for b in self.in_flight for s in b}
-        for seq in batch:
-            assert seq.request_id not in busy, "a request in two in-flight batches"
-            # Preempted requests restart at 0; otherwise each batch continues where the last ended.
-            assert seq.start_position in (0, self.computed.get(seq.request_id, 0))
-            self.computed[seq.request_id] = seq.context_len
-        self.in_flight.append(list(batch))
-        self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
-        assert len(self.in_flight) <= self.pipeline_depth
-        return self.in_flight[-1]
-
-    def collect(self, handle: list[ScheduledSequence]) -> list[SampledToken | None]:
-        assert handle is self.in_flight[0], "collected out of submission order"
-        self.in_flight.pop(0)
-        return self.step(handle)
-
-
-async def greedy_through_loop(
-    runner: Any, prompts: Sequence[Sequence[int]], max_tokens: int, engine: AsyncEngine | None = None
-) -> list[list[int]]:
-    engine = engine or AsyncEngine(runner, SCHED)
-    await engine.start()
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-    async def one(i: int, prompt: Sequence[int]) -> list[int]:
-        tokens: list[int] = []
-        async for delta in engine.generate(prompt, params, f"req-{i}"):
-            assert delta.error is None, delta.error
-            tokens += delta.token_ids
-        return tokens
-
-    try:
-        return list(await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts))))
-    finally:
-        await engine.shutdown()
-
-
-@pytest.mark.parametrize("num_kv_blocks", [64, 6], ids=["roomy", "preempting"])
-async def test_pipelined_loop_keeps_depth_batches_in_flight(num_kv_blocks: int) -> None:
-    """Same tokens as the plain loop, up to `depth` batches in flight, none sharing a request, and with
-    a tight KV cache preemptions that never hit a request whose batch is still in the pipeline."""
-    prompts = [[20 + i] * (3 + 5 * i) for i in range(6)]
-    plain = await greedy_through_loop(FakeRunner(num_kv_blocks=num_kv_blocks), prompts, 8)
-    fake = PipelinedFake(depth=2, num_kv_blocks=num_kv_blocks)
-    engine = AsyncEngine(fake, SCHED)
-    piped = await greedy_through_loop(fake, prompts, 8, engine)
-    assert piped == plain
-    assert fake.max_in_flight == 2 and not fake.in_flight
-    assert fake.max_batch_seen <= 3  # the 6 requests spread over the 2 batches in flight
-    if num_kv_blocks == 6:
-        assert engine.stats().num_preemptions > 0
-
-
-async def test_pipelined_loop_stops_on_a_fatal_step_error() -> None:
-    class Fatal(RuntimeError):
-        fatal = True
-
-    class DiesAtThirdStep(PipelinedFake):
-        def submit(self, batch: Sequence[ScheduledSequence]) -> list[ScheduledSequence]:
-            if self.num_steps >= 2:
-                raise Fatal("worker gone")
-            return super().submit(batch)
-
-    engine = AsyncEngine(DiesAtThirdStep(depth=2), SCHED)
-    await engine.start()
-    deltas = [d async for d in engine.generate([5, 6, 7], SamplingParams(max_tokens=20), "r")]
-    assert deltas[-1].error is not None and "worker gone" in deltas[-1].error
-    await wait_until(lambda: not engine.is_running)
-    await engine.shutdown()
 
 
 # ------------------------------------------------------------------------- two gloo processes
@@ -278,22 +195,22 @@ def uneven_llama_dir(tmp_path_factory: pytest.TempPathFactory, smollm2_tokenizer
 
 @pytest.fixture(scope="module")
 def reference_tokens(uneven_llama_dir: Path) -> list[list[int]]:
-    runner = TorchModelRunner(engine_config(uneven_llama_dir))
-    return asyncio.run(greedy_through_loop(runner, PROMPTS, MAX_TOKENS))
+    runner = LocalExecutor(engine_config(uneven_llama_dir))
+    return asyncio.run(greedy_through_loop(runner, PROMPTS, MAX_TOKENS, SCHED))
 
 
 @pytest.fixture(scope="module")
 def reference_texts(uneven_llama_dir: Path) -> list[str]:
     return asyncio.run(
-        completions_over_http(TorchModelRunner(engine_config(uneven_llama_dir)), uneven_llama_dir)
+        completions_over_http(LocalExecutor(engine_config(uneven_llama_dir)), uneven_llama_dir)
     )
 
 
 # Class scope: one runner per config at a time (a process joins one default process group at most).
 @pytest.fixture(scope="class", params=[(2, 1), (1, 2)], ids=["tp2", "pp2"])
-def parallel_runner(request: pytest.FixtureRequest, uneven_llama_dir: Path) -> Iterator[ParallelModelRunner]:
+def parallel_runner(request: pytest.FixtureRequest, uneven_llama_dir: Path) -> Iterator[DistributedExecutor]:
     tp, pp = request.param
-    runner = ParallelModelRunner(engine_config(uneven_llama_dir, tp, pp))
+    runner = DistributedExecutor(engine_config(uneven_llama_dir, tp, pp))
     try:
         yield runner
     finally:
@@ -303,7 +220,7 @@ def parallel_runner(request: pytest.FixtureRequest, uneven_llama_dir: Path) -> I
 class InFlightProbe:
     """Wraps a runner's submit/collect to record how many batches were in flight at once."""
 
-    def __init__(self, runner: ParallelModelRunner) -> None:
+    def __init__(self, runner: DistributedExecutor) -> None:
         self._runner = runner
         self.outstanding = 0
         self.max_outstanding = 0
@@ -327,7 +244,7 @@ class InFlightProbe:
 
 async def completions_over_http(runner: Any, model_dir: Path) -> list[str]:
     tokenizer = ServerTokenizer(load_tokenizer(model_dir))
-    config = ServerConfig(model=str(model_dir), served_model_name="tiny", log_stats_interval_s=0)
+    config = server_config(model=str(model_dir), served_model_name="tiny", log_stats_interval_s=0)
     app = create_app(config, lambda: LoadedModel(runner, tokenizer, runner.vocab_size))
     async with live_server(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as http:
         bodies = [
@@ -343,16 +260,16 @@ class TestParallelEqualsOneProcess:
     """TP=2 and PP=2, each against the same one-process reference."""
 
     async def test_parallel_greedy_equals_one_process(
-        self, parallel_runner: ParallelModelRunner, reference_tokens: list[list[int]]
+        self, parallel_runner: DistributedExecutor, reference_tokens: list[list[int]]
     ) -> None:
         probe = InFlightProbe(parallel_runner)
-        got = await greedy_through_loop(probe, PROMPTS, MAX_TOKENS)
+        got = await greedy_through_loop(probe, PROMPTS, MAX_TOKENS, SCHED)
         assert got == reference_tokens
         # ORCA: with P stages the loop keeps P batches in flight; without a pipeline, one.
         assert probe.max_outstanding == parallel_runner.topology.pp_size
 
     def test_runner_step_and_two_submits_in_flight(
-        self, parallel_runner: ParallelModelRunner, reference_tokens: list[list[int]]
+        self, parallel_runner: DistributedExecutor, reference_tokens: list[list[int]]
     ) -> None:
         """A prompt chunk that samples nothing, then two requests in two separate batches, both
         submitted before either is collected."""
@@ -371,23 +288,52 @@ class TestParallelEqualsOneProcess:
         assert nxt[0] is not None and nxt[0].token_id == reference_tokens[0][1]
 
     @needs_native_kernels
-    def test_rank_zero_runs_packed_shards(self, parallel_runner: ParallelModelRunner) -> None:
+    def test_rank_zero_runs_packed_shards(self, parallel_runner: DistributedExecutor) -> None:
         """The uneven shards (rank 0's o_proj input is 64 of 96 columns) still pack exactly."""
-        layers = packable_layers(parallel_runner._stage.model)
+        layers = packable_layers(parallel_runner.runner.model)
         assert layers and all(m.packed is not None for m in layers)
 
+    async def test_shared_prefixes_equal_one_process_without_caching(
+        self, parallel_runner: DistributedExecutor, uneven_llama_dir: Path
+    ) -> None:
+        """Every rank follows the scheduler's block tables: prompts that share cached blocks (a common
+        stem, repeated prompts, then all of them again) give one uncached process's tokens."""
+        stem = [11 + (i * 37) % 500 for i in range(35)]
+        prompts = [stem + PROMPTS[i % 4] for i in range(4)] + [stem + PROMPTS[1]] * 2
+        no_cache = dataclasses.replace(SCHED, enable_prefix_caching=False)
+        want = await greedy_through_loop(
+            LocalExecutor(engine_config(uneven_llama_dir)), prompts, MAX_TOKENS, no_cache
+        )
+        engine = IterationLoop(parallel_runner, SCHED)
+        await engine.start()
+        params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+        async def one(rid: str, prompt: Sequence[int]) -> list[int]:
+            return [t async for d in engine.generate(prompt, params, rid) for t in d.token_ids]
+
+        try:
+            for round_ in range(2):
+                got = await asyncio.gather(*(one(f"{round_}-{i}", p) for i, p in enumerate(prompts)))
+                assert list(got) == want
+        finally:
+            await engine.shutdown()
+        assert engine.stats().prefix_cache.hits >= 5 * 32 + 6 * 32
+
     async def test_parallel_server_matches_one_process(
-        self, parallel_runner: ParallelModelRunner, uneven_llama_dir: Path, reference_texts: list[str]
+        self, parallel_runner: DistributedExecutor, uneven_llama_dir: Path, reference_texts: list[str]
     ) -> None:
         assert await completions_over_http(parallel_runner, uneven_llama_dir) == reference_texts
 
 
-async def test_dead_worker_makes_server_unhealthy_and_fails_requests(uneven_llama_dir: Path) -> None:
-    """A worker killed in the middle of a generation: that request ends with an error naming the
-    worker (no hang), /health turns 503, and later requests are refused at once."""
-    runner = ParallelModelRunner(engine_config(uneven_llama_dir, pp=2))
+async def test_dead_worker_without_restarts_makes_server_unhealthy(uneven_llama_dir: Path) -> None:
+    """Restarts off (--max-worker-restarts 0): a worker killed in the middle of a generation fails
+    that request with an error naming the worker (no hang), /health turns 503, and later requests
+    are refused at once."""
+    runner = DistributedExecutor(engine_config(uneven_llama_dir, pp=2))
     tokenizer = ServerTokenizer(load_tokenizer(uneven_llama_dir))
-    config = ServerConfig(model=str(uneven_llama_dir), served_model_name="tiny", log_stats_interval_s=0)
+    config = server_config(
+        model=str(uneven_llama_dir), served_model_name="tiny", log_stats_interval_s=0, max_worker_restarts=0
+    )
     app = create_app(config, lambda: LoadedModel(runner, tokenizer, runner.vocab_size))
     short = {"model": "tiny", "prompt": "Hello", "max_tokens": 4, "temperature": 0}
     long = {**short, "max_tokens": 400, "ignore_eos": True}
@@ -396,7 +342,7 @@ async def test_dead_worker_makes_server_unhealthy_and_fails_requests(uneven_llam
             assert (await http.get("/health")).status_code == 200
             assert (await http.post("/v1/completions", json=short)).status_code == 200
 
-            engine = app.state.server.engine
+            engine = app.state.server.loop
             steps_before = engine.stats().num_steps
             in_flight = asyncio.create_task(http.post("/v1/completions", json=long))
             await wait_until(lambda: engine.stats().num_steps >= steps_before + 3)
@@ -412,26 +358,68 @@ async def test_dead_worker_makes_server_unhealthy_and_fails_requests(uneven_llam
         runner.close()
 
 
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+async def test_a_killed_worker_is_restarted_and_the_server_serves_again(
+    tp: int, pp: int, uneven_llama_dir: Path, reference_texts: list[str]
+) -> None:
+    """kill -9 a worker under load: the requests in flight fail (500 or an error event), one queued
+    behind them is served after the restart, /health is 200 again, /metrics counts the restart, and
+    the restarted group gives the same greedy text as one process."""
+    runner = DistributedExecutor(engine_config(uneven_llama_dir, tp, pp))
+    tokenizer = ServerTokenizer(load_tokenizer(uneven_llama_dir))
+    config = server_config(
+        model=str(uneven_llama_dir), served_model_name="tiny", log_stats_interval_s=0, max_num_seqs=2
+    )
+    app = create_app(config, lambda: LoadedModel(runner, tokenizer, runner.vocab_size))
+    long = {"model": "tiny", "prompt": "Hello", "max_tokens": 400, "temperature": 0, "ignore_eos": True}
+    try:
+        async with live_server(app) as url, httpx.AsyncClient(base_url=url, timeout=120) as http:
+            engine = app.state.server.loop
+            old_pids = runner.worker_pids
+            running = [asyncio.create_task(http.post("/v1/completions", json=long)) for _ in range(2)]
+            await wait_until(lambda: engine.stats().running == 2 and engine.stats().num_steps >= 3)
+            streamed = asyncio.create_task(http.post("/v1/completions", json={**long, "stream": True}))
+            short = {**long, "max_tokens": 4}
+            queued = asyncio.create_task(http.post("/v1/completions", json=short))
+            await wait_until(lambda: engine.stats().waiting == 2)
+            os.kill(old_pids[0], signal.SIGKILL)
+            for r in await asyncio.gather(*running):
+                assert r.status_code == 500 and "exited" in r.json()["error"]["message"], r.text
+            # The queued ones ran after the restart (the stream was admitted after it too, or failed
+            # in flight with an error event: either is a clean answer).
+            assert (await queued).status_code == 200
+            assert (await streamed).status_code == 200
+            await wait_until(lambda: engine.is_running, steps=4000)
+            assert (await http.get("/health")).status_code == 200
+            assert runner.worker_pids != old_pids
+            assert "orca:worker_restarts_total" in (metrics := (await http.get("/metrics")).text)
+            assert metric(metrics, "orca:worker_restarts_total") == 1
+            assert engine.stats().kv_blocks_used == 0
+        assert await completions_over_http(runner, uneven_llama_dir) == reference_texts
+    finally:
+        runner.close()
+
+
 @pytest.mark.slow
 async def test_tp2_pp2_four_processes(uneven_llama_dir: Path, reference_tokens: list[list[int]]) -> None:
-    runner = ParallelModelRunner(engine_config(uneven_llama_dir, tp=2, pp=2))
+    runner = DistributedExecutor(engine_config(uneven_llama_dir, tp=2, pp=2))
     try:
-        assert await greedy_through_loop(runner, PROMPTS, MAX_TOKENS) == reference_tokens
+        assert await greedy_through_loop(runner, PROMPTS, MAX_TOKENS, SCHED) == reference_tokens
     finally:
         runner.close()
 
 
 TORCHRUN_SCRIPT = """
 import json, os, sys
-from engine.batch import SamplingParams, ScheduledSequence
+from engine.contract import SamplingParams, ScheduledSequence
 from engine.config import EngineConfig
-from engine.parallel_runner import ParallelModelRunner, run_torchrun_worker
+from engine.distributed_executor import DistributedExecutor, run_torchrun_worker
 
 config = EngineConfig(model=sys.argv[1], dtype="float32", device="cpu", num_kv_blocks=16, pipeline_parallel_size=2)
 if int(os.environ["RANK"]) != 0:
     run_torchrun_worker(config)
     sys.exit(0)
-runner = ParallelModelRunner(config)
+runner = DistributedExecutor(config)
 prompt, out = json.loads(sys.argv[2]), []
 for _ in range(int(sys.argv[3])):
     start = len(prompt) + len(out) - (1 if out else len(prompt))
@@ -470,11 +458,11 @@ def test_torchrun_launch_matches_one_process(
 async def test_cuda_nccl_matches_one_process(tp: int, pp: int, uneven_llama_dir: Path) -> None:
     """The same check on GPUs: NCCL for the data path, gloo for the step messages."""
     single = dataclasses.replace(engine_config(uneven_llama_dir), device="cuda")
-    expected = await greedy_through_loop(TorchModelRunner(single), PROMPTS, MAX_TOKENS)
-    runner = ParallelModelRunner(
+    expected = await greedy_through_loop(LocalExecutor(single), PROMPTS, MAX_TOKENS)
+    runner = DistributedExecutor(
         dataclasses.replace(single, tensor_parallel_size=tp, pipeline_parallel_size=pp)
     )
     try:
-        assert await greedy_through_loop(runner, PROMPTS, MAX_TOKENS) == expected
+        assert await greedy_through_loop(runner, PROMPTS, MAX_TOKENS, SCHED) == expected
     finally:
         runner.close()

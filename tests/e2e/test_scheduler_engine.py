@@ -1,4 +1,4 @@
-"""AsyncEngine over the real engine (TorchModelRunner) on a tiny random Llama: ORCA's behaviours
+"""IterationLoop over the real engine (LocalExecutor) on a tiny random Llama: ORCA's behaviours
 end to end. Order of events and step counters only, never wall-clock time."""
 
 from __future__ import annotations
@@ -10,11 +10,11 @@ from pathlib import Path
 
 import pytest
 
-from engine.batch import SamplingParams
 from engine.config import EngineConfig
-from engine.runner import TorchModelRunner
+from engine.contract import SamplingParams
+from engine.executor import LocalExecutor
 from scheduler.config import SchedulerConfig
-from scheduler.loop import AsyncEngine
+from scheduler.loop import IterationLoop
 from scheduler.outputs import FinishReason, RequestDelta
 
 GUARD_S = 120  # a hang fails the test instead of stalling the suite
@@ -28,8 +28,8 @@ def prompt(n: int, seed: int) -> list[int]:
     return [20 + (seed * 977 + i * 131) % 40000 for i in range(n)]
 
 
-def runner_for(model_dir: Path, num_kv_blocks: int, block_size: int = 4) -> TorchModelRunner:
-    return TorchModelRunner(
+def runner_for(model_dir: Path, num_kv_blocks: int, block_size: int = 4) -> LocalExecutor:
+    return LocalExecutor(
         EngineConfig(
             model=str(model_dir),
             dtype="float32",
@@ -41,7 +41,7 @@ def runner_for(model_dir: Path, num_kv_blocks: int, block_size: int = 4) -> Torc
 
 
 @pytest.fixture(scope="module")
-def roomy_runner(tiny_llama_dir: Path) -> TorchModelRunner:
+def roomy_runner(tiny_llama_dir: Path) -> LocalExecutor:
     return runner_for(tiny_llama_dir, num_kv_blocks=256)
 
 
@@ -57,9 +57,9 @@ def tokens(deltas: list[RequestDelta]) -> list[int]:
 
 
 async def run_engine(
-    runner: TorchModelRunner, config: SchedulerConfig, specs
-) -> tuple[list[list[int]], AsyncEngine]:
-    engine = AsyncEngine(runner, config)
+    runner: LocalExecutor, config: SchedulerConfig, specs
+) -> tuple[list[list[int]], IterationLoop]:
+    engine = IterationLoop(runner, config)
     await engine.start()
     try:
         streams = [engine.generate(p, params, rid) for rid, p, params in specs]
@@ -72,7 +72,7 @@ async def run_engine(
 
 
 async def test_preempted_request_recomputes_the_same_tokens(
-    tiny_llama_dir: Path, roomy_runner: TorchModelRunner
+    tiny_llama_dir: Path, roomy_runner: LocalExecutor
 ):
     specs = [(f"r{i}", prompt(9 + 3 * i, seed=i), greedy(20)) for i in range(4)]
     # Reference: each request alone, plenty of KV cache, no preemption.
@@ -89,9 +89,9 @@ async def test_preempted_request_recomputes_the_same_tokens(
 
 
 async def test_late_arrival_gets_its_first_token_before_the_running_one_finishes(
-    roomy_runner: TorchModelRunner,
+    roomy_runner: LocalExecutor,
 ):
-    engine = AsyncEngine(roomy_runner, SchedulerConfig())
+    engine = IterationLoop(roomy_runner, SchedulerConfig())
     await engine.start()
     events: list[tuple[str, int, FinishReason | None]] = []  # (request, its output count, finish)
 
@@ -119,8 +119,8 @@ async def test_late_arrival_gets_its_first_token_before_the_running_one_finishes
     assert events[long_done][1] == 24 and events[short_done][2] is FinishReason.LENGTH
 
 
-async def test_early_finisher_returns_while_the_long_one_keeps_running(roomy_runner: TorchModelRunner):
-    engine = AsyncEngine(roomy_runner, SchedulerConfig())
+async def test_early_finisher_returns_while_the_long_one_keeps_running(roomy_runner: LocalExecutor):
+    engine = IterationLoop(roomy_runner, SchedulerConfig())
     await engine.start()
     done_at: dict[str, int] = {}  # engine steps when the request's last delta arrived
 
@@ -140,9 +140,9 @@ async def test_early_finisher_returns_while_the_long_one_keeps_running(roomy_run
 
 
 async def test_request_level_batching_makes_the_late_arrival_wait_for_the_whole_batch(
-    roomy_runner: TorchModelRunner,
+    roomy_runner: LocalExecutor,
 ):
-    engine = AsyncEngine(roomy_runner, SchedulerConfig(scheduling="request", kv_policy="reserve"))
+    engine = IterationLoop(roomy_runner, SchedulerConfig(scheduling="request", kv_policy="reserve"))
     await engine.start()
     order: list[tuple[str, int]] = []  # (request, engine steps when its only delta arrived)
 

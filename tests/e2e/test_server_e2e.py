@@ -1,4 +1,4 @@
-"""The whole stack (server -> AsyncEngine -> TorchModelRunner -> tiny random Llama) over real sockets:
+"""The whole stack (server -> IterationLoop -> LocalExecutor -> tiny random Llama) over real sockets:
 concurrency, seeds, logprobs, stop strings, client disconnects and the async openai client."""
 
 from __future__ import annotations
@@ -10,10 +10,9 @@ import httpx
 import openai
 import pytest
 import pytest_asyncio
-from fakes import live_server, parse_sse, wait_until
+from fakes import live_server, parse_sse, server_config, wait_until
 
 from server.app import create_app
-from server.config import ServerConfig
 from server.loader import load_model
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -23,7 +22,7 @@ MODEL = "tiny-llama"
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def served(tiny_llama_dir):
     """(app, base_url) for the tiny Llama, loaded once for the module."""
-    config = ServerConfig(
+    config = server_config(
         model=str(tiny_llama_dir), served_model_name=MODEL, dtype="float32", device="cpu", num_kv_blocks=512
     )
     app = create_app(config, lambda: load_model(config))
@@ -37,8 +36,8 @@ async def http(served):
         yield client
 
 
-def engine_of(served):
-    return served[0].state.server.engine
+def loop_of(served):
+    return served[0].state.server.loop
 
 
 def finished_requests(served) -> float:
@@ -49,7 +48,7 @@ def finished_requests(served) -> float:
 
 
 async def idle(served) -> None:
-    engine = engine_of(served)
+    engine = loop_of(served)
     await wait_until(
         lambda: (
             engine.stats().running == 0 and engine.stats().waiting == 0 and engine.stats().kv_blocks_used == 0
@@ -78,7 +77,7 @@ async def test_32_concurrent_greedy_streams_equal_solo(served, http):
         r = await http.post("/v1/completions", json={"prompt": p, "max_tokens": 12, "temperature": 0})
         alone.append(r.json()["choices"][0]["text"])
     sizes: list[int] = []
-    engine_of(served).add_step_listener(lambda report: sizes.append(report.num_seqs))
+    loop_of(served).add_step_listener(lambda report: sizes.append(report.num_seqs))
     together = await asyncio.gather(
         *(
             stream_text(http, "/v1/completions", {"prompt": p, "max_tokens": 12, "temperature": 0})
@@ -137,7 +136,7 @@ async def test_stop_string_on_real_model(http):
 
 
 async def test_stream_disconnect_aborts(served):
-    engine = engine_of(served)
+    engine = loop_of(served)
     async with httpx.AsyncClient(base_url=served[1], timeout=120) as client:
         async with client.stream(
             "POST",
@@ -153,7 +152,7 @@ async def test_stream_disconnect_aborts(served):
 
 
 async def test_non_stream_disconnect_aborts(served):
-    engine = engine_of(served)
+    engine = loop_of(served)
     before = finished_requests(served)
     async with httpx.AsyncClient(base_url=served[1], timeout=120) as client:
         task = asyncio.create_task(

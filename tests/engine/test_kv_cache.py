@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kv_cache import KVCacheManager, KVCacheSpec, default_kv_budget, slot_mapping, slot_of
+from engine.kv_cache import KVCacheSpec, PagedKVCache, default_kv_budget, slot_mapping, slot_of
 
 
 def spec(**kw) -> KVCacheSpec:
@@ -29,20 +29,22 @@ def test_budget_to_block_count_rounds_down():
 
 def test_budget_too_small_is_an_error():
     with pytest.raises(ValueError, match="blocks"):
-        KVCacheManager(spec(), 0, "cpu")
+        PagedKVCache(spec(), 0, "cpu")
 
 
 def test_shapes_views_and_size():
     s = spec()
-    cache = KVCacheManager(s, num_blocks=5, device="cpu")
-    assert cache.k_cache.shape == (3, 5, 4, 2, 8)
-    assert cache.v_cache.shape == (3, 5, 4, 2, 8)
+    cache = PagedKVCache(s, num_blocks=5, device="cpu")
+    # 5 blocks for the scheduler and the scratch block (6th) for graph steps' padding rows.
+    assert cache.k_cache.shape == (3, 6, 4, 2, 8)
+    assert cache.v_cache.shape == (3, 6, 4, 2, 8)
+    assert cache.scratch_block == 5
     assert cache.num_slots == 20
     assert cache.total_bytes == 5 * s.bytes_per_block
-    assert cache.k_cache.numel() * 4 * 2 == cache.total_bytes
+    assert cache.k_cache.numel() * 4 * 2 == cache.total_bytes + s.bytes_per_block
     assert len(cache.layers) == 3
     k1, v1 = cache.layers[1]
-    assert k1.shape == (5, 4, 2, 8)
+    assert k1.shape == (6, 4, 2, 8)
     # Views, not copies: a write through the layer view lands in the big tensor.
     k1[2, 3].fill_(7.0)
     v1[0, 0].fill_(-1.0)
@@ -60,7 +62,7 @@ def test_slot_of():
 
 
 def test_slot_mapping_writes_land_in_the_right_block():
-    cache = KVCacheManager(spec(num_layers=1, num_kv_heads=1, head_dim=1), num_blocks=6, device="cpu")
+    cache = PagedKVCache(spec(num_layers=1, num_kv_heads=1, head_dim=1), num_blocks=6, device="cpu")
     tables = torch.tensor([[4, 1, 0], [2, 5, 3]], dtype=torch.int32)  # two sequences
     # Sequence 0: positions 3..5 (crosses its first block boundary); sequence 1: position 9.
     seq_index = torch.tensor([0, 0, 0, 1])

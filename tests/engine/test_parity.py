@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.batch import SamplingParams, ScheduledSequence
 from engine.config import EngineConfig
-from engine.runner import TorchModelRunner
+from engine.contract import SamplingParams, ScheduledSequence
+from engine.executor import LocalExecutor
 
 BLOCK_SIZE = 4  # small, so sequences cross many block boundaries
 
@@ -50,8 +50,8 @@ def model_dir(request, tiny_llama_dir: Path, tiny_gpt2_dir: Path, tiny_gguf_llam
     return {"llama": tiny_llama_dir, "gpt2": tiny_gpt2_dir, "gguf-llama": tiny_gguf_llama_dir}[request.param]
 
 
-def make_runner(path: Path | str, backend: str = "auto", num_blocks: int = 128) -> TorchModelRunner:
-    return TorchModelRunner(
+def make_runner(path: Path | str, backend: str = "auto", num_blocks: int = 128) -> LocalExecutor:
+    return LocalExecutor(
         EngineConfig(
             model=str(path),
             dtype="float32",
@@ -93,7 +93,7 @@ def test_one_mixed_step_matches_per_sequence_forward(model_dir: Path, backend: s
         ScheduledSequence("a", prompt_a, 0, table_a, True, greedy),
         ScheduledSequence("b", prompt_b[5:10], 5, table_b, False, greedy),
     ]
-    got = runner.compute_logits(mixed, all_tokens=True)  # [1 + 11 + 5, vocab]
+    got = runner.runner.logits(mixed, all_tokens=True)  # [1 + 11 + 5, vocab]
     assert got.shape == (17, hf.config.vocab_size)
     expect = torch.cat(
         [
@@ -106,7 +106,7 @@ def test_one_mixed_step_matches_per_sequence_forward(model_dir: Path, backend: s
 
 
 def generate_batched(
-    runner: TorchModelRunner, prompts: list[list[int]], new_tokens: int, chunk: int
+    runner: LocalExecutor, prompts: list[list[int]], new_tokens: int, chunk: int
 ) -> list[list[int]]:
     """A minimal iteration-level loop: decodes first, then prompt chunks of at most `chunk` tokens."""
     blocks_per_seq = -(-(max(map(len, prompts)) + new_tokens) // runner.block_size)
@@ -161,7 +161,7 @@ def test_batched_greedy_generation_equals_solo_generate(model_dir: Path):
 def test_default_model_batched_greedy_equals_solo_generate():
     from models.loader import load_tokenizer
 
-    runner = TorchModelRunner(EngineConfig(model="default", dtype="float32", device="cpu", num_kv_blocks=256))
+    runner = LocalExecutor(EngineConfig(model="default", dtype="float32", device="cpu", num_kv_blocks=256))
     hf = hf_model(runner.model_path)
     tok = load_tokenizer(runner.model_path)
     texts = [

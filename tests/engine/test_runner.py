@@ -1,27 +1,42 @@
-"""TorchModelRunner: batch validation, sample=False entries, config resolution, CUDA backends vs sdpa."""
+"""LocalExecutor and its ModelRunner: sample=False entries, logprobs, attributes, config resolution, the
+debug batch checks, CUDA backends vs sdpa."""
 
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
 
 from engine import config as engine_config
-from engine.batch import SamplingParams, ScheduledSequence
 from engine.config import EngineConfig, resolve_dtype
-from engine.runner import TorchModelRunner
+from engine.contract import SamplingParams, ScheduledSequence
+from engine.executor import LocalExecutor
+from engine.model_runner import DEBUG_CHECKS_ENV
 
 GREEDY = SamplingParams(temperature=0.0)
 
 
-@pytest.fixture(scope="module")
-def runner(tiny_llama_dir: Path) -> TorchModelRunner:
-    return TorchModelRunner(
-        EngineConfig(model=str(tiny_llama_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=16)
+def tiny_executor(model_dir: Path) -> LocalExecutor:
+    return LocalExecutor(
+        EngineConfig(model=str(model_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=16)
     )
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_llama_dir: Path) -> LocalExecutor:
+    return tiny_executor(tiny_llama_dir)
+
+
+@pytest.fixture(scope="module")
+def checked_runner(tiny_llama_dir: Path) -> LocalExecutor:
+    """An executor built under the debug switch: it checks every batch before running it."""
+    with mock.patch.dict(os.environ, {DEBUG_CHECKS_ENV: "1"}):
+        return tiny_executor(tiny_llama_dir)
 
 
 def seq(
@@ -43,24 +58,26 @@ BAD_BATCHES = {
     "no tokens": ([seq("a", [])], "no tokens"),
     "past max_model_len": ([seq("a", [5], start=512, table=list(range(16)))], "exceed max_model_len"),
     "duplicate request": ([seq("a", [5]), seq("a", [6], table=[3])], "appears twice"),
-    "logit bias token": ([seq("a", [5], logit_bias={49152: 1.0})], "logit_bias token id 49152"),
 }
 
 
 @pytest.mark.parametrize("name", list(BAD_BATCHES))
-def test_bad_batch_raises_before_touching_the_cache(runner: TorchModelRunner, name: str):
+def test_bad_batch_raises_before_touching_the_cache(checked_runner: LocalExecutor, name: str):
+    """Serving trusts its batches (requests are validated at admission); the debug switch checks them
+    anyway, before anything is written."""
     batch, message = BAD_BATCHES[name]
     # A good entry first: its K/V must not be written either.
     batch = [seq("ok", [1, 2, 3], table=[5])] + batch
-    k_before = runner.kv_cache.k_cache.clone()
-    v_before = runner.kv_cache.v_cache.clone()
+    cache = checked_runner.runner.kv_cache
+    k_before = cache.k_cache.clone()
+    v_before = cache.v_cache.clone()
     with pytest.raises(ValueError, match=message):
-        runner.step(batch)
-    assert torch.equal(runner.kv_cache.k_cache, k_before)
-    assert torch.equal(runner.kv_cache.v_cache, v_before)
+        checked_runner.step(batch)
+    assert torch.equal(cache.k_cache, k_before)
+    assert torch.equal(cache.v_cache, v_before)
 
 
-def test_sample_false_entries_give_none(runner: TorchModelRunner):
+def test_sample_false_entries_give_none(runner: LocalExecutor):
     out = runner.step(
         [
             seq("chunk", [10, 11, 12, 13, 14], table=[0, 1], sample=False),
@@ -74,14 +91,14 @@ def test_sample_false_entries_give_none(runner: TorchModelRunner):
     assert runner.step([]) == []
 
 
-def test_logprobs_come_back_through_step(runner: TorchModelRunner):
+def test_logprobs_come_back_through_step(runner: LocalExecutor):
     out = runner.step([seq("a", [3, 4, 5], table=[6], logprobs=3)])[0]
     assert out.logprob is not None and out.logprob <= 0.0
     assert len(out.top_logprobs) == 3
     assert out.top_logprobs[0][0] == out.token_id  # greedy: the best token is the chosen one
 
 
-def test_runner_attributes(runner: TorchModelRunner, tiny_llama_dir: Path):
+def test_runner_attributes(runner: LocalExecutor, tiny_llama_dir: Path):
     assert runner.num_kv_blocks == 16
     assert runner.block_size == 4
     assert runner.max_model_len == 512
@@ -90,7 +107,8 @@ def test_runner_attributes(runner: TorchModelRunner, tiny_llama_dir: Path):
     assert runner.dtype == torch.float32
     assert runner.device == torch.device("cpu")
     assert Path(runner.model_path) == tiny_llama_dir
-    assert runner.kv_cache.k_cache.shape == (2, 16, 4, 2, 16)  # layers, blocks, block, kv heads, head dim
+    # layers, blocks (16 and the scratch block), block, kv heads, head dim
+    assert runner.runner.kv_cache.k_cache.shape == (2, 17, 4, 2, 16)
 
 
 def test_eos_ids_from_generation_config_and_kv_budget(tiny_llama_dir: Path, tmp_path: Path):
@@ -98,7 +116,7 @@ def test_eos_ids_from_generation_config_and_kv_budget(tiny_llama_dir: Path, tmp_
     shutil.copytree(tiny_llama_dir, model_dir)
     (model_dir / "generation_config.json").write_text(json.dumps({"eos_token_id": [2, 7, 9]}))
     bytes_per_block = 2 * 2 * 16 * 2 * 16 * 4  # K+V, layers, block 16, kv heads, head dim, float32
-    r = TorchModelRunner(
+    r = LocalExecutor(
         EngineConfig(
             model=str(model_dir),
             dtype="float32",
@@ -109,12 +127,10 @@ def test_eos_ids_from_generation_config_and_kv_budget(tiny_llama_dir: Path, tmp_
     )
     assert r.eos_token_ids == frozenset({2, 7, 9})
     assert r.num_kv_blocks == 10
-    assert r.kv_cache.bytes_per_block == bytes_per_block
+    assert r.runner.kv_cache.bytes_per_block == bytes_per_block
     assert r.max_model_len == 128
     with pytest.raises(ValueError, match="exceeds the model's maximum"):
-        TorchModelRunner(
-            EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=4, max_model_len=4096)
-        )
+        LocalExecutor(EngineConfig(model=str(model_dir), device="cpu", num_kv_blocks=4, max_model_len=4096))
 
 
 def test_config_validation():
@@ -125,7 +141,7 @@ def test_config_validation():
     with pytest.raises(ValueError, match="parallel"):
         EngineConfig(tensor_parallel_size=0)
     with pytest.raises(ValueError, match="one process"):
-        TorchModelRunner(EngineConfig(tensor_parallel_size=2))
+        LocalExecutor(EngineConfig(tensor_parallel_size=2))
 
 
 def test_auto_dtype(monkeypatch: pytest.MonkeyPatch, tiny_llama_dir: Path):
@@ -154,7 +170,7 @@ def test_cuda_backends_match_sdpa(tiny_llama_dir: Path):
     from models.layers.attention import available_backends
 
     def mixed_step_logits(backend: str) -> torch.Tensor:
-        r = TorchModelRunner(
+        r = LocalExecutor(
             EngineConfig(
                 model=str(tiny_llama_dir),
                 dtype="bfloat16",
@@ -174,7 +190,7 @@ def test_cuda_backends_match_sdpa(tiny_llama_dir: Path):
             seq("a", list(range(300, 340)), table=[1, 7, 8]),
             seq("b", list(range(210, 230)), start=10, table=[3, 5]),
         ]
-        return r.compute_logits(batch, all_tokens=True)
+        return r.runner.logits(batch, all_tokens=True)
 
     reference = mixed_step_logits("sdpa")
     others = [b for b in available_backends("cuda") if b != "sdpa"]

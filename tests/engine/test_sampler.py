@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from engine.batch import SamplingParams
-from engine.sampler import LOGPROB_FLOOR, Sampler, row_seed, validate_sampling
+from engine.contract import SamplingParams
+from engine.sampler import LOGPROB_FLOOR, Sampler, row_seed
 
 V = 10
 
@@ -223,12 +223,16 @@ def test_row_seed_mixes_both_inputs():
     assert all(0 <= s < 2**64 for s in seeds)
 
 
-def test_validate_sampling_rejects_bad_parameters():
-    with pytest.raises(ValueError, match="logit_bias"):
-        validate_sampling([Row(SamplingParams(logit_bias={V: 1.0}))], V)
+def test_sampling_params_reject_what_the_sampler_cannot_apply():
+    """Checked once, when a request's parameters are made; the sampler trusts them on every step (the
+    token ids in logit_bias are checked against the vocabulary at admission: tests/scheduler/test_loop.py)."""
+    with pytest.raises(ValueError, match="repetition_penalty"):
+        SamplingParams(repetition_penalty=0.0)
     with pytest.raises(ValueError, match="logprobs"):
-        validate_sampling([Row(SamplingParams(logprobs=21))], V)
-    validate_sampling([Row(SamplingParams(logit_bias={V - 1: 1.0}, logprobs=20))], V)
+        SamplingParams(logprobs=-1)
+    # Any number of top logprobs is served: the cap is the server's --max-logprobs.
+    out = Sampler(64)(torch.randn(1, 64), [Row(SamplingParams(temperature=0.0, logprobs=40))])
+    assert len(out[0].top_logprobs) == 40
 
 
 def test_chosen_logprob_is_finite_under_truncation():

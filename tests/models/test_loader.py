@@ -192,7 +192,7 @@ def test_corrupt_gguf(tmp_path: Path, monkeypatch) -> None:
     truncated.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 20)
     _expect_error(truncated, "truncated.gguf", "cannot convert")
     # A failed conversion leaves nothing behind in the cache.
-    assert list((tmp_path / "cache").iterdir()) == []
+    assert list((tmp_path / "cache" / "models").iterdir()) == []
 
 
 # ----------------------------------------------------------------------------------- GGUF cache
@@ -219,12 +219,14 @@ def test_gguf_converted_once_and_atomically(tmp_path: Path, monkeypatch) -> None
     monkeypatch.setattr(gguf_convert, "_convert_into", crash)
     with pytest.raises(ModelLoadError, match="tiny.gguf"):
         resolve_model(str(gguf))
-    assert list((tmp_path / "cache").iterdir()) == []
+    assert list((tmp_path / "cache" / "models").iterdir()) == []
 
     monkeypatch.setattr(gguf_convert, "_convert_into", convert)
     first = resolve_model(str(gguf))
     second = resolve_model(str(gguf))
-    assert first == second and first.parent == tmp_path / "cache" and first.name.startswith("tiny-")
+    assert (
+        first == second and first.parent == tmp_path / "cache" / "models" and first.name.startswith("tiny-")
+    )
     assert calls == ["crash", "convert"]
     load_model(second, torch.float32, "cpu")
 

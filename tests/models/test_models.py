@@ -7,74 +7,17 @@ forward with one decode token per sequence against the cached history must match
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import pytest
 import torch
 from builders import build_hf_model, tiny_gpt2_config, tiny_llama_config
+from paged_cache import PagedCacheHarness
 
 from models.layers.attention import available_backends, select_attention_backend
-from models.layers.metadata import AttentionMetadata, KVCache
+from models.layers.metadata import AttentionMetadata
 from models.registry import model_class_for
 
 ATOL = 1e-4
-BLOCK_SIZE = 4
-NUM_BLOCKS = 64
 SMALL_VOCAB = 512  # the tokenizer doesn't matter here; small vocab keeps the tests fast
-
-
-@dataclass
-class PagedBatch:
-    """A step's flat inputs for sequences that each already have `cached[i]` tokens in the cache."""
-
-    input_ids: torch.Tensor
-    positions: torch.Tensor
-    metadata: AttentionMetadata
-
-
-class PagedCacheHarness:
-    """Owns a paged KV cache and per-sequence block tables drawn from a shuffled free list, so
-    sequences' blocks are interleaved and non-contiguous like under a real allocator."""
-
-    def __init__(self, model, num_seqs: int, seed: int = 0) -> None:
-        g = torch.Generator().manual_seed(seed)
-        shape = (NUM_BLOCKS, BLOCK_SIZE, model.num_kv_heads, model.head_dim)
-        self.kv_caches: list[KVCache] = [
-            (torch.zeros(shape), torch.zeros(shape)) for _ in range(model.num_layers)
-        ]
-        self.free = torch.randperm(NUM_BLOCKS, generator=g).tolist()
-        self.block_tables: list[list[int]] = [[] for _ in range(num_seqs)]
-        self.seq_lens = [0] * num_seqs
-
-    def step(self, tokens_per_seq: list[list[int]]) -> PagedBatch:
-        ids, positions, slots, q_lens = [], [], [], []
-        for i, toks in enumerate(tokens_per_seq):
-            start = self.seq_lens[i]
-            for pos in range(start, start + len(toks)):
-                if pos // BLOCK_SIZE >= len(self.block_tables[i]):
-                    self.block_tables[i].append(self.free.pop())
-                slots.append(self.block_tables[i][pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE)
-                positions.append(pos)
-            ids += toks
-            q_lens.append(len(toks))
-            self.seq_lens[i] = start + len(toks)
-        width = max(len(t) for t in self.block_tables)
-        tables = [t + [0] * (width - len(t)) for t in self.block_tables]
-        cu_q = torch.tensor([0] + q_lens).cumsum(0).int()
-        cu_k = torch.tensor([0] + self.seq_lens).cumsum(0).int()
-        md = AttentionMetadata(
-            slot_mapping=torch.tensor(slots),
-            query_start_loc=cu_q,
-            seq_start_loc=cu_k,
-            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32),
-            block_tables=torch.tensor(tables, dtype=torch.int32),
-            query_lens_cpu=q_lens,
-            seq_lens_cpu=list(self.seq_lens),
-            max_query_len=max(q_lens),
-            max_seq_len=max(self.seq_lens),
-            block_size=BLOCK_SIZE,
-        )
-        return PagedBatch(torch.tensor(ids), torch.tensor(positions), md)
 
 
 def build_pair(config, seed: int = 0):
@@ -393,7 +336,8 @@ def test_backend_selection() -> None:
         select_attention_backend("paged-magic", "cpu")
     with pytest.raises(ValueError, match="CUDA"):
         select_attention_backend("flash-attn", "cpu")
-    assert available_backends("cpu") == ["sdpa", "cpu-decode"]
+    # triton joins on a CPU only under Triton's interpreter (test_triton_attention.py)
+    assert [b for b in available_backends("cpu") if b != "triton"] == ["sdpa", "cpu-decode"]
 
 
 def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):

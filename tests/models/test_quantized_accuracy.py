@@ -15,9 +15,9 @@ import torch
 from builders import single_seq_logits
 from kernel_marks import needs_native_kernels
 
-from engine.batch import SamplingParams, ScheduledSequence
 from engine.config import EngineConfig
-from engine.runner import TorchModelRunner
+from engine.contract import SamplingParams, ScheduledSequence
+from engine.executor import LocalExecutor
 from models.loader import load_model, load_tokenizer, resolve_model
 
 TEXT = Path(__file__).parent.parent / "data" / "perplexity.txt"
@@ -48,7 +48,7 @@ def perplexity(model, ids: list[int], window: int = 1024) -> float:
     return math.exp(nll / count)
 
 
-def greedy_tokens(runner: TorchModelRunner, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+def greedy_tokens(runner: LocalExecutor, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
     """All prompts decoded together, greedily, for exactly new_tokens tokens."""
     bs = runner.block_size
     tables, start = [], 0
@@ -77,8 +77,8 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
     return sum(p == 1.0 for p in prefixes) / len(prefixes), sum(prefixes) / len(prefixes)
 
 
-def runner_for(source: str | Path, mode: str) -> TorchModelRunner:
-    return TorchModelRunner(
+def runner_for(source: str | Path, mode: str) -> LocalExecutor:
+    return LocalExecutor(
         EngineConfig(model=str(source), dtype="float32", device="cpu", num_kv_blocks=256, weight_packing=mode)
     )
 

@@ -1,4 +1,4 @@
-"""AsyncEngine (scheduler.loop) with the fake runner: streaming, aborts, failures, the worker thread.
+"""IterationLoop (scheduler.loop) with the fake runner: streaming, aborts, failures, the worker thread.
 
 Order of events and step counters only; the timeouts below are guards against a hang, not assertions.
 """
@@ -7,14 +7,15 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 
 import pytest
+from fakes import greedy_through_loop, wait_until
 
-from engine.batch import SamplingParams
+from engine.contract import FatalRunnerError, SamplingParams, ScheduledSequence
 from scheduler.config import SchedulerConfig
 from scheduler.fake_runner import FakeRunner, hash_next_token
-from scheduler.loop import AsyncEngine, EngineDeadError
+from scheduler.loop import IterationLoop, LoopStoppedError, new_step_thread
 from scheduler.outputs import FinishReason, RequestDelta, StepReport
 
 GUARD_S = 20  # a hang fails the test instead of stalling the suite
@@ -53,10 +54,10 @@ async def in_thread_wait(event: threading.Event) -> None:
 
 @pytest.fixture
 async def make_engine():
-    engines: list[AsyncEngine] = []
+    engines: list[IterationLoop] = []
 
-    async def make(runner: FakeRunner | None = None, **cfg) -> AsyncEngine:
-        engine = AsyncEngine(runner or FakeRunner(), SchedulerConfig(**cfg) if cfg else None)
+    async def make(runner: FakeRunner | None = None, **cfg) -> IterationLoop:
+        engine = IterationLoop(runner or FakeRunner(), SchedulerConfig(**cfg) if cfg else None)
         await engine.start()
         engines.append(engine)
         return engine
@@ -259,7 +260,7 @@ async def test_a_dead_loop_fails_every_request_and_refuses_new_ones(make_engine)
         deltas = await collect(stream)
         assert deltas[-1].finish_reason is FinishReason.ERROR and "scheduler bug" in (deltas[-1].error or "")
     assert not engine.is_running
-    with pytest.raises(EngineDeadError):
+    with pytest.raises(LoopStoppedError):
         engine.generate(prompt(4), SamplingParams(), "c")
 
 
@@ -282,7 +283,7 @@ async def test_shutdown_aborts_everything_and_stops(make_engine):
     assert (await collect(a))[-1].finish_reason is FinishReason.ABORT
     assert (await collect(b))[-1].finish_reason is FinishReason.ABORT
     assert not engine.is_running and engine.stats().kv_blocks_used == 0
-    with pytest.raises(EngineDeadError):
+    with pytest.raises(LoopStoppedError):
         engine.generate(prompt(4), SamplingParams(), "c")
 
 
@@ -318,7 +319,7 @@ async def test_request_level_batching_returns_early_finishers_with_their_batch(m
 
 
 async def test_queue_time_on_the_first_delta_only():
-    engine = AsyncEngine(FakeRunner(), SchedulerConfig(max_num_seqs=1))
+    engine = IterationLoop(FakeRunner(), SchedulerConfig(max_num_seqs=1))
     await engine.start()
     try:
         params = SamplingParams(temperature=0.0, max_tokens=4)
@@ -335,3 +336,71 @@ async def test_queue_time_on_the_first_delta_only():
         assert second[0].queue_time_s >= first[0].queue_time_s
     finally:
         await engine.shutdown()
+
+
+# --- pipelined: up to pipeline_depth batches in flight (ORCA) ------------------------------------------
+
+SCHED = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16)
+
+
+@pytest.mark.parametrize("num_kv_blocks", [64, 6], ids=["roomy", "preempting"])
+async def test_pipelined_loop_keeps_depth_batches_in_flight(num_kv_blocks: int) -> None:
+    """Same tokens as the plain loop, up to `depth` batches in flight, none sharing a request, and with
+    a tight KV cache preemptions that never hit a request whose batch is still in the pipeline."""
+    prompts = [[20 + i] * (3 + 5 * i) for i in range(6)]
+    plain = await greedy_through_loop(
+        FakeRunner(num_kv_blocks=num_kv_blocks, block_size=16), prompts, 8, SCHED
+    )
+    fake = FakeRunner(pipeline_depth=2, num_kv_blocks=num_kv_blocks, block_size=16)
+    engine = IterationLoop(fake, SCHED)
+    piped = await greedy_through_loop(fake, prompts, 8, SCHED, engine)
+    assert piped == plain
+    assert fake.max_in_flight == 2 and not fake.in_flight
+    assert fake.max_batch_seen <= 3  # the 6 requests spread over the 2 batches in flight
+    if num_kv_blocks == 6:
+        assert engine.stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("depth", [1, 2])
+async def test_a_fatal_step_error_stops_the_loop(depth: int) -> None:
+    """One failure path at every depth: the failed step is counted, its request gets the error, the
+    loop stops and says so."""
+
+    class DiesAtThirdStep(FakeRunner):
+        def submit(self, batch: Sequence[ScheduledSequence]) -> list[ScheduledSequence]:
+            if self.num_steps >= 2:
+                raise FatalRunnerError("worker gone")
+            return super().submit(batch)
+
+    runner = DiesAtThirdStep(pipeline_depth=depth)
+    engine = IterationLoop(runner, SCHED)
+    await engine.start()
+    deltas = [d async for d in engine.generate([5, 6, 7], SamplingParams(max_tokens=20), "r")]
+    assert deltas[-1].error is not None and "worker gone" in deltas[-1].error
+    await wait_until(lambda: not engine.is_running)
+    assert engine.stats().num_steps == 3  # two that ran and the one that failed
+    with pytest.raises(LoopStoppedError):
+        engine.generate([5], SamplingParams(max_tokens=2), "late")
+    await engine.shutdown()
+
+
+async def test_steps_run_in_the_callers_thread_which_the_loop_leaves_running():
+    """One thread builds the engine and runs every step (one OpenMP thread team; IterationLoop says why)."""
+    seen: set[str] = set()
+
+    class Recording(FakeRunner):
+        def step(self, batch):
+            seen.add(threading.current_thread().name)
+            return super().step(batch)
+
+    thread = new_step_thread()
+    built_in = await asyncio.get_running_loop().run_in_executor(
+        thread, lambda: threading.current_thread().name
+    )
+    engine = IterationLoop(Recording(), step_thread=thread)
+    await engine.start()
+    await collect(engine.generate(prompt(5), SamplingParams(max_tokens=3), "a"))
+    await engine.shutdown()
+    assert seen == {built_in}
+    assert thread.submit(lambda: 1).result() == 1  # the caller's pool is still open
+    thread.shutdown()

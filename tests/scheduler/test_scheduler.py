@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.batch import SampledToken, SamplingParams
+from engine.contract import SampledToken, SamplingParams
 from scheduler.block_allocator import BlockAllocator, NoFreeBlocksError, blocks_for_tokens
 from scheduler.config import SchedulerConfig
 from scheduler.core import ScheduledStep, Scheduler

@@ -1,4 +1,4 @@
-"""The OpenAI API over ASGI with the real AsyncEngine and the fake runner: response shapes of both
+"""The OpenAI API over ASGI with the real IterationLoop and the fake runner: response shapes of both
 endpoints, streaming, n > 1, logprobs, echo, whole UTF-8 characters, the utility routes, scheduler flags."""
 
 from __future__ import annotations
@@ -9,6 +9,7 @@ import pytest
 from fakes import (
     MODEL,
     FakeRunner,
+    error_of,
     finish_reasons,
     joined,
     make_app,
@@ -286,9 +287,26 @@ async def test_scheduler_flags_are_wired(tokenizer, scheduling, kv_policy):
             *(client.post("/v1/completions", json={"prompt": f"p{i}", "max_tokens": 3 + i}) for i in range(5))
         )
         assert [r.json()["usage"]["completion_tokens"] for r in rs] == [3, 4, 5, 6, 7]
-        engine = app.state.server.engine
+        engine = app.state.server.loop
         assert (engine.config.scheduling, engine.config.kv_policy, engine.config.max_num_seqs) == (
             scheduling,
             kv_policy,
             2,
         )
+
+
+async def test_flags_raise_the_caps_as_well_as_lower_them(tokenizer):
+    """--max-logprobs, --max-stop-strings and --max-n decide; OpenAI's own caps (20, 4, 128) are only
+    the defaults' neighbours, not hidden limits."""
+    app = make_app(tokenizer, max_logprobs=30, max_stop_strings=6, max_n=200, max_choices=200)
+    async with running_app(app) as client:
+        body = {"prompt": "hi", "max_tokens": 2, "logprobs": 25, "stop": [f"s{i}" for i in range(6)]}
+        r = await client.post("/v1/completions", json=body)
+        assert r.status_code == 200, r.text
+        assert len(r.json()["choices"][0]["logprobs"]["top_logprobs"][0]) == 25
+        chat = {"messages": CHAT, "max_tokens": 1, "logprobs": True, "top_logprobs": 30}
+        assert (await client.post("/v1/chat/completions", json=chat)).status_code == 200
+        many = await client.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1, "n": 150})
+        assert many.status_code == 200 and len(many.json()["choices"]) == 150
+        over = await client.post("/v1/completions", json={**body, "logprobs": 31})
+        assert error_of(over)["param"] == "logprobs"

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 
+from engine.cli_args import parse_size
+from engine.config import EngineConfig
+from scheduler.config import SchedulerConfig
 from server.cli import parse_args
-from server.config import parse_size
+from server.config import ServerConfig
 
 
 @pytest.mark.parametrize(
@@ -34,11 +37,17 @@ def test_cli_flags():
         "--model m.gguf --served-model-name x --port 9000 --kv-cache-memory 2GiB --scheduling request "
         "--kv-policy reserve --no-chunked-prefill --api-key k --max-num-seqs 8 --max-num-batched-tokens 256".split()
     )
-    assert (c.model, c.model_name, c.port, c.kv_cache_memory) == ("m.gguf", "x", 9000, 2 * 2**30)
-    assert (c.scheduling, c.kv_policy, c.chunked_prefill, c.api_key) == ("request", "reserve", False, "k")
-    assert (c.max_num_seqs, c.max_num_batched_tokens) == (8, 256)
+    assert (c.engine.model, c.model_name, c.port, c.engine.kv_cache_memory) == (
+        "m.gguf",
+        "x",
+        9000,
+        2 * 2**30,
+    )
+    s = c.scheduler
+    assert (s.scheduling, s.kv_policy, s.chunked_prefill, c.api_key) == ("request", "reserve", False, "k")
+    assert (s.max_num_seqs, s.max_num_batched_tokens) == (8, 256)
     d = parse_args([])
-    assert (d.model, d.model_name, d.host, d.port, d.chunked_prefill) == (
+    assert (d.engine.model, d.model_name, d.host, d.port, d.scheduler.chunked_prefill) == (
         "default",
         "default",
         "127.0.0.1",
@@ -49,3 +58,45 @@ def test_cli_flags():
         parse_args(["--kv-cache-memory", "lots"])
     with pytest.raises(SystemExit):
         parse_args(["--kv-cache-memory", "1GiB", "--num-kv-blocks", "10"])
+
+
+def test_no_flags_is_the_default_config():
+    """Every default is written once, in the dataclass that holds it; the flags only read it."""
+    assert parse_args([]) == ServerConfig()
+
+
+def test_flags_that_conflict_are_refused_by_the_parser(capsys):
+    with pytest.raises(SystemExit):
+        parse_args(["--max-num-seqs", "64", "--max-num-batched-tokens", "32"])
+    assert "max_num_batched_tokens (32) must be >= max_num_seqs (64)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["-tp", "0"])
+
+
+def test_benchmarks_take_the_servers_engine_and_scheduler_flags():
+    from engine import bench as engine_bench
+    from engine import parallel_bench
+    from scheduler import bench as scheduler_bench
+
+    flags = ["--model", "m", "--dtype", "float32", "--block-size", "32", "--max-num-seqs", "4"]
+    for module in (engine_bench, parallel_bench, scheduler_bench):
+        parser = module.build_parser()
+        a, _ = parser.parse_known_args(flags)
+        # The engine reads the scheduler's --max-num-seqs where the parser has it (it sizes CUDA graphs).
+        max_num_seqs = 4 if module is scheduler_bench else None
+        assert EngineConfig.from_cli_args(a) == EngineConfig(
+            model="m", dtype="float32", block_size=32, max_num_seqs=max_num_seqs
+        )
+    a = scheduler_bench.build_parser().parse_args(flags)
+    assert SchedulerConfig.from_cli_args(a) == SchedulerConfig(max_num_seqs=4)
+
+
+def test_the_engine_gets_the_schedulers_max_num_seqs():
+    """One flag, one default: the server passes the scheduler's max_num_seqs down to the engine (its
+    CUDA graphs' largest batch), and refuses two configs that disagree."""
+    assert parse_args([]).engine.max_num_seqs == SchedulerConfig().max_num_seqs
+    assert parse_args(["--max-num-seqs", "8"]).engine.max_num_seqs == 8
+    built = ServerConfig(scheduler=SchedulerConfig(max_num_seqs=16))
+    assert built.engine.max_num_seqs == 16
+    with pytest.raises(ValueError, match="differs"):
+        ServerConfig(engine=EngineConfig(max_num_seqs=8), scheduler=SchedulerConfig(max_num_seqs=16))

@@ -14,9 +14,9 @@ from fakes import (
     MODEL,
     FakeRunner,
     drained,
-    engine_of,
     error_of,
     live_server,
+    loop_of,
     make_app,
     metric,
     parse_sse,
@@ -25,7 +25,7 @@ from fakes import (
     wait_until,
 )
 
-from engine.batch import SampledToken, ScheduledSequence
+from engine.contract import SampledToken, ScheduledSequence
 
 CHAT = [{"role": "user", "content": "hi"}]
 
@@ -38,7 +38,7 @@ async def test_disconnect_storm_frees_every_block(tokenizer):
     runner = FakeRunner(num_kv_blocks=512)
     app = make_app(tokenizer, runner)
     async with live_server(app) as url, httpx.AsyncClient(base_url=url, timeout=60) as client:
-        engine = engine_of(app)
+        engine = loop_of(app)
         long = {"prompt": "storm", "max_tokens": 200, "ignore_eos": True, "stream": True}
 
         async def leave_before_first_token() -> None:
@@ -107,14 +107,14 @@ async def test_loop_death_turns_health_503_and_errors_waiting_clients(tokenizer,
     runner = FakeRunner()
     app = make_app(tokenizer, runner)
     async with serving(app, runner) as client:
-        engine = engine_of(app)
+        engine = loop_of(app)
         runner.gate.clear()
         req = {"prompt": "doomed", "max_tokens": 50, "ignore_eos": True}
         stream = asyncio.create_task(client.post("/v1/completions", json={**req, "stream": True}))
         plain = asyncio.create_task(client.post("/v1/completions", json=req))
         await wait_until(lambda: engine.stats().running + engine.stats().waiting == 2)
 
-        def broken_schedule():
+        def broken_schedule(*args: object, **kwargs: object) -> None:
             raise RuntimeError("scheduler bug outside the step")
 
         monkeypatch.setattr(engine._scheduler, "schedule", broken_schedule)

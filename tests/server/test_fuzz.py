@@ -15,12 +15,11 @@ from typing import Any
 
 import httpx
 import pytest
-from fakes import FakeRunner, fake_loader, parse_sse, running_app
+from fakes import FakeRunner, fake_loader, parse_sse, running_app, server_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from server.app import create_app
-from server.config import ServerConfig
 from server.tokenizer import ServerTokenizer
 
 NUM_EXAMPLES = 600
@@ -158,17 +157,17 @@ def mutated(draw: st.DrawFn, valid: st.SearchStrategy[Any]) -> Any:
 def fuzz_app(request, smollm2_tokenizer_dir):
     """The app over ASGI on an event loop of its own (hypothesis drives a sync test); small limits
     keep every generated request cheap. `fake`: the fake runner (fast, in the default run);
-    `tiny-llama`: the real TorchModelRunner and sampler, which see every odd sampling value too."""
+    `tiny-llama`: the real LocalExecutor and sampler, which see every odd sampling value too."""
     limits = dict(max_n=4, max_choices=8, max_num_seqs=16, log_stats_interval_s=0, max_body_bytes=64 * 1024)
     if request.param == "fake":
         tokenizer = ServerTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
-        config = ServerConfig(model=MODEL, **limits)
+        config = server_config(model=MODEL, **limits)
         loader = fake_loader(tokenizer, FakeRunner(max_model_len=64, num_kv_blocks=64))
     else:
         from server.loader import load_model
 
         tiny = request.getfixturevalue("tiny_llama_dir")
-        config = ServerConfig(
+        config = server_config(
             model=str(tiny),
             served_model_name=MODEL,
             dtype="float32",
@@ -269,7 +268,7 @@ def test_fuzz_openapi_routes(fuzz_app) -> None:
     assert total >= 500
     assert statuses[200] > 0 and any(400 <= s < 500 for s in statuses)
     # Nothing leaked: every request's KV blocks and queue entries are gone once the loop settles.
-    engine = app.state.server.engine
+    engine = app.state.server.loop
     for _ in range(200):
         stats = engine.stats()
         if stats.running == stats.waiting == stats.kv_blocks_used == 0:

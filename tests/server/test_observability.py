@@ -10,7 +10,7 @@ import pytest
 from fakes import (
     MODEL,
     FakeRunner,
-    engine_of,
+    loop_of,
     make_app,
     metric,
     running_app,
@@ -88,7 +88,7 @@ async def test_request_id_in_every_log_line_about_a_request(tokenizer, caplog):
     caplog.handler.addFilter(RequestIdFilter())
     async with serving(app, runner) as client:
         runner.gate.clear()
-        engine = engine_of(app)
+        engine = loop_of(app)
         req = {"prompt": "a", "max_tokens": 1}
         tasks = [asyncio.create_task(client.post("/v1/completions", json=req))]
         await wait_until(lambda: engine.stats().running == 1)

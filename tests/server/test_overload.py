@@ -9,8 +9,8 @@ import asyncio
 from fakes import (
     FakeRunner,
     drained,
-    engine_of,
     error_of,
+    loop_of,
     make_app,
     metric,
     parse_sse,
@@ -25,7 +25,7 @@ async def test_queue_bound_answers_429_with_retry_after(tokenizer):
     runner = FakeRunner()
     app = make_app(tokenizer, runner, max_queue_len=3, max_num_seqs=1, retry_after_s=2)
     async with serving(app, runner) as client:
-        engine = engine_of(app)
+        engine = loop_of(app)
         runner.gate.clear()  # the first request's step stays in flight; the others wait
         req = {"prompt": "hello", "max_tokens": 2}
         first = asyncio.create_task(client.post("/v1/completions", json=req))
@@ -52,7 +52,7 @@ async def test_flood_keeps_memory_bounded(tokenizer):
     runner = FakeRunner()
     app = make_app(tokenizer, runner, max_queue_len=8, max_num_seqs=4)
     async with serving(app, runner) as client:
-        engine = engine_of(app)
+        engine = loop_of(app)
         runner.gate.clear()
         peak = 0
 

@@ -10,15 +10,15 @@ from fakes import (
     fake_loader,
     make_app,
     running_app,
+    server_config,
 )
 
 from server.app import create_app
 from server.cli import parse_args
-from server.config import ServerConfig
 
 
 async def test_api_key(tokenizer):
-    app = create_app(ServerConfig(model=MODEL, api_key="s3cret"), fake_loader(tokenizer, FakeRunner()))
+    app = create_app(server_config(model=MODEL, api_key="s3cret"), fake_loader(tokenizer, FakeRunner()))
     async with running_app(app) as client:
         req = {"prompt": "a", "max_tokens": 1}
         for headers in (
@@ -49,7 +49,7 @@ async def test_several_api_keys_on_every_route_but_health_and_metrics(tokenizer,
     assert cfg.all_api_keys == ("flag-key", "env-key", "file-key-1", "file-key-2")
     assert "key" not in repr(cfg).replace("api_key", "")  # no secret in reprs / logs
     app = create_app(
-        ServerConfig(model=MODEL, api_key=cfg.api_key, api_keys=cfg.api_keys, log_stats_interval_s=0),
+        server_config(model=MODEL, api_key=cfg.api_key, api_keys=cfg.api_keys, log_stats_interval_s=0),
         fake_loader(tokenizer, FakeRunner()),
     )
     async with running_app(app) as client:
@@ -92,7 +92,7 @@ async def test_no_request_can_load_a_model(tokenizer):
         loads.append(1)
         return base()
 
-    app = create_app(ServerConfig(model=MODEL, log_stats_interval_s=0), counting_loader)
+    app = create_app(server_config(model=MODEL, log_stats_interval_s=0), counting_loader)
     async with running_app(app) as client:
         for name in ("/etc/passwd", "default", "~/model.gguf", "http://x/y"):
             r = await client.post("/v1/completions", json={"prompt": "a", "model": name})

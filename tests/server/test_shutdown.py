@@ -18,14 +18,13 @@ from fakes import free_port
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_SCRIPT = """
 import sys
-from fakes import FakeRunner, fake_loader
+from fakes import FakeRunner, fake_loader, server_config
 from server.app import create_app
 from server.cli import configure_logging, serve
-from server.config import ServerConfig
 from server.tokenizer import ServerTokenizer
 
 tokenizer_dir, port, grace = sys.argv[1], int(sys.argv[2]), float(sys.argv[3])
-config = ServerConfig(model="fake-model", port=port, shutdown_grace_s=grace, log_stats_interval_s=0)
+config = server_config(model="fake-model", port=port, shutdown_grace_s=grace, log_stats_interval_s=0)
 configure_logging("info")
 runner = FakeRunner(step_delay_s=0.005)
 raise SystemExit(serve(create_app(config, fake_loader(ServerTokenizer.from_pretrained(tokenizer_dir), runner)), config))

@@ -9,10 +9,10 @@ from fakes import (
     FakeRunner,
     error_of,
     running_app,
+    server_config,
 )
 
 from server.app import create_app
-from server.config import ServerConfig
 from server.state import LoadedModel
 
 CHAT = [{"role": "user", "content": "hi"}]
@@ -26,7 +26,7 @@ async def test_503_while_loading_then_ready(tokenizer):
         release.wait(timeout=30)
         return LoadedModel(runner, tokenizer, runner.vocab_size)
 
-    app = create_app(ServerConfig(model=MODEL), slow_loader)
+    app = create_app(server_config(model=MODEL), slow_loader)
     async with running_app(app, wait=False) as client:
         err = error_of(await client.get("/health"), 503)
         assert err["code"] == "model_not_ready"
@@ -47,10 +47,30 @@ async def test_load_failure_reported_by_health():
     def broken_loader() -> LoadedModel:
         raise FileNotFoundError("no such model: /nowhere")
 
-    app = create_app(ServerConfig(model="/nowhere"), broken_loader)
+    app = create_app(server_config(model="/nowhere"), broken_loader)
     failures: list[str] = []
     app.state.server.on_load_failed = failures.append
     async with running_app(app) as client:
         err = error_of(await client.get("/health"), 503)
         assert err["code"] == "model_load_failed" and "/nowhere" in err["message"]
         assert failures and "/nowhere" in failures[0]
+
+
+async def test_the_model_is_built_in_the_thread_its_steps_run_in(tokenizer):
+    loaded_in: list[str] = []
+    stepped_in: set[str] = set()
+
+    class Recording(FakeRunner):
+        def step(self, batch):
+            stepped_in.add(threading.current_thread().name)
+            return super().step(batch)
+
+    def loader() -> LoadedModel:
+        loaded_in.append(threading.current_thread().name)
+        runner = Recording()
+        return LoadedModel(runner, tokenizer, runner.vocab_size)
+
+    async with running_app(create_app(server_config(model=MODEL), loader)) as client:
+        r = await client.post("/v1/completions", json={"prompt": "a", "max_tokens": 2})
+        assert r.status_code == 200
+    assert stepped_in == set(loaded_in) and loaded_in[0].startswith("orca-step")

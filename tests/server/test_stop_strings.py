@@ -16,7 +16,7 @@ from fakes import (
 from hypothesis import example, given
 from hypothesis import strategies as st
 
-from server.stop import StopStringMatcher
+from server.stop_strings import StopStringMatcher
 
 CHAT = [{"role": "user", "content": "Say something."}]
 
@@ -66,7 +66,7 @@ def test_stop_matcher_holds_only_what_may_match():
 
 @pytest.mark.parametrize("chunks", [["aba"], ["ab", "a"], ["a", "b", "a"], ["a", "ba"]])
 def test_stop_cut_is_the_same_for_every_chunking(chunks):
-    from server.stop import StopStringMatcher
+    from server.stop_strings import StopStringMatcher
 
     m = StopStringMatcher(["b", "aba"])
     out = "".join(m.feed(c) for c in chunks)
@@ -74,7 +74,7 @@ def test_stop_cut_is_the_same_for_every_chunking(chunks):
 
 
 def test_stop_that_completed_while_a_longer_one_was_pending_is_applied_at_the_end():
-    from server.stop import StopStringMatcher
+    from server.stop_strings import StopStringMatcher
 
     m = StopStringMatcher(["b", "aba"])
     assert m.feed("ab") == "" and m.matched is None  # "aba" may still come
@@ -125,6 +125,6 @@ async def test_stop_string_frees_the_request(tokenizer):
         ).json()
         assert body["choices"][0] == {"index": 0, "text": "a b c", "logprobs": None, "finish_reason": "stop"}
         assert body["usage"]["completion_tokens"] < 10  # finish() ended it; it did not run to max_tokens
-        engine = app.state.server.engine
+        engine = app.state.server.loop
         await wait_until(lambda: engine.stats().running == 0 and engine.stats().kv_blocks_used == 0)
         assert engine.stats().waiting == 0

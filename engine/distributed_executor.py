@@ -1,9 +1,10 @@
-"""Tensor- and pipeline-parallel model runner on torch.distributed.
+"""Tensor- and pipeline-parallel executor on torch.distributed.
 
-Rank 0, the driver, lives in the server process: it runs the scheduler, holds tensor shard 0 of the
-first pipeline stage, and samples. Ranks 1..N-1 are worker processes (started here with torch
-multiprocessing, or by torchrun across machines) that loop: receive a step message, run their part,
-pass the result on.
+Every rank runs the same engine.model_runner.ModelRunner over its shard. Rank 0, the driver, lives in
+the server process: it runs the scheduler, holds tensor shard 0 of the first pipeline stage, and samples
+(DistributedExecutor). Ranks 1..N-1 are worker processes (started here with torch multiprocessing, or by
+torchrun across machines) that loop in `serve_rank`: receive a step message, run their part, pass the
+result on.
 
 One step, for TP=t and PP=p:
   driver: validate the batch, build its inputs, broadcast the step message to stage 0's other ranks,
@@ -18,6 +19,7 @@ waits for a batch's logits and samples. `step()` is submit + collect.
 from __future__ import annotations
 
 import atexit
+import gc
 import logging
 import multiprocessing.connection
 import multiprocessing.process
@@ -26,7 +28,7 @@ import signal
 import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -34,20 +36,17 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from engine.batch import SampledToken, ScheduledSequence
 from engine.config import (
     EngineConfig,
     resolve_device,
-    resolve_dtype,
-    resolve_max_model_len,
     resolve_model_path,
 )
+from engine.contract import ScheduledSequence
 from engine.distributed import (
     OP_SHUTDOWN,
     RankGroups,
     Topology,
     WorkerDiedError,
-    agree_on_min,
     broadcast_message,
     decode_batch,
     encode_batch,
@@ -58,10 +57,8 @@ from engine.distributed import (
     send_message,
     shutdown_message,
 )
-from engine.inputs import InputLimits, StepInputs, build_step_inputs
-from engine.kv_cache import KVCacheManager, plan_kv_cache
-from engine.runner import read_eos_token_ids
-from engine.sampler import Sampler, validate_sampling
+from engine.executor import ExecutorBase, PendingStep
+from engine.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +68,8 @@ DEATH_GRACE_S = 1.0
 STARTUP_POLL_S = 0.2
 # How often a driver on CUDA checks a pending receive (and its workers) while it waits.
 NCCL_POLL_S = 0.0005
+# How long a restart waits to leave the broken process group.
+LEAVE_GROUP_TIMEOUT_S = 30.0
 
 T = TypeVar("T")
 
@@ -89,86 +88,39 @@ def share_cpu_threads(local_world_size: int) -> None:
     torch.set_num_threads(max(1, cores // local_world_size))
 
 
-class StageExecutor:
-    """One rank's share of the model: its TP shard of its stage's layers, their KV cache, the forward."""
+def recv_hidden(
+    runner: ModelRunner, num_tokens: int, src: int, group: dist.ProcessGroup | None
+) -> torch.Tensor:
+    hidden = torch.empty(
+        num_tokens, runner.hidden_size, dtype=runner.dtype, device=runner.device
+    )  # [T, hidden]
+    dist.recv(hidden, src, group=group)
+    return hidden
 
-    def __init__(self, config: EngineConfig, model_path: Path, groups: RankGroups) -> None:
-        from models.loader import load_model, max_model_len
 
-        self.groups = groups
-        self.device = groups.device
-        self.dtype = resolve_dtype(config.dtype, self.device)
-        topo = groups.topology
-        self.model = load_model(
-            model_path,
-            self.dtype,
-            self.device,
-            tp_rank=groups.tp_rank,
-            tp_size=topo.tp_size,
-            tp_group=groups.tp,
-            attention_backend=config.attention_backend,
-            pp_rank=groups.stage,
-            pp_size=topo.pp_size,
-            weight_packing=config.weight_packing,
-        )
-        hf_config = self.model.config
-        self.max_model_len: int = resolve_max_model_len(config.max_model_len, max_model_len(hf_config))
-        self.vocab_size: int = self.model.vocab_size
-        self.hidden_size: int = self.model.hidden_size
-        # This stage's layers and this tensor rank's KV heads.
-        spec, num_blocks = plan_kv_cache(self.model, config, self.dtype, self.device)
-        # Block ids mean the same on every rank, so all ranks use the smallest count any can hold.
-        num_blocks = agree_on_min(num_blocks, groups.cpu)
-        self.kv_cache = KVCacheManager(spec, num_blocks, self.device)
-        self.num_kv_blocks = num_blocks
-        self.block_size = config.block_size
-        self.limits = InputLimits(num_blocks, config.block_size, self.max_model_len, self.vocab_size)
-
-    def forward(self, inputs: StepInputs, hidden_in: torch.Tensor | None) -> torch.Tensor:
-        """This stage's layers over the step: [T, hidden] in (None on stage 0), [T, hidden] out."""
-        return self.model(
-            inputs.input_ids,
-            inputs.positions,
-            self.kv_cache.layers,
-            inputs.attn_metadata,
-            hidden_states=hidden_in,
-        )
-
-    def sampled_logits(self, inputs: StepInputs, hidden: torch.Tensor) -> torch.Tensor:
-        """[S, vocab] float32 at each sampling row's last token (a TP all-gather of the vocab shards)."""
-        return self.model.compute_logits(hidden[inputs.logits_indices])
-
-    def recv_hidden(self, num_tokens: int) -> torch.Tensor:
-        hidden = torch.empty(
-            num_tokens, self.hidden_size, dtype=self.dtype, device=self.device
-        )  # [T, hidden]
-        dist.recv(hidden, self.groups.prev_rank, group=self.groups.data)
-        return hidden
-
-    def serve(self) -> None:
-        """The worker loop: run steps until the shutdown message."""
-        g = self.groups
-        with torch.inference_mode():
-            while True:
-                if g.is_first_stage:
-                    assert g.stage0_control is not None  # workers of stage 0 exist only with TP > 1
-                    msg = broadcast_message(None, 0, g.stage0_control)
-                else:
-                    msg = recv_message(g.prev_rank, g.control)
-                if msg.op == OP_SHUTDOWN:
-                    if not g.is_last_stage:
-                        send_message(msg, g.next_rank, g.control)
-                    return
-                hidden_in = None if g.is_first_stage else self.recv_hidden(msg.num_tokens)
-                inputs = build_step_inputs(decode_batch(msg), self.limits, self.device)
-                hidden = self.forward(inputs, hidden_in)
+def serve_rank(runner: ModelRunner, g: RankGroups) -> None:
+    """A worker rank's loop: run steps until the shutdown message."""
+    with torch.inference_mode():
+        while True:
+            if g.is_first_stage:
+                assert g.stage0_control is not None  # workers of stage 0 exist only with TP > 1
+                msg = broadcast_message(None, 0, g.stage0_control)
+            else:
+                msg = recv_message(g.prev_rank, g.control)
+            if msg.op == OP_SHUTDOWN:
                 if not g.is_last_stage:
                     send_message(msg, g.next_rank, g.control)
-                    dist.send(hidden, g.next_rank, group=g.data)
-                elif msg.num_sample:
-                    logits = self.sampled_logits(inputs, hidden)  # every TP rank takes part
-                    if g.rank == g.last_stage_head:
-                        dist.send(logits, 0, group=g.data)
+                return
+            hidden_in = None if g.is_first_stage else recv_hidden(runner, msg.num_tokens, g.prev_rank, g.data)
+            inputs = runner.prepare(decode_batch(msg))
+            hidden = runner.forward(inputs, hidden_in)
+            if not g.is_last_stage:
+                send_message(msg, g.next_rank, g.control)
+                dist.send(hidden, g.next_rank, group=g.data)
+            elif msg.num_logit_rows:
+                logits = runner.sampled_logits(inputs, hidden)  # every TP rank takes part
+                if g.rank == g.last_stage_head:
+                    dist.send(logits, 0, group=g.data)
 
 
 # ---- worker processes ---------------------------------------------------------------------------------
@@ -199,7 +151,7 @@ def worker_main(spec: WorkerSpec) -> None:
         spec.rank, spec.topology, spec.init_method, device, spec.engine.distributed_timeout_s
     )
     try:
-        StageExecutor(spec.engine, Path(spec.model_path), groups).serve()
+        serve_rank(ModelRunner(spec.engine, Path(spec.model_path), device, groups), groups)
     finally:
         dist.destroy_process_group()
 
@@ -217,10 +169,10 @@ def run_torchrun_worker(config: EngineConfig) -> None:
     device = rank_device(config, local_rank)
     if device.type == "cpu":
         share_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", 1)))
-    model_path = resolve_model_path(config.model)
+    model_path = resolve_model_path(config.model, config.load_format)
     groups = init_groups(rank, topology, "env://", device, config.distributed_timeout_s)
     try:
-        StageExecutor(config, model_path, groups).serve()
+        serve_rank(ModelRunner(config, model_path, device, groups), groups)
     finally:
         dist.destroy_process_group()
 
@@ -228,78 +180,69 @@ def run_torchrun_worker(config: EngineConfig) -> None:
 # ---- the driver ---------------------------------------------------------------------------------------
 
 
-@dataclass
-class PendingStep:
-    """A batch between submit() and collect()."""
-
-    batch: Sequence[ScheduledSequence]
-    sample_rows: list[int] = field(default_factory=list)
-    logits: torch.Tensor | None = None  # [S, vocab] float32; being received while `recv` is pending
-    recv: Any = None  # dist.Work of the logits' irecv (pipeline parallel)
-    sends: list[Any] = field(default_factory=list)  # dist.Work of the isends to stage 1
-    keep: list[torch.Tensor] = field(default_factory=list)  # tensors the isends read from
-
-
-class ParallelModelRunner:
-    """engine.batch.ModelRunner over tensor_parallel_size x pipeline_parallel_size ranks."""
+class DistributedExecutor(ExecutorBase):
+    """engine.contract.Executor over tensor_parallel_size x pipeline_parallel_size ranks."""
 
     def __init__(self, config: EngineConfig) -> None:
         if dist.is_initialized():
             raise ValueError(
                 "this process already belongs to a process group: one parallel engine per process"
             )
-        self.config = config
         self.topology = Topology(config.tensor_parallel_size, config.pipeline_parallel_size)
-        # ORCA: as many batches in flight as there are stages (the scheduler loop reads this).
-        self.pipeline_depth: int = self.topology.pp_size
-        self.model_path = resolve_model_path(config.model)  # converts a GGUF once, before any worker starts
+        model_path = resolve_model_path(
+            config.model, config.load_format
+        )  # converts a GGUF once, before any worker starts
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._dead_reason: str | None = None
         self._closed = False
-        world = self.topology.world_size
-        if launched_by_torchrun():
+        # Ranks started by torchrun (across machines) are not ours to restart.
+        self._torchrun = launched_by_torchrun()
+        if self._torchrun:
+            world = self.topology.world_size
             if int(os.environ["RANK"]) != 0:
                 raise ValueError(
-                    "ParallelModelRunner is rank 0; other torchrun ranks run run_torchrun_worker"
+                    "DistributedExecutor is rank 0; other torchrun ranks run run_torchrun_worker"
                 )
             if int(os.environ["WORLD_SIZE"]) != world:
                 raise ValueError(
                     f"torchrun started {os.environ['WORLD_SIZE']} processes, but tensor x pipeline "
                     f"parallel size is {world}"
                 )
+        runner = self._start(config, model_path)
+        atexit.register(self.close)
+        # ORCA: as many batches in flight as there are stages.
+        super().__init__(config, model_path, runner, pipeline_depth=self.topology.pp_size)
+
+    def _start(self, config: EngineConfig, model_path: Path) -> ModelRunner:
+        """Spawn the workers (unless torchrun started them), join the rendezvous, load rank 0's shard."""
+        world = self.topology.world_size
+        if self._torchrun:
             init_method = "env://"
             local_world = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
             device = rank_device(config, int(os.environ.get("LOCAL_RANK", 0)))
         else:
+            # A fresh port each time: a restarted group must not meet the old rendezvous.
             init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
             local_world = world
             device = rank_device(config, 0)
-            self._spawn_workers(init_method, world)
+            self._spawn_workers(config, model_path, init_method, world)
         if device.type == "cpu":
             share_cpu_threads(local_world)
         try:
             self._groups = self._watching_workers(
                 lambda: init_groups(0, self.topology, init_method, device, config.distributed_timeout_s)
             )
-            self._stage = self._watching_workers(lambda: StageExecutor(config, self.model_path, self._groups))
+            # Built here, in the caller's thread (the one steps run in: one OpenMP thread team), with only
+            # the wait for the other ranks watched from a helper thread.
+            return ModelRunner(config, model_path, device, self._groups, agree=self._watching_workers)
         except BaseException:
             self._kill_workers()
             raise
-        atexit.register(self.close)
-        s = self._stage
-        self.device = device
-        self.dtype = s.dtype
-        self.num_kv_blocks: int = s.num_kv_blocks
-        self.block_size: int = s.block_size
-        self.max_model_len: int = s.max_model_len
-        self.vocab_size: int = s.vocab_size
-        self.eos_token_ids: frozenset[int] = read_eos_token_ids(self.model_path, s.model.config)
-        self.sampler = Sampler(self.vocab_size, self.eos_token_ids, device, config.seed)
 
-    def _spawn_workers(self, init_method: str, world: int) -> None:
+    def _spawn_workers(self, config: EngineConfig, model_path: Path, init_method: str, world: int) -> None:
         ctx = mp.get_context("spawn")
         for rank in range(1, world):
-            spec = WorkerSpec(rank, self.topology, init_method, self.config, str(self.model_path), world)
+            spec = WorkerSpec(rank, self.topology, init_method, config, str(model_path), world)
             # daemon: a driver that exits normally takes its workers with it.
             proc = ctx.Process(target=worker_main, args=(spec,), name=f"orca-rank{rank}", daemon=True)
             proc.start()
@@ -323,8 +266,9 @@ class ParallelModelRunner:
 
         threading.Thread(target=run, name="orca-parallel-start", daemon=True).start()
         while not done.wait(STARTUP_POLL_S):
-            if self.dead_reason is not None:
-                raise WorkerDiedError(f"start-up failed: {self.dead_reason} (see its log above)")
+            exited = self._exited_worker()
+            if exited is not None:
+                raise WorkerDiedError(f"start-up failed: {exited} (see its log above)")
         if error:
             raise error[0]
         return result[0]
@@ -340,13 +284,14 @@ class ParallelModelRunner:
         """Why this engine can run no more steps (None while it can). Cheap: the scheduler loop and the
         server's health check read it; a worker that exited is noticed here even while idle."""
         if self._dead_reason is None:
-            for proc in self._procs:
-                if not proc.is_alive():
-                    self._dead_reason = (
-                        f"worker {proc.name} (pid {proc.pid}) exited with code {proc.exitcode}"
-                    )
-                    break
+            self._dead_reason = self._exited_worker()
         return self._dead_reason
+
+    def _exited_worker(self) -> str | None:
+        for proc in self._procs:
+            if not proc.is_alive():
+                return f"worker {proc.name} (pid {proc.pid}) exited with code {proc.exitcode}"
+        return None
 
     def _check_alive(self) -> None:
         reason = self.dead_reason
@@ -369,15 +314,9 @@ class ParallelModelRunner:
 
     # ---- steps ----------------------------------------------------------------------------------
 
-    def step(self, batch: Sequence[ScheduledSequence]) -> list[SampledToken | None]:
-        return self.collect(self.submit(batch))
-
     def submit(self, batch: Sequence[ScheduledSequence]) -> PendingStep:
-        """Start a step: validate, tell every rank, run stage 0. Returns once stage 0's part is sent on.
-
-        A bad batch raises ValueError before any rank hears of it (the engine stays usable); any failure
-        after that raises WorkerDiedError, because the ranks are no longer in step with each other.
-        """
+        """Start a step: tell every rank, run stage 0. Returns once stage 0's part is sent on. Any
+        failure raises WorkerDiedError: the ranks are no longer in step with each other."""
         if self._closed:
             raise WorkerDiedError("the parallel engine is shut down")
         self._check_alive()
@@ -386,57 +325,49 @@ class ParallelModelRunner:
             return pending
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # per thread: the step thread is not the one that started
-        g, stage = self._groups, self._stage
-        validate_sampling([s for s in batch if s.sample], self.vocab_size)
-        inputs = build_step_inputs(batch, stage.limits, self.device)
+        g, runner = self._groups, self.runner
+        inputs = runner.prepare(batch)
         msg = encode_batch(batch)
-        pending.sample_rows = inputs.sample_rows
-        num_sample = len(inputs.sample_rows)
+        num_rows = self._keep_rows(pending, inputs)  # logits rows: samples and scored prompt tokens
+        # Grammar hook: the masks are computed while the stages run; collect() applies them.
+        pending.mask = self.masker.start([batch[i] for i in inputs.sample_rows])
         try:
             with torch.inference_mode():
                 if g.stage0_control is not None:
                     broadcast_message(msg, 0, g.stage0_control)
-                hidden = stage.forward(inputs, None)  # [T, hidden]
+                hidden = runner.forward(inputs)  # [T, hidden]
                 if g.is_last_stage:  # no pipeline: this rank also holds (a shard of) the LM head
-                    if num_sample:
-                        pending.logits = stage.sampled_logits(inputs, hidden)
+                    if num_rows:
+                        pending.logits = runner.sampled_logits(inputs, hidden)
                     return pending
                 pending.keep = [msg.header, msg.payload, hidden]
                 pending.sends = [dist.isend(msg.header, g.next_rank, group=g.control)]
                 if msg.payload.numel():
                     pending.sends.append(dist.isend(msg.payload, g.next_rank, group=g.control))
                 pending.sends.append(dist.isend(hidden, g.next_rank, group=g.data))
-                if num_sample:
+                if num_rows:
                     pending.logits = torch.empty(
-                        num_sample, self.vocab_size, dtype=torch.float32, device=self.device
+                        num_rows, self.vocab_size, dtype=torch.float32, device=self.device
                     )
                     pending.recv = dist.irecv(pending.logits, g.last_stage_head, group=g.data)
         except Exception as exc:
             raise self._fail(exc) from exc
         return pending
 
-    def collect(self, pending: PendingStep) -> list[SampledToken | None]:
-        """Wait for a submitted step's logits (pipeline: from the last stage) and sample."""
-        out: list[SampledToken | None] = [None] * len(pending.batch)
+    def _wait(self, pending: PendingStep) -> None:
+        """Until the step's sends are out and its logits have come back from the last stage."""
         try:
             for work in pending.sends:
-                self._wait(work)
+                self._wait_work(work)
             if pending.recv is not None:
-                self._wait(pending.recv)
+                self._wait_work(pending.recv)
         except WorkerDiedError:
             raise
         except Exception as exc:
             raise self._fail(exc) from exc
         pending.keep.clear()
-        if pending.logits is None:
-            return out
-        with torch.inference_mode():
-            sampled = self.sampler(pending.logits, [pending.batch[i] for i in pending.sample_rows])
-        for i, tok in zip(pending.sample_rows, sampled, strict=True):
-            out[i] = tok
-        return out
 
-    def _wait(self, work: Any) -> None:
+    def _wait_work(self, work: Any) -> None:
         """Wait for a point-to-point operation. gloo fails at once when a peer's socket closes, but
         NCCL waits for a dead peer until its watchdog timeout, so on CUDA the driver polls the
         operation and its local workers' liveness instead of blocking."""
@@ -445,6 +376,64 @@ class ParallelModelRunner:
                 self._check_alive()
                 time.sleep(NCCL_POLL_S)
         work.wait()
+
+    # ---- restart --------------------------------------------------------------------------------
+
+    @property
+    def can_restart(self) -> bool:
+        return not self._torchrun and not self._closed
+
+    def restart(self) -> None:
+        """Replace the whole group after a rank died: kill what is left of it, leave the broken process
+        group, then start as at first (new workers, a new rendezvous on a new port, rank 0's shard
+        loaded again: its layers hold the old tensor-parallel group). The KV cache starts empty."""
+        if not self.can_restart:
+            raise WorkerDiedError(
+                "the parallel engine is shut down"
+                if self._closed
+                else "ranks started by torchrun cannot be restarted by the server; restart the job"
+            )
+        cause = self.dead_reason or "restart requested"
+        self._dead_reason = f"restarting the workers after: {cause}"
+        logger.warning("restarting the parallel engine's workers (%s)", cause)
+        t0 = time.monotonic()
+        self._kill_workers()
+        self._procs = []
+        # Drop rank 0's shard and KV cache before loading new ones: never two copies in memory.
+        del self.runner
+        gc.collect()
+        self._leave_group()
+        try:
+            runner = self._start(self.config, self.model_path)
+        except BaseException as exc:
+            self._dead_reason = f"restarting the workers failed: {type(exc).__name__}: {exc}"
+            raise WorkerDiedError(self._dead_reason) from exc
+        if runner.num_kv_blocks != self.num_kv_blocks:  # the scheduler's block ids are fixed
+            self.runner = runner
+            self._dead_reason = (
+                f"the restarted engine has {runner.num_kv_blocks} KV blocks, not {self.num_kv_blocks}"
+            )
+            raise WorkerDiedError(self._dead_reason)
+        self.runner = runner
+        self._dead_reason = None
+        logger.warning("the parallel engine's workers are back after %.1f s", time.monotonic() - t0)
+
+    def _leave_group(self) -> None:
+        """destroy_process_group on a group a rank left broken; bounded, since a collective backend
+        may wait on the dead peer (a default group that cannot be left means no new one can start)."""
+
+        def destroy() -> None:
+            try:
+                dist.destroy_process_group()
+            except Exception:  # a broken group may fail to tear down; what matters is that it is gone
+                logger.debug("destroy_process_group failed", exc_info=True)
+
+        leaving = threading.Thread(target=destroy, name="orca-leave-group", daemon=True)
+        leaving.start()
+        leaving.join(LEAVE_GROUP_TIMEOUT_S)
+        if leaving.is_alive() or dist.is_initialized():
+            self._dead_reason = "the broken process group could not be left"
+            raise WorkerDiedError(self._dead_reason)
 
     # ---- shutdown -------------------------------------------------------------------------------
 
@@ -477,12 +466,3 @@ class ParallelModelRunner:
             if proc.is_alive():
                 proc.kill()
             proc.join(5.0)
-
-
-def create_runner(config: EngineConfig) -> Any:
-    """The runner for a config: one process (TorchModelRunner) or several (ParallelModelRunner)."""
-    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
-        return ParallelModelRunner(config)
-    from engine.runner import TorchModelRunner
-
-    return TorchModelRunner(config)

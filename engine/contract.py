@@ -1,0 +1,165 @@
+"""The contract between the scheduler and the engine. Pure Python: no torch here.
+
+The scheduler builds a list of `ScheduledSequence` each step; an `Executor` runs them in one forward pass
+and returns one `SampledToken` (or None) per entry, in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from engine.grammar import GrammarMatcher
+
+# Temperatures below this are greedy (vLLM uses the same bound): dividing logits by, say, 1e-8 overflows
+# float32 to inf, and the softmax of that is NaN, which would be both the draw and the logprobs.
+GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick tokens and when to stop, for one sequence. Validated by the server."""
+
+    temperature: float = 1.0  # 0 (below GREEDY_TEMPERATURE_EPS) means greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 (or -1) means off
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0  # HF/CTRL style, over prompt + output tokens
+    presence_penalty: float = 0.0  # OpenAI style, over output tokens
+    frequency_penalty: float = 0.0  # OpenAI style, over output tokens
+    logit_bias: dict[int, float] | None = None
+    seed: int | None = None  # same seed, same tokens, whatever shares the batch
+    logprobs: int | None = None  # None: none; k >= 0: the chosen token's logprob and the top-k
+    # None: none; k >= 0: each prompt token's logprob given the tokens before it, and the top-k there
+    # (the model's raw distribution, as vLLM and OpenAI's echo report it; the first token has none).
+    # The scheduler runs such a prompt whole through the model: a prefix cache must not skip it.
+    prompt_logprobs: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    # Structured output: this request's grammar state (one per choice, made by the server). The sampler
+    # masks every token the grammar does not allow at this point (engine/token_mask.py).
+    grammar: GrammarMatcher | None = field(default=None, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        # What the sampler cannot apply; checked once, when a request's parameters are made (the server
+        # has already answered 400 for these; this guards direct callers of the loop).
+        if not self.repetition_penalty > 0:
+            raise ValueError(f"repetition_penalty must be positive, got {self.repetition_penalty}")
+        if self.logprobs is not None and self.logprobs < 0:
+            raise ValueError(f"logprobs must not be negative, got {self.logprobs}")
+        if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
+            raise ValueError(f"prompt_logprobs must not be negative, got {self.prompt_logprobs}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature < GREEDY_TEMPERATURE_EPS
+
+    @property
+    def needs_penalties(self) -> bool:
+        return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+
+@dataclass
+class ScheduledSequence:
+    """One request's share of a step: a whole prompt, a prompt chunk, or one decode token."""
+
+    request_id: str
+    token_ids: Sequence[int]  # the tokens to run this step
+    start_position: int  # position of token_ids[0] == tokens of this request already in the KV cache
+    block_table: Sequence[int]  # KV block ids; covers start_position + len(token_ids) tokens
+    sample: bool  # False for a prompt chunk that is not the last: no token is sampled
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    # Prompt + generated tokens so far (read by penalties). A reference, not a copy.
+    prompt_token_ids: Sequence[int] = ()
+    output_token_ids: Sequence[int] = ()
+    # Prompt logprobs: the first this many tokens of token_ids are also scored, i.e. the logits at
+    # their positions give the logprob of the prompt token that follows each (positions
+    # start_position .. start_position + num_prompt_scored - 1 score prompt tokens one further on).
+    num_prompt_scored: int = 0
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def context_len(self) -> int:
+        """Tokens in the KV cache once this step has run."""
+        return self.start_position + len(self.token_ids)
+
+
+@dataclass
+class PromptLogprobs:
+    """What one step scored of a prompt (ScheduledSequence.num_prompt_scored tokens): entry j is the
+    prompt token at position start_position + 1 + j, under the model's raw distribution."""
+
+    logprobs: list[float]
+    ranks: list[int]  # 1 = the likeliest token
+    top_logprobs: list[list[tuple[int, float]]]  # best first, SamplingParams.prompt_logprobs each
+
+
+@dataclass
+class SampledToken:
+    token_id: int
+    logprob: float | None = None  # of the chosen token (log-softmax of the processed logits)
+    top_logprobs: list[tuple[int, float]] | None = None  # best first, len == SamplingParams.logprobs
+    prompt_logprobs: PromptLogprobs | None = None  # the last prompt chunk's, when it scored any
+
+
+# One result per batch entry: the sampled token, PromptLogprobs for a prompt chunk that scored tokens
+# but samples nothing, or None.
+StepResult = SampledToken | PromptLogprobs | None
+
+
+class FatalRunnerError(RuntimeError):
+    """The executor can run no more steps (a worker process died, a collective broke). Any other
+    exception from a step fails only that step's requests. After this one the loop fails the requests
+    whose KV cache went with it and calls `restart()` where the executor `can_restart` (within the
+    restart budget); otherwise it fails every request and stops."""
+
+
+class Executor(Protocol):
+    """Everything the scheduler's loop (scheduler.loop.IterationLoop) uses of the engine: the sizes it
+    schedules against, and steps. engine.executor.LocalExecutor and
+    engine.distributed_executor.DistributedExecutor implement it; tests pass
+    scheduler.fake_runner.FakeRunner.
+
+    A step is `collect(submit(batch))`. `submit` starts it and returns a handle once the first pipeline
+    stage has its share; `collect` waits for the step's tokens, one per entry of the batch in order
+    (None where `sample` is False, or PromptLogprobs where such an entry scored prompt tokens). Up to `pipeline_depth` handles may be outstanding, collected in
+    submission order. The batch is trusted: the loop validates every request at admission.
+    """
+
+    num_kv_blocks: int
+    block_size: int  # tokens per KV block
+    max_model_len: int  # prompt + output tokens the model takes
+    vocab_size: int  # token ids are in [0, vocab_size)
+    eos_token_ids: frozenset[int]
+    pipeline_depth: int  # batches the loop may keep in flight (ORCA: one per pipeline stage)
+
+    @property
+    def dead_reason(self) -> str | None:
+        """Why no more steps can run (None while they can). Cheap: read by /health and the loop."""
+        ...
+
+    @property
+    def can_restart(self) -> bool:
+        """Whether restart() can bring this executor back once it is down (it owns its workers)."""
+        ...
+
+    def restart(self) -> None:
+        """Bring a down executor back: fresh worker processes and process group, the same sizes, an
+        empty KV cache (what the old one held is lost). Blocks for as long as that takes (processes
+        start, weights load). Raises FatalRunnerError when it cannot."""
+        ...
+
+    def submit(self, batch: Sequence[ScheduledSequence]) -> Any:
+        """Start a step; raises FatalRunnerError when the executor is down."""
+        ...
+
+    def collect(self, handle: Any) -> list[StepResult]:
+        """Wait for a submitted step's tokens (in submission order)."""
+        ...

@@ -1,0 +1,188 @@
+"""Executors: what the scheduler's loop drives (engine.contract.Executor). Each holds the driver's
+ModelRunner (rank 0) and the sampler; they differ only in who else runs the step.
+
+    LocalExecutor        one process: the runner is the whole model
+    DistributedExecutor  tensor x pipeline parallel ranks (engine/distributed_executor.py)
+
+`create_executor(config)` picks one. A step is `collect(submit(batch))` in both: `submit` runs (or, with
+pipeline stages, starts) the forward pass and returns a PendingStep; `collect` waits for the logits of
+the sampling entries and samples them here, on the driver.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from engine.config import EngineConfig, resolve_device, resolve_model_path
+from engine.contract import FatalRunnerError, PromptLogprobs, ScheduledSequence, StepResult
+from engine.inputs import HostStepInputs, StepInputs
+from engine.model_runner import ModelRunner
+from engine.sampler import Sampler, score_prompt_tokens
+from engine.token_mask import PendingMask, TokenMasker
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PendingStep:
+    """A batch between submit() and collect()."""
+
+    batch: Sequence[ScheduledSequence]
+    sample_rows: list[int] = field(default_factory=list)  # indices into batch of the entries that sample
+    logits: torch.Tensor | None = None  # [R, vocab] float32 (still arriving while `recv` is pending)
+    # Prompt logprobs (engine.inputs.StepInputs): which logits rows score prompts, which sample.
+    scored: list[tuple[int, int, int]] = field(default_factory=list)
+    sample_logit_rows: list[int] | None = None
+    recv: Any = None  # dist.Work of the logits' irecv (pipeline parallel)
+    sends: list[Any] = field(default_factory=list)  # dist.Work of the isends to stage 1
+    keep: list[torch.Tensor] = field(default_factory=list)  # tensors the isends read from
+    mask: PendingMask | None = None  # grammar masks of the constrained rows, computed meanwhile
+
+
+class ExecutorBase(ABC):
+    """The driver's side of every executor: sizes read off its runner, and sampling in collect()."""
+
+    def __init__(
+        self, config: EngineConfig, model_path: Path, runner: ModelRunner, pipeline_depth: int
+    ) -> None:
+        self.config = config
+        self.model_path = model_path
+        self.runner = runner  # rank 0's share of the model (the whole model in one process)
+        self.device = runner.device
+        self.dtype = runner.dtype
+        self.num_kv_blocks: int = runner.num_kv_blocks
+        self.block_size: int = runner.block_size
+        self.max_model_len: int = runner.max_model_len
+        self.vocab_size: int = runner.vocab_size
+        self.eos_token_ids: frozenset[int] = runner.eos_token_ids
+        self.pipeline_depth: int = pipeline_depth
+        self.sampler = Sampler(self.vocab_size, self.eos_token_ids, self.device, config.seed)
+        # Grammar masks (structured outputs): only the driver samples, so only it holds matchers.
+        self.masker = TokenMasker()
+
+    @property
+    def dead_reason(self) -> str | None:
+        return None
+
+    @property
+    def can_restart(self) -> bool:
+        return False  # one process: a failed step fails only its requests, nothing goes down
+
+    def restart(self) -> None:
+        raise FatalRunnerError(f"{type(self).__name__} cannot restart")
+
+    @abstractmethod
+    def submit(self, batch: Sequence[ScheduledSequence]) -> PendingStep: ...
+
+    def _wait(self, pending: PendingStep) -> None:
+        """Until the pending step's logits are here (a distributed executor waits on its transfers)."""
+        return None  # one process: submit() computed them
+
+    def collect(self, pending: PendingStep) -> list[StepResult]:
+        self._wait(pending)
+        out: list[StepResult] = [None] * len(pending.batch)
+        if pending.logits is None:
+            return out
+        logits = pending.logits
+        with torch.inference_mode():
+            if pending.scored:  # before sampling, which changes its rows in place
+                for i, scored in score_prompt_tokens(logits, pending.batch, pending.scored):
+                    out[i] = scored
+                logits = logits[pending.sample_logit_rows]
+            if not pending.sample_rows:
+                return out
+            sampled = self.sampler(logits, [pending.batch[i] for i in pending.sample_rows], pending.mask)
+        for i, tok in zip(pending.sample_rows, sampled, strict=True):
+            prompt = out[i]
+            if isinstance(prompt, PromptLogprobs):  # the last prompt chunk both scores and samples
+                tok.prompt_logprobs = prompt
+            out[i] = tok
+        return out
+
+    def _keep_rows(self, pending: PendingStep, inputs: StepInputs | HostStepInputs) -> int:
+        """Note which logits rows sample and which score prompts; returns how many rows there are."""
+        pending.sample_rows = inputs.sample_rows
+        pending.scored = inputs.scored
+        pending.sample_logit_rows = inputs.sample_logit_rows
+        return inputs.num_logit_rows
+
+    def step(self, batch: Sequence[ScheduledSequence]) -> list[StepResult]:
+        """One whole step: the batch's tokens, None for entries that do not sample."""
+        return self.collect(self.submit(batch))
+
+    def close(self) -> None:
+        """Release what the executor holds beyond this process (worker processes)."""
+        return None
+
+
+def cuda_graphs_off_reason(config: EngineConfig, runner: ModelRunner) -> str | None:
+    """Why a LocalExecutor cannot replay CUDA graphs for decode steps (None: it can)."""
+    backend = runner.model.attn_backend
+    if runner.device.type != "cuda":
+        return f"the device is {runner.device}"
+    if config.enforce_eager:
+        return "--enforce-eager"
+    if config.max_num_seqs is None:
+        return "the largest batch is unknown (EngineConfig.max_num_seqs: the scheduler's --max-num-seqs)"
+    if backend is None or not backend.capturable:
+        name = backend.name if backend is not None else "none"
+        return f"the {name!r} attention backend cannot be captured (the triton backend can)"
+    return None
+
+
+class LocalExecutor(ExecutorBase):
+    """The whole model in this process (tensor and pipeline parallel size 1). On CUDA, decode steps
+    replay CUDA graphs captured at start-up (engine/cuda_graphs.py) unless --enforce-eager."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+            raise ValueError("LocalExecutor runs one process; tensor/pipeline parallel sizes must be 1")
+        model_path = resolve_model_path(config.model, config.load_format)
+        runner = ModelRunner(config, model_path, resolve_device(config.device))
+        super().__init__(config, model_path, runner, pipeline_depth=1)
+        off = cuda_graphs_off_reason(config, runner)
+        if off is None:
+            assert config.max_num_seqs is not None
+            runner.capture_decode_graphs(config.max_num_seqs)
+        elif runner.device.type == "cuda":
+            logger.info("CUDA graphs off: %s; every step runs eagerly", off)
+        # Whether decode steps replay the captured graphs (engine.bench turns it off to compare).
+        self.use_cuda_graphs = runner.decode_graphs is not None
+
+    def submit(self, batch: Sequence[ScheduledSequence]) -> PendingStep:
+        pending = PendingStep(batch)
+        if not batch:
+            return pending
+        runner = self.runner
+        # Grammar hook: the constrained rows' masks are computed while the forward runs (None, and no
+        # work, for a batch without a grammar).
+        pending.mask = self.masker.start([s for s in batch if s.sample])
+        with torch.inference_mode():
+            host = runner.prepare_host(batch)
+            rows = self._keep_rows(pending, host)  # logits rows: samples and scored prompt tokens
+            # A graph computes the sampling rows' logits only: a step that scores a prompt runs eagerly.
+            logits = runner.graph_logits(host) if self.use_cuda_graphs and not host.scored else None
+            if logits is None:
+                inputs = host.to(self.device)
+                hidden = runner.forward(inputs)  # [T, hidden]
+                if rows:
+                    logits = runner.sampled_logits(inputs, hidden)  # [R, vocab]
+            if rows:
+                pending.logits = logits
+        return pending
+
+
+def create_executor(config: EngineConfig) -> ExecutorBase:
+    """The executor for a config: one process, or tensor/pipeline parallel ranks."""
+    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
+        from engine.distributed_executor import DistributedExecutor
+
+        return DistributedExecutor(config)
+    return LocalExecutor(config)

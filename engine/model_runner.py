@@ -1,0 +1,167 @@
+"""ModelRunner: one rank's share of the model and everything it needs to run a step.
+
+Every process runs this same class (nano-vllm's design): the single-process engine is tensor rank 0 of
+1 and pipeline stage 0 of 1. A runner loads its shard of its stage's layers, owns their KV cache, turns
+a batch into flat inputs and attention metadata, runs its layers, and (on the last stage) computes the
+logits at the sampled positions. Who sends what to whom, and sampling, belong to the executors
+(engine/executor.py, engine/distributed_executor.py). On CUDA a runner may also hold CUDA graphs of
+its decode steps (engine/cuda_graphs.py), which the one-process executor captures and replays.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from engine.config import EngineConfig, resolve_dtype, resolve_max_model_len
+from engine.contract import ScheduledSequence
+from engine.cuda_graphs import CaptureStats, DecodeGraphs, GraphCapturer
+from engine.inputs import HostStepInputs, InputLimits, StepInputs, build_host_inputs, check_batch
+from engine.kv_cache import PagedKVCache, plan_kv_cache
+
+if TYPE_CHECKING:
+    from engine.distributed import RankGroups
+
+logger = logging.getLogger(__name__)
+
+# Set to 1 to verify every batch before it runs (engine.inputs.check_batch): for debugging a scheduler.
+DEBUG_CHECKS_ENV = "ORCA_DEBUG_CHECKS"
+
+
+def read_eos_token_ids(model_path: Path, hf_config: Any) -> frozenset[int]:
+    """EOS ids from generation_config.json and config.json together (either may list several)."""
+    ids: set[int] = set()
+
+    def add(value: Any) -> None:
+        if isinstance(value, int):
+            ids.add(value)
+        elif isinstance(value, (list, tuple)):
+            ids.update(v for v in value if isinstance(v, int))
+
+    add(getattr(hf_config, "eos_token_id", None))
+    gen_file = Path(model_path) / "generation_config.json"
+    if gen_file.is_file():
+        with open(gen_file) as f:
+            add(json.load(f).get("eos_token_id"))
+    return frozenset(ids)
+
+
+class ModelRunner:
+    """Its tensor shard of its pipeline stage's layers, their KV cache, and the step's forward pass."""
+
+    def __init__(
+        self,
+        config: EngineConfig,
+        model_path: Path,
+        device: torch.device,
+        groups: RankGroups | None = None,  # None: one process holds the whole model
+        agree: Callable[[Callable[[], int]], int] | None = None,
+    ) -> None:
+        """`agree` runs the ranks' agreement on the KV block count (a collective that waits for every
+        rank); the distributed executor passes one that watches its workers while it waits. The rest
+        runs in the calling thread, which should be the one steps run in (scheduler.loop.IterationLoop
+        says why)."""
+        from models.loader import load_model, max_model_len
+
+        self.device = device
+        self.dtype = resolve_dtype(config.dtype, device, model_path)
+        self.groups = groups
+        parallel: dict[str, Any] = {}
+        if groups is not None:
+            parallel = dict(
+                tp_rank=groups.tp_rank,
+                tp_size=groups.topology.tp_size,
+                tp_group=groups.tp,
+                pp_rank=groups.stage,
+                pp_size=groups.topology.pp_size,
+            )
+        self.model = load_model(
+            model_path,
+            self.dtype,
+            device,
+            attention_backend=config.attention_backend,
+            weight_packing=config.weight_packing,
+            load_format=config.load_format,
+            **parallel,
+        )
+        hf_config = self.model.config
+        self.max_model_len: int = resolve_max_model_len(config.max_model_len, max_model_len(hf_config))
+        self.vocab_size: int = self.model.vocab_size
+        self.hidden_size: int = self.model.hidden_size
+        self.eos_token_ids: frozenset[int] = read_eos_token_ids(model_path, hf_config)
+        # This stage's layers and this tensor rank's KV heads.
+        spec, num_blocks = plan_kv_cache(self.model, config, self.dtype, device)
+        if groups is not None:
+            from engine.distributed import agree_on_min
+
+            # Block ids mean the same on every rank, so all ranks use the smallest count any can hold.
+            cpu_group, mine = groups.cpu, num_blocks
+            num_blocks = (agree or (lambda run: run()))(lambda: agree_on_min(mine, cpu_group))
+        self.kv_cache = PagedKVCache(spec, num_blocks, device)
+        self.num_kv_blocks: int = num_blocks
+        self.block_size: int = config.block_size
+        self._limits: InputLimits | None = None
+        if os.environ.get(DEBUG_CHECKS_ENV) == "1":
+            self._limits = InputLimits(num_blocks, config.block_size, self.max_model_len, self.vocab_size)
+            logger.warning("%s=1: every batch is checked before it runs (slower)", DEBUG_CHECKS_ENV)
+        self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
+
+    def prepare_host(self, batch: Sequence[ScheduledSequence]) -> HostStepInputs:
+        """The step's flat inputs on the host (a graph step copies them into its own buffers)."""
+        if self._limits is not None:
+            check_batch(batch, self._limits)
+        return build_host_inputs(batch, self.block_size)
+
+    def prepare(self, batch: Sequence[ScheduledSequence]) -> StepInputs:
+        """The step's flat inputs and attention metadata (on this runner's device)."""
+        return self.prepare_host(batch).to(self.device)
+
+    def capture_decode_graphs(self, max_num_seqs: int, capturer: GraphCapturer | None = None) -> CaptureStats:
+        """Capture a CUDA graph of the whole forward pass for decode steps of each size up to
+        max_num_seqs (engine/cuda_graphs.py); `capturer` stands in for CUDA in tests."""
+        graphs = DecodeGraphs(
+            self.model, self.kv_cache, max_num_seqs, self.max_model_len, self.device, capturer
+        )
+        stats = graphs.capture()
+        self.decode_graphs = graphs
+        return stats
+
+    def graph_logits(self, host: HostStepInputs) -> torch.Tensor | None:
+        """[S, vocab] float32 logits of the sampling entries from a captured graph, or None when no graph
+        covers this step (it has prompt tokens, or more sequences than the largest graph)."""
+        graphs = self.decode_graphs
+        size = graphs.size_for(host) if graphs is not None else None
+        if graphs is None or size is None:
+            return None
+        return graphs.run(host, size)
+
+    def forward(self, inputs: StepInputs, hidden_in: torch.Tensor | None = None) -> torch.Tensor:
+        """This stage's layers over the step: [T, hidden] in (None on the first stage), [T, hidden] out."""
+        return self.model(
+            inputs.input_ids,
+            inputs.positions,
+            self.kv_cache.layers,
+            inputs.attn_metadata,
+            hidden_states=hidden_in,
+        )
+
+    def sampled_logits(self, inputs: StepInputs, hidden: torch.Tensor) -> torch.Tensor:
+        """[S, vocab] float32 at each sampling entry's last token (tensor parallel: every rank of the
+        last stage takes part in the all-gather of the vocab shards)."""
+        return self.model.compute_logits(hidden[inputs.logits_indices])
+
+    def logits(self, batch: Sequence[ScheduledSequence], all_tokens: bool = False) -> torch.Tensor:
+        """Run a step on one process without sampling (the KV cache is written as by a step): [S, vocab]
+        at the last token of each sample=True entry, or [T, vocab] at every token (for parity checks)."""
+        with torch.inference_mode():
+            inputs = self.prepare(batch)
+            hidden = self.forward(inputs)
+            if all_tokens:
+                return self.model.compute_logits(hidden)
+            return self.sampled_logits(inputs, hidden)

@@ -1,0 +1,106 @@
+"""Model shapes for benchmarks: HF config directories without weights, run with random weights
+(`--load-format dummy`, models/loader.py dummy_weights).
+
+What a decode step costs depends on a model's shapes and dtype, not on its weights' values, so a shape
+measures the same throughput as the real checkpoint without downloading or loading it: the
+Llama-3-8B shape runs on a GPU with no 16 GB file, and the default model's shape runs where the default
+model's file is not installed. `tiny=True` keeps a shape's family and head layout at toy sizes, to
+check a benchmark's whole path on a CPU in seconds.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+# config.json contents. rope_theta is written both ways (transformers 4 reads `rope_theta`,
+# transformers 5 `rope_parameters`).
+SHAPES: dict[str, dict[str, Any]] = {
+    # The default model's (SmolLM2-135M-Instruct) config, as its GGUF converts.
+    "smollm2-135m": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 576,
+        "intermediate_size": 1536,
+        "num_hidden_layers": 30,
+        "num_attention_heads": 9,
+        "num_key_value_heads": 3,
+        "head_dim": 64,
+        "vocab_size": 49152,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 100000.0,
+        "tie_word_embeddings": True,
+        "bos_token_id": 1,
+        "eos_token_id": 2,
+    },
+    # Meta-Llama-3-8B's config.json.
+    "llama3-8b": {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "hidden_size": 4096,
+        "intermediate_size": 14336,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 128256,
+        "max_position_embeddings": 8192,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 500000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": 128000,
+        "eos_token_id": 128001,
+    },
+}
+TINY_HEAD_DIM = 16
+TINY_VOCAB = 512
+
+
+def shape_config(name: str, tiny: bool = False) -> dict[str, Any]:
+    """The config.json of a shape; `tiny`: 2 layers, one KV head and the shape's query heads per KV
+    head, head_dim 16, a 512-token vocabulary (the family, GQA ratio, tying and rope kept)."""
+    if name not in SHAPES:
+        raise ValueError(f"unknown model shape {name!r}; choose one of {', '.join(SHAPES)}")
+    config = dict(SHAPES[name])
+    if tiny:
+        group = config["num_attention_heads"] // config["num_key_value_heads"]
+        hidden = group * TINY_HEAD_DIM
+        config.update(
+            hidden_size=hidden,
+            intermediate_size=2 * hidden,
+            num_hidden_layers=2,
+            num_attention_heads=group,
+            num_key_value_heads=1,
+            head_dim=TINY_HEAD_DIM,
+            vocab_size=TINY_VOCAB,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    config["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+    config["torch_dtype"] = "bfloat16"
+    return config
+
+
+def write_shape(name: str, directory: Path, tiny: bool = False) -> Path:
+    """A model directory for a shape (config.json and generation_config.json, no weights): load it
+    with load_format "dummy", or with transformers' from_config."""
+    config = shape_config(name, tiny)
+    directory = Path(directory)
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / "config.json").write_text(json.dumps(config, indent=2))
+    generation = {"bos_token_id": config["bos_token_id"], "eos_token_id": config["eos_token_id"]}
+    (directory / "generation_config.json").write_text(json.dumps(generation, indent=2))
+    return directory
+
+
+def parameter_count(config: dict[str, Any]) -> int:
+    """Parameters of a Llama-family config (embedding, layers, final norm, head unless tied)."""
+    h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    d = config.get("head_dim") or h // config["num_attention_heads"]
+    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
+    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
+    embed = config["vocab_size"] * h
+    head = 0 if config.get("tie_word_embeddings") else embed
+    return embed + layers * per_layer + h + head

@@ -1,0 +1,187 @@
+#!/usr/bin/env bash
+# Issue #16's measurements on a CUDA machine (made for the lent H100: python3 with torch + triton, no
+# network), in phases that each fit one 10-minute device command (their commands' limits add up to at
+# most 9.5 minutes; expected: about half that):
+#
+#   bash scripts/gpu_check.sh env tests   # versions, imports, the cuda tests, the Triton tests compiled
+#   bash scripts/gpu_check.sh bench       # engine.bench: default model's shape and Llama-3-8B's, graphs
+#                                         # on/off, HF, roofline, prefill; batch-1 profiles
+#   bash scripts/gpu_check.sh http        # the full experiment of docs/benchmarks.md, shortened
+#
+# With no phase named it runs them all in turn. Before: scripts/gpu_prepare.sh on a machine with the
+# network fills .whl/ (wheels the GPU image lacks) and .gpu-assets/ (the tokenizer); carry both.
+# Each phase writes $OUT/<phase>.log and, where it has results, $OUT/<phase>.tar.gz (7 files at most, no
+# sub-folders; OUT defaults to gpu-check-out/). Every command has its own time limit, and results are
+# packed after each, so a phase cut short still returns what it measured.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+ROOT=$PWD
+OUT=${OUT:-$ROOT/gpu-check-out}
+PY=${PYTHON:-python3}
+WORK=$(mktemp -d /tmp/gpu-check.XXXXXX)
+ASSETS=$ROOT/.gpu-assets
+TOKENIZER=$ASSETS/test-cache/smollm2-tokenizer
+if [ "${GPU_CHECK_DRY:-0}" = 1 ]; then
+    # A rehearsal of every command on a CPU (PYTHON=.venv/bin/python GPU_CHECK_DRY=1 bash scripts/gpu_check.sh):
+    # toy shapes, a few requests, the local environment instead of the carried wheels.
+    DEVICE=cpu BATCHES=1,2 RATES=1 MORE_RATES=1 REQUESTS=3 KV_MEMORY=512MiB
+    BENCH=(--tiny --new-tokens 4 --prefill-lens 16 --prefill-tokens 32 --bandwidth-bytes 1000000)
+    LOADTEST=(--input-len-max 48 --output-len-max 6)
+else
+    DEVICE=cuda BATCHES=1,2,4,8,16,32,64,128,256 RATES=4,16,64,256 MORE_RATES=16,64 REQUESTS=100 KV_MEMORY=8GiB
+    BENCH=()
+    LOADTEST=()
+fi
+export PYTHONUNBUFFERED=1
+export ORCA_TEST_CACHE=$ASSETS/test-cache  # the tests find the tokenizer there (no GGUF needed)
+export ORCA_CACHE_DIR=$WORK/cache
+# The image's own pytest plugins (xdist, cov, benchmark, ...) may not fit the carried pytest.
+export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
+PYTEST=("$PY" -m pytest -p pytest_asyncio.plugin -p pytest_timeout -p no:cacheprovider -q -rs)
+mkdir -p "$OUT"
+
+log() { echo "== $(date -u +%H:%M:%S) $*"; }
+
+# run SECONDS CMD...: the command under a time limit; a failure is logged, and the phase goes on.
+run() {
+    local limit=$1
+    shift
+    log "$*"
+    # SIGINT, not SIGTERM: Python unwinds (pytest prints its summary, the load test stops its servers).
+    timeout --signal=INT --kill-after=30 "$limit" "$@"
+    local rc=$?
+    [ $rc -eq 0 ] || log "exit $rc (124: over its ${limit}s limit)"
+    return 0
+}
+
+# pack PHASE: its results so far into $OUT/PHASE.tar.gz (after every command, so that a phase cut off by
+# the device's own limit still returns what it measured).
+pack() {
+    tar czf "$OUT/$1.tar.gz" -C "$WORK" "$1"
+}
+
+setup_python() {
+    if [ "${GPU_CHECK_DRY:-0}" = 1 ]; then
+        return 0
+    elif ls .whl/*.whl >/dev/null 2>&1; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+            .whl/*.whl || { log "installing the carried wheels failed"; exit 1; }
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+    else
+        log "no .whl/: run scripts/gpu_prepare.sh where there is a network and carry .whl and .gpu-assets"
+    fi
+    [ -f "$TOKENIZER/tokenizer.json" ] || log "no tokenizer in $TOKENIZER (scripts/gpu_prepare.sh)"
+}
+
+phase_env() {
+    nvidia-smi
+    nvidia-smi --query-gpu=name,memory.total,clocks.sm,clocks.max.sm,clocks.mem,power.limit --format=csv
+    uname -a
+    "$PY" - <<'PY'
+import importlib, platform, torch
+print("python", platform.python_version(), "torch", torch.__version__, "cuda", torch.version.cuda)
+if torch.cuda.is_available():
+    print("device", torch.cuda.get_device_name(0), torch.cuda.get_device_properties(0))
+else:
+    print("NO CUDA DEVICE")
+import triton
+print("triton", triton.__version__)
+for name in ("transformers", "tokenizers", "fastapi", "uvicorn", "pydantic", "sse_starlette", "llguidance",
+             "pytest", "pytest_asyncio", "httpx", "numpy"):
+    module = importlib.import_module(name)
+    print(f"{name:14} {getattr(module, '__version__', '?'):12} {module.__file__}")
+import server.app, engine.executor, loadtest.cli  # noqa: E401,F401  the project imports here
+from models.layers.attention import auto_backend_name, available_backends
+print("attention backends", available_backends("cuda"), "auto:", auto_backend_name("cuda"))
+PY
+}
+
+phase_tests() {
+    # Every cuda-marked test (CUDA graphs: tokens equal to eager, one synchronisation per step, the capture
+    # log line; the CUDA backends against sdpa), then the Triton attention tests, which compile their
+    # kernels here instead of interpreting them, and the graph tests' CPU-side checks.
+    run 270 "${PYTEST[@]}" -m "cuda and not slow" tests/ --junitxml="$OUT/tests.xml" -s
+    run 210 "${PYTEST[@]}" -m "not cuda and not slow" tests/models/test_triton_attention.py tests/engine/test_cuda_graphs.py
+}
+
+phase_bench() {
+    local r=$WORK/bench
+    mkdir -p "$r"
+    # The default model's shape (random weights: the GGUF file does not travel), graphs on and off, HF.
+    run 200 "$PY" -m engine.bench --device $DEVICE --shape smollm2-135m --batch-sizes $BATCHES --new-tokens 32 \
+        --prompt-len 64 --repeats 2 "${BENCH[@]}" --json "$r/bench-smollm2-135m.json"
+    pack bench
+    # An 8B-class model: Llama-3-8B's shape, 16 GB of bf16 weights (and HF's copy beside them).
+    run 270 "$PY" -m engine.bench --device $DEVICE --shape llama3-8b --batch-sizes $BATCHES --new-tokens 32 \
+        --prompt-len 64 "${BENCH[@]}" --json "$r/bench-llama3-8b.json"
+    pack bench
+    # Where a batch-1 step's time goes, eagerly and with its graph.
+    run 45 "$PY" -m engine.bench --device $DEVICE --shape smollm2-135m --profile 1 --enforce-eager "${BENCH[@]}" \
+        >"$r/profile-smollm2-b1-eager.txt" 2>&1
+    run 45 "$PY" -m engine.bench --device $DEVICE --shape smollm2-135m --profile 1 "${BENCH[@]}" \
+        >"$r/profile-smollm2-b1-graphs.txt" 2>&1
+    pack bench
+}
+
+phase_http() {
+    local r=$WORK/http model=$WORK/smollm2-135m
+    mkdir -p "$r"
+    # The server on the default model's shape with random weights and the default model's tokenizer.
+    "$PY" -c "import sys; from engine.model_shapes import write_shape; write_shape('smollm2-135m', sys.argv[1])" "$model"
+    cp "$TOKENIZER"/* "$model"/
+    local server="python -m server --model $model --load-format dummy --device $DEVICE"
+    # Servers run side by side on one GPU (--interleave): each gets a fixed KV budget instead of 90% of
+    # whatever is free when it starts.
+    local kv="--kv-cache-memory $KV_MEMORY"
+    local common=(--workload orca --interleave --tokenizer "$TOKENIZER" --seed 0 --no-progress --log-dir "$r"
+        --num-requests $REQUESTS "${LOADTEST[@]}")
+    # Scheduling (the paper's claim): iteration against request, and iteration without CUDA graphs.
+    run 300 "$PY" -m loadtest "${common[@]}" --request-rates $RATES \
+        --output "$r/scheduling.json" \
+        --launch "$server $kv --scheduling iteration" --label iteration \
+        --launch "$server $kv --scheduling request" --label request \
+        --launch "$server $kv --scheduling iteration --enforce-eager" --label iteration-eager
+    stop_stray_servers
+    pack http
+    # KV policy under a scarce cache (256 blocks: 4096 tokens), and chunked prefill with a token budget
+    # under the longest prompts.
+    run 120 "$PY" -m loadtest "${common[@]}" --request-rates $MORE_RATES \
+        --output "$r/kv-policy.json" \
+        --launch "$server --num-kv-blocks 256 --kv-policy lazy" --label lazy \
+        --launch "$server --num-kv-blocks 256 --kv-policy reserve" --label reserve
+    stop_stray_servers
+    pack http
+    run 120 "$PY" -m loadtest "${common[@]}" --request-rates $MORE_RATES \
+        --output "$r/chunked-prefill.json" \
+        --launch "$server $kv --max-num-batched-tokens 256" --label chunked \
+        --launch "$server $kv --no-chunked-prefill" --label unchunked
+    stop_stray_servers
+    pack http
+}
+
+# The load test starts each server in a session of its own and stops it; if the load test itself was
+# killed at its time limit, its servers (found by the model path only this script uses) are stopped here.
+stop_stray_servers() {
+    local pids
+    pids=$(pgrep -f -- "-m server --model $WORK/" || true)
+    [ -z "$pids" ] && return 0
+    log "stopping servers left behind: $pids"
+    kill $pids 2>/dev/null
+    sleep 5
+    kill -9 $pids 2>/dev/null || true
+}
+
+phases=("$@")
+[ ${#phases[@]} -gt 0 ] || phases=(env tests bench http)
+for phase in "${phases[@]}"; do
+    case $phase in
+        env | tests | bench | http) ;;
+        *) echo "unknown phase $phase (env, tests, bench, http)" >&2; exit 2 ;;
+    esac
+done
+setup_python
+for phase in "${phases[@]}"; do
+    log "phase $phase" | tee -a "$OUT/$phase.log"
+    "phase_$phase" 2>&1 | tee -a "$OUT/$phase.log"
+done
+log "done; results in $OUT: $(ls "$OUT" | tr '\n' ' ')"

@@ -1,0 +1,133 @@
+"""Prefix caching through the real engine (LocalExecutor, tiny random Llama, float32): a prompt that
+starts from cached blocks gets the same greedy tokens as a cold run, whatever shares its batch, and n
+choices of one prompt compute it once."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from engine.config import EngineConfig
+from engine.contract import SamplingParams
+from engine.executor import LocalExecutor
+from scheduler.config import SchedulerConfig
+from scheduler.loop import IterationLoop
+from scheduler.outputs import FinishReason
+
+GUARD_S = 120
+BLOCK_SIZE = 4
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [20 + (seed * 977 + i * 131) % 40000 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def runner(tiny_llama_dir: Path) -> LocalExecutor:
+    return LocalExecutor(
+        EngineConfig(
+            model=str(tiny_llama_dir), dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_kv_blocks=256
+        )
+    )
+
+
+class Run:
+    """One IterationLoop (a fresh, empty prefix cache) over the shared runner."""
+
+    def __init__(self, runner: LocalExecutor, caching: bool, **cfg) -> None:
+        self.engine = IterationLoop(runner, SchedulerConfig(enable_prefix_caching=caching, **cfg))
+        self.cached: dict[str, int] = {}
+        self._next = 0
+
+    async def __aenter__(self) -> Run:
+        await self.engine.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.engine.shutdown()
+
+    async def generate(self, prompt_ids: list[int], max_tokens: int = 12) -> list[int]:
+        rid = f"r{self._next}"
+        self._next += 1
+        out: list[int] = []
+
+        async def consume() -> None:
+            async for d in self.engine.generate(prompt_ids, greedy(max_tokens), rid):
+                assert d.finish_reason in (None, FinishReason.LENGTH), d.error
+                out.extend(d.token_ids)
+                self.cached[rid] = d.num_cached_tokens
+
+        await asyncio.wait_for(consume(), GUARD_S)
+        return out
+
+    async def together(self, prompts: list[list[int]], max_tokens: int = 12) -> list[list[int]]:
+        return list(await asyncio.gather(*(self.generate(p, max_tokens) for p in prompts)))
+
+
+async def cold(runner: LocalExecutor, prompts: list[list[int]], max_tokens: int = 12) -> list[list[int]]:
+    """Each prompt alone on an engine without caching: the reference."""
+    out = []
+    for p in prompts:
+        async with Run(runner, caching=False) as run:
+            out.append(await run.generate(p, max_tokens))
+    return out
+
+
+async def test_cached_prefixes_give_the_tokens_of_a_cold_run(runner: LocalExecutor):
+    system = prompt(37, seed=1)
+    a = [*system, *prompt(9, seed=2)]
+    b = [*system, *prompt(14, seed=3)]
+    async with Run(runner, caching=True) as run:
+        first = await run.generate(a)
+        again = await run.generate(a)  # everything but the last partial block from the cache
+        other = await run.generate(b)  # the shared system prompt from the cache
+        # The next turn of a chat: the history, the reply, and a new message.
+        turn2 = [*a, *first, *prompt(6, seed=4)]
+        second_turn = await run.generate(turn2)
+        stats = run.engine.stats().prefix_cache
+    # turn 2: the 57 computed tokens of a + reply fill 14 blocks (the reply's last token was never run)
+    assert run.cached == {"r0": 0, "r1": 44, "r2": 36, "r3": 56}
+    assert [first, again, other, second_turn] == await cold(runner, [a, a, b, turn2])
+    assert stats.hits == 44 + 36 + 56 and stats.cached_blocks > 0
+
+
+async def test_cached_prefixes_do_not_depend_on_what_shares_the_batch(runner: LocalExecutor):
+    system = prompt(41, seed=5)
+    prompts = [[*system, *prompt(3 + 4 * i, seed=10 + i)] for i in range(4)]
+    strangers = [prompt(17 + 5 * i, seed=30 + i) for i in range(3)]
+    async with Run(runner, caching=True, max_num_batched_tokens=64) as run:
+        await run.generate(system[:40], max_tokens=1)  # warm the cache with the system prompt
+        got = await run.together([*prompts, *strangers])  # chunked, mixed with decodes and strangers
+    assert got == await cold(runner, [*prompts, *strangers])
+    assert all(run.cached[f"r{i}"] == 40 for i in range(1, 5))
+
+
+async def test_n_choices_compute_their_prompt_once(runner: LocalExecutor):
+    p = prompt(98, seed=7)  # 24 full blocks + 2 tokens
+    async with Run(runner, caching=True) as run:
+        outs = await run.together([p] * 8, max_tokens=6)
+        computed = run.engine.stats().prefix_cache.computed_prompt_tokens
+    assert outs == [outs[0]] * 8 and outs[0] == (await cold(runner, [p], max_tokens=6))[0]
+    assert computed == 98 + 7 * 2  # once, then each other choice its last partial block
+    assert sorted(run.cached.values()) == [0] + [96] * 7
+
+    async with Run(runner, caching=False) as off:
+        await off.together([p] * 8, max_tokens=6)
+        assert off.engine.stats().prefix_cache.computed_prompt_tokens == 8 * 98
+
+
+async def test_reserve_and_request_batching_reuse_the_cache(runner: LocalExecutor):
+    system = prompt(30, seed=8)
+    prompts = [[*system, *prompt(5 + i, seed=40 + i)] for i in range(3)]
+    want = await cold(runner, prompts)
+    for cfg in ({"kv_policy": "reserve"}, {"scheduling": "request", "kv_policy": "reserve"}):
+        async with Run(runner, caching=True, **cfg) as run:
+            await run.generate(system, max_tokens=1)
+            assert await run.together(prompts) == want
+        assert all(run.cached[f"r{i}"] == 28 for i in range(1, 4)), cfg

@@ -1,0 +1,123 @@
+"""Compile the Triton attention kernels for an H100 (sm_90) on any machine, GPU or not, and report
+what each compiled variant uses: registers, spills, shared memory.
+
+Triton ships its compiler and ptxas, so the whole chain down to the cubin runs on a CPU; only
+launching needs a GPU. test_triton_attention.py runs this in a subprocess (Triton's interpreter switch
+must be off, and it is fixed per process). Usage: python triton_sm90_build.py '<json list of cases>'
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from models.layers import triton_attention as ta
+
+H100 = GPUTarget("cuda", 90, 32)
+TRITON_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def _source(kernel, pointers: dict[str, str], constexprs: dict[str, object]) -> ASTSource:
+    """The kernel specialised the way Triton's launcher specialises real tensors: every pointer and
+    every stride divisible by 16 (torch allocations are aligned, head dims are multiples of 16)."""
+    names = kernel.arg_names
+    signature = {n: pointers.get(n, "constexpr" if n in constexprs else "i32") for n in names}
+    signature["scale_log2"] = "fp32" if "scale_log2" in names else signature.get("scale_log2")
+    aligned = [n for n in names if n.endswith("_ptr") or n.startswith("stride")]
+    return ASTSource(
+        fn=kernel,
+        signature={n: t for n, t in signature.items() if t is not None},
+        constexprs={(names.index(n),): v for n, v in constexprs.items()},
+        attrs={(names.index(n),): [["tt.divisibility", 16]] for n in aligned},
+    )
+
+
+def _resources(cubin: bytes) -> dict[str, int]:
+    """Registers, stack and local memory per thread (spills show as the last two), from the cuobjdump
+    Triton ships; empty where this build of Triton has none."""
+    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+    if not os.access(tool, os.X_OK):
+        return {}
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        text = subprocess.run([tool, "-res-usage", f.name], capture_output=True, text=True, check=True).stdout
+    usage = re.search(r"REG:(\d+) STACK:(\d+) SHARED:(\d+) LOCAL:(\d+)", text)
+    assert usage, text
+    return dict(zip(("registers", "stack", "static_shared", "local"), map(int, usage.groups()), strict=True))
+
+
+def build(case: dict) -> dict:
+    dtype = TRITON_DTYPES[case["dtype"]]
+    hq, hkv, d = case["num_q_heads"], case["num_kv_heads"], case["head_dim"]
+    config = ta.launch_config(
+        num_tokens=case["num_tokens"],
+        num_seqs=case["num_seqs"],
+        max_query_len=case["max_query_len"],
+        max_seq_len=4096,
+        num_q_heads=hq,
+        num_kv_heads=hkv,
+        device=torch.device("cpu"),
+    )
+    splits = case.get("num_splits", 1)
+    d_pad = max(ta.MIN_DOT, triton.next_power_of_2(d))
+    attention = triton.compile(
+        _source(
+            ta._paged_attention_kernel,
+            {
+                **{p: f"*{dtype}" for p in ("out_ptr", "q_ptr", "k_cache_ptr", "v_cache_ptr")},
+                **{p: "*fp32" for p in ("part_out_ptr", "part_max_ptr", "part_sum_ptr")},
+                **{p: "*i32" for p in ("block_tables_ptr", "seq_lens_ptr", "query_start_loc_ptr")},
+            },
+            dict(
+                QUERIES_PER_KV=hq // hkv,
+                HEAD_DIM=d,
+                HEAD_DIM_PAD=d_pad,
+                BLOCK_SIZE=case["block_size"],
+                BLOCK_M=config.block_m,
+                BLOCK_Q=config.block_q,
+                TILE_N=config.tile_n,
+                NUM_SPLITS=splits,
+                DECODE_ONLY=config.decode_only,
+                DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
+            ),
+        ),
+        target=H100,
+        options=dict(num_warps=config.num_warps, num_stages=config.num_stages),
+    )
+    report = {
+        **case,
+        "config": config.__dict__,
+        "shared": attention.metadata.shared,
+        **_resources(attention.asm["cubin"]),
+    }
+    if splits > 1:
+        merge = triton.compile(
+            _source(
+                ta._merge_splits_kernel,
+                {
+                    "out_ptr": f"*{dtype}",
+                    **{p: "*fp32" for p in ("part_out_ptr", "part_max_ptr", "part_sum_ptr")},
+                },
+                dict(HEAD_DIM=d, HEAD_DIM_PAD=d_pad, NUM_SPLITS=splits),
+            ),
+            target=H100,
+            options=dict(num_warps=4),
+        )
+        report["merge"] = {"shared": merge.metadata.shared, **_resources(merge.asm["cubin"])}
+    return report
+
+
+if __name__ == "__main__":
+    if triton.knobs.runtime.interpret:
+        sys.exit("run with TRITON_INTERPRET unset: the interpreter replaces the compiler")
+    print(json.dumps([build(case) for case in json.loads(sys.argv[1])]))

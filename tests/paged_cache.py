@@ -1,0 +1,81 @@
+"""A paged KV cache and flat steps over it, built by hand (no engine): the models' and attention
+backends' tests drive forwards with it (`from paged_cache import PagedCacheHarness`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from models.layers.metadata import AttentionMetadata, KVCache
+
+BLOCK_SIZE = 4  # small, so sequences cross many block boundaries
+NUM_BLOCKS = 64
+
+
+@dataclass
+class PagedBatch:
+    """A step's flat inputs for sequences that each already have `cached[i]` tokens in the cache."""
+
+    input_ids: torch.Tensor
+    positions: torch.Tensor
+    metadata: AttentionMetadata
+
+
+class PagedCacheHarness:
+    """Owns a paged KV cache and per-sequence block tables drawn from a shuffled free list, so
+    sequences' blocks are interleaved and non-contiguous like under a real allocator.
+
+    `model` gives the cache shape: anything with num_layers, num_kv_heads and head_dim."""
+
+    def __init__(
+        self,
+        model,
+        num_seqs: int,
+        seed: int = 0,
+        *,
+        block_size: int = BLOCK_SIZE,
+        num_blocks: int = NUM_BLOCKS,
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.block_size = block_size
+        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        self.kv_caches: list[KVCache] = [
+            (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
+            for _ in range(model.num_layers)
+        ]
+        self.free = torch.randperm(num_blocks, generator=g).tolist()
+        self.block_tables: list[list[int]] = [[] for _ in range(num_seqs)]
+        self.seq_lens = [0] * num_seqs
+
+    def step(self, tokens_per_seq: list[list[int]]) -> PagedBatch:
+        bs = self.block_size
+        ids, positions, slots, q_lens = [], [], [], []
+        for i, toks in enumerate(tokens_per_seq):
+            start = self.seq_lens[i]
+            for pos in range(start, start + len(toks)):
+                if pos // bs >= len(self.block_tables[i]):
+                    self.block_tables[i].append(self.free.pop())
+                slots.append(self.block_tables[i][pos // bs] * bs + pos % bs)
+                positions.append(pos)
+            ids += toks
+            q_lens.append(len(toks))
+            self.seq_lens[i] = start + len(toks)
+        width = max(len(t) for t in self.block_tables)
+        tables = [t + [0] * (width - len(t)) for t in self.block_tables]
+        cu_q = torch.tensor([0] + q_lens).cumsum(0).int()
+        cu_k = torch.tensor([0] + self.seq_lens).cumsum(0).int()
+        md = AttentionMetadata(
+            slot_mapping=torch.tensor(slots),
+            query_start_loc=cu_q,
+            seq_start_loc=cu_k,
+            seq_lens=torch.tensor(self.seq_lens, dtype=torch.int32),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            query_lens_cpu=q_lens,
+            seq_lens_cpu=list(self.seq_lens),
+            max_query_len=max(q_lens),
+            max_seq_len=max(self.seq_lens),
+            block_size=bs,
+        )
+        return PagedBatch(torch.tensor(ids), torch.tensor(positions), md)

@@ -1,0 +1,150 @@
+"""Connection floods and slow clients, over real sockets (uvicorn in this event loop, the fake runner):
+a cap on open connections answered with a fast 503, a body sent too slowly answered 408, and a stream
+whose client never reads is aborted (its request leaves the batch and frees its KV blocks) instead of
+running to max_tokens."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import socket
+import time
+
+import httpx
+from fakes import FakeRunner, drained, live_server, loop_of, make_app, wait_until
+
+from loadtest.launcher import LOOPBACK
+
+
+def _connect(url: str, rcvbuf: int | None = None) -> socket.socket:
+    host, port = url.removeprefix("http://").split(":")
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    if rcvbuf is not None:  # before connect, so the advertised window stays small
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
+    sock.setblocking(False)
+    sock.connect_ex((host, int(port)))
+    return sock
+
+
+async def _send(sock: socket.socket, data: bytes) -> None:
+    await asyncio.get_running_loop().sock_sendall(sock, data)
+
+
+def _request_head(path: str, length: int) -> bytes:
+    return (
+        f"POST {path} HTTP/1.1\r\nHost: {LOOPBACK}\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {length}\r\n\r\n"
+    ).encode()
+
+
+async def _read_response(sock: socket.socket) -> bytes:
+    loop = asyncio.get_running_loop()
+    data = b""
+    while b"\r\n\r\n" not in data:
+        chunk = await asyncio.wait_for(loop.sock_recv(sock, 65536), 30)
+        if not chunk:
+            break
+        data += chunk
+    return data
+
+
+async def test_connections_past_the_cap_get_a_fast_503(tokenizer):
+    runner = FakeRunner()
+    app = make_app(tokenizer, runner, max_connections=3)
+    async with live_server(app, as_cli=True) as url:
+        await drained(app)
+        # Three idle connections (a flood that sends nothing) fill the cap.
+        idle = [_connect(url) for _ in range(3)]
+        try:
+            await asyncio.sleep(0.2)  # accepted by the server
+            async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+                t0 = time.perf_counter()
+                r = await http.get("/health")
+                assert r.status_code == 503 and time.perf_counter() - t0 < 5
+        finally:
+            for s in idle:
+                s.close()
+        await asyncio.sleep(0.2)
+        async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+            await wait_until(lambda: True)
+            for _ in range(50):  # the server sees the closed connections go within a few turns
+                if (await http.get("/health")).status_code == 200:
+                    break
+                await asyncio.sleep(0.1)
+            assert (await http.get("/health")).status_code == 200
+
+
+async def test_a_body_sent_a_byte_at_a_time_gets_408(tokenizer):
+    runner = FakeRunner()
+    app = make_app(tokenizer, runner, body_timeout_s=0.5)
+    body = json.dumps({"prompt": "hello", "max_tokens": 2}).encode()
+    async with live_server(app) as url:
+        sock = _connect(url)
+        try:
+            await _send(sock, _request_head("/v1/completions", len(body)))
+            reader = asyncio.ensure_future(_read_response(sock))
+            for byte in body[:-1]:  # never the last byte
+                if reader.done():
+                    break
+                await _send(sock, bytes([byte]))
+                await asyncio.sleep(0.05)
+            head = await reader
+        finally:
+            sock.close()
+        assert head.startswith(b"HTTP/1.1 408"), head[:200]
+        assert b"body_timeout" in head
+        # Nothing reached the engine.
+        assert runner.num_steps == 0
+
+
+async def test_a_body_within_the_time_limit_is_served(tokenizer):
+    runner = FakeRunner()
+    app = make_app(tokenizer, runner, body_timeout_s=5.0)
+    body = json.dumps({"prompt": "hello", "max_tokens": 2}).encode()
+    async with live_server(app) as url:
+        sock = _connect(url)
+        try:
+            await _send(sock, _request_head("/v1/completions", len(body)))
+            await _send(sock, body[:5])
+            await asyncio.sleep(0.1)
+            await _send(sock, body[5:])
+            head = await _read_response(sock)
+        finally:
+            sock.close()
+        assert head.startswith(b"HTTP/1.1 200"), head[:200]
+
+
+async def test_a_stream_that_is_never_read_is_aborted(tokenizer):
+    """The client sends its request and reads nothing: once the kernel's socket buffers and the
+    transport's 64 KiB are full, sends block, and after stream_send_timeout_s the stream ends; its
+    requests are aborted long before max_tokens, and their KV blocks are free."""
+    runner = FakeRunner(num_kv_blocks=4096, max_model_len=8192)
+    app = make_app(tokenizer, runner, stream_send_timeout_s=0.5, max_num_seqs=16)
+    # 8 choices x top-5 logprobs: ~5 KB of events per step, so the buffers fill in a few hundred steps.
+    max_tokens = 8000
+    body = json.dumps(
+        {
+            "prompt": "hello",
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "n": 8,
+            "logprobs": 5,
+        }
+    ).encode()
+    async with live_server(app) as url:
+        engine = loop_of(app)
+        sock = _connect(url, rcvbuf=4096)
+        try:
+            await _send(sock, _request_head("/v1/completions", len(body)) + body)
+            await wait_until(lambda: engine.stats().running == 8)
+            deadline = time.monotonic() + 60
+            while engine.stats().running and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            stats = engine.stats()
+            # Aborted while the client is still connected, not finished: far fewer steps than tokens.
+            assert stats.running == 0 and stats.kv_blocks_used == 0, stats
+            assert runner.num_steps < max_tokens // 2
+        finally:
+            sock.close()
+        await drained(app)
