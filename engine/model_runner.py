@@ -90,6 +90,13 @@ class ModelRunner:
             load_format=config.load_format,
             **parallel,
         )
+        if device.type == "cpu":
+            from models.weight_packing import describe_cpu_setup
+
+            # What --dtype auto chose and what it costs: ISA variant, precision, kernels, weight bytes.
+            logger.info(
+                "model dtype %s; %s", str(self.dtype).removeprefix("torch."), describe_cpu_setup(self.model)
+            )
         hf_config = self.model.config
         self.max_model_len: int = resolve_max_model_len(config.max_model_len, max_model_len(hf_config))
         self.vocab_size: int = self.model.vocab_size

@@ -48,6 +48,8 @@ class SoakReport:
     rss_start_mib: float | None = None
     rss_end_mib: float | None = None
     rss_peak_mib: float | None = None
+    warmup_s: float = 0.0
+    rss_after_warmup_mib: float | None = None  # the baseline for growth: caches fill in the first minutes
     kv_blocks_used_end: float | None = None
     kv_blocks_cached_end: float | None = None  # kept by the prefix cache, held by nobody
     prefix_cache_hit_rate: float | None = None  # hit tokens / queried tokens over the run
@@ -65,6 +67,8 @@ class SoakReport:
             f"errors by kind:      {errors}",
             f"server RSS:          start {_mib(self.rss_start_mib)}, end {_mib(self.rss_end_mib)}, "
             f"peak {_mib(self.rss_peak_mib)}",
+            f"RSS growth after the first {self.warmup_s:.0f} s: {_growth(self.rss_after_warmup_mib, self.rss_end_mib)} "
+            f"({_mib(self.rss_after_warmup_mib)} -> {_mib(self.rss_end_mib)})",
             f"KV blocks in use at the end: {self.kv_blocks_used_end} (usage {self.kv_usage_end}); "
             f"cached: {self.kv_blocks_cached_end}, prefix cache hit rate {self.prefix_cache_hit_rate}",
             f"running / waiting at the end: {self.requests_running_end} / {self.requests_waiting_end}",
@@ -73,6 +77,10 @@ class SoakReport:
 
 def _mib(value: float | None) -> str:
     return "n/a" if value is None else f"{value:.1f} MiB"
+
+
+def _growth(before: float | None, after: float | None) -> str:
+    return "n/a" if before is None or after is None else f"{100 * (after / before - 1):+.1f}%"
 
 
 def parse_metrics(text: str) -> dict[str, float]:
@@ -123,6 +131,7 @@ class Soak:
         self.served = 0
         self.disconnects = 0
         self.rss_peak: float | None = None
+        self.rss_after_warmup: float | None = None
         self.t0 = time.perf_counter()
 
     def _spec(self, index: int, chat: bool) -> RequestSpec:
@@ -186,10 +195,13 @@ class Soak:
                 await asyncio.sleep(0.5)  # back off after a 429, as a client honouring Retry-After would
 
     async def sample_rss(self, end: float) -> None:
+        warm_at = time.monotonic() + min(self.args.warmup, self.args.duration)
         while time.monotonic() < end:
             rss = rss_mib(self.pid)
             if rss is not None:
                 self.rss_peak = max(self.rss_peak or 0.0, rss)
+                if self.rss_after_warmup is None and time.monotonic() >= warm_at:
+                    self.rss_after_warmup = rss
             await asyncio.sleep(1.0)
 
     async def settle(self, client: httpx.AsyncClient) -> dict[str, float]:
@@ -206,7 +218,9 @@ class Soak:
         return metrics
 
     async def run(self) -> SoakReport:
-        report = SoakReport(duration_s=self.args.duration, rss_start_mib=rss_mib(self.pid))
+        report = SoakReport(
+            duration_s=self.args.duration, rss_start_mib=rss_mib(self.pid), warmup_s=self.args.warmup
+        )
         limits = httpx.Limits(max_connections=self.args.concurrency * 2)
         timeout = httpx.Timeout(300.0, connect=30.0)
         async with httpx.AsyncClient(
@@ -226,6 +240,7 @@ class Soak:
         report.errors = dict(self.kinds)
         report.rss_end_mib = rss_mib(self.pid)
         report.rss_peak_mib = self.rss_peak
+        report.rss_after_warmup_mib = self.rss_after_warmup
         report.kv_blocks_used_end = metrics.get("orca:kv_cache_blocks_used")
         report.kv_blocks_cached_end = metrics.get("orca:kv_cache_blocks_cached")
         queries = metrics.get("vllm:prefix_cache_queries_total")
@@ -256,6 +271,12 @@ def build_parser() -> argparse.ArgumentParser:
     where = p.add_mutually_exclusive_group()
     where.add_argument("--url", default=None, help="a running server (default: launch one)")
     where.add_argument("--launch", default=DEFAULT_LAUNCH, help="server command to start on a free port")
+    p.add_argument(
+        "--warmup",
+        type=float,
+        default=300.0,
+        help="seconds after which RSS is the baseline for growth (default 5 min: shape caches fill first)",
+    )
     p.add_argument("--pid", type=int, default=None, help="the --url server's process id, for its RSS")
     p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
     p.add_argument("--api-key", default=None)
