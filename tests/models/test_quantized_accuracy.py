@@ -2,6 +2,12 @@
 same quantized weights, by perplexity on a fixed text (tests/data/perplexity.txt: Python standard-
 library docstrings, 2405 tokens for SmolLM2's tokenizer) and by greedy agreement on fixed prompts.
 
+Greedy agreement is measured two ways. Free-running (each precision decodes on its own) compounds: one
+near-tie flipped early changes everything after it, so it is reported, not held to a bar. Teacher-
+forced (every position scored after float32's own greedy prefix: does the argmax match?) counts the
+flips themselves; it is held to bf16's (torch's bfloat16 path on the same weights dequantized, the
+precision GPU servers run in): int8 activations must not flip more of float32's choices than bf16 does.
+
 The slow test runs the default model (SmolLM2-135M-Instruct Q4_1) and prints its figures; the fast one
 runs a tiny GGUF-structured model."""
 
@@ -77,6 +83,17 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
     return sum(p == 1.0 for p in prefixes) / len(prefixes), sum(prefixes) / len(prefixes)
 
 
+def teacher_forced_agreement(model, prompts: list[list[int]], reference: list[list[int]]) -> float:
+    """Share of reference tokens that are `model`'s argmax after the reference's own prefix."""
+    same = total = 0
+    for prompt, out in zip(prompts, reference, strict=True):
+        logits = single_seq_logits(model, prompt + out)
+        predicted = logits[len(prompt) - 1 : len(prompt) + len(out) - 1].argmax(-1).tolist()
+        same += sum(a == b for a, b in zip(predicted, out, strict=True))
+        total += len(out)
+    return same / total
+
+
 def runner_for(source: str | Path, mode: str) -> LocalExecutor:
     return LocalExecutor(
         EngineConfig(model=str(source), dtype="float32", device="cpu", num_kv_blocks=256, weight_packing=mode)
@@ -91,12 +108,17 @@ def compare(
     new_tokens: int,
     window: int,
 ):
-    ppl = {
-        m: perplexity(load_model(path, torch.float32, "cpu", weight_packing=m), text_ids, window)
-        for m in ("int8", "float32")
+    """Perplexities, free-running agreement and teacher-forced agreement (int8 and, for comparison,
+    bf16) with float32 on the same weights."""
+    models = {
+        "int8": load_model(path, torch.float32, "cpu", weight_packing="int8"),
+        "float32": load_model(path, torch.float32, "cpu", weight_packing="float32"),
+        "bf16": load_model(path, torch.bfloat16, "cpu", weight_packing="off"),
     }
+    ppl = {m: perplexity(models[m], text_ids, window) for m in ("int8", "float32")}
     outs = {m: greedy_tokens(runner_for(source, m), prompts, new_tokens) for m in ("int8", "float32")}
-    return ppl, agreement(outs["int8"], outs["float32"])
+    forced = {m: teacher_forced_agreement(models[m], prompts, outs["float32"]) for m in ("int8", "bf16")}
+    return ppl, agreement(outs["int8"], outs["float32"]), forced
 
 
 @needs_native_kernels
@@ -104,9 +126,11 @@ def test_int8_close_to_float32_on_a_tiny_gguf_model(tiny_gguf_llama_dir: Path) -
     tok = load_tokenizer(tiny_gguf_llama_dir)
     text_ids = tok(TEXT.read_text())["input_ids"][:768]  # windows within its 512 positions
     prompts = [tok(p)["input_ids"] for p in PROMPTS[:4]]
-    ppl, (identical, prefix) = compare(tiny_gguf_llama_dir, tiny_gguf_llama_dir, prompts, text_ids, 8, 256)
+    ppl, (identical, prefix), forced = compare(
+        tiny_gguf_llama_dir, tiny_gguf_llama_dir, prompts, text_ids, 8, 256
+    )
     assert abs(ppl["int8"] / ppl["float32"] - 1) < 0.01, ppl
-    assert prefix >= 0.5, (identical, prefix)
+    assert forced["int8"] >= forced["bf16"], forced
 
 
 @pytest.mark.slow
@@ -119,11 +143,12 @@ def test_int8_close_to_float32_on_the_default_model() -> None:
         tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS
     ]
     prompts = [list(c["input_ids"] if hasattr(c, "keys") else c) for c in chats]
-    ppl, (identical, prefix) = compare("default", path, prompts, text_ids, 32, 1024)
+    ppl, (identical, prefix), forced = compare("default", path, prompts, text_ids, 32, 1024)
     print(
         f"\nperplexity over {len(text_ids)} tokens: float32 {ppl['float32']:.4f}, int8 {ppl['int8']:.4f} "
         f"({100 * (ppl['int8'] / ppl['float32'] - 1):+.2f}%); greedy, {len(prompts)} prompts x 32 tokens: "
-        f"{identical:.0%} identical, {prefix:.0%} of tokens before the first difference"
+        f"{identical:.0%} identical, {prefix:.0%} of tokens before the first difference; "
+        f"teacher-forced top-1 agreement: int8 {forced['int8']:.1%}, bf16 {forced['bf16']:.1%}"
     )
     assert abs(ppl["int8"] / ppl["float32"] - 1) < 0.01
-    assert identical >= 0.5 and prefix >= 0.7
+    assert forced["int8"] >= forced["bf16"], forced
