@@ -311,13 +311,13 @@ def load_hf(runner: LocalExecutor, args: argparse.Namespace):
     """HF's model for the same checkpoint, or for the same shape with HF's own random weights."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from models.loader import load_hf_model
+
     if getattr(args, "shape", None):
         config = AutoConfig.from_pretrained(shape_dir(args))
         with torch.device(runner.device):  # built on the device: no 16 GB detour through the host
             return AutoModelForCausalLM.from_config(config, dtype=runner.dtype).eval()
-    return (
-        AutoModelForCausalLM.from_pretrained(runner.model_path, dtype=runner.dtype).to(runner.device).eval()
-    )
+    return load_hf_model(runner.model_path, runner.dtype).to(runner.device)
 
 
 def modes(runner: LocalExecutor) -> list[str]:

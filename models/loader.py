@@ -28,6 +28,7 @@ __all__ = [
     "ModelLoadError",
     "is_block_quantized_source",
     "load_config",
+    "load_hf_model",
     "load_model",
     "load_tokenizer",
     "max_model_len",
@@ -153,6 +154,19 @@ def dummy_weights(model: nn.Module) -> None:
             if gen is None:
                 gen = generators[param.device] = torch.Generator(param.device).manual_seed(DUMMY_WEIGHT_SEED)
             param.uniform_(-DUMMY_WEIGHT_RANGE, DUMMY_WEIGHT_RANGE, generator=gen)
+
+
+def load_hf_model(path: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """transformers' own model for a model directory: the parity reference and the benchmarks'
+    baseline. A directory converted from a GGUF file holds no weights of its own (we read the GGUF
+    file in place), so transformers reads that file, through its GGUF loader."""
+    from transformers import AutoModelForCausalLM
+
+    path = Path(path)
+    if has_manifest(path):
+        gguf = GGUFWeights(path, keep_quantized=False).gguf
+        return AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=dtype).eval()
+    return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
 
 
 def load_tokenizer(path: Path) -> Any:

@@ -18,9 +18,9 @@ BLOCK_SIZE = 4  # small, so sequences cross many block boundaries
 
 
 def hf_model(path: Path):
-    from transformers import AutoModelForCausalLM
+    from models.loader import load_hf_model
 
-    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    return load_hf_model(path, torch.float32)
 
 
 def hf_logits(model, token_ids: Sequence[int]) -> torch.Tensor:

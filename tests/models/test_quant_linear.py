@@ -160,9 +160,11 @@ def test_mixed_format_segments() -> None:
     ref = torch.cat([reference_weight(c) for c in parts])
     assert torch.equal(w.dequantize(), ref)
     assert torch.equal(w.dequantize(torch.tensor([35, 3, 20, 19])), ref[[35, 3, 20, 19]])
-    x = torch.randn(5, 512)
+    x = torch.randn(5, 512, generator=torch.Generator().manual_seed(0))
+    # Outputs reach ~600 here: float32 sums over 512 terms are within ~1e-6 of that, not 1e-4 absolute
+    # (an unseeded x failed that about once in 300 draws).
     torch.testing.assert_close(
-        cpu_kernels.quant_linear(x, w, "float32").double(), x.double() @ ref.double().T, atol=1e-4, rtol=1e-5
+        cpu_kernels.quant_linear(x, w, "float32").double(), x.double() @ ref.double().T, atol=2e-3, rtol=1e-5
     )
     # Same-format parts whose seam falls on a tile boundary merge into one segment.
     a, b = (random_components(FORMATS["Q4_1"], 32, 64, seed=s) for s in (1, 2))
