@@ -161,7 +161,13 @@ def test_batched_greedy_generation_equals_solo_generate(model_dir: Path):
 def test_default_model_batched_greedy_equals_solo_generate():
     from models.loader import load_tokenizer
 
-    runner = LocalExecutor(EngineConfig(model="default", dtype="float32", device="cpu", num_kv_blocks=256))
+    # float32 activations: the parity reference (the default, int8 activations, is held to float32 by
+    # tests/models/test_quantized_accuracy.py instead).
+    runner = LocalExecutor(
+        EngineConfig(
+            model="default", dtype="float32", device="cpu", num_kv_blocks=256, weight_packing="float32"
+        )
+    )
     hf = hf_model(runner.model_path)
     tok = load_tokenizer(runner.model_path)
     texts = [
