@@ -113,9 +113,10 @@ class BlockComponents:
         return tuple(self.codes.shape)  # type: ignore[return-value]
 
 
-@dataclass
+@dataclass(frozen=True)
 class PackedSegment:
-    """Rows [row_start, row_start + rows) of a weight, all in one format: tiles [ceil(rows/16), bytes]."""
+    """Rows [row_start, row_start + rows) of a weight, all in one format: tiles [ceil(rows/16), bytes].
+    Frozen: a PackedWeight keeps its tiles' address for the kernel (kernel_args)."""
 
     fmt: BlockFormat
     row_start: int
@@ -163,6 +164,11 @@ class PackedWeight:
                 raise ValueError("segments must cover consecutive rows of one width")
             start += seg.rows
         self.shape = (start, k)
+        # What the kernel is called with for each segment, fixed for the weight's life: (tiles address,
+        # format id, rows, byte offset of its first output column). Built once, not on every call.
+        self.kernel_args: tuple[tuple[int, int, int, int], ...] = tuple(
+            (seg.tiles.data_ptr(), seg.fmt.id, seg.rows, 4 * seg.row_start) for seg in self.segments
+        )
 
     @property
     def nbytes(self) -> int:
