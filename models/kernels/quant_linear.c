@@ -133,56 +133,49 @@ static inline __attribute__((always_inline)) void int_tile(const uint8_t *tile, 
                                                            int64_t m0, const int mr, float *y, int64_t ldy,
                                                            int nvalid) {
     const int64_t K = x->K, G = x->G;
-    const int bps = qf_blocks_per_super(fmt), k16 = qf_kind(fmt) == KIND_K16;
-    const int is8 = qf_bits(fmt) == 8;
+    const int k16 = qf_kind(fmt) == KIND_K16, is8 = qf_bits(fmt) == 8;
     /* Integer corrections per block: Q4_0's offset of -8, VNNI's +128 bias of signed codes. */
     const int32_t per_sum = is8 ? -SIGNED_BIAS : qf_offset(fmt);
     vf acc[MR_INT][HALVES];
     for (int m = 0; m < mr; m++)
         for (int h = 0; h < HALVES; h++) acc[m][h] = vf_zero();
-    const uint8_t *p = tile;
-    for (int64_t g0 = 0; g0 < G; g0 += bps) {
-        const uint8_t *hdr = p;
-        p += qf_header_bytes(fmt);
-        for (int b = 0; b < bps; b++) {
-            const int64_t g = g0 + b;
-            const uint8_t *codes = p, *sub = p + qf_code_bytes(fmt);
-            p += qf_code_bytes(fmt) + qf_sub_bytes(fmt);
+    for (int64_t g = 0; g < G; g++) {
+        const qblock blk = qf_block(tile, fmt, g);
+        const uint8_t *hdr = blk.hdr, *codes = blk.codes, *sub = blk.sub;
 #if PREFETCH_AHEAD
-            for (const uint8_t *pf = codes + PREFETCH_AHEAD; pf < p + PREFETCH_AHEAD; pf += 64)
-                _mm_prefetch((const char *)pf, _MM_HINT_T0);
+        for (const uint8_t *pf = codes + PREFETCH_AHEAD; pf < sub + qf_sub_bytes(fmt) + PREFETCH_AHEAD; pf += 64)
+            _mm_prefetch((const char *)pf, _MM_HINT_T0);
 #endif
-            for (int h = 0; h < HALVES; h++) {
-                const bscale sc = block_scales(hdr, sub, fmt, h);
-                vi is[MR_INT];
-                for (int m = 0; m < mr; m++) is[m] = vi_zero();
-                for (int u = 0; u < 8; u++) {
-                    const vi w = code_unit(codes, fmt, u, h);
-                    if (is8) {
-                        const sunit su = prep_signed(w);
-                        for (int m = 0; m < mr; m++)
-                            is[m] = dot_ss(is[m], su, vi_set1(load_i32(x->q + (m0 + m) * K + g * QBLOCK + 4 * u)));
-                    } else {
-                        for (int m = 0; m < mr; m++)
-                            is[m] = dot_us(is[m], w, vi_set1(load_i32(x->q + (m0 + m) * K + g * QBLOCK + 4 * u)));
-                    }
-                    if (k16 && u == 3) { /* Q6_K: the first 16 k have their own scale */
-                        for (int m = 0; m < mr; m++) {
-                            const int64_t r = m0 + m;
-                            const vi t = vi_add(is[m], vi_set1(per_sum * x->sum[2 * (r * G + g)]));
-                            acc[m][h] = vf_fma(vi_to_f(t), vf_mul(sc.a0, vf_set1(x->d[r * G + g])), acc[m][h]);
-                            is[m] = vi_zero();
-                        }
+        for (int h = 0; h < HALVES; h++) {
+            const bscale sc = block_scales(hdr, sub, fmt, h);
+            vi is[MR_INT];
+            for (int m = 0; m < mr; m++) is[m] = vi_zero();
+            for (int u = 0; u < 8; u++) {
+                const vi w = code_unit(codes, fmt, u, h);
+                if (is8) {
+                    const sunit su = prep_signed(w);
+                    for (int m = 0; m < mr; m++)
+                        is[m] = dot_ss(is[m], su, vi_set1(load_i32(x->q + (m0 + m) * K + g * QBLOCK + 4 * u)));
+                } else {
+                    for (int m = 0; m < mr; m++)
+                        is[m] = dot_us(is[m], w, vi_set1(load_i32(x->q + (m0 + m) * K + g * QBLOCK + 4 * u)));
+                }
+                if (k16 && u == 3) { /* Q6_K: the first 16 k have their own scale */
+                    for (int m = 0; m < mr; m++) {
+                        const int64_t r = m0 + m;
+                        const vi t = vi_add(is[m], vi_set1(per_sum * x->sum[2 * (r * G + g)]));
+                        acc[m][h] = vf_fma(vi_to_f(t), vf_mul(sc.a0, vf_set1(x->d[r * G + g])), acc[m][h]);
+                        is[m] = vi_zero();
                     }
                 }
-                for (int m = 0; m < mr; m++) {
-                    const int64_t r = m0 + m;
-                    const int32_t n_sum =
-                        k16 ? x->sum[2 * (r * G + g) + 1] : x->sum[2 * (r * G + g)] + x->sum[2 * (r * G + g) + 1];
-                    const vi t = per_sum ? vi_add(is[m], vi_set1(per_sum * n_sum)) : is[m];
-                    acc[m][h] = vf_fma(vi_to_f(t), vf_mul(sc.a1, vf_set1(x->d[r * G + g])), acc[m][h]);
-                    if (qf_has_min(fmt)) acc[m][h] = vf_fma(sc.z, vf_set1(x->s[r * G + g]), acc[m][h]);
-                }
+            }
+            for (int m = 0; m < mr; m++) {
+                const int64_t r = m0 + m;
+                const int32_t n_sum =
+                    k16 ? x->sum[2 * (r * G + g) + 1] : x->sum[2 * (r * G + g)] + x->sum[2 * (r * G + g) + 1];
+                const vi t = per_sum ? vi_add(is[m], vi_set1(per_sum * n_sum)) : is[m];
+                acc[m][h] = vf_fma(vi_to_f(t), vf_mul(sc.a1, vf_set1(x->d[r * G + g])), acc[m][h]);
+                if (qf_has_min(fmt)) acc[m][h] = vf_fma(sc.z, vf_set1(x->s[r * G + g]), acc[m][h]);
             }
         }
     }
@@ -202,27 +195,21 @@ static inline __attribute__((always_inline)) void int_tile(const uint8_t *tile, 
 
 static inline __attribute__((always_inline)) void dequant_chunk(const uint8_t *tile, const int fmt, int64_t g_begin,
                                                                 int64_t g_end, float *wbuf) {
-    const int bps = qf_blocks_per_super(fmt), is8 = qf_bits(fmt) == 8;
+    const int is8 = qf_bits(fmt) == 8;
     const vi offset = vi_set1(qf_offset(fmt));
-    const uint8_t *p = tile + g_begin / bps * qf_super_bytes(fmt);
-    for (int64_t g0 = g_begin; g0 < g_end; g0 += bps) {
-        const uint8_t *hdr = p;
-        p += qf_header_bytes(fmt);
-        for (int b = 0; b < bps; b++) {
-            const int64_t g = g0 + b;
-            const uint8_t *codes = p, *sub = p + qf_code_bytes(fmt);
-            p += qf_code_bytes(fmt) + qf_sub_bytes(fmt);
-            for (int h = 0; h < HALVES; h++) {
-                const bscale sc = block_scales(hdr, sub, fmt, h);
-                for (int u = 0; u < 8; u++) {
-                    vi q[4];
-                    unit_by_k(code_unit(codes, fmt, u, h), is8, q);
-                    const vf a = u < 4 ? sc.a0 : sc.a1;
-                    for (int t = 0; t < 4; t++) {
-                        const vf qf = vi_to_f(qf_offset(fmt) ? vi_add(q[t], offset) : q[t]);
-                        const vf w = qf_has_min(fmt) ? vf_fma(a, qf, sc.z) : vf_mul(a, qf);
-                        vf_store(wbuf + ((g - g_begin) * QBLOCK + 4 * u + t) * TILE_ROWS + h * LANES, w);
-                    }
+    for (int64_t g = g_begin; g < g_end; g++) {
+        const qblock blk = qf_block(tile, fmt, g);
+        const uint8_t *hdr = blk.hdr, *codes = blk.codes, *sub = blk.sub;
+        for (int h = 0; h < HALVES; h++) {
+            const bscale sc = block_scales(hdr, sub, fmt, h);
+            for (int u = 0; u < 8; u++) {
+                vi q[4];
+                unit_by_k(code_unit(codes, fmt, u, h), is8, q);
+                const vf a = u < 4 ? sc.a0 : sc.a1;
+                for (int t = 0; t < 4; t++) {
+                    const vf qf = vi_to_f(qf_offset(fmt) ? vi_add(q[t], offset) : q[t]);
+                    const vf w = qf_has_min(fmt) ? vf_fma(a, qf, sc.z) : vf_mul(a, qf);
+                    vf_store(wbuf + ((g - g_begin) * QBLOCK + 4 * u + t) * TILE_ROWS + h * LANES, w);
                 }
             }
         }
@@ -342,25 +329,19 @@ static void amx_configure(int gs) {
  * (8-bit codes are used in place). */
 static inline __attribute__((always_inline)) void amx_prepare(const uint8_t *tile, const int fmt, int64_t G,
                                                               float *abuf, float *zbuf, uint8_t *bbuf) {
-    const int bps = qf_blocks_per_super(fmt), k16 = qf_kind(fmt) == KIND_K16;
-    const uint8_t *p = tile;
-    for (int64_t g0 = 0; g0 < G; g0 += bps) {
-        const uint8_t *hdr = p;
-        p += qf_header_bytes(fmt);
-        for (int b = 0; b < bps; b++) {
-            const int64_t g = g0 + b;
-            const uint8_t *codes = p, *sub = p + qf_code_bytes(fmt);
-            p += qf_code_bytes(fmt) + qf_sub_bytes(fmt);
-            const bscale sc = block_scales(hdr, sub, fmt, 0);
-            if (k16) {
-                vf_storeu(abuf + 2 * g * 16, sc.a0);
-                vf_storeu(abuf + (2 * g + 1) * 16, sc.a1);
-            } else
-                vf_storeu(abuf + g * 16, sc.a0);
-            vf_storeu(zbuf + g * 16, sc.z);
-            if (qf_bits(fmt) == 4)
-                for (int u = 0; u < 8; u++) _mm512_storeu_si512(bbuf + g * 512 + 64 * u, code_unit(codes, fmt, u, 0));
-        }
+    const int k16 = qf_kind(fmt) == KIND_K16;
+    for (int64_t g = 0; g < G; g++) {
+        const qblock blk = qf_block(tile, fmt, g);
+        const uint8_t *hdr = blk.hdr, *codes = blk.codes, *sub = blk.sub;
+        const bscale sc = block_scales(hdr, sub, fmt, 0);
+        if (k16) {
+            vf_storeu(abuf + 2 * g * 16, sc.a0);
+            vf_storeu(abuf + (2 * g + 1) * 16, sc.a1);
+        } else
+            vf_storeu(abuf + g * 16, sc.a0);
+        vf_storeu(zbuf + g * 16, sc.z);
+        if (qf_bits(fmt) == 4)
+            for (int u = 0; u < 8; u++) _mm512_storeu_si512(bbuf + g * 512 + 64 * u, code_unit(codes, fmt, u, 0));
     }
 }
 
@@ -368,10 +349,7 @@ static inline __attribute__((always_inline)) void amx_prepare(const uint8_t *til
 static inline const uint8_t *amx_b(const uint8_t *tile, const uint8_t *bbuf, const int fmt, int64_t j) {
     const int k16 = qf_kind(fmt) == KIND_K16;
     const int64_t g = k16 ? j / 2 : j, half = k16 ? j % 2 : 0;
-    if (qf_bits(fmt) == 4) return bbuf + g * 512;
-    const int bps = qf_blocks_per_super(fmt);
-    return tile + g / bps * qf_super_bytes(fmt) + qf_header_bytes(fmt) +
-           g % bps * (qf_code_bytes(fmt) + qf_sub_bytes(fmt)) + half * 256;
+    return qf_bits(fmt) == 4 ? bbuf + g * 512 : qf_block(tile, fmt, g).codes + half * 256;
 }
 
 /* acc[i] += the float steps of sub-group j for rows m0 + i, from its int32 products c [16][16]. */
@@ -588,40 +566,36 @@ int orca_qdequant_rows(const uint8_t *w, int fmt, int64_t K, int64_t N, const in
     for (int64_t i = 0; i < n; i++)
         if (rows[i] < 0 || rows[i] >= N) return 2;
     const int64_t tb = qf_tile_bytes(fmt, K), G = K / QBLOCK;
-    const int bps = qf_blocks_per_super(fmt), kind = qf_kind(fmt), has_min = qf_has_min(fmt);
+    const int kind = qf_kind(fmt), has_min = qf_has_min(fmt);
 #pragma omp parallel for schedule(static) if (n * K >= PARALLEL_MIN_WORK)
     for (int64_t i = 0; i < n; i++) {
         const int64_t r = rows[i];
         const int l = (int)(r % TILE_ROWS);
-        const uint8_t *p = w + r / TILE_ROWS * tb;
+        const uint8_t *tile = w + r / TILE_ROWS * tb;
         float *o = out + i * K;
-        for (int64_t g0 = 0; g0 < G; g0 += bps) {
-            const uint8_t *hdr = p;
-            p += qf_header_bytes(fmt);
-            for (int b = 0; b < bps; b++) {
-                const uint8_t *codes = p, *sub = p + qf_code_bytes(fmt);
-                p += qf_code_bytes(fmt) + qf_sub_bytes(fmt);
-                for (int k = 0; k < QBLOCK; k++) {
-                    const int u = k / 4, t = k % 4;
-                    int c;
-                    if (qf_bits(fmt) == 8)
-                        c = (int8_t)codes[64 * u + 4 * l + t];
-                    else {
-                        const uint8_t byte = codes[64 * (u & 3) + 4 * l + t];
-                        c = (u < 4 ? byte & 15 : byte >> 4) + qf_offset(fmt);
-                    }
-                    float a, z = 0.0f;
-                    if (kind == KIND_F16) {
-                        a = f16_at(hdr + 2 * l);
-                        if (has_min) z = f16_at(hdr + 32 + 2 * l);
-                    } else if (kind == KIND_K) {
-                        a = f16_at(hdr + 2 * l) * (float)sub[l];
-                        if (has_min) z = -(f16_at(hdr + 32 + 2 * l) * (float)sub[16 + l]);
-                    } else {
-                        a = f16_at(hdr + 2 * l) * (float)(int8_t)sub[(k < 16 ? 0 : 16) + l];
-                    }
-                    o[(g0 + b) * QBLOCK + k] = has_min ? fmaf(a, (float)c, z) : a * (float)c;
+        for (int64_t g = 0; g < G; g++) {
+            const qblock blk = qf_block(tile, fmt, g);
+            const uint8_t *hdr = blk.hdr, *codes = blk.codes, *sub = blk.sub;
+            for (int k = 0; k < QBLOCK; k++) {
+                const int u = k / 4, t = k % 4;
+                int c;
+                if (qf_bits(fmt) == 8)
+                    c = (int8_t)codes[64 * u + 4 * l + t];
+                else {
+                    const uint8_t byte = codes[64 * (u & 3) + 4 * l + t];
+                    c = (u < 4 ? byte & 15 : byte >> 4) + qf_offset(fmt);
                 }
+                float a, z = 0.0f;
+                if (kind == KIND_F16) {
+                    a = f16_at(hdr + 2 * l);
+                    if (has_min) z = f16_at(hdr + 32 + 2 * l);
+                } else if (kind == KIND_K) {
+                    a = f16_at(hdr + 2 * l) * (float)sub[l];
+                    if (has_min) z = -(f16_at(hdr + 32 + 2 * l) * (float)sub[16 + l]);
+                } else {
+                    a = f16_at(hdr + 2 * l) * (float)(int8_t)sub[(k < 16 ? 0 : 16) + l];
+                }
+                o[g * QBLOCK + k] = has_min ? fmaf(a, (float)c, z) : a * (float)c;
             }
         }
     }

@@ -50,4 +50,16 @@ static inline int64_t qf_super_bytes(int f) {
 static inline int64_t qf_super_k(int f) { return (int64_t)QBLOCK * qf_blocks_per_super(f); }
 static inline int64_t qf_tile_bytes(int f, int64_t K) { return K / qf_super_k(f) * qf_super_bytes(f); }
 
+/* Where block g (k = 32g .. 32g + 31) of a tile lies: its super-block's header, its codes and its
+ * sub-scales. With a constant format (the kernels are instantiated per format) this folds to shifts. */
+typedef struct {
+    const uint8_t *hdr, *codes, *sub;
+} qblock;
+static inline __attribute__((always_inline)) qblock qf_block(const uint8_t *tile, int f, int64_t g) {
+    const int bps = qf_blocks_per_super(f);
+    const uint8_t *hdr = tile + g / bps * qf_super_bytes(f);
+    const uint8_t *codes = hdr + qf_header_bytes(f) + g % bps * (qf_code_bytes(f) + qf_sub_bytes(f));
+    return (qblock){hdr, codes, codes + qf_code_bytes(f)};
+}
+
 #endif
