@@ -26,7 +26,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -42,13 +42,11 @@ WEIGHT_PACKING_MODES = ("auto", "int8", "float32", "off")
 
 @dataclass
 class PackingSummary:
+    """What packing did; formats, precision and bytes are read off the model (describe_cpu_setup)."""
+
     packed: int  # layers whose weight is now block-quantized
     layers: int  # packable layers looked at
-    float_bytes: int  # float32 bytes of the packed weights
-    packed_bytes: int  # what they take packed
     seconds: float
-    precision: Precision | None = None
-    formats: Counter[str] = field(default_factory=Counter)  # block format -> packed layers using it
 
 
 def packable_layers(model: nn.Module) -> list[PackableLinear]:
@@ -77,29 +75,10 @@ def should_pack(mode: str, device: torch.device, dtype: torch.dtype) -> bool:
 def pack_model_weights(model: nn.Module, precision: Precision = "int8") -> PackingSummary:
     start = time.perf_counter()
     layers = packable_layers(model)
-    summary = PackingSummary(0, len(layers), 0, 0, 0.0, precision)
-    seen: set[int] = set()
-    for layer in layers:
-        p = layer.pack_weight(precision)
-        if p is not None:
-            summary.packed += 1
-            summary.formats.update(p.formats)
-            if id(p) not in seen:  # a tied head shares its embedding's table
-                seen.add(id(p))
-                summary.float_bytes += p.shape[0] * p.shape[1] * 4
-                summary.packed_bytes += p.nbytes
-    summary.seconds = time.perf_counter() - start
-    if summary.packed:
-        log.info("%s", describe_packing(summary))
+    packed = sum(layer.pack_weight(precision) is not None for layer in layers)
+    summary = PackingSummary(packed, len(layers), time.perf_counter() - start)
+    log.debug("packed %d of %d linear weights in %.2f s", summary.packed, summary.layers, summary.seconds)
     return summary
-
-
-def describe_packing(s: PackingSummary) -> str:
-    formats = ", ".join(f"{name} x{n}" for name, n in sorted(s.formats.items()))
-    return (
-        f"{s.packed} of {s.layers} linear weights block-quantized ({formats}), "
-        f"{s.packed_bytes / 1e6:.1f} MB (float32: {s.float_bytes / 1e6:.0f} MB), {s.precision} activations"
-    )
 
 
 def describe_cpu_setup(model: nn.Module) -> str:
