@@ -135,28 +135,28 @@ phase_http() {
     local kv="--kv-cache-memory $KV_MEMORY"
     local common=(--workload orca --interleave --tokenizer "$TOKENIZER" --seed 0 --no-progress --log-dir "$r"
         --num-requests $REQUESTS "${LOADTEST[@]}")
+    # One sweep: seconds allowed, its name, its rates, then the --launch/--label pairs; afterwards the
+    # servers it left are stopped and the results packed (what a later phase's failure cannot lose).
+    sweep() {
+        local seconds=$1 name=$2 rates=$3
+        shift 3
+        run "$seconds" "$PY" -m loadtest "${common[@]}" --request-rates "$rates" --output "$r/$name.json" "$@"
+        stop_stray_servers
+        pack http
+    }
     # Scheduling (the paper's claim): iteration against request, and iteration without CUDA graphs.
-    run 300 "$PY" -m loadtest "${common[@]}" --request-rates $RATES \
-        --output "$r/scheduling.json" \
+    sweep 300 scheduling "$RATES" \
         --launch "$server $kv --scheduling iteration" --label iteration \
         --launch "$server $kv --scheduling request" --label request \
         --launch "$server $kv --scheduling iteration --enforce-eager" --label iteration-eager
-    stop_stray_servers
-    pack http
     # KV policy under a scarce cache (256 blocks: 4096 tokens), and chunked prefill with a token budget
     # under the longest prompts.
-    run 120 "$PY" -m loadtest "${common[@]}" --request-rates $MORE_RATES \
-        --output "$r/kv-policy.json" \
+    sweep 120 kv-policy "$MORE_RATES" \
         --launch "$server --num-kv-blocks 256 --kv-policy lazy" --label lazy \
         --launch "$server --num-kv-blocks 256 --kv-policy reserve" --label reserve
-    stop_stray_servers
-    pack http
-    run 120 "$PY" -m loadtest "${common[@]}" --request-rates $MORE_RATES \
-        --output "$r/chunked-prefill.json" \
+    sweep 120 chunked-prefill "$MORE_RATES" \
         --launch "$server $kv --max-num-batched-tokens 256" --label chunked \
         --launch "$server $kv --no-chunked-prefill" --label unchunked
-    stop_stray_servers
-    pack http
 }
 
 # The load test starts each server in a session of its own and stops it; if the load test itself was
