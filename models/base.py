@@ -85,6 +85,11 @@ class CausalLMBase(nn.Module):
             raise ValueError("a pipeline stage after the first needs the previous stage's hidden_states")
         return hidden_states
 
+    def prepare_native_decode(self) -> bool:
+        """Describe the layers to a native whole-stack decode call where the model has one
+        (models/layers/native_decode.py); called once the weights are packed. True if it applies."""
+        return False
+
     def set_attention_backend(
         self, backend: str | AttentionBackend, device: torch.device | str = "cpu"
     ) -> None:

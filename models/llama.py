@@ -22,6 +22,7 @@ from models.layers.linear import (
     VocabParallelEmbedding,
 )
 from models.layers.metadata import AttentionMetadata, KVCache
+from models.layers.native_decode import NativeDecodeLayers
 from models.layers.norm import RMSNorm
 from models.layers.parallel import SINGLE, SINGLE_STAGE, PPContext, TPContext
 from models.layers.rotary import RotaryEmbedding, rope_params_from_config
@@ -151,6 +152,13 @@ class LlamaForCausalLM(CausalLMBase):
             self.absent_prefixes += ("model.embed_tokens.",)
         if not pp.is_last:
             self.absent_prefixes += ("model.norm.", "lm_head.")
+        # Decode steps' layers in one native call, once the weights are packed (prepare_native_decode).
+        self.native_decode: NativeDecodeLayers | None = None
+
+    def prepare_native_decode(self) -> bool:
+        layers = list(self.model.layers[self.stage_layers.start : self.stage_layers.stop])
+        self.native_decode = NativeDecodeLayers.build(layers, self.tp.size)
+        return self.native_decode is not None
 
     def forward(
         self,
@@ -165,9 +173,13 @@ class LlamaForCausalLM(CausalLMBase):
         hidden = self.stage_input(
             embed(input_ids) if embed is not None else None, hidden_states
         )  # [T, hidden]
-        layers = self.model.layers[self.stage_layers.start : self.stage_layers.stop]
-        for layer, kv_cache in zip(layers, kv_caches, strict=True):
-            hidden = layer(positions, hidden, kv_cache, step)
+        native = self.native_decode.forward(positions, hidden, kv_caches, step) if self.native_decode else None
+        if native is not None:
+            hidden = native
+        else:
+            layers = self.model.layers[self.stage_layers.start : self.stage_layers.stop]
+            for layer, kv_cache in zip(layers, kv_caches, strict=True):
+                hidden = layer(positions, hidden, kv_cache, step)
         return hidden if self.model.norm is None else self.model.norm(hidden)
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from models.base import CausalLMBase
 from models.kernels import cpu as cpu_kernels
 from models.kernels.cpu import Precision
 from models.layers.linear import PackableLinear
@@ -76,6 +77,8 @@ def pack_model_weights(model: nn.Module, precision: Precision = "int8") -> Packi
     start = time.perf_counter()
     layers = packable_layers(model)
     packed = sum(layer.pack_weight(precision) is not None for layer in layers)
+    if isinstance(model, CausalLMBase):
+        model.prepare_native_decode()  # decode steps' layers in one native call, where they fit
     summary = PackingSummary(packed, len(layers), time.perf_counter() - start)
     log.debug("packed %d of %d linear weights in %.2f s", summary.packed, summary.layers, summary.seconds)
     return summary

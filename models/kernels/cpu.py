@@ -5,6 +5,8 @@
     paged_decode_attention.c  one-token-per-sequence attention read in place from the paged KV cache
     elementwise.c             RMSNorm (with the residual add fused in), SiLU-and-mul, and rotary + KV cache
                               write, one call each
+    decode_layers.c           a decode step's decoder layers in one call, out of the kernels above
+                              (models/layers/native_decode.py)
     variant.c                 what a build was compiled for; the AMX permission request
     simd.h, vec.h             shared vector helpers (vec.h: one vector type per variant)
 
@@ -125,6 +127,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.orca_silu_and_mul.argtypes = [ptr, i64, i64, ptr]
     lib.orca_rope_and_cache.restype = None
     lib.orca_rope_and_cache.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr]
+    lib.orca_decode_layers.restype = ctypes.c_int
+    lib.orca_decode_layers.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64]
 
 
 @functools.cache

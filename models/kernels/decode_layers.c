@@ -1,0 +1,108 @@
+/* A decode step's decoder layers (Llama family) in one call: for T sequences of one new token each,
+ *
+ *   normed = rms_norm(hidden)                    qkv = normed W_qkv^T [+ b]
+ *   rope on q and k, k and v into the paged cache; attn = paged decode attention of q
+ *   normed, hidden = rms_norm(attn W_o^T, residual = hidden)
+ *   hidden = hidden + down(silu(gate) * up),     gate | up = normed W_gate_up^T
+ *
+ * layer after layer, calling the same kernels the Python layers call one by one (quant_linear.c,
+ * elementwise.c, paged_decode_attention.c) on the same values in the same order: the result is
+ * bit-identical to the module-by-module forward. What it removes is everything between those kernels:
+ * at batch 1 on a 2-core CPU a decode step makes ~300 small calls, and each one's Python (module
+ * call, checks, a fresh output tensor, ctypes) cost more than its arithmetic (issue #12).
+ *
+ * Still selective batching: every linear, norm and activation runs once over the flat [T, hidden]
+ * tokens; only attention is per sequence. Tensor parallelism is not handled here (no all-reduce):
+ * the caller runs this only where one process holds whole layers.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define MAX_SEGMENTS 4
+
+/* Kernels of the same library (quant_linear.c, elementwise.c, paged_decode_attention.c). */
+int orca_qlinear(const float *x, int64_t M, int64_t K, const uint8_t *w, int fmt, int64_t N, float *y, int64_t ldy,
+                 int precision);
+void orca_rms_norm(float *x, float *residual, const float *w, float eps, int64_t T, int64_t H, float *out);
+void orca_silu_and_mul(const float *x, int64_t T, int64_t d, float *out);
+void orca_rope_and_cache(float *qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const int64_t *positions,
+                         const float *cos_sin, const int64_t *slots, float *k_cache, float *v_cache);
+int orca_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+                                const int32_t *block_tables, const int32_t *seq_lens, int64_t n, int64_t Hq,
+                                int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, float scale,
+                                float *out);
+
+/* One packed weight [N, K]: its row segments (each one block format), as PackedWeight.kernel_args. */
+typedef struct {
+    const uint8_t *tiles[MAX_SEGMENTS];
+    int32_t fmt[MAX_SEGMENTS];
+    int64_t rows[MAX_SEGMENTS];
+    int64_t row_start[MAX_SEGMENTS];
+    int32_t num_segments;
+    int32_t precision; /* 0 float32 activations, 1 int8 */
+    int64_t N, K;
+    const float *bias; /* [N] or NULL */
+} orca_qweight;
+
+/* One decoder layer's weights and its KV cache ([num_blocks, block_size, Hkv, D] each). */
+typedef struct {
+    const float *input_norm, *post_norm; /* [H] */
+    orca_qweight qkv, o, gate_up, down;
+    float *k_cache, *v_cache;
+} orca_decode_layer;
+
+/* The model's shape, the same for every layer. */
+typedef struct {
+    int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
+    float eps, scale;
+    const float *cos_sin; /* [max_pos, D]: cos | sin */
+    int64_t block_size;
+} orca_decode_shape;
+
+static int linear(const orca_qweight *w, const float *x, int64_t T, float *y) {
+    for (int s = 0; s < w->num_segments; s++)
+        if (orca_qlinear(x, T, w->K, w->tiles[s], w->fmt[s], w->rows[s], y + w->row_start[s], w->N, w->precision))
+            return 1;
+    if (w->bias)
+        for (int64_t t = 0; t < T; t++)
+            for (int64_t n = 0; n < w->N; n++) y[t * w->N + n] += w->bias[n];
+    return 0;
+}
+
+/* hidden [T, H] (in: the layers' input; out: their output, the residual stream); positions and slots
+ * [T] int64; block_tables [T, max_blocks] and seq_lens [T] int32, the lengths counting this token.
+ * Returns 0, or nonzero (with hidden partly updated) if a kernel refused its shapes or memory ran out;
+ * the caller checks the shapes first, so that means a bug. */
+int orca_decode_layers(const orca_decode_layer *layers, int64_t num_layers, const orca_decode_shape *shape,
+                       float *hidden, int64_t T, const int64_t *positions, const int64_t *slots,
+                       const int32_t *block_tables, const int32_t *seq_lens, int64_t max_blocks) {
+    const int64_t H = shape->hidden, Hq = shape->num_heads, Hkv = shape->num_kv_heads, D = shape->head_dim;
+    const int64_t I = shape->intermediate, qkv_width = (Hq + 2 * Hkv) * D, q_width = Hq * D;
+    /* One workspace for the whole call: normed [T, H], qkv, q (contiguous for attention), attn, o,
+     * gate_up [T, 2I], act [T, I], down [T, H]. */
+    const int64_t floats = T * (H + qkv_width + 2 * q_width + H + 2 * I + I + H);
+    float *buf = malloc((size_t)floats * sizeof(float));
+    if (!buf) return 2;
+    float *normed = buf, *qkv = normed + T * H, *q = qkv + T * qkv_width, *attn = q + T * q_width;
+    float *o = attn + T * q_width, *gate_up = o + T * H, *act = gate_up + T * 2 * I, *down = act + T * I;
+    int rc = 0;
+    for (int64_t l = 0; l < num_layers && !rc; l++) {
+        const orca_decode_layer *L = layers + l;
+        orca_rms_norm(hidden, NULL, L->input_norm, shape->eps, T, H, normed);
+        if ((rc = linear(&L->qkv, normed, T, qkv))) break;
+        orca_rope_and_cache(qkv, T, Hq, Hkv, D, positions, shape->cos_sin, slots, L->k_cache, L->v_cache);
+        for (int64_t t = 0; t < T; t++) memcpy(q + t * q_width, qkv + t * qkv_width, (size_t)q_width * sizeof(float));
+        if ((rc = orca_paged_decode_attention(q, L->k_cache, L->v_cache, block_tables, seq_lens, T, Hq, Hkv, D,
+                                              shape->block_size, max_blocks, shape->scale, attn)))
+            break;
+        if ((rc = linear(&L->o, attn, T, o))) break;
+        orca_rms_norm(o, hidden, L->post_norm, shape->eps, T, H, normed); /* hidden += o */
+        if ((rc = linear(&L->gate_up, normed, T, gate_up))) break;
+        orca_silu_and_mul(gate_up, T, I, act);
+        if ((rc = linear(&L->down, act, T, down))) break;
+        for (int64_t i = 0; i < T * H; i++) hidden[i] += down[i];
+    }
+    free(buf);
+    return rc;
+}

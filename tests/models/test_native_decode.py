@@ -1,0 +1,119 @@
+"""A decode step's layers in one native call (models/layers/native_decode.py): bit-identical to the
+module-by-module forward, taken only by the steps and models it fits, and batch invariant."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from builders import write_tiny_gguf
+from kernel_marks import needs_native_kernels
+from paged_cache import PagedCacheHarness
+
+from models.layers.native_decode import NativeDecodeLayers
+from models.loader import load_model, resolve_model
+
+pytestmark = needs_native_kernels
+
+
+def _run(model, steps: list[list[list[int]]], native: bool) -> tuple[list[torch.Tensor], PagedCacheHarness]:
+    """Hidden states of every step (prompts first, then decode tokens) with or without the native call."""
+    saved = model.native_decode
+    model.native_decode = saved if native else None
+    harness = PagedCacheHarness(model, num_seqs=len(steps[0]))
+    outs = []
+    try:
+        with torch.no_grad():
+            for tokens in steps:
+                batch = harness.step(tokens)
+                outs.append(model(batch.input_ids, batch.positions, harness.kv_caches, batch.metadata))
+    finally:
+        model.native_decode = saved
+    return outs, harness
+
+
+def _decode_steps(prompts: list[list[int]], n: int) -> list[list[list[int]]]:
+    return [prompts] + [[[(7 * s + 3 * i) % 200 + 1] for i in range(len(prompts))] for s in range(n)]
+
+
+@pytest.mark.parametrize("precision", ["int8", "float32"])
+def test_native_layers_equal_the_modules(tiny_gguf_llama_dir: Path, precision: str) -> None:
+    model = load_model(tiny_gguf_llama_dir, torch.float32, "cpu", weight_packing=precision)
+    assert isinstance(model.native_decode, NativeDecodeLayers)
+    # Three sequences of different lengths crossing block boundaries, then 9 decode steps.
+    steps = _decode_steps([[5, 9, 12, 40, 41], [3] * 11, [77, 78]], 9)
+    fast, fast_cache = _run(model, steps, native=True)
+    slow, slow_cache = _run(model, steps, native=False)
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.equal(a, b)
+    for (k1, v1), (k2, v2) in zip(fast_cache.kv_caches, slow_cache.kv_caches, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_native_layers_are_batch_invariant(tiny_gguf_llama_dir: Path) -> None:
+    model = load_model(tiny_gguf_llama_dir, torch.float32, "cpu")
+    prompts = [[5, 9, 12, 40, 41], [3] * 11, [77, 78], [100, 101, 102]]
+    together, _ = _run(model, _decode_steps(prompts, 6), native=True)
+    for i, prompt in enumerate(prompts):
+        alone_steps = [[prompt]] + [[[(7 * s + 3 * i) % 200 + 1]] for s in range(6)]
+        alone, _ = _run(model, alone_steps, native=True)
+        for step in range(1, 7):  # the decode steps
+            assert torch.equal(alone[step][0], together[step][i])
+
+
+def test_a_step_with_a_prompt_runs_the_modules(tiny_gguf_llama_dir: Path, monkeypatch) -> None:
+    model = load_model(tiny_gguf_llama_dir, torch.float32, "cpu")
+    calls = []
+    forward = NativeDecodeLayers.forward
+
+    def spy(self, *args):
+        out = forward(self, *args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(NativeDecodeLayers, "forward", spy)
+    harness = PagedCacheHarness(model, num_seqs=2)
+    with torch.no_grad():
+        for tokens in ([[1, 2, 3], [4, 5]], [[6], [7]], [[8], [9, 10, 11]]):
+            batch = harness.step(tokens)
+            model(batch.input_ids, batch.positions, harness.kv_caches, batch.metadata)
+    assert calls == [False, True, False]  # only the decode-only step is native
+
+
+def test_models_it_does_not_fit(tiny_gguf_llama_dir: Path, tiny_llama_dir: Path, tmp_path: Path, monkeypatch) -> None:
+    # Float weights (nothing packed), unpacked GGUF weights, and a fused projection whose formats
+    # the kernels lack (one layer falls back to floats) keep the modules.
+    assert load_model(tiny_llama_dir, torch.float32, "cpu").native_decode is None
+    assert load_model(tiny_gguf_llama_dir, torch.float32, "cpu", weight_packing="off").native_decode is None
+    monkeypatch.setenv("ORCA_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_file = tmp_path / "fallback.gguf"
+    types = {"attn": "Q4_K", "ffn_gate": "Q4_K", "ffn_up": "Q3_K", "ffn_down": "Q6_K", "token_embd": "Q8_0"}
+    write_tiny_gguf(gguf_file, hidden=256, ff=512, heads=4, kv_heads=2, layers=2, types=types)
+    assert load_model(resolve_model(str(gguf_file)), torch.float32, "cpu").native_decode is None
+    # Tensor parallelism needs an all-reduce inside the layer: never native.
+    model = load_model(tiny_gguf_llama_dir, torch.float32, "cpu")
+    layers = list(model.model.layers)
+    assert NativeDecodeLayers.build(layers, tp_size=2) is None and NativeDecodeLayers.build(layers, 1) is not None
+
+
+def test_k_quant_segments(tmp_path: Path, monkeypatch) -> None:
+    """q/k/v in different K-quant formats: one fused weight of two segments, still bit-identical."""
+    monkeypatch.setenv("ORCA_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_file = tmp_path / "kquants.gguf"
+    types = {
+        "attn_q": "Q4_K",
+        "attn_k": "Q4_K",
+        "attn_v": "Q6_K",
+        "attn_output": "Q5_K",
+        "ffn": "Q4_K",
+        "token_embd": "Q8_0",
+    }
+    write_tiny_gguf(gguf_file, hidden=256, ff=512, heads=4, kv_heads=2, layers=2, types=types)
+    model = load_model(resolve_model(str(gguf_file)), torch.float32, "cpu")
+    assert model.native_decode is not None
+    assert len(model.model.layers[0].self_attn.qkv_proj.packed.segments) == 2
+    steps = _decode_steps([[5, 9, 12], [3] * 6], 5)
+    fast, _ = _run(model, steps, native=True)
+    slow, _ = _run(model, steps, native=False)
+    assert all(torch.equal(a, b) for a, b in zip(fast, slow, strict=True))
