@@ -28,7 +28,7 @@
 #define MR_INT 8  /* rows of x per int8 micro-kernel: 8 isum + 8 acc + 4 work vectors */
 #define MR_FLT 12 /* rows of x per float micro-kernel: 12 acc + weight + broadcast */
 #else
-#define MR_INT 4 /* 2 x 4 acc + 4 isum + 4 work vectors of 16 */
+#define MR_INT 4 /* 4-bit codes: 2 x 4 16-bit sums + 2 weight vectors + x (the 8 float accumulators wait in L1) */
 #define MR_FLT 6 /* the BLIS-style 6 x 16: 12 accumulators */
 #endif
 #define M_BLOCK 256 /* rows of x per block (int8 x of 256 rows x K = 1536: 384 KB, in L2) */
@@ -129,6 +129,18 @@ static inline __attribute__((always_inline)) vi code_unit(const uint8_t *codes, 
 /* ------------------------------------------------------------------------------------------------
  * int8 path: one 16-row tile against mr rows of x. */
 
+/* The float steps of block g for half h, row r of x, from the block's integer dot products `is`: the
+ * integer corrections (Q4_0's offset, VNNI's bias, over the sum of x's codes), then y += is * a * dx
+ * [+ z * dx * sum(xq)]. Every path of the int8 kernels ends a block with exactly these operations. */
+static inline __attribute__((always_inline)) vf block_epilogue(vf acc, vi is, const bscale *sc, const int fmt,
+                                                               const qx_t *x, int64_t r, int64_t g,
+                                                               int32_t per_sum, int32_t n_sum) {
+    const vi t = per_sum ? vi_add(is, vi_set1(per_sum * n_sum)) : is;
+    acc = vf_fma(vi_to_f(t), vf_mul(sc->a1, vf_set1(x->d[r * x->G + g])), acc);
+    if (qf_has_min(fmt)) acc = vf_fma(sc->z, vf_set1(x->s[r * x->G + g]), acc);
+    return acc;
+}
+
 static inline __attribute__((always_inline)) void int_tile(const uint8_t *tile, const int fmt, const qx_t *x,
                                                            int64_t m0, const int mr, float *y, int64_t ldy,
                                                            int nvalid) {
@@ -145,6 +157,29 @@ static inline __attribute__((always_inline)) void int_tile(const uint8_t *tile, 
 #if PREFETCH_AHEAD
         for (const uint8_t *pf = codes + PREFETCH_AHEAD; pf < sub + qf_sub_bytes(fmt) + PREFETCH_AHEAD; pf += 64)
             _mm_prefetch((const char *)pf, _MM_HINT_T0);
+#endif
+#if DOT_US16 && HALVES == 2
+        if (!is8) { /* 4-bit codes: one broadcast of x feeds both halves; sums in 16 bits (vec.h) */
+            vi s16[MR_INT][2];
+            for (int m = 0; m < mr; m++) s16[m][0] = s16[m][1] = vi_zero();
+            for (int u = 0; u < 8; u++) {
+                const vi w0 = code_unit(codes, fmt, u, 0), w1 = code_unit(codes, fmt, u, 1);
+                for (int m = 0; m < mr; m++) {
+                    const vi xb = vi_set1(load_i32(x->q + (m0 + m) * K + g * QBLOCK + 4 * u));
+                    s16[m][0] = dot_us16(s16[m][0], w0, xb);
+                    s16[m][1] = dot_us16(s16[m][1], w1, xb);
+                }
+            }
+            for (int h = 0; h < 2; h++) {
+                const bscale sc = block_scales(hdr, sub, fmt, h);
+                for (int m = 0; m < mr; m++) {
+                    const int64_t r = m0 + m;
+                    const int32_t n_sum = x->sum[2 * (r * G + g)] + x->sum[2 * (r * G + g) + 1];
+                    acc[m][h] = block_epilogue(acc[m][h], widen_us16(s16[m][h]), &sc, fmt, x, r, g, per_sum, n_sum);
+                }
+            }
+            continue;
+        }
 #endif
         for (int h = 0; h < HALVES; h++) {
             const bscale sc = block_scales(hdr, sub, fmt, h);
@@ -173,9 +208,7 @@ static inline __attribute__((always_inline)) void int_tile(const uint8_t *tile, 
                 const int64_t r = m0 + m;
                 const int32_t n_sum =
                     k16 ? x->sum[2 * (r * G + g) + 1] : x->sum[2 * (r * G + g)] + x->sum[2 * (r * G + g) + 1];
-                const vi t = per_sum ? vi_add(is[m], vi_set1(per_sum * n_sum)) : is[m];
-                acc[m][h] = vf_fma(vi_to_f(t), vf_mul(sc.a1, vf_set1(x->d[r * G + g])), acc[m][h]);
-                if (qf_has_min(fmt)) acc[m][h] = vf_fma(sc.z, vf_set1(x->s[r * G + g]), acc[m][h]);
+                acc[m][h] = block_epilogue(acc[m][h], is[m], &sc, fmt, x, r, g, per_sum, n_sum);
             }
         }
     }
@@ -478,20 +511,36 @@ static void amx_gemm(const uint8_t *w, int fmt, int64_t N, const qx_t *x, int64_
 }
 #endif
 
+/* Rows m0..m1 of x against weight tile t. */
+static inline void int_tile_rows(const uint8_t *w, int64_t tb, const int_fn *fns, int64_t N, const qx_t *x,
+                                 int64_t m0, int64_t m1, int64_t t, float *y, int64_t ldy) {
+    const int nvalid = tile_rows(N, t);
+    for (int64_t m = m0; m < m1;) {
+        int rows;
+        const int i = pick_rows(m1 - m, MR_INT, &rows);
+        fns[i](w + t * tb, x, m, y + t * TILE_ROWS, ldy, nvalid);
+        m += rows;
+    }
+}
+
+/* Rows of x from which tiles are handed out guided rather than in two fixed halves: on a 2-core
+ * machine the server's event loop takes turns on one of the cores, and with fixed halves the other
+ * thread then waits at the end of every call (at 8 streams, guided gave +20% tok/s). A decode step's
+ * few rows keep the fixed halves: each thread then streams one contiguous run of weights. */
+#define GUIDED_MIN_ROWS 8
+
 static void int_gemm(const uint8_t *w, int fmt, int64_t N, const qx_t *x, int64_t M, float *y, int64_t ldy) {
     const int64_t T = (N + TILE_ROWS - 1) / TILE_ROWS, tb = qf_tile_bytes(fmt, x->K);
     const int_fn *fns = INT_FNS_TABLE[fmt];
     for (int64_t m0 = 0; m0 < M; m0 += M_BLOCK) {
         const int64_t m1 = m0 + M_BLOCK < M ? m0 + M_BLOCK : M;
-#pragma omp parallel for schedule(static) if ((m1 - m0) * T * x->K >= PARALLEL_MIN_WORK)
-        for (int64_t t = 0; t < T; t++) {
-            const int nvalid = tile_rows(N, t);
-            for (int64_t m = m0; m < m1;) {
-                int rows;
-                const int i = pick_rows(m1 - m, MR_INT, &rows);
-                fns[i](w + t * tb, x, m, y + t * TILE_ROWS, ldy, nvalid);
-                m += rows;
-            }
+        const int parallel = (m1 - m0) * T * x->K >= PARALLEL_MIN_WORK;
+        if (m1 - m0 >= GUIDED_MIN_ROWS) {
+#pragma omp parallel for schedule(guided) if (parallel)
+            for (int64_t t = 0; t < T; t++) int_tile_rows(w, tb, fns, N, x, m0, m1, t, y, ldy);
+        } else {
+#pragma omp parallel for schedule(static) if (parallel)
+            for (int64_t t = 0; t < T; t++) int_tile_rows(w, tb, fns, N, x, m0, m1, t, y, ldy);
         }
     }
 }

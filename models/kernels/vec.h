@@ -165,6 +165,14 @@ static inline vi dot_us(vi acc, vi w, vi x) {
     return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w, x), _mm256_set1_epi16(1)));
 #endif
 }
+#if !defined(__AVXVNNI__)
+/* Without vpdpbusd: a block's 8 units of 4-bit codes (0..15) against int8 x (|x| <= 127) summed in 16
+ * bits and widened once. Exact: a vpmaddubsw lane is at most 2 * 15 * 127 = 3810 in magnitude, 8 of
+ * them 30480 < 32767, so these are dot_us's integers with one vpmaddwd per block instead of per unit. */
+#define DOT_US16 1
+static inline vi dot_us16(vi acc16, vi w, vi x) { return _mm256_add_epi16(acc16, _mm256_maddubs_epi16(w, x)); }
+static inline vi widen_us16(vi acc16) { return _mm256_madd_epi16(acc16, _mm256_set1_epi16(1)); }
+#endif
 
 typedef struct {
     vi w, aux;
@@ -186,6 +194,10 @@ static inline void unit_by_k(vi u, int is_signed, vi q[4]) {
         q[t] = is_signed ? _mm256_cvtepi8_epi32(b) : _mm256_cvtepu8_epi32(b);
     }
 }
+#endif
+
+#ifndef DOT_US16
+#define DOT_US16 0
 #endif
 
 #define HALVES (16 / LANES)
