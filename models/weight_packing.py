@@ -102,8 +102,11 @@ def describe_cpu_setup(model: nn.Module) -> str:
         for layer in layers
         if layer.packed is None and layer.weight is not None
     )
+    native = getattr(model, "native_decode", None)
+    decode = f"; decode steps: {len(native.layers)} layers in one native call" if native is not None else ""
     return (
         f"CPU: {isa}; {len(packed)} of {len(layers)} linear layers on the quantized kernel "
         f"({', '.join(f'{n} {name}' for name, n in sorted(formats.items()))}) with "
         f"{'/'.join(precisions)} activations; linear weights {(packed_bytes + float_bytes) / 1e6:.1f} MB"
+        f"{decode}"
     )

@@ -119,3 +119,4 @@ def test_int8_activations_by_default(tiny_gguf_llama_dir: Path) -> None:
     assert not torch.equal(a, b) and (a - b).abs().max() < 0.02 * b.abs().max()
     line = describe_cpu_setup(fast)
     assert cpu_kernels.kernels().name in line and "Q4_1" in line and "Q8_0" in line and "int8" in line
+    assert "decode steps: 2 layers in one native call" in line
