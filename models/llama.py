@@ -173,7 +173,9 @@ class LlamaForCausalLM(CausalLMBase):
         hidden = self.stage_input(
             embed(input_ids) if embed is not None else None, hidden_states
         )  # [T, hidden]
-        native = self.native_decode.forward(positions, hidden, kv_caches, step) if self.native_decode else None
+        native = (
+            self.native_decode.forward(positions, hidden, kv_caches, step) if self.native_decode else None
+        )
         if native is not None:
             hidden = native
         else:

@@ -154,7 +154,7 @@ class NativeDecodeLayers:
         if len(kv_caches) != len(self.layers):
             return False
         if self._caches is not None and all(
-            a is b for pair, mine in zip(kv_caches, self._caches) for a, b in zip(pair, mine)
+            k is k0 and v is v0 for (k, v), (k0, v0) in zip(kv_caches, self._caches, strict=True)
         ):
             return True
         a = self.layers[0].self_attn

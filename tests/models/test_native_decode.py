@@ -81,7 +81,9 @@ def test_a_step_with_a_prompt_runs_the_modules(tiny_gguf_llama_dir: Path, monkey
     assert calls == [False, True, False]  # only the decode-only step is native
 
 
-def test_models_it_does_not_fit(tiny_gguf_llama_dir: Path, tiny_llama_dir: Path, tmp_path: Path, monkeypatch) -> None:
+def test_models_it_does_not_fit(
+    tiny_gguf_llama_dir: Path, tiny_llama_dir: Path, tmp_path: Path, monkeypatch
+) -> None:
     # Float weights (nothing packed), unpacked GGUF weights, and a fused projection whose formats
     # the kernels lack (one layer falls back to floats) keep the modules.
     assert load_model(tiny_llama_dir, torch.float32, "cpu").native_decode is None
@@ -94,7 +96,10 @@ def test_models_it_does_not_fit(tiny_gguf_llama_dir: Path, tiny_llama_dir: Path,
     # Tensor parallelism needs an all-reduce inside the layer: never native.
     model = load_model(tiny_gguf_llama_dir, torch.float32, "cpu")
     layers = list(model.model.layers)
-    assert NativeDecodeLayers.build(layers, tp_size=2) is None and NativeDecodeLayers.build(layers, 1) is not None
+    assert (
+        NativeDecodeLayers.build(layers, tp_size=2) is None
+        and NativeDecodeLayers.build(layers, 1) is not None
+    )
 
 
 def test_k_quant_segments(tmp_path: Path, monkeypatch) -> None:
