@@ -39,6 +39,9 @@ PROMPTS = [
 ]
 GREEDY = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
 
+# Teacher-forced top-1 agreement with float32's greedy continuation the default model must keep.
+INT8_FORCED_AGREEMENT = 0.96
+
 
 def perplexity(model, ids: list[int], window: int = 1024) -> float:
     """exp(mean NLL) over the text in consecutive windows (each scored from its second token)."""
@@ -151,4 +154,7 @@ def test_int8_close_to_float32_on_the_default_model() -> None:
         f"teacher-forced top-1 agreement: int8 {forced['int8']:.1%}, bf16 {forced['bf16']:.1%}"
     )
     assert abs(ppl["int8"] / ppl["float32"] - 1) < 0.01
-    assert forced["int8"] >= forced["bf16"], forced
+    # A fixed bar: int8's figures are the same on every ISA variant (97.3% measured on an AMX Xeon and
+    # an AVX2 EPYC), bf16's are not (96.1% where AMX/AVX512-BF16 multiply in bf16, 98.8% on AVX2,
+    # where torch widens bf16 matmuls to float32), so bf16 is printed beside it, not compared.
+    assert forced["int8"] >= INT8_FORCED_AGREEMENT, forced
