@@ -198,3 +198,20 @@ def test_wrappers_refuse_what_the_c_code_would_misread() -> None:
         PackedSegment(FORMATS["Q4_K"], 0, 8, 64, seg.tiles)
     with pytest.raises(ValueError, match="consecutive"):
         PackedWeight((seg, seg))
+
+
+@pytest.mark.parametrize("variant", EVERY_VARIANT)
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q4_K"])
+def test_int8_sums_at_their_largest(variant: str, fmt: str) -> None:
+    """Every 4-bit code 15 against x quantized to +-127 everywhere: the largest integer sums a block
+    can have (the AVX2 build adds a block's products in 16 bits: 16 x 15 x 127 = 30480 must not wrap)."""
+    n, k = shape_for(fmt)
+    c = random_components(FORMATS[fmt], n, k, seed=7)
+    c.codes.fill_(15)
+    w = packed(c)
+    x = torch.ones(4, k)
+    x[1] = -1.0
+    x[2, ::2] = -1.0  # signs alternating along k
+    x[3] = torch.linspace(-1, 1, k).sign() * 2.5
+    got = kernels_for(variant).quant_linear(x, w, "int8").double()
+    torch.testing.assert_close(got, int8_reference(x, c), atol=1e-5 * (k / 16) ** 0.5, rtol=1e-5)
