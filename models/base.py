@@ -19,6 +19,7 @@ from models.layers.linear import (
     VocabParallelEmbedding,
 )
 from models.layers.metadata import AttentionMetadata
+from models.layers.native_decode import NativeDecodeLayers
 from models.layers.parallel import PPContext, TPContext
 
 # (HF name it came from, our parameter name, full tensor, shard id or None)
@@ -57,6 +58,8 @@ class CausalLMBase(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.attn_backend: AttentionBackend | None = None
+        # Decode steps' layers in one native call (prepare_native_decode); None: the modules run them.
+        self.native_decode: NativeDecodeLayers | None = None
         self.absent_prefixes: tuple[str, ...] = ()
 
     def build_lm_head(
@@ -85,10 +88,9 @@ class CausalLMBase(nn.Module):
             raise ValueError("a pipeline stage after the first needs the previous stage's hidden_states")
         return hidden_states
 
-    def prepare_native_decode(self) -> bool:
-        """Describe the layers to a native whole-stack decode call where the model has one
-        (models/layers/native_decode.py); called once the weights are packed. True if it applies."""
-        return False
+    def prepare_native_decode(self) -> None:
+        """Set `native_decode` where this model's layers fit a native whole-stack decode call
+        (models/layers/native_decode.py); called once the weights are packed."""
 
     def set_attention_backend(
         self, backend: str | AttentionBackend, device: torch.device | str = "cpu"

@@ -152,13 +152,10 @@ class LlamaForCausalLM(CausalLMBase):
             self.absent_prefixes += ("model.embed_tokens.",)
         if not pp.is_last:
             self.absent_prefixes += ("model.norm.", "lm_head.")
-        # Decode steps' layers in one native call, once the weights are packed (prepare_native_decode).
-        self.native_decode: NativeDecodeLayers | None = None
 
-    def prepare_native_decode(self) -> bool:
+    def prepare_native_decode(self) -> None:
         layers = list(self.model.layers[self.stage_layers.start : self.stage_layers.stop])
         self.native_decode = NativeDecodeLayers.build(layers, self.tp.size)
-        return self.native_decode is not None
 
     def forward(
         self,

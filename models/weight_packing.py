@@ -102,7 +102,7 @@ def describe_cpu_setup(model: nn.Module) -> str:
         for layer in layers
         if layer.packed is None and layer.weight is not None
     )
-    native = getattr(model, "native_decode", None)
+    native = model.native_decode if isinstance(model, CausalLMBase) else None
     decode = f"; decode steps: {len(native.layers)} layers in one native call" if native is not None else ""
     return (
         f"CPU: {isa}; {len(packed)} of {len(layers)} linear layers on the quantized kernel "

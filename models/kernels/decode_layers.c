@@ -92,8 +92,11 @@ int orca_decode_layers(const orca_decode_layer *layers, int64_t num_layers, cons
         orca_rms_norm(hidden, NULL, L->input_norm, shape->eps, T, H, normed);
         if ((rc = linear(&L->qkv, normed, T, qkv))) break;
         orca_rope_and_cache(qkv, T, Hq, Hkv, D, positions, shape->cos_sin, slots, L->k_cache, L->v_cache);
-        for (int64_t t = 0; t < T; t++) memcpy(q + t * q_width, qkv + t * qkv_width, (size_t)q_width * sizeof(float));
-        if ((rc = orca_paged_decode_attention(q, L->k_cache, L->v_cache, block_tables, seq_lens, T, Hq, Hkv, D,
+        /* Attention reads q as [T, Hq, D]: one token's q heads already are; more are gathered. */
+        if (T > 1)
+            for (int64_t t = 0; t < T; t++)
+                memcpy(q + t * q_width, qkv + t * qkv_width, (size_t)q_width * sizeof(float));
+        if ((rc = orca_paged_decode_attention(T > 1 ? q : qkv, L->k_cache, L->v_cache, block_tables, seq_lens, T, Hq, Hkv, D,
                                               shape->block_size, max_blocks, shape->scale, attn)))
             break;
         if ((rc = linear(&L->o, attn, T, o))) break;

@@ -171,8 +171,9 @@ class NativeDecodeLayers:
     def forward(
         self, positions: torch.Tensor, hidden: torch.Tensor, kv_caches: list[KVCache], step: AttentionStep
     ) -> torch.Tensor | None:
-        """The layers' output for a decode-only step ([T, hidden], a new tensor), or None when this step
-        is not one the native call takes (the caller then runs the modules)."""
+        """The layers' output for a decode-only step ([T, hidden]: `hidden` itself, updated in place as
+        the modules' fused residual add updates it), or None when this step is not one the native call
+        takes (the caller then runs the modules)."""
         md, plan = step.metadata, step.plan
         t = hidden.shape[0]
         if not (
@@ -185,14 +186,13 @@ class NativeDecodeLayers:
             and self._point_at(kv_caches)
         ):
             return None
-        out = hidden.clone()
         pos, slots = positions.contiguous(), md.slot_mapping.contiguous()
         tables, lens = plan.block_tables, plan.seq_lens
         rc = self._lib.orca_decode_layers(
             ctypes.addressof(self.structs),
             len(self.layers),
             ctypes.addressof(self.shape),
-            out.data_ptr(),
+            hidden.data_ptr(),
             t,
             pos.data_ptr(),
             slots.data_ptr(),
@@ -202,4 +202,4 @@ class NativeDecodeLayers:
         )
         if rc:
             raise RuntimeError(f"native decode layers failed (rc {rc}) on {t} tokens")
-        return out
+        return hidden
