@@ -3,15 +3,25 @@
  * out[i, h] = softmax(scale * q[i, h] . K[i, :len_i]) @ V[i, :len_i], where token t of sequence i
  * lives in block block_tables[i, t / block_size] at offset t % block_size, and query head h reads KV
  * head h / (Hq / Hkv) (GQA). The torch fallback gathers every sequence's whole history into a padded
- * tensor per layer and runs a masked SDPA over it; at batch 64 on a 2-core CPU that copy and the
- * padded SDPA took a quarter of each decode step. Here K and V are read in place, once.
+ * tensor per layer and runs a masked SDPA over it; here K and V are read in place.
  *
- * Softmax is computed online (running max and sum, as flash attention does) over tiles of 8 tokens,
- * so no per-sequence score buffer is needed whatever the context length. AVX2 + FMA; OpenMP over
- * (sequence, query head) pairs.
+ * Work: the query heads that share a KV head are computed together, so each K and V row is fetched
+ * from memory once for all of them, not once per query head (3x fewer row fetches for SmolLM2's 9/3
+ * heads: the old per-head split ran at 5-8 GB/s, far under what the cores can read). A sequence's
+ * history is cut into spans of SPAN_TOKENS, a fixed length, so that one sequence keeps both threads
+ * busy and long histories spread over all of them; each span's partial softmax (running max, sum,
+ * weighted V) is merged in span order as flash-decoding does (rescaled by e^(m_span - m)). The split
+ * depends only on the sequence's own length, never on the batch or the thread count, so a request's
+ * output never depends on what shares its batch.
+ *
+ * Within a span: the scores of every head (8 tokens at a time, as 8 independent multiply-add chains),
+ * the softmax (max, exp, sum), then the weighted V rows; nothing grows with the context. AVX2 + FMA;
+ * OpenMP over (span, group of query heads) tasks. Measured on a 2-core AVX2 EPYC, 30 layers from
+ * DRAM: 1.3-1.4x faster than the per-head online softmax it replaced at batch 1, 8 and 32.
  */
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
 
 #include "simd.h"
 
@@ -24,98 +34,209 @@ static inline __m256 hsum8x8(const __m256 *a) {
 }
 
 #define MAX_HEAD_DIM 256
+#define MAX_GROUP 8      /* query heads computed together (a larger GQA group is cut into sub-groups) */
+#define SPAN_TOKENS 64   /* tokens of history per task; fixed, so the split is batch-invariant */
 #define PREFETCH_TOKENS 16
 
-/* DV = head_dim / 8, a compile-time constant in the common cases so q and the output accumulator
- * stay in registers. */
-static inline __attribute__((always_inline)) void one_head(
+/* Attention of g query heads (q [g, D], already scaled) sharing one KV head over tokens [t_begin, t_end)
+ * of one sequence (at most SPAN_TOKENS): acc [g, D] gets sum_j e^(s_j - m) v_j, m[h] the largest score
+ * and l[h] the sum of e^(s_j - m). Three passes over the span, each a tight loop: the scores (a K row
+ * read once into L1 serves every head), the softmax, the weighted V rows. */
+static inline __attribute__((always_inline)) void group_span(
+    const float *q, const float *k_cache, const float *v_cache, const int32_t *table, int64_t t_begin,
+    int64_t t_end, int64_t block_size, int64_t token_stride, const int64_t DV, int64_t g, float *acc, float *m,
+    float *l) {
+    const int64_t n = t_end - t_begin, n8 = (n + 7) & ~(int64_t)7;
+    const float *kr[SPAN_TOKENS], *vr[SPAN_TOKENS];
+    int64_t block = t_begin / block_size, offset = t_begin % block_size;
+    for (int64_t j = 0; j < n; j++) {
+        /* Walk the block table without a division per token. */
+        const int64_t slot = (int64_t)table[block] * block_size + offset;
+        kr[j] = k_cache + slot * token_stride;
+        vr[j] = v_cache + slot * token_stride;
+        if (++offset == block_size) {
+            offset = 0;
+            block++;
+        }
+    }
+    /* Rows are scattered over blocks: while the first head's scores read K, the V rows of the same
+     * tokens are fetched for the last pass, and the K rows a few tiles ahead. */
+    for (int64_t j = 0; j < n && j < PREFETCH_TOKENS; j++)
+        for (int64_t c = 0; c < DV * 8; c += 16) _mm_prefetch((const char *)(kr[j] + c), _MM_HINT_T0);
+    /* Tiles of 8 tokens; the last one's missing rows point at the first (their scores are masked). */
+    for (int64_t j = n; j < n8; j++) kr[j] = kr[0];
+    float s[MAX_GROUP][SPAN_TOKENS] __attribute__((aligned(32)));
+    for (int64_t h = 0; h < g; h++) {
+        const float *qh = q + h * DV * 8;
+        for (int64_t t0 = 0; t0 < n; t0 += 8) {
+            if (h == 0)
+                for (int64_t j = t0; j < t0 + 8 && j < n; j++)
+                    for (int64_t c = 0; c < DV * 8; c += 16) {
+                        if (j + PREFETCH_TOKENS < n) _mm_prefetch((const char *)(kr[j + PREFETCH_TOKENS] + c), _MM_HINT_T0);
+                        _mm_prefetch((const char *)(vr[j] + c), _MM_HINT_T1);
+                    }
+            /* k outer, token inner: 8 independent multiply-add chains, not one chain per token. */
+            const float *const *kt = kr + t0;
+            __m256 dots[8];
+            for (int j = 0; j < 8; j++) dots[j] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < DV; d++) {
+                const __m256 qd = _mm256_loadu_ps(qh + 8 * d);
+                for (int j = 0; j < 8; j++) dots[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kt[j] + 8 * d), dots[j]);
+            }
+            _mm256_store_ps(s[h] + t0, hsum8x8(dots));
+        }
+        for (int64_t j = n; j < n8; j++) s[h][j] = -INFINITY;
+        __m256 mv = _mm256_set1_ps(-INFINITY);
+        for (int64_t t0 = 0; t0 < n8; t0 += 8) mv = _mm256_max_ps(mv, _mm256_load_ps(s[h] + t0));
+        m[h] = hmax8(mv);
+        const __m256 mb = _mm256_set1_ps(m[h]);
+        __m256 lv = _mm256_setzero_ps();
+        for (int64_t t0 = 0; t0 < n8; t0 += 8) {
+            const __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(s[h] + t0), mb));
+            _mm256_store_ps(s[h] + t0, p);
+        }
+        for (int64_t j = n; j < n8; j++) s[h][j] = 0.0f; /* padding: exp8 clamps at e^-88, not 0 */
+        for (int64_t t0 = 0; t0 < n8; t0 += 8) lv = _mm256_add_ps(lv, _mm256_load_ps(s[h] + t0));
+        l[h] = hsum8(lv);
+    }
+    /* Weighted V rows, 8 vectors of the head at a time (more would not stay in registers). */
+    for (int64_t h = 0; h < g; h++)
+        for (int64_t d0 = 0; d0 < DV; d0 += 8) {
+            const int64_t dn = DV - d0 < 8 ? DV - d0 : 8;
+            __m256 a[8];
+            for (int64_t d = 0; d < dn; d++) a[d] = _mm256_setzero_ps();
+            for (int64_t j = 0; j < n; j++) {
+                const __m256 pj = _mm256_set1_ps(s[h][j]);
+                for (int64_t d = 0; d < dn; d++) a[d] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr[j] + 8 * (d0 + d)), a[d]);
+            }
+            for (int64_t d = 0; d < dn; d++) _mm256_storeu_ps(acc + h * DV * 8 + 8 * (d0 + d), a[d]);
+        }
+}
+
+/* One task: g query heads (from h0) of sequence i over one span. A sequence of one span writes its
+ * output (acc / l) directly; otherwise the span's partial goes to part (per head: acc [D], m, l). */
+static inline __attribute__((always_inline)) void run_task(
     const float *q, const float *k_cache, const float *v_cache, const int32_t *table, int64_t seq_len,
-    int64_t block_size, int64_t token_stride, const int64_t DV, float scale, float *out) {
-    __m256 qv[MAX_HEAD_DIM / 8], acc[MAX_HEAD_DIM / 8];
-    for (int64_t d = 0; d < DV; d++) {
-        qv[d] = _mm256_mul_ps(_mm256_loadu_ps(q + 8 * d), _mm256_set1_ps(scale));
-        acc[d] = _mm256_setzero_ps();
+    int64_t span, int64_t h0, int64_t g, int64_t group, int64_t Hkv, int64_t block_size, const int64_t DV,
+    float scale, float *out, float *part) {
+    const int64_t D = DV * 8, kvh = h0 / group;
+    float qs[MAX_GROUP * MAX_HEAD_DIM] __attribute__((aligned(32)));
+    float acc[MAX_GROUP * MAX_HEAD_DIM] __attribute__((aligned(32)));
+    float m[MAX_GROUP], l[MAX_GROUP];
+    for (int64_t h = 0; h < g; h++)
+        for (int64_t d = 0; d < DV; d++)
+            _mm256_store_ps(qs + h * D + 8 * d,
+                            _mm256_mul_ps(_mm256_loadu_ps(q + (h0 + h) * D + 8 * d), _mm256_set1_ps(scale)));
+    const int64_t t_begin = span * SPAN_TOKENS;
+    const int64_t t_end = t_begin + SPAN_TOKENS < seq_len ? t_begin + SPAN_TOKENS : seq_len;
+    group_span(qs, k_cache + kvh * D, v_cache + kvh * D, table, t_begin, t_end, block_size, Hkv * D, DV, g, acc, m, l);
+    if (seq_len <= SPAN_TOKENS) {
+        for (int64_t h = 0; h < g; h++) {
+            const __m256 inv = _mm256_set1_ps(1.0f / l[h]);
+            for (int64_t d = 0; d < DV; d++)
+                _mm256_storeu_ps(out + (h0 + h) * D + 8 * d, _mm256_mul_ps(_mm256_load_ps(acc + h * D + 8 * d), inv));
+        }
+        return;
     }
-    float m = -INFINITY, l = 0.0f;
-    int64_t block = 0, offset = 0;
-    int64_t pf_t = 0, pf_block = 0, pf_offset = 0; /* the prefetch cursor */
-    for (int64_t t0 = 0; t0 < seq_len; t0 += 8) {
-        const int n = seq_len - t0 < 8 ? (int)(seq_len - t0) : 8;
-        const float *kr[8], *vr[8];
-        for (int j = 0; j < n; j++) {
-            /* Walk the block table without a division per token. */
-            const int64_t slot = (int64_t)table[block] * block_size + offset;
-            kr[j] = k_cache + slot * token_stride;
-            vr[j] = v_cache + slot * token_stride;
-            if (++offset == block_size) {
-                offset = 0;
-                block++;
-            }
-        }
-        /* Long histories are bound by memory latency (rows scattered over blocks): keep the K and V
-         * rows PREFETCH_TOKENS ahead of this tile on their way in while it computes. */
-        for (const int64_t end = t0 + 8 + PREFETCH_TOKENS < seq_len ? t0 + 8 + PREFETCH_TOKENS : seq_len;
-             pf_t < end; pf_t++) {
-            const int64_t slot = (int64_t)table[pf_block] * block_size + pf_offset;
-            for (int64_t c = 0; c < DV * 8; c += 16) {
-                _mm_prefetch((const char *)(k_cache + slot * token_stride + c), _MM_HINT_T0);
-                _mm_prefetch((const char *)(v_cache + slot * token_stride + c), _MM_HINT_T0);
-            }
-            if (++pf_offset == block_size) {
-                pf_offset = 0;
-                pf_block++;
-            }
-        }
-        __m256 dots[8];
-        for (int j = 0; j < 8; j++) dots[j] = _mm256_setzero_ps();
-        for (int j = 0; j < n; j++)
-            for (int64_t d = 0; d < DV; d++) dots[j] = _mm256_fmadd_ps(qv[d], _mm256_loadu_ps(kr[j] + 8 * d), dots[j]);
-        float s[8] __attribute__((aligned(32)));
-        _mm256_store_ps(s, hsum8x8(dots));
-        for (int j = n; j < 8; j++) s[j] = -INFINITY;  /* padding: exp gives 0 */
-        const __m256 sv = _mm256_load_ps(s);
-        const float m_new = fmaxf(m, hmax8(sv));
-        const float correction = expf(m - m_new);  /* 0 on the first tile (m = -inf) */
-        float p[8] __attribute__((aligned(32)));
-        _mm256_store_ps(p, exp8(_mm256_sub_ps(sv, _mm256_set1_ps(m_new))));
-        for (int j = n; j < 8; j++) p[j] = 0.0f;
-        l = l * correction + hsum8(_mm256_load_ps(p));
-        const __m256 c = _mm256_set1_ps(correction);
-        for (int64_t d = 0; d < DV; d++) acc[d] = _mm256_mul_ps(acc[d], c);
-        for (int j = 0; j < n; j++) {
-            const __m256 pj = _mm256_set1_ps(p[j]);
-            for (int64_t d = 0; d < DV; d++) acc[d] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr[j] + 8 * d), acc[d]);
-        }
-        m = m_new;
+    for (int64_t h = 0; h < g; h++) {
+        float *ph = part + (h0 + h) * (D + 2);
+        for (int64_t d = 0; d < D; d++) ph[d] = acc[h * D + d];
+        ph[D] = m[h];
+        ph[D + 1] = l[h];
     }
-    const __m256 inv = _mm256_set1_ps(1.0f / l);
-    for (int64_t d = 0; d < DV; d++) _mm256_storeu_ps(out + 8 * d, _mm256_mul_ps(acc[d], inv));
+}
+
+/* The spans' partials of one query head merged in span order: out = sum_c acc_c e^(m_c - M) /
+ * sum_c l_c e^(m_c - M), M the largest m_c. part: the first span's [D + 2] of this head; spans are
+ * span_stride floats apart. */
+static void merge_spans(const float *part, int64_t num_spans, int64_t span_stride, int64_t D, float *out) {
+    float m = -INFINITY;
+    for (int64_t c = 0; c < num_spans; c++) m = fmaxf(m, part[c * span_stride + D]);
+    float l = 0.0f;
+    for (int64_t d = 0; d < D; d++) out[d] = 0.0f;
+    for (int64_t c = 0; c < num_spans; c++) {
+        const float *pc = part + c * span_stride, w = expf(pc[D] - m);
+        l += pc[D + 1] * w;
+        for (int64_t d = 0; d < D; d++) out[d] += pc[d] * w;
+    }
+    const float inv = 1.0f / l;
+    for (int64_t d = 0; d < D; d++) out[d] *= inv;
+}
+
+/* The largest divisor of the GQA group that is at most MAX_GROUP: the heads of one task. */
+static int64_t heads_per_task(int64_t group) {
+    int64_t g = group < MAX_GROUP ? group : MAX_GROUP;
+    while (group % g) g--;
+    return g;
 }
 
 /* q, out: [n, Hq, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [n, max_blocks] int32;
- * seq_lens: [n] int32. Returns nonzero for shapes it does not handle (D not a multiple of 8 or > 256). */
+ * seq_lens: [n] int32 (>= 1). Returns nonzero for shapes it does not handle (D not a multiple of 8 or
+ * > 256) or when memory runs out. */
 int orca_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                                 const int32_t *block_tables, const int32_t *seq_lens, int64_t n, int64_t Hq,
                                 int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, float scale,
                                 float *out) {
     if (D % 8 != 0 || D > MAX_HEAD_DIM || Hq % Hkv != 0 || n <= 0) return 1;
-    const int64_t group = Hq / Hkv;
-    const int64_t token_stride = Hkv * D;
-    /* A thread takes all the heads of a sequence in a row, so the rest of each K/V row it fetches for
-     * one KV head is still in its cache for the next (8-10% faster at batch >= 8 from DRAM); a
-     * batch too small to keep both threads busy that way is split by head. */
-    const int64_t chunk = n >= 4 ? Hq : 1;
-#pragma omp parallel for schedule(dynamic, chunk)
-    for (int64_t task = 0; task < n * Hq; task++) {
-        const int64_t i = task / Hq, h = task % Hq, kvh = h / group;
-        const float *qh = q + task * D, *kh = k_cache + kvh * D, *vh = v_cache + kvh * D;
-        const int32_t *table = block_tables + i * max_blocks;
-        if (D == 64)
-            one_head(qh, kh, vh, table, seq_lens[i], block_size, token_stride, 8, scale, out + task * D);
-        else if (D == 128)
-            one_head(qh, kh, vh, table, seq_lens[i], block_size, token_stride, 16, scale, out + task * D);
-        else
-            one_head(qh, kh, vh, table, seq_lens[i], block_size, token_stride, D / 8, scale, out + task * D);
+    const int64_t group = Hq / Hkv, g = heads_per_task(group), groups = Hq / g;
+    /* span_start[i]: the index of sequence i's first span among all; part_start: where its partials
+     * go (sequences of one span need none). */
+    int64_t *span_start = malloc(sizeof(int64_t) * (size_t)(2 * n + 2));
+    if (!span_start) return 2;
+    int64_t *part_start = span_start + n + 1;
+    int64_t spans = 0, parts = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t c = (seq_lens[i] + SPAN_TOKENS - 1) / SPAN_TOKENS;
+        span_start[i] = spans;
+        part_start[i] = parts;
+        spans += c;
+        if (c > 1) parts += c;
     }
+    span_start[n] = spans;
+    part_start[n] = parts;
+    const int64_t span_stride = Hq * (D + 2); /* one span's partials: every head's acc, m, l */
+    float *part = parts ? malloc(sizeof(float) * (size_t)(parts * span_stride)) : NULL;
+    if (parts && !part) {
+        free(span_start);
+        return 2;
+    }
+    int64_t *span_seq = malloc(sizeof(int64_t) * (size_t)spans);
+    if (!span_seq) {
+        free(part);
+        free(span_start);
+        return 2;
+    }
+    for (int64_t i = 0; i < n; i++)
+        for (int64_t c = span_start[i]; c < span_start[i + 1]; c++) span_seq[c] = i;
+#pragma omp parallel
+    {
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t task = 0; task < spans * groups; task++) {
+            const int64_t c = task / groups, h0 = task % groups * g, i = span_seq[c], span = c - span_start[i];
+            const int32_t *table = block_tables + i * max_blocks;
+            float *p = part ? part + (part_start[i] + span) * span_stride : NULL;
+            const float *qi = q + i * Hq * D;
+            float *oi = out + i * Hq * D;
+            if (D == 64)
+                run_task(qi, k_cache, v_cache, table, seq_lens[i], span, h0, g, group, Hkv, block_size, 8,
+                         scale, oi, p);
+            else if (D == 128)
+                run_task(qi, k_cache, v_cache, table, seq_lens[i], span, h0, g, group, Hkv, block_size, 16,
+                         scale, oi, p);
+            else
+                run_task(qi, k_cache, v_cache, table, seq_lens[i], span, h0, g, group, Hkv, block_size, D / 8,
+                         scale, oi, p);
+        }
+        if (parts) {
+#pragma omp for schedule(static)
+            for (int64_t ih = 0; ih < n * Hq; ih++) {
+                const int64_t i = ih / Hq, h = ih % Hq, c = part_start[i + 1] - part_start[i];
+                if (c > 1) merge_spans(part + part_start[i] * span_stride + h * (D + 2), c, span_stride, D, out + ih * D);
+            }
+        }
+    }
+    free(span_seq);
+    free(part);
+    free(span_start);
     return 0;
 }

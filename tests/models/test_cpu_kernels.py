@@ -51,6 +51,8 @@ def reference(q, k_cache, v_cache, tables, seq_lens, scale) -> torch.Tensor:
         ([5, 100, 33, 64], 9, 3, 64, 16),  # SmolLM2's heads
         ([300, 1, 129], 8, 8, 128, 32),  # no GQA, head_dim 128, long history
         ([17, 3], 6, 1, 24, 1),  # MQA, block size 1, head_dim neither 64 nor 128
+        ([70, 5, 200], 12, 1, 32, 16),  # a GQA group of 12: computed as two tasks of 6 heads
+        ([64, 65, 128, 129], 4, 4, 8, 16),  # histories at span edges (64 tokens a span)
     ],
 )
 def test_kernel_matches_sdpa(
@@ -70,6 +72,18 @@ def test_kernel_is_stable_for_large_scores(variant: str) -> None:
     expect = reference(q * 40, k, v, tables, lens, 1.0)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(got, expect, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", EVERY_VARIANT)
+def test_kernel_is_batch_invariant(variant: str) -> None:
+    # A sequence's output, bit for bit, is the same alone and among others of every length: the
+    # split of a history into spans depends on its own length only.
+    q, k, v, tables, lens = paged_case([200, 3, 64, 130, 1], 9, 3, 64, 16, seed=5)
+    kern = kernels_for(variant)
+    batched = kern.paged_decode_attention(q, k, v, tables, lens, 0.125)
+    for i in range(len(lens)):
+        alone = kern.paged_decode_attention(q[i : i + 1], k, v, tables[i : i + 1], lens[i : i + 1], 0.125)
+        assert torch.equal(alone[0], batched[i]), f"sequence {i} changed with its batch"
 
 
 def test_unsupported_head_dims_are_declined() -> None:
