@@ -117,6 +117,15 @@ def score_prompt_tokens(
     return out
 
 
+def argmax_rows(logits: torch.Tensor) -> list[int]:
+    """Each row's argmax (the first of equal maxima, as torch's). On a CPU through numpy: torch's CPU
+    argmax over a vocabulary row costs ~50 us (77 us at 1 row of 49,152, 1.55 ms at 32 rows on a
+    2-core EPYC) against numpy's ~5 us, and a batch-1 decode step is ~6 ms."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32:
+        return logits.numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
+
+
 def row_seed(seed: int, num_output_tokens: int) -> int:
     """A 64-bit generator seed from (request seed, step), mixed with splitmix64 so nearby pairs differ."""
     x = (seed * 0x9E3779B97F4A7C15 + num_output_tokens + 1) & _MASK64
@@ -158,7 +167,7 @@ class Sampler:
         )
         if plain:
             # The common serving case: greedy, nothing to process, one kernel and one sync.
-            return [SampledToken(t) for t in logits.argmax(dim=-1).tolist()]
+            return [SampledToken(t) for t in argmax_rows(logits)]
 
         self._ban_stop_tokens(logits, params, num_out)
         self._apply_logit_bias(logits, params)
