@@ -117,13 +117,60 @@ def score_prompt_tokens(
     return out
 
 
-def argmax_rows(logits: torch.Tensor) -> list[int]:
-    """Each row's argmax (the first of equal maxima, as torch's). On a CPU through numpy: torch's CPU
-    argmax over a vocabulary row costs ~50 us (77 us at 1 row of 49,152, 1.55 ms at 32 rows on a
-    2-core EPYC) against numpy's ~5 us, and a batch-1 decode step is ~6 ms."""
-    if logits.device.type == "cpu" and logits.dtype == torch.float32:
-        return logits.numpy().argmax(axis=-1).tolist()
-    return logits.argmax(dim=-1).tolist()
+def row_argmax(t: torch.Tensor) -> torch.Tensor:
+    """Each row's argmax, [rows] int64 (the first of equal maxima, as torch's). On a CPU through numpy:
+    torch's CPU argmax over a vocabulary row costs ~50 us (77 us at 1 row of 49,152, 1.55 ms at 32 rows
+    on a 2-core EPYC) against numpy's ~5 us, and a batch-1 decode step is ~6 ms."""
+    if t.device.type == "cpu" and t.dtype == torch.float32:
+        return torch.from_numpy(t.numpy().argmax(axis=-1))
+    return t.argmax(dim=-1)
+
+
+# Best tokens top-p looks among first: a nucleus almost always lies within them, and a partial sort of
+# them costs a fraction of sorting the vocabulary (49,152 tokens: ~4 ms a row on a 2-core CPU).
+TOP_P_CANDIDATES = 1024
+
+
+def top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> torch.Tensor:
+    """Rows of [S, V] logits cut to their top-k, then to the smallest set of the best tokens whose
+    renormalised mass reaches top-p (the best is always kept); the rest become -inf. A row's result
+    depends on that row alone. Each row is first tried on its TOP_P_CANDIDATES best tokens (at least its
+    top-k): when their mass reaches p (or top-k holds), every kept token is among them and the kept set
+    is the full sort's (up to float rounding of the renormalisation at the cut); the rest (a flat
+    distribution) are sorted whole. 4-5x faster on 49,152-token rows."""
+    dev = logits.device
+    vocab = logits.shape[-1]
+    m = min(vocab, max(TOP_P_CANDIDATES, *(k for k in top_k if k < vocab), 0))
+    vals, order = logits.topk(m, dim=-1)  # [S, m], best first
+    ranks = torch.arange(m, device=dev)[None, :]
+    k = _tensor(top_k, dev)[:, None]
+    has_k = k < vocab  # [S, 1]: the row's whole top-k is among the candidates
+    vals = vals.masked_fill(ranks >= k, float("-inf"))
+    # Probabilities over the top-k tokens, or over the whole vocabulary without a top-k.
+    norm = torch.where(has_k, vals.logsumexp(dim=-1, keepdim=True), logits.logsumexp(dim=-1, keepdim=True))
+    probs = (vals - norm).exp()
+    mass_before = probs.cumsum(dim=-1) - probs  # mass of the better-ranked tokens
+    p = _tensor(top_p, dev, probs.dtype)[:, None]
+    covered = (has_k | (mass_before[:, -1:] + probs[:, -1:] >= p)).squeeze(-1)  # [S]
+    # Keep a token while the better ones have not reached p yet; the best is always kept.
+    vals = vals.masked_fill((mass_before >= p) & (ranks > 0), float("-inf"))
+    out = torch.full_like(logits, float("-inf")).scatter_(-1, order, vals)
+    if not bool(covered.all()):
+        rest = (~covered).nonzero().squeeze(-1)
+        out[rest] = top_k_top_p_by_sort(logits[rest], k[rest], p[rest])
+    return out
+
+
+def top_k_top_p_by_sort(logits: torch.Tensor, k: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """top_k_top_p by a full sort of each row ([R, V] logits, k and p [R, 1])."""
+    vocab = logits.shape[-1]
+    sorted_logits, order = logits.sort(dim=-1, descending=True)  # [R, V] each
+    ranks = torch.arange(vocab, device=logits.device)[None, :]
+    sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
+    probs = sorted_logits.softmax(dim=-1)
+    mass_before = probs.cumsum(dim=-1) - probs
+    sorted_logits = sorted_logits.masked_fill((mass_before >= p) & (ranks > 0), float("-inf"))
+    return torch.empty_like(logits).scatter_(-1, order, sorted_logits)
 
 
 def row_seed(seed: int, num_output_tokens: int) -> int:
@@ -167,7 +214,7 @@ class Sampler:
         )
         if plain:
             # The common serving case: greedy, nothing to process, one kernel and one sync.
-            return [SampledToken(t) for t in argmax_rows(logits)]
+            return [SampledToken(t) for t in row_argmax(logits).tolist()]
 
         self._ban_stop_tokens(logits, params, num_out)
         self._apply_logit_bias(logits, params)
@@ -179,7 +226,7 @@ class Sampler:
         tokens = torch.empty(len(rows), dtype=torch.int64, device=logits.device)  # [B]
         if greedy_rows:
             g = _tensor(greedy_rows, logits.device)
-            tokens[g] = logits[g].argmax(dim=-1)
+            tokens[g] = row_argmax(logits[g])
         s: torch.Tensor | None = None
         if sampled_rows:
             s = _tensor(sampled_rows, logits.device)
@@ -310,18 +357,7 @@ class Sampler:
         top_k = [p.top_k if 0 < p.top_k < vocab else vocab for p in params]
         top_p = [p.top_p for p in params]
         if any(p < 1.0 for p in top_p):
-            # A full sort serves both top-k and top-p.
-            sorted_logits, order = logits.sort(dim=-1, descending=True)  # [S, V] each
-            ranks = torch.arange(vocab, device=dev)[None, :]
-            k = _tensor(top_k, dev)[:, None]
-            sorted_logits = sorted_logits.masked_fill(ranks >= k, float("-inf"))
-            probs = sorted_logits.softmax(dim=-1)
-            mass_before = probs.cumsum(dim=-1) - probs  # mass of the better-ranked tokens
-            p = _tensor(top_p, dev, probs.dtype)[:, None]
-            # Keep a token while the better ones have not reached p yet; the best is always kept.
-            drop = (mass_before >= p) & (ranks > 0)
-            sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
-            logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+            logits = top_k_top_p(logits, top_k, top_p)
         elif any(k < vocab for k in top_k):
             # top-k only: the k-th best value is the threshold (ties at the threshold are kept).
             kmax = max(top_k)
@@ -338,7 +374,21 @@ class Sampler:
         return logits
 
     def _draw(self, logits: torch.Tensor, params: list[SamplingParams], num_out: list[int]) -> torch.Tensor:
-        """One token per row of [S, V] logits by the exponential race; returns [S] int64."""
+        """One token per row of [S, V] logits by the exponential race; returns [S] int64. On a CPU, rows
+        cut by top-k / top-p race over their kept tokens only (a -inf token cannot win): drawing Exp(1)
+        noise costs ~27 ns a token there, 1.3 ms a row over 49,152 tokens, against ~10-1,000 kept."""
+        vocab = logits.shape[-1]
+        if logits.device.type == "cpu":
+            kept = torch.isfinite(logits)  # [S, V]
+            counts = kept.sum(dim=-1).tolist()
+            if all(0 < c < vocab for c in counts):
+                tokens = []
+                for i, p in enumerate(params):
+                    idx = kept[i].nonzero().squeeze(-1)
+                    probs = logits[i, idx].softmax(dim=-1)
+                    noise = torch.empty_like(probs).exponential_(generator=self._row_generator(p, num_out[i]))
+                    tokens.append(int(idx[(probs / noise).argmax()]))
+                return torch.tensor(tokens, dtype=torch.int64)
         probs = logits.softmax(dim=-1)  # [S, V]
         noise = torch.empty_like(probs)  # [S, V] ~ Exp(1)
         unseeded = [i for i, p in enumerate(params) if p.seed is None]
@@ -349,10 +399,16 @@ class Sampler:
             )
         for i, p in enumerate(params):
             if p.seed is not None:
-                gen = torch.Generator(device=probs.device)
-                gen.manual_seed(row_seed(p.seed, num_out[i]))
-                noise[i].exponential_(generator=gen)
-        return (probs / noise).argmax(dim=-1)
+                noise[i].exponential_(generator=self._row_generator(p, num_out[i]))
+        return row_argmax(probs / noise)
+
+    def _row_generator(self, p: SamplingParams, num_out: int) -> torch.Generator:
+        """A seeded row's own generator for this step (see the module docstring); else the engine's."""
+        if p.seed is None:
+            return self.generator
+        gen = torch.Generator(device=self.device)
+        gen.manual_seed(row_seed(p.seed, num_out))
+        return gen
 
     def _with_logprobs(
         self,

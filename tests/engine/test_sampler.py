@@ -11,7 +11,14 @@ import pytest
 import torch
 
 from engine.contract import SamplingParams
-from engine.sampler import LOGPROB_FLOOR, Sampler, row_seed
+from engine.sampler import (
+    LOGPROB_FLOOR,
+    TOP_P_CANDIDATES,
+    Sampler,
+    row_seed,
+    top_k_top_p,
+    top_k_top_p_by_sort,
+)
 
 V = 10
 
@@ -109,6 +116,37 @@ def test_top_p_keeps_the_smallest_set_reaching_p(top_p: float, kept: set[int]):
     mass = sum(probs[t] for t in kept)
     for tok in kept:
         assert counts[tok] / 4000 == pytest.approx(probs[tok] / mass, abs=0.04)
+
+
+@pytest.mark.parametrize(
+    ("scale", "top_k", "top_p"), [(8.0, 0, 0.95), (8.0, 40, 0.9), (0.5, 0, 0.95), (0.5, 2000, 0.9)]
+)
+def test_top_p_on_candidates_keeps_what_a_full_sort_keeps(scale: float, top_k: int, top_p: float):
+    # A large vocabulary: peaked rows are cut among their best TOP_P_CANDIDATES tokens, flat ones (whose
+    # nucleus is larger) are sorted whole; either way the kept tokens are the full sort's.
+    vocab = 8 * TOP_P_CANDIDATES
+    logits = torch.randn(16, vocab, generator=torch.Generator().manual_seed(3)) * scale
+    k = top_k or vocab
+    got = top_k_top_p(logits, [k] * 16, [top_p] * 16)
+    expect = top_k_top_p_by_sort(logits, torch.full((16, 1), k), torch.full((16, 1), top_p))
+    assert torch.equal(got > float("-inf"), expect > float("-inf"))
+    assert torch.equal(got[got > float("-inf")], logits[got > float("-inf")])
+
+
+def test_draws_over_a_large_vocabulary_stay_in_the_nucleus():
+    vocab = 4 * TOP_P_CANDIDATES
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(4)) * 8
+    params = SamplingParams(temperature=1.0, top_p=0.8, seed=11)
+    nucleus = set((top_k_top_p(logits[None], [vocab], [0.8])[0] > float("-inf")).nonzero().flatten().tolist())
+    sampler = Sampler(vocab, seed=5)
+    tokens = [
+        sampler(logits[None].clone(), [Row(params, output_token_ids=[0] * i)])[0].token_id for i in range(200)
+    ]
+    assert set(tokens) <= nucleus and len(set(tokens)) > 1
+    again = [
+        sampler(logits[None].clone(), [Row(params, output_token_ids=[0] * i)])[0].token_id for i in range(200)
+    ]
+    assert again == tokens  # a seeded row draws the same tokens for the same step
 
 
 def test_top_k_then_top_p():
