@@ -14,7 +14,7 @@ from itertools import accumulate
 import torch
 
 from engine.contract import ScheduledSequence
-from engine.kv_cache import slot_mapping as compute_slot_mapping
+from engine.kv_cache import slots_of
 from models.layers.metadata import AttentionMetadata
 
 
@@ -124,6 +124,7 @@ def build_host_inputs(batch: Sequence[ScheduledSequence], block_size: int) -> Ho
     runs)."""
     input_ids: list[int] = []
     positions: list[int] = []
+    slots: list[int] = []  # [T] the KV slot each token's K and V go to
     query_lens: list[int] = []
     seq_lens: list[int] = []
     tables: list[Sequence[int]] = []
@@ -139,6 +140,7 @@ def build_host_inputs(batch: Sequence[ScheduledSequence], block_size: int) -> Ho
         first = len(input_ids)
         input_ids.extend(seq.token_ids)
         positions.extend(range(start, ctx))
+        slots.extend(slots_of(seq.block_table, start, ctx, block_size))
         query_lens.append(n)
         seq_lens.append(ctx)
         # Only the blocks that hold this context: a reserving scheduler may hand over more.
@@ -155,25 +157,12 @@ def build_host_inputs(batch: Sequence[ScheduledSequence], block_size: int) -> Ho
     padded = [list(t) + [0] * (max_blocks - len(t)) for t in tables]
 
     block_tables = torch.tensor(padded, dtype=torch.int32)  # [B, max_blocks]
-    positions_t = torch.tensor(positions, dtype=torch.int64)  # [T]
-    if len(positions) == len(batch):
-        # A decode step (one token each): its slots in Python, not five small torch ops.
-        slots = torch.tensor(
-            [
-                t[p // block_size] * block_size + p % block_size
-                for t, p in zip(tables, positions, strict=True)
-            ],
-            dtype=torch.int64,
-        )
-    else:
-        seq_index = torch.repeat_interleave(
-            torch.arange(len(batch)), torch.tensor(query_lens, dtype=torch.int64)
-        )  # [T]
-        slots = compute_slot_mapping(block_tables, seq_index, positions_t, block_size)
     return HostStepInputs(
         input_ids=torch.tensor(input_ids, dtype=torch.int64),
-        positions=positions_t,
-        slot_mapping=slots,
+        positions=torch.tensor(positions, dtype=torch.int64),
+        # Built with the positions, a range per block: at batch 1 the torch form (an index tensor per
+        # token, a gather, two divisions) was ~5 small ops, 0.17 ms of a ~6 ms step.
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
         seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
         block_tables=block_tables,
         query_lens=query_lens,

@@ -84,6 +84,18 @@ def slot_of(block_table: Sequence[int], position: int, block_size: int) -> int:
     return block_table[position // block_size] * block_size + position % block_size
 
 
+def slots_of(block_table: Sequence[int], start: int, end: int, block_size: int) -> list[int]:
+    """The KV slots of positions start..end-1 of one sequence (slot_of for each), a range per block."""
+    slots: list[int] = []
+    pos = start
+    while pos < end:
+        first = block_table[pos // block_size] * block_size + pos % block_size
+        n = min(block_size - pos % block_size, end - pos)
+        slots.extend(range(first, first + n))
+        pos += n
+    return slots
+
+
 def slot_mapping(
     block_tables: torch.Tensor,  # [B, max_blocks] int
     seq_index: torch.Tensor,  # [T] int64: which row of block_tables each token belongs to

@@ -140,7 +140,7 @@ def top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> t
     distribution) are sorted whole. 4-5x faster on 49,152-token rows."""
     dev = logits.device
     vocab = logits.shape[-1]
-    m = min(vocab, max(TOP_P_CANDIDATES, *(k for k in top_k if k < vocab), 0))
+    m = min(vocab, max([TOP_P_CANDIDATES, *(k for k in top_k if k < vocab)]))
     vals, order = logits.topk(m, dim=-1)  # [S, m], best first
     ranks = torch.arange(m, device=dev)[None, :]
     k = _tensor(top_k, dev)[:, None]
