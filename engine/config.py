@@ -12,18 +12,12 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from models.options import ATTENTION_BACKEND_NAMES, LOAD_FORMATS, WEIGHT_PACKING_MODES
+
 if TYPE_CHECKING:
     import torch
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-# How a block-quantized (GGUF) model's linear layers run on CPU in float32 (models/weight_packing.py, which
-# keeps the same tuple: this module stays torch-free): "auto" = the native kernels with int8 activations
-# wherever they build; "int8" / "float32" force the activations' precision; "off": every weight is
-# dequantized to a float tensor for torch's matmuls.
-WEIGHT_PACKING_MODES = ("auto", "int8", "float32", "off")
-# "auto": the checkpoint's weights; "dummy": random weights, no checkpoint read (vLLM's name): the model's
-# exact shapes and costs without its files, for benchmarks (models/loader.py).
-LOAD_FORMATS = ("auto", "dummy")
 
 # KV budget when neither num_kv_blocks nor kv_cache_memory is given.
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in float32
@@ -58,6 +52,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be 'auto' or one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKEND_NAMES:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKEND_NAMES}, got {self.attention_backend!r}"
+            )
         if self.weight_packing not in WEIGHT_PACKING_MODES:
             raise ValueError(
                 f"weight_packing must be one of {WEIGHT_PACKING_MODES}, got {self.weight_packing!r}"
@@ -117,7 +115,7 @@ class EngineConfig:
         g.add_argument(
             "--attention-backend",
             default=d.attention_backend,
-            help="auto, sdpa, cpu-decode, triton, torch-varlen, flash-attn",
+            choices=ATTENTION_BACKEND_NAMES,
         )
         g.add_argument(
             "--weight-packing",

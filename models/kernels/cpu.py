@@ -41,8 +41,8 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from models.gguf_convert import cache_root
 from models.kernels.isa import VARIANTS, Variant, cpu_flags, requested_variant, variant_named
+from models.options import cache_root
 
 if TYPE_CHECKING:
     from models.layers.packed_weight import PackedWeight

@@ -13,8 +13,8 @@ from builders import gguf_blocks, single_seq_logits, write_tiny_gguf
 from kernel_marks import needs_native_kernels
 
 from models.errors import ModelLoadError
-from models.gguf_blocks import decode
-from models.gguf_weights import MANIFEST, QuantizedTensor
+from models.gguf.blocks import decode
+from models.gguf.reader import MANIFEST, QuantizedTensor
 from models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from models.layers.packed_weight import FORMATS, PackedWeight, pack_components
 from models.layers.parallel import TPContext
