@@ -4,12 +4,13 @@ weight-loading loop (HF names -> our, possibly fused and sharded, parameters).""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from models.errors import MissingWeightsError, ModelLoadError
+from models.family import ModelFamily
 from models.layers.attention import AttentionStep, select_attention_backend
 from models.layers.attention_backends import AttentionBackend
 from models.layers.linear import ParallelLMHead, VocabParallelEmbedding
@@ -17,9 +18,6 @@ from models.layers.metadata import AttentionMetadata
 from models.layers.native_decode import NativeDecodeLayers
 from models.layers.parallel import PPContext, TPContext
 from models.weight_names import WeightItem, absent_prefixes, map_weight_names
-
-if TYPE_CHECKING:
-    from models.family import ModelFamily
 
 
 class PPMissingLayer(nn.Identity):
@@ -121,7 +119,8 @@ class CausalLMBase(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
         """Load a checkpoint's (name, tensor) pairs, named as the family declares (models/weight_names.py)."""
-        self.load_mapped_weights(map_weight_names(self, weights))
+        names = self.family.weights
+        self.load_mapped_weights(map_weight_names(names, self, self.tie_word_embeddings, self.pp, weights))
 
     def load_mapped_weights(self, items: Iterable[WeightItem]) -> None:
         """Copy every item into its parameter (through the parameter's sharding-aware loader) and fail

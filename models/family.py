@@ -16,7 +16,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch import nn
 
-    from models.base import CausalLMBase
     from models.layers.native_decode import DecodeLayerParts
 
 # Which part of a fused parameter a checkpoint tensor fills: "q"/"k"/"v" of a QKV projection, the
@@ -73,7 +72,7 @@ class ModelFamily:
     name: str
     # HF `architectures[0]` values this family serves.
     architectures: tuple[str, ...]
-    model: type[CausalLMBase]
+    model: type[nn.Module]  # a models.base.CausalLMBase
     weights: WeightNames
     gguf: GGUFSupport | None = None
     # The layout of one decoder layer for decode steps in one native call (models/layers/native_decode.py);

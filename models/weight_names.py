@@ -10,18 +10,16 @@ declare their names (models/family.py).
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
+from torch import nn
 
+from models.family import ShardId, WeightNames
 from models.layers.parallel import PPContext
 
-if TYPE_CHECKING:
-    from models.base import CausalLMBase
-    from models.family import ShardId, WeightNames
-
 # (checkpoint name it came from, our parameter name, tensor, shard id or None)
-WeightItem = tuple[str, str, Any, "ShardId"]
+WeightItem = tuple[str, str, Any, ShardId]
 
 
 def absent_prefixes(names: WeightNames, num_layers: int, pp: PPContext) -> tuple[str, ...]:
@@ -35,10 +33,12 @@ def absent_prefixes(names: WeightNames, num_layers: int, pp: PPContext) -> tuple
     return prefixes
 
 
-def map_weight_names(model: CausalLMBase, weights: Iterable[tuple[str, Any]]) -> Iterator[WeightItem]:
-    """Every checkpoint tensor as (checkpoint name, parameter name, tensor, shard id)."""
-    names = model.family.weights
-    tied, pp = model.tie_word_embeddings, model.pp
+def map_weight_names(
+    names: WeightNames, model: nn.Module, tied: bool, pp: PPContext, weights: Iterable[tuple[str, Any]]
+) -> Iterator[WeightItem]:
+    """Every checkpoint tensor as (checkpoint name, parameter name, tensor, shard id), for `model`
+    (whose layers size the cuts of fused checkpoint tensors), with a head tied to the embedding or
+    not, on pipeline stage `pp`."""
     for hf_name, tensor in weights:
         if hf_name.endswith(names.ignored):
             continue
@@ -56,7 +56,7 @@ def map_weight_names(model: CausalLMBase, weights: Iterable[tuple[str, Any]]) ->
 
 
 def _fused(
-    model: CausalLMBase, names: WeightNames, hf_name: str, name: str, tensor: Any
+    model: nn.Module, names: WeightNames, hf_name: str, name: str, tensor: Any
 ) -> Iterator[WeightItem]:
     for old, new, shard in names.stacked:
         if old in name:
@@ -70,7 +70,7 @@ def _fused(
 
 
 def _split(
-    model: CausalLMBase, hf_name: str, name: str, tensor: Any, shards: tuple[ShardId, ...]
+    model: nn.Module, hf_name: str, name: str, tensor: Any, shards: tuple[ShardId, ...]
 ) -> Iterator[WeightItem]:
     """A fused checkpoint tensor cut along its rows into the parameter's shards."""
     try:

@@ -54,7 +54,7 @@ class SchedulerConfig:
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
-        """The scheduler's flags (the server and scheduler.bench take the same ones)."""
+        """The scheduler's flags (the server and loadtest.inprocess take the same ones)."""
         d = SchedulerConfig
         g = p.add_argument_group("scheduler")
         g.add_argument(

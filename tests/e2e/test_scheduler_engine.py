@@ -170,7 +170,7 @@ async def test_request_level_batching_makes_the_late_arrival_wait_for_the_whole_
 
 
 def test_bench_replays_the_workload_for_each_policy(tiny_llama_dir: Path, tmp_path: Path, capsys):
-    from scheduler import bench
+    from loadtest import inprocess as bench
 
     out = tmp_path / "rows.json"
     bench.main(

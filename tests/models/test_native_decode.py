@@ -96,7 +96,9 @@ def test_models_it_does_not_fit(
     # Tensor parallelism needs an all-reduce inside the layer: never native.
     model = load_model(tiny_gguf_llama_dir, torch.float32, "cpu")
     parts = [model.family.native_decode(layer) for layer in model.decoder_layers()]
-    assert NativeDecodeLayers.build(parts, tp_size=2) is None and NativeDecodeLayers.build(parts, 1) is not None
+    assert (
+        NativeDecodeLayers.build(parts, tp_size=2) is None and NativeDecodeLayers.build(parts, 1) is not None
+    )
 
 
 def test_k_quant_segments(tmp_path: Path, monkeypatch) -> None:
