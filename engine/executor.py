@@ -4,9 +4,9 @@ ModelRunner (rank 0) and the sampler; they differ only in who else runs the step
     LocalExecutor        one process: the runner is the whole model
     DistributedExecutor  tensor x pipeline parallel ranks (engine/distributed_executor.py)
 
-`create_executor(config)` picks one. A step is `collect(submit(batch))` in both: `submit` runs (or, with
-pipeline stages, starts) the forward pass and returns a PendingStep; `collect` waits for the logits of
-the sampling entries and samples them here, on the driver.
+`engine.executor_factory.create_executor(config)` picks one. A step is `collect(submit(batch))` in both:
+`submit` runs (or, with pipeline stages, starts) the forward pass and returns a PendingStep; `collect`
+waits for the logits of the sampling entries and samples them here, on the driver.
 """
 
 from __future__ import annotations
@@ -177,12 +177,3 @@ class LocalExecutor(ExecutorBase):
             if rows:
                 pending.logits = logits
         return pending
-
-
-def create_executor(config: EngineConfig) -> ExecutorBase:
-    """The executor for a config: one process, or tensor/pipeline parallel ranks."""
-    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
-        from engine.distributed_executor import DistributedExecutor
-
-        return DistributedExecutor(config)
-    return LocalExecutor(config)
