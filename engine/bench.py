@@ -325,7 +325,7 @@ def modes(runner: LocalExecutor) -> list[str]:
 
 
 def in_mode(runner: LocalExecutor, mode: str) -> LocalExecutor:
-    runner.use_cuda_graphs = mode == GRAPHS
+    runner.runner.use_cuda_graphs = mode == GRAPHS
     return runner
 
 

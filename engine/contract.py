@@ -91,6 +91,19 @@ class ScheduledSequence:
         return self.start_position + len(self.token_ids)
 
 
+class SamplingRow(Protocol):
+    """What the sampler and the grammar masker read of a batch entry (ScheduledSequence has it). Here,
+    not in engine.sampler, so that engine.token_mask can name it without importing the sampler, which
+    imports the masker's PendingMask: a circle even as type hints."""
+
+    @property
+    def sampling(self) -> SamplingParams: ...
+    @property
+    def prompt_token_ids(self) -> Sequence[int]: ...
+    @property
+    def output_token_ids(self) -> Sequence[int]: ...
+
+
 @dataclass
 class PromptLogprobs:
     """What one step scored of a prompt (ScheduledSequence.num_prompt_scored tokens): entry j is the

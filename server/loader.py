@@ -13,7 +13,7 @@ from server.tokenizer import ServerTokenizer
 def load_model(config: ServerConfig) -> LoadedModel:
     """Blocking (weights, GGUF conversion, KV cache allocation): call it from a worker thread."""
     # Imported here so that `python -m server --help` and the app factory stay free of torch.
-    from engine.executor import create_executor
+    from engine.executor_factory import create_executor
     from models.loader import load_tokenizer
 
     executor = create_executor(config.engine)  # starts the worker ranks when parallel
