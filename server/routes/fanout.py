@@ -113,7 +113,7 @@ def start_choices(
         raise loop_stopped_error(exc) from None
     deadline = Deadline(state, state.config.request_timeout_s)
     gens = [
-        generate_choice(loop, tokenizer, s, st, state.metrics.tracker())
+        generate_choice(tokenizer, s, st, state.metrics.tracker())
         for s, st in zip(specs, streams, strict=True)
     ]
     return ChoiceRun(loop, specs, gens, deadline, prompt_tokens, state.config.stream_send_timeout_s)

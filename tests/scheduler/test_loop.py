@@ -14,7 +14,7 @@ from fakes import greedy_through_loop, wait_until
 
 from engine.contract import FatalRunnerError, SamplingParams, ScheduledSequence
 from scheduler.config import SchedulerConfig
-from scheduler.fake_runner import FakeRunner, hash_next_token
+from scheduler.fake_runner import FakeDetokenizer, FakeRunner, hash_next_token
 from scheduler.loop import IterationLoop, LoopStoppedError, new_step_thread
 from scheduler.outputs import FinishReason, RequestDelta, StepReport
 
@@ -264,14 +264,79 @@ async def test_a_dead_loop_fails_every_request_and_refuses_new_ones(make_engine)
         engine.generate(prompt(4), SamplingParams(), "c")
 
 
-async def test_finish_ends_a_request_as_a_stop(make_engine):
+# ---- text and stop strings --------------------------------------------------------------------------
+
+WORDS = FakeDetokenizer({30: "one", 31: " two", 32: " <", 33: "/e", 34: ">", 35: " three"})
+
+
+async def start_with_text(runner: FakeRunner) -> IterationLoop:
+    engine = IterationLoop(runner, detokenizer=WORDS)
+    await engine.start()
+    return engine
+
+
+def finished_event(engine: IterationLoop, request_id: str) -> tuple[asyncio.Event, list[StepReport]]:
+    """Set by the step report that lists the request as finished; every report, in order."""
+    reports: list[StepReport] = []
+    done = asyncio.Event()
+
+    def on_step(report: StepReport) -> None:
+        reports.append(report)
+        if request_id in report.finished_ids:
+            done.set()
+
+    engine.add_step_listener(on_step)
+    return done, reports
+
+
+async def test_a_stop_string_frees_the_request_in_the_iteration_that_produced_it():
+    runner = FakeRunner(script=[30, 31, 32, 33, 34, 35, 35, 35])
+    engine = await start_with_text(runner)
+    try:
+        done, reports = finished_event(engine, "a")
+        stream = engine.generate(prompt(6), SamplingParams(max_tokens=50, stop=(" </e>",)), "a")
+        await asyncio.wait_for(done.wait(), GUARD_S)
+        # The 5th token completes the stop string: the step that sampled it (the 5th; the prompt's
+        # step sampled the first) finished the request and its report already sees its blocks free.
+        last = reports[-1]
+        assert (last.step, last.finished_ids, last.kv_blocks_used) == (5, ["a"], 0)
+        assert sum("a" in r.request_ids for r in reports) == 5 == runner.num_steps  # no step after it
+        deltas = await collect(stream)
+        assert "".join(d.text for d in deltas) == "one two"
+        assert deltas[-1].finish_reason is FinishReason.STOP and deltas[-1].num_output_tokens == 5
+    finally:
+        await asyncio.wait_for(engine.shutdown(), GUARD_S)
+
+
+async def test_a_lagging_consumer_gets_the_text_and_logprobs_of_every_delta_merged():
+    params = SamplingParams(max_tokens=50, logprobs=1, stop=(" </e>",))
+    script = [30, 31, 32, 33, 35, 32, 33, 34]  # " </e" is held twice; the second one completes
+    engine = await start_with_text(FakeRunner(script=script))
+    try:
+        streamed = []
+        async for d in engine.generate(prompt(6), params, "reader"):
+            streamed.append(d)
+            await asyncio.sleep(0)  # read each delta before the next step's
+        done, _ = finished_event(engine, "lagging")
+        stream = engine.generate(prompt(6), params, "lagging")
+        await asyncio.wait_for(done.wait(), GUARD_S)  # finished before anything is read
+        (merged,) = await collect(stream)
+    finally:
+        await asyncio.wait_for(engine.shutdown(), GUARD_S)
+    assert len(streamed) > 1
+    assert merged.text == "".join(d.text for d in streamed) == "one two </e three"
+    entries = [(lp.token_id, lp.text_offset) for lp in merged.logprobs or []]
+    assert entries == [(lp.token_id, lp.text_offset) for d in streamed for lp in d.logprobs or []]
+    assert entries == [(30, 0), (31, 3), (32, 7), (33, 9), (35, 11)]  # not the stop string's tokens
+    assert merged.token_ids == script and merged.finish_reason is FinishReason.STOP
+
+
+async def test_stop_strings_need_a_detokenizer(make_engine):
     engine = await make_engine()
-    stream = engine.generate(prompt(4), SamplingParams(max_tokens=100), "a")
-    first = await asyncio.wait_for(stream.__anext__(), GUARD_S)
-    engine.finish("a")
-    rest = await collect(stream)
-    assert first.finish_reason is None and rest[-1].finish_reason is FinishReason.STOP
-    assert rest[-1].num_output_tokens < 100 and engine.stats().kv_blocks_used == 0
+    with pytest.raises(ValueError, match="detokenizer"):
+        engine.generate(prompt(4), SamplingParams(stop=("x",)), "a")
+    deltas = await collect(engine.generate(prompt(4), SamplingParams(max_tokens=3), "b"))
+    assert all(d.text == "" for d in deltas) and deltas[-1].finish_reason is FinishReason.LENGTH
 
 
 async def test_shutdown_aborts_everything_and_stops(make_engine):
