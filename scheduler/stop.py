@@ -5,15 +5,34 @@ request that stops frees its KV blocks before the next iteration is scheduled.""
 from __future__ import annotations
 
 from collections.abc import Sequence, Set
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+from engine.contract import SamplingParams
 from scheduler.outputs import FinishReason
 
-if TYPE_CHECKING:  # request.py imports this module (through output_text.py) at run time
-    from scheduler.request import Request
+
+class _OutputEnd(Protocol):
+    """What the rules read of a request's output text (scheduler.output_text.OutputText)."""
+
+    @property
+    def stopped(self) -> bool: ...
+
+    def close(self) -> bool: ...
 
 
-def check_stop(req: Request, eos_token_ids: Set[int], max_model_len: int) -> FinishReason | None:
+class StoppableRequest(Protocol):
+    """What the stop rules read of a request (scheduler.request.Request, which imports this module
+    through output_text.py: a Protocol keeps the two apart)."""
+
+    output_token_ids: list[int]
+    sampling: SamplingParams
+    output_text: _OutputEnd
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+def check_stop(req: StoppableRequest, eos_token_ids: Set[int], max_model_len: int) -> FinishReason | None:
     """Why the request's newest token (already added to `req.output_text`) ends it, or None to go on.
 
     A stop string wins over the other rules: its text is cut there whatever else the token did.
@@ -31,7 +50,7 @@ def check_stop(req: Request, eos_token_ids: Set[int], max_model_len: int) -> Fin
     return reason
 
 
-def _token_rules(req: Request, eos_token_ids: Set[int], max_model_len: int) -> FinishReason | None:
+def _token_rules(req: StoppableRequest, eos_token_ids: Set[int], max_model_len: int) -> FinishReason | None:
     n_out = len(req.output_token_ids)
     last = req.output_token_ids[-1]
     params = req.sampling
