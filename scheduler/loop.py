@@ -132,6 +132,7 @@ class IterationLoop:
         # applies them only between steps, never while a step is using the blocks.
         self._aborts: deque[str] = deque()
         self._wake = asyncio.Event()
+        self._parked = False  # the loop task sleeps on _wake: nothing to run (is_idle)
         self._listeners: list[StepListener] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -193,6 +194,12 @@ class IterationLoop:
     def is_restarting(self) -> bool:
         """The executor's workers are being restarted: requests queue and run once they are back."""
         return self._restarting and not self._closed
+
+    @property
+    def is_idle(self) -> bool:
+        """The loop is parked with nothing waiting, running or in flight: no step runs until a request
+        (or an abort, or shutdown) wakes it."""
+        return self._parked
 
     def _will_restart(self) -> bool:
         return self._restarting or (self._executor.can_restart and self._restarts.allows(time.monotonic()))
@@ -341,13 +348,16 @@ class IterationLoop:
 
     async def _idle(self) -> None:
         """Sleep until there is work; an executor that can restart is checked meanwhile (IDLE_WATCH_S)."""
-        if not self._executor.can_restart:
-            await self._wake.wait()
-            return
+        self._parked = True
         try:
+            if not self._executor.can_restart:
+                await self._wake.wait()
+                return
             await asyncio.wait_for(self._wake.wait(), IDLE_WATCH_S)
         except asyncio.TimeoutError:
             pass
+        finally:
+            self._parked = False
 
     def _is_down(self) -> bool:
         return self._down is not None or self._executor.dead_reason is not None

@@ -21,8 +21,9 @@ import httpx
 import pytest
 import torch
 from builders import build_hf_model, gguf_structured, tiny_gpt2_config, tiny_llama_config
-from fakes import greedy_through_loop, live_server, metric, server_config, wait_until
+from fakes import greedy_through_loop, live_server, metric, server_config
 from kernel_marks import needs_native_kernels
+from waiting import wait_until
 
 from engine.config import EngineConfig
 from engine.contract import SampledToken, SamplingParams, ScheduledSequence
@@ -389,7 +390,7 @@ async def test_a_killed_worker_is_restarted_and_the_server_serves_again(
             # in flight with an error event: either is a clean answer).
             assert (await queued).status_code == 200
             assert (await streamed).status_code == 200
-            await wait_until(lambda: engine.is_running, steps=4000)
+            await wait_until(lambda: engine.is_running)
             assert (await http.get("/health")).status_code == 200
             assert runner.worker_pids != old_pids
             assert "orca:worker_restarts_total" in (metrics := (await http.get("/metrics")).text)

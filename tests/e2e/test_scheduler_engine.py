@@ -151,13 +151,12 @@ async def test_request_level_batching_makes_the_late_arrival_wait_for_the_whole_
         order.append((rid, engine.stats().num_steps))
         return deltas
 
+    first_step = asyncio.Event()  # set on the loop thread as the first iteration is applied
+    engine.add_step_listener(lambda report: first_step.set())
     try:
         a = asyncio.create_task(run("a", engine.generate(prompt(8, 5), greedy(12), "a")))
         b = asyncio.create_task(run("b", engine.generate(prompt(8, 6), greedy(3), "b")))
-        for _ in range(10_000):  # until the batch {a, b} has run its first iteration
-            if engine.stats().num_steps >= 1:
-                break
-            await asyncio.sleep(0)
+        await asyncio.wait_for(first_step.wait(), GUARD_S)  # the batch {a, b} has run its first iteration
         assert engine.stats().running == 2
         late = await run("late", engine.generate(prompt(8, 7), greedy(2), "late"))
         deltas_a, deltas_b = await asyncio.gather(a, b)

@@ -10,7 +10,8 @@ import httpx
 import openai
 import pytest
 import pytest_asyncio
-from fakes import live_server, parse_sse, server_config, wait_until
+from fakes import live_server, parse_sse, server_config
+from waiting import wait_until
 
 from server.app import create_app
 from server.loader import load_model

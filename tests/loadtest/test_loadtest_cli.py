@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import uvicorn
+from waiting import wait_for
 
 from loadtest import cli, plot
 from loadtest.fakeserver import FakeConfig, create_app
@@ -30,10 +30,13 @@ def fake_server(config: FakeConfig) -> Iterator[str]:
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    while not server.started:
+
+    def started() -> bool:
         if not thread.is_alive():
             raise RuntimeError("fake server did not start")
-        time.sleep(0.01)
+        return server.started
+
+    wait_for(started, poll_s=0.01)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -10,7 +10,8 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
-from fakes import greedy_through_loop, wait_until
+from fakes import greedy_through_loop
+from waiting import wait_until
 
 from engine.contract import FatalRunnerError, SamplingParams, ScheduledSequence
 from scheduler.config import SchedulerConfig
@@ -37,15 +38,6 @@ async def collect(stream: AsyncIterator[RequestDelta]) -> list[RequestDelta]:
         return [d async for d in stream]
 
     return await asyncio.wait_for(run(), GUARD_S)
-
-
-async def until(cond, turns: int = 10_000) -> None:
-    """Yield to the event loop until cond() holds (counted in loop turns, not seconds)."""
-    for _ in range(turns):
-        if cond():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("condition never held")
 
 
 async def in_thread_wait(event: threading.Event) -> None:
@@ -86,7 +78,7 @@ async def test_lagging_consumer_gets_coalesced_deltas_without_loss(make_engine):
     engine = await make_engine()
     p = prompt(5)
     stream = engine.generate(p, SamplingParams(max_tokens=8, logprobs=1), "a")
-    await until(lambda: engine.stats().num_steps >= 8)  # finished before we read anything
+    await wait_until(lambda: engine.stats().num_steps >= 8)  # finished before we read anything
     deltas = await collect(stream)
     assert len(deltas) == 1 and deltas[0].token_ids == expected_outputs(p, 8)
     assert deltas[0].finish_reason is FinishReason.LENGTH
@@ -177,7 +169,7 @@ async def test_closing_the_iterator_aborts(make_engine):
     stream = engine.generate(prompt(4), SamplingParams(max_tokens=100), "a")
     await asyncio.wait_for(stream.__anext__(), GUARD_S)
     await stream.aclose()
-    await until(lambda: engine.stats().running == 0)
+    await wait_until(lambda: engine.stats().running == 0)
     assert engine.stats().kv_blocks_used == 0
 
 
@@ -195,7 +187,7 @@ async def test_cancelling_the_consumer_task_aborts(make_engine):
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await until(lambda: engine.stats().running == 0)
+    await wait_until(lambda: engine.stats().running == 0)
     assert engine.stats().kv_blocks_used == 0
     # the id is free again once the request is gone
     await collect(engine.generate(prompt(4), SamplingParams(max_tokens=2), "a"))
@@ -220,14 +212,13 @@ async def test_event_loop_keeps_answering_during_a_slow_step(make_engine):
 async def test_idle_loop_does_not_step(make_engine):
     runner = FakeRunner()
     engine = await make_engine(runner)
-    for _ in range(200):
-        await asyncio.sleep(0)
+    await wait_until(lambda: engine.is_idle)  # parked: nothing runs until a request wakes it
     assert engine.stats().num_steps == 0 and runner.num_steps == 0 and engine.is_running
     await collect(engine.generate(prompt(4), SamplingParams(max_tokens=3), "a"))
+    await wait_until(lambda: engine.is_idle)
     steps = engine.stats().num_steps
-    for _ in range(200):
-        await asyncio.sleep(0)
-    assert engine.stats().num_steps == steps == runner.num_steps
+    assert steps == runner.num_steps and 3 <= steps
+    assert engine.is_idle and engine.stats().num_steps == steps
 
 
 async def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(make_engine):

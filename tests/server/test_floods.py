@@ -11,7 +11,8 @@ import socket
 import time
 
 import httpx
-from fakes import FakeRunner, drained, live_server, loop_of, make_app, wait_until
+from fakes import FakeRunner, drained, live_server, loop_of, make_app
+from waiting import wait_until
 
 from loadtest.launcher import LOOPBACK
 
@@ -56,21 +57,25 @@ async def test_connections_past_the_cap_get_a_fast_503(tokenizer):
         # Three idle connections (a flood that sends nothing) fill the cap.
         idle = [_connect(url) for _ in range(3)]
         try:
-            await asyncio.sleep(0.2)  # accepted by the server
             async with httpx.AsyncClient(base_url=url, timeout=10) as http:
-                t0 = time.perf_counter()
-                r = await http.get("/health")
-                assert r.status_code == 503 and time.perf_counter() - t0 < 5
+
+                async def refused_fast() -> bool:
+                    # Each probe is a fourth connection: once the server has accepted the three idle
+                    # ones, it is answered 503 at once (before the app runs), not queued.
+                    t0 = time.perf_counter()
+                    r = await http.get("/health")
+                    return r.status_code == 503 and time.perf_counter() - t0 < 5
+
+                await wait_until(refused_fast, poll_s=0.05)
         finally:
             for s in idle:
                 s.close()
-        await asyncio.sleep(0.2)
         async with httpx.AsyncClient(base_url=url, timeout=10) as http:
-            for _ in range(50):  # the server sees the closed connections go within a few turns
-                if (await http.get("/health")).status_code == 200:
-                    break
-                await asyncio.sleep(0.1)
-            assert (await http.get("/health")).status_code == 200
+
+            async def served() -> bool:  # the server sees the closed connections go
+                return (await http.get("/health")).status_code == 200
+
+            await wait_until(served, poll_s=0.05)
 
 
 async def test_a_body_sent_a_byte_at_a_time_gets_408(tokenizer):
@@ -137,9 +142,7 @@ async def test_a_stream_that_is_never_read_is_aborted(tokenizer):
         try:
             await _send(sock, _request_head("/v1/completions", len(body)) + body)
             await wait_until(lambda: engine.stats().running == 8)
-            deadline = time.monotonic() + 60
-            while engine.stats().running and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            await wait_until(lambda: engine.stats().running == 0, timeout_s=60, poll_s=0.05)
             stats = engine.stats()
             # Aborted while the client is still connected, not finished: far fewer steps than tokens.
             assert stats.running == 0 and stats.kv_blocks_used == 0, stats
