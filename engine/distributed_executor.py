@@ -53,7 +53,6 @@ from engine.distributed import (
     broadcast_message,
     decode_batch,
     encode_batch,
-    free_tcp_port,
     init_groups,
     launched_by_torchrun,
     recv_message,
@@ -62,6 +61,7 @@ from engine.distributed import (
 )
 from engine.executor import ExecutorBase, PendingStep
 from engine.model_runner import ModelRunner
+from engine.ports import LOOPBACK, free_tcp_port
 
 logger = logging.getLogger(__name__)
 
@@ -222,7 +222,7 @@ class DistributedExecutor(ExecutorBase):
             device = rank_device(config, int(os.environ.get("LOCAL_RANK", 0)))
         else:
             # A fresh port each time: a restarted group must not meet the old rendezvous.
-            init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
+            init_method = f"tcp://{LOOPBACK}:{free_tcp_port()}"
             local_world = world
             device = rank_device(config, 0)
             self._spawn_workers(config, model_path, init_method, world)

@@ -11,7 +11,7 @@ from collections import deque
 from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 
-from engine.contract import PromptLogprobs, SampledToken, ScheduledSequence, StepResult
+from engine.contract import Executor, PromptLogprobs, SampledToken, ScheduledSequence, StepResult
 from scheduler.block_allocator import BlockAllocator, BlockHash, blocks_for_tokens
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import FinishReason, PrefixCacheStats, SchedulerStats
@@ -51,6 +51,14 @@ class ScheduledStep:
 class Scheduler:
     """Waiting queue (FCFS, preempted requests at the front), running list (in admission order),
     KV blocks, and the stop conditions."""
+
+    @classmethod
+    def for_executor(cls, config: SchedulerConfig, executor: Executor) -> Scheduler:
+        """A scheduler over an executor's KV cache. A request longer than the whole cache could never run
+        (reserve) or would preempt itself forever (lazy), so the cache's capacity caps the length as
+        the model's limit does."""
+        max_len = min(executor.max_model_len, executor.num_kv_blocks * executor.block_size)
+        return cls(config, executor.num_kv_blocks, executor.block_size, max_len, executor.eos_token_ids)
 
     def __init__(
         self,

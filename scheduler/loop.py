@@ -117,16 +117,8 @@ class IterationLoop:
         self.config = config or SchedulerConfig()
         self._executor = executor
         self._detokenizer = detokenizer
-        # A request longer than the whole KV cache could never run (reserve) or would preempt itself
-        # forever (lazy), so the cache's capacity caps the length like the model's limit does.
-        self.max_model_len: int = min(executor.max_model_len, executor.num_kv_blocks * executor.block_size)
-        self._scheduler = Scheduler(
-            self.config,
-            num_kv_blocks=executor.num_kv_blocks,
-            block_size=executor.block_size,
-            max_model_len=self.max_model_len,
-            eos_token_ids=executor.eos_token_ids,
-        )
+        self._scheduler = Scheduler.for_executor(self.config, executor)
+        self.max_model_len: int = self._scheduler.max_model_len  # the model's, capped by the KV cache
         self._queues: dict[str, asyncio.Queue[RequestDelta]] = {}
         # Ids of requests to abort, from any thread; deque append/popleft are atomic, and the loop
         # applies them only between steps, never while a step is using the blocks.

@@ -19,7 +19,7 @@ import uvicorn
 from fastapi import FastAPI
 from waiting import wait_for
 
-from loadtest.launcher import LOOPBACK, free_port
+from engine.ports import LOOPBACK, free_tcp_port
 
 T = TypeVar("T")
 
@@ -101,7 +101,7 @@ class ServedApp:
 
     def __init__(self, app: FastAPI) -> None:
         self.app = app
-        self.port = free_port()
+        self.port = free_tcp_port()
         self.url = f"http://{LOOPBACK}:{self.port}"
         self._loop = asyncio.new_event_loop()
         config = uvicorn.Config(

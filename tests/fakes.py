@@ -20,7 +20,7 @@ from waiting import wait_for, wait_until
 
 from engine.config import EngineConfig
 from engine.contract import SamplingParams
-from loadtest.launcher import LOOPBACK, free_port
+from engine.ports import LOOPBACK, free_tcp_port
 from scheduler import fake_runner
 from scheduler.config import SchedulerConfig
 from scheduler.loop import IterationLoop
@@ -64,7 +64,7 @@ async def live_server(app: FastAPI, as_cli: bool = False) -> AsyncIterator[str]:
     """uvicorn serving the app on a free local port inside this event loop; yields the base URL.
     uvicorn runs the app's lifespan itself (model loading at startup, engine shutdown at exit).
     as_cli: the server `python -m server` runs (server.cli.make_server: its connection cap included)."""
-    port = free_port()
+    port = free_tcp_port()
     if as_cli:
         from server.cli import make_server
 
@@ -240,7 +240,7 @@ TINY_SERVER_FLAGS = ("--dtype", "float32", "--device", "cpu", "--num-kv-blocks",
 def server_process(model: str, log: Path, served_name: str, *flags: str) -> Iterator[str]:
     """`python -m server` on a free port until the generator is closed; yields its base URL once
     /health says 200 (for module-scoped fixtures: `yield from server_process(...)`)."""
-    port = free_port()
+    port = free_tcp_port()
     cmd = [
         sys.executable, "-m", "server", "--model", model, "--served-model-name", served_name,
         "--port", str(port), "--log-level", "warning", *flags,

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from models.errors import ModelLoadError
-from models.gguf.blocks import decodable, decode
+from models.gguf.blocks import decodable, decode_blocks
 from models.layers.packed_weight import BlockComponents, QuantizedBlocks
 
 MANIFEST = "gguf_weights.json"
@@ -72,7 +72,7 @@ class QuantizedTensor(QuantizedBlocks):
         return QuantizedTensor(self.ggml_type, (rows, length), self.raw[:, b0:b1])
 
     def components(self) -> BlockComponents:
-        return decode(self.ggml_type, self.raw, self.shape[1])
+        return decode_blocks(self.ggml_type, self.raw, self.shape[1])
 
     def dequantize(self) -> torch.Tensor:
         from gguf import GGMLQuantizationType, quants

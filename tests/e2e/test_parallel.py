@@ -20,7 +20,7 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from builders import build_hf_model, gguf_structured, tiny_gpt2_config, tiny_llama_config
+from builders import build_hf_model, cpu_engine_config, gguf_structured, tiny_gpt2_config, tiny_llama_config
 from fakes import greedy_through_loop, live_server, metric, server_config
 from kernel_marks import needs_native_kernels
 from waiting import wait_until
@@ -171,10 +171,8 @@ def test_topology_is_stage_major() -> None:
 
 
 def engine_config(model_dir: Path, tp: int = 1, pp: int = 1) -> EngineConfig:
-    return EngineConfig(
-        model=str(model_dir),
-        dtype="float32",
-        device="cpu",
+    return cpu_engine_config(
+        model_dir,
         num_kv_blocks=NUM_KV_BLOCKS,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
@@ -441,7 +439,7 @@ def test_torchrun_launch_matches_one_process(
     import subprocess
     import sys
 
-    from engine.distributed import free_tcp_port
+    from engine.ports import free_tcp_port
 
     script = tmp_path / "run.py"
     script.write_text(TORCHRUN_SCRIPT)

@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from builders import cpu_engine_config
 
-from engine.config import EngineConfig
 from engine.contract import SamplingParams
 from engine.executor import LocalExecutor
 from scheduler.config import SchedulerConfig
@@ -29,15 +29,7 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def runner_for(model_dir: Path, num_kv_blocks: int, block_size: int = 4) -> LocalExecutor:
-    return LocalExecutor(
-        EngineConfig(
-            model=str(model_dir),
-            dtype="float32",
-            device="cpu",
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-        )
-    )
+    return LocalExecutor(cpu_engine_config(model_dir, block_size=block_size, num_kv_blocks=num_kv_blocks))
 
 
 @pytest.fixture(scope="module")

@@ -10,10 +10,10 @@ from pathlib import Path
 import llguidance as llg
 import pytest
 import torch
+from builders import cpu_engine_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.config import EngineConfig
 from engine.contract import SamplingParams
 from engine.executor import LocalExecutor
 from engine.grammar import GrammarCompiler, GrammarError, GrammarSpec
@@ -44,11 +44,7 @@ PROMPT = [1, 504, 3458, 28, 253, 1789, 30]
 
 @pytest.fixture(scope="module")
 def runner(tiny_llama_dir: Path) -> LocalExecutor:
-    return LocalExecutor(
-        EngineConfig(
-            model=str(tiny_llama_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=256
-        )
-    )
+    return LocalExecutor(cpu_engine_config(tiny_llama_dir, block_size=4, num_kv_blocks=256))
 
 
 @pytest.fixture(scope="module")

@@ -12,9 +12,10 @@ import pytest
 import uvicorn
 from waiting import wait_for
 
+from engine.ports import free_tcp_port
 from loadtest import cli, plot
 from loadtest.fakeserver import FakeConfig, create_app
-from loadtest.launcher import build_command, free_port
+from loadtest.launcher import build_command
 from loadtest.results import BenchmarkResults
 from loadtest.tokenizer import HFTokenizer
 
@@ -24,7 +25,7 @@ SMALL = ["--input-len-min", "8", "--input-len-max", "48", "--output-len-min", "1
 @contextmanager
 def fake_server(config: FakeConfig) -> Iterator[str]:
     """The fake server on a uvicorn thread; yields its base URL."""
-    port = free_port()
+    port = free_tcp_port()
     server = uvicorn.Server(
         uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning")
     )

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategies import scheduler_configs
 
 from engine.contract import SampledToken, SamplingParams
 from scheduler.block_allocator import BlockAllocator, NoFreeBlocksError, blocks_for_tokens
@@ -32,10 +33,8 @@ def expected_outputs(prompt: Sequence[int], n: int) -> list[int]:
     return context[len(prompt) :]
 
 
-def make(runner: FakeRunner, **cfg) -> Scheduler:
-    config = SchedulerConfig(**cfg)
-    max_len = min(runner.max_model_len, runner.num_kv_blocks * runner.block_size)
-    return Scheduler(config, runner.num_kv_blocks, runner.block_size, max_len, runner.eos_token_ids)
+def make(runner: FakeRunner, config: SchedulerConfig | None = None, **cfg) -> Scheduler:
+    return Scheduler.for_executor(config or SchedulerConfig(**cfg), runner)
 
 
 def prompt_of(rid: str, prompt_len: int) -> list[int]:
@@ -364,31 +363,19 @@ def stop_point(tokens: Sequence[int], stop: str) -> int | None:
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     wl=workloads(),
-    scheduling=st.sampled_from(["iteration", "request"]),
-    kv_policy=st.sampled_from(["lazy", "reserve"]),
-    chunked=st.booleans(),
-    max_num_seqs=st.integers(1, 6),
-    extra_budget=st.integers(0, 30),
+    config=scheduler_configs(max_extra_budget=30),
     block_size=st.sampled_from([1, 2, 4]),
     extra_blocks=st.integers(0, 12),
 )
-def test_random_workloads_keep_every_invariant(
-    wl, scheduling, kv_policy, chunked, max_num_seqs, extra_budget, block_size, extra_blocks
-):
+def test_random_workloads_keep_every_invariant(wl, config, block_size, extra_blocks):
     longest = max(p + m for _, p, m in wl.arrivals)
     num_blocks = blocks_for_tokens(longest, block_size) + extra_blocks  # small: preemption is common
     runner = FakeRunner(
         num_kv_blocks=num_blocks, block_size=block_size, max_model_len=num_blocks * block_size
     )
-    budget = max_num_seqs + extra_budget
-    sched = make(
-        runner,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=budget,
-        chunked_prefill=chunked,
-        scheduling=scheduling,
-        kv_policy=kv_policy,
-    )
+    sched = make(runner, config)
+    max_num_seqs, budget, chunked = config.max_num_seqs, config.max_num_batched_tokens, config.chunked_prefill
+    scheduling, kv_policy = config.scheduling, config.kv_policy
     # A stop string: the text of the stop_at-th token the fake model says for that prompt.
     stops = {
         i: DETOK.text(expected_outputs(prompt_of(f"r{i}", wl.arrivals[i][1]), k)[-1])

@@ -14,7 +14,7 @@ import httpx
 from fakes import FakeRunner, drained, live_server, loop_of, make_app
 from waiting import wait_until
 
-from loadtest.launcher import LOOPBACK
+from engine.ports import LOOPBACK
 
 
 def _connect(url: str, rcvbuf: int | None = None) -> socket.socket:

@@ -165,7 +165,7 @@ def fuzz_app(request, smollm2_tokenizer_dir):
         config = server_config(model=MODEL, **limits)
         loader = fake_loader(tokenizer, FakeRunner(max_model_len=64, num_kv_blocks=64))
     else:
-        from server.loader import load_model
+        from server.loader import load_served_model
 
         tiny = request.getfixturevalue("tiny_llama_dir")
         config = server_config(
@@ -179,7 +179,7 @@ def fuzz_app(request, smollm2_tokenizer_dir):
         )
 
         def loader():
-            return load_model(config)
+            return load_served_model(config)
 
     app = create_app(config, loader)
     loop = asyncio.new_event_loop()

@@ -13,8 +13,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fakes import SERVER_START_TIMEOUT_S, free_port
+from fakes import SERVER_START_TIMEOUT_S
 from waiting import wait_for
+
+from engine.ports import free_tcp_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_SCRIPT = """
@@ -33,7 +35,7 @@ raise SystemExit(serve(create_app(config, fake_loader(ServerTokenizer.from_pretr
 
 
 def start_server(tokenizer_dir: Path, grace: float) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
+    port = free_tcp_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
     proc = subprocess.Popen(
         [sys.executable, "-c", SERVER_SCRIPT, str(tokenizer_dir), str(port), str(grace)],
