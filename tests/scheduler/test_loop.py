@@ -193,18 +193,23 @@ async def test_cancelling_the_consumer_task_aborts(make_engine):
     await collect(engine.generate(prompt(4), SamplingParams(max_tokens=2), "a"))
 
 
-async def test_event_loop_keeps_answering_during_a_slow_step(make_engine):
-    gate = threading.Event()
-    runner = FakeRunner(gate=gate)
+async def held_first_step(make_engine, max_tokens: int) -> tuple[IterationLoop, FakeRunner, AsyncIterator]:
+    """An engine running request "a", its first step held in the worker thread until runner.gate is set."""
+    runner = FakeRunner(gate=threading.Event())
     engine = await make_engine(runner)
-    stream = engine.generate(prompt(4), SamplingParams(max_tokens=2), "a")
+    stream = engine.generate(prompt(4), SamplingParams(max_tokens=max_tokens), "a")
     await in_thread_wait(runner.step_started)
+    return engine, runner, stream
+
+
+async def test_event_loop_keeps_answering_during_a_slow_step(make_engine):
+    engine, runner, stream = await held_first_step(make_engine, max_tokens=2)
     progress = 0
     for _ in range(50):  # another coroutine runs many turns while the step is held in the worker
         await asyncio.sleep(0)
         progress += 1
     assert progress == 50 and runner.num_steps == 0 and engine.stats().running == 1
-    gate.set()
+    runner.gate.set()
     deltas = await collect(stream)
     assert deltas[-1].finish_reason is FinishReason.LENGTH
 
@@ -234,11 +239,7 @@ async def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(make_engin
 
 
 async def test_a_dead_loop_fails_every_request_and_refuses_new_ones(make_engine):
-    gate = threading.Event()
-    runner = FakeRunner(gate=gate)
-    engine = await make_engine(runner)
-    a = engine.generate(prompt(4), SamplingParams(max_tokens=50), "a")
-    await in_thread_wait(runner.step_started)
+    engine, runner, a = await held_first_step(make_engine, max_tokens=50)
     b = engine.generate(prompt(4), SamplingParams(max_tokens=50), "b")  # waiting
 
     def broken_update(step, sampled):
@@ -246,7 +247,7 @@ async def test_a_dead_loop_fails_every_request_and_refuses_new_ones(make_engine)
 
     engine._scheduler.update = broken_update  # type: ignore[method-assign]
     engine._scheduler.fail = broken_update  # type: ignore[method-assign]
-    gate.set()
+    runner.gate.set()
     for stream in (a, b):
         deltas = await collect(stream)
         assert deltas[-1].finish_reason is FinishReason.ERROR and "scheduler bug" in (deltas[-1].error or "")

@@ -78,44 +78,42 @@ async def test_connections_past_the_cap_get_a_fast_503(tokenizer):
             await wait_until(served, poll_s=0.05)
 
 
-async def test_a_body_sent_a_byte_at_a_time_gets_408(tokenizer):
+BODY = json.dumps({"prompt": "hello", "max_tokens": 2}).encode()
+
+
+async def _trickle(
+    tokenizer, body_timeout_s: float, pieces: list[bytes], pause_s: float
+) -> tuple[bytes, FakeRunner]:
+    """A completions request whose body arrives in `pieces`, pause_s apart (stopping once the server
+    answers): the head of the answer, and the runner behind the server."""
     runner = FakeRunner()
-    app = make_app(tokenizer, runner, body_timeout_s=0.5)
-    body = json.dumps({"prompt": "hello", "max_tokens": 2}).encode()
+    app = make_app(tokenizer, runner, body_timeout_s=body_timeout_s)
     async with live_server(app) as url:
         sock = _connect(url)
         try:
-            await _send(sock, _request_head("/v1/completions", len(body)))
+            await _send(sock, _request_head("/v1/completions", len(BODY)))
             reader = asyncio.ensure_future(_read_response(sock))
-            for byte in body[:-1]:  # never the last byte
+            for piece in pieces:
                 if reader.done():
                     break
-                await _send(sock, bytes([byte]))
-                await asyncio.sleep(0.05)
-            head = await reader
+                await _send(sock, piece)
+                await asyncio.sleep(pause_s)  # pacing the client, not waiting for the server
+            return await reader, runner
         finally:
             sock.close()
-        assert head.startswith(b"HTTP/1.1 408"), head[:200]
-        assert b"body_timeout" in head
-        # Nothing reached the engine.
-        assert runner.num_steps == 0
+
+
+async def test_a_body_sent_a_byte_at_a_time_gets_408(tokenizer):
+    # Byte by byte, and never the last one: the body cannot be whole within the limit.
+    head, runner = await _trickle(tokenizer, 0.5, [bytes([b]) for b in BODY[:-1]], pause_s=0.05)
+    assert head.startswith(b"HTTP/1.1 408"), head[:200]
+    assert b"body_timeout" in head
+    assert runner.num_steps == 0  # nothing reached the engine
 
 
 async def test_a_body_within_the_time_limit_is_served(tokenizer):
-    runner = FakeRunner()
-    app = make_app(tokenizer, runner, body_timeout_s=5.0)
-    body = json.dumps({"prompt": "hello", "max_tokens": 2}).encode()
-    async with live_server(app) as url:
-        sock = _connect(url)
-        try:
-            await _send(sock, _request_head("/v1/completions", len(body)))
-            await _send(sock, body[:5])
-            await asyncio.sleep(0.1)
-            await _send(sock, body[5:])
-            head = await _read_response(sock)
-        finally:
-            sock.close()
-        assert head.startswith(b"HTTP/1.1 200"), head[:200]
+    head, _ = await _trickle(tokenizer, 5.0, [BODY[:5], BODY[5:]], pause_s=0.1)
+    assert head.startswith(b"HTTP/1.1 200"), head[:200]
 
 
 async def test_a_stream_that_is_never_read_is_aborted(tokenizer):
