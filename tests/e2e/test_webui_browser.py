@@ -115,7 +115,7 @@ def test_a_reply_streams_in_and_a_second_turn_carries_the_conversation(browser, 
             found = replies(browser)
             return found and found[0]["text"].strip() and found[0]["pending"] and not found[0]["stats"]
 
-        wait_for(streaming, interval=0.01)
+        wait_for(streaming, poll_s=0.01)
         first = finished_reply(browser, 1)
         user = browser.find_element(By.CSS_SELECTOR, "article.msg.user .body")
         assert user.text == "first line\nsecond line"
