@@ -7,10 +7,12 @@ forward with one decode token per sequence against the cached history must match
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from builders import build_hf_model, tiny_gpt2_config, tiny_llama_config
-from paged_cache import PagedCacheHarness
+from paged_cache import PagedCacheHarness, reference_attention
 
 from models.layers.attention import available_backends, select_attention_backend
 from models.layers.metadata import AttentionMetadata
@@ -161,18 +163,37 @@ def _random_step(model, seed: int, decode_only: bool):
     return harness, batch, q, h_kv
 
 
-@pytest.mark.parametrize("backend", [b for b in available_backends("cpu") if b != "sdpa"])
+@pytest.mark.parametrize("window", [None, 1, 4, 11])
 @pytest.mark.parametrize("decode_only", [True, False])
-def test_backend_matches_sdpa(backend: str, decode_only: bool) -> None:
+def test_sdpa_matches_the_definition(decode_only: bool, window: int | None) -> None:
+    """The reference backend against attention written from its definition (tests/paged_cache.py),
+    with and without a sliding window: histories of 7 to 26 keys, chunks of up to 9 queries."""
+    _, ours = build_pair(CONFIGS["llama-gqa-tied"]())
+    harness, batch, q, _ = _random_step(ours, 3, decode_only)
+    k_cache, v_cache = harness.kv_caches[0]
+    sdpa = select_attention_backend("sdpa")
+    md = batch.metadata
+    out = sdpa.forward(q, k_cache, v_cache, md, sdpa.plan(md), 0.25, window)
+    torch.testing.assert_close(out, reference_attention(q, k_cache, v_cache, md, 0.25, window))
+
+
+@pytest.mark.parametrize("backend", [b for b in available_backends("cpu") if b != "sdpa"])
+@pytest.mark.parametrize("window", [None, 4, 11])
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_backend_matches_sdpa(backend: str, decode_only: bool, window: int | None) -> None:
     _, ours = build_pair(CONFIGS["llama-gqa-tied"]())
     harness, batch, q, _ = _random_step(ours, 3, decode_only)
     k_cache, v_cache = harness.kv_caches[0]
     ref_backend = select_attention_backend("sdpa")
     other = select_attention_backend(backend)
     md = batch.metadata
-    ref = ref_backend.forward(q, k_cache, v_cache, md, ref_backend.plan(md), 0.25)
-    out = other.forward(q, k_cache, v_cache, md, other.plan(md), 0.25)
+    ref = ref_backend.forward(q, k_cache, v_cache, md, ref_backend.plan(md), 0.25, window)
+    plan = other.plan(md)
+    out = other.forward(q, k_cache, v_cache, md, plan, 0.25, window)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # One plan serves layers of both kinds in a step (a Gemma 3 step's local and global layers).
+    full = other.forward(q, k_cache, v_cache, md, plan, 0.25)
+    torch.testing.assert_close(full, ref_backend.forward(q, k_cache, v_cache, md, ref_backend.plan(md), 0.25))
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -340,8 +361,11 @@ def test_backend_selection() -> None:
     assert [b for b in available_backends("cpu") if b != "triton"] == ["sdpa", "cpu-decode"]
 
 
-def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
-    """Per-sequence bottom-right-causal attention over contiguous cu_seqlens layouts."""
+def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_size=(-1, 0)):
+    """Per-sequence bottom-right-causal attention over contiguous cu_seqlens layouts, with
+    flash-attn's window_size=(left, right): query i sees keys i + sk - sq - left .. i + sk - sq."""
+    left, right = window_size
+    assert right == 0
     outs = []
     for i in range(len(cu_q) - 1):
         qi = q[cu_q[i] : cu_q[i + 1]].transpose(0, 1)
@@ -349,6 +373,8 @@ def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
         vi = v[cu_k[i] : cu_k[i + 1]].transpose(0, 1)
         ql, sl = qi.shape[1], ki.shape[1]
         mask = torch.ones(ql, sl, dtype=torch.bool).tril(sl - ql)
+        if left >= 0:
+            mask &= torch.ones(ql, sl, dtype=torch.bool).triu(sl - ql - left)
         o = torch.nn.functional.scaled_dot_product_attention(
             qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True
         )
@@ -356,10 +382,12 @@ def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
     return torch.cat(outs)
 
 
+@pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("decode_only", [True, False])
-def test_varlen_backends_gather_and_arguments(decode_only: bool) -> None:
-    """The CUDA backends' CPU-side plumbing (history gather to the cu_seqlens_k layout, argument order)
-    with the kernel replaced by a reference implementation, so it is checked on any machine."""
+def test_varlen_backends_gather_and_arguments(decode_only: bool, window: int | None) -> None:
+    """The CUDA backends' CPU-side plumbing (history gather to the cu_seqlens_k layout, argument order,
+    the sliding window in flash-attn's (left, right) convention) with the kernel replaced by a
+    reference implementation, so it is checked on any machine."""
     from models.layers.attention_backends import FlashAttnBackend, TorchVarlenBackend
 
     _, ours = build_pair(CONFIGS["llama-gqa-tied"]())
@@ -367,28 +395,43 @@ def test_varlen_backends_gather_and_arguments(decode_only: bool) -> None:
     k_cache, v_cache = harness.kv_caches[0]
     md = batch.metadata
     sdpa = select_attention_backend("sdpa")
-    ref = sdpa.forward(q, k_cache, v_cache, md, sdpa.plan(md), 0.25)
+    ref = sdpa.forward(q, k_cache, v_cache, md, sdpa.plan(md), 0.25, window)
 
     varlen = TorchVarlenBackend.__new__(TorchVarlenBackend)
     varlen._causal, varlen._gqa = {"window_size": (-1, 0)}, {"enable_gqa": True}
+    varlen.supports_sliding_window = True
 
     def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa):
-        assert window_size == (-1, 0) and enable_gqa
+        assert enable_gqa
         assert (max_q, max_k) == (md.max_query_len, md.max_seq_len)
-        return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+        return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_size)
 
     varlen._attn = fake_varlen
-    torch.testing.assert_close(varlen.forward(q, k_cache, v_cache, md, varlen.plan(md), 0.25), ref)
+    out = varlen.forward(q, k_cache, v_cache, md, varlen.plan(md), 0.25, window)
+    torch.testing.assert_close(out, ref)
 
     flash = FlashAttnBackend.__new__(FlashAttnBackend)
 
-    def fake_flash(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
-        assert causal
+    def fake_flash(
+        q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, **kw
+    ):
+        assert causal and set(kw) <= {"window_size"}
         return _reference_varlen(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale
-        )
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+            kw.get("window_size", (-1, 0)),
+        )  # fmt: skip
 
     flash._attn = fake_flash
     plan = flash.plan(md)
     assert plan.slots is not None  # block size 4: not a multiple of 256, so the history is gathered
-    torch.testing.assert_close(flash.forward(q, k_cache, v_cache, md, plan, 0.25), ref)
+    torch.testing.assert_close(flash.forward(q, k_cache, v_cache, md, plan, 0.25, window), ref)
+
+
+def test_varlen_without_window_size_refuses_windows() -> None:
+    from models.layers.attention_backends import TorchVarlenBackend
+
+    varlen = TorchVarlenBackend.__new__(TorchVarlenBackend)
+    varlen._causal, varlen.supports_sliding_window = {"is_causal": True}, False  # an older torch
+    md = PagedCacheHarness(SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=8), 1).step([[0]]).metadata
+    with pytest.raises(ValueError, match="window"):
+        varlen.forward(torch.zeros(1, 1, 8), None, None, md, None, 1.0, 4)
