@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from models.errors import ModelLoadError
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -65,6 +67,17 @@ def no_sliding_window(config: Any) -> int | None:
     return None
 
 
+def text_config(config: Any) -> Any:
+    """The language model's config: a multimodal config's text part (transformers' `get_text_config`:
+    Gemma 3's `text_config`), otherwise the config itself."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+# transformers' `layer_types` entries this server runs (any other is refused).
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """One model family: its class and what the shared loader, converter and kernels read of it."""
@@ -83,10 +96,32 @@ class ModelFamily:
     # Whether the layers shard Megatron-style (column-parallel in, row-parallel out, vocab-parallel
     # embedding and head); every layer class that does takes a TPContext.
     tensor_parallel: bool = True
-    # The attention window the config turns on (None: full attention); the context is capped at it
-    # until sliding-window attention lands.
+    # The attention window the (text) config turns on (None: full attention); `layer_windows` says
+    # which layers use it.
     sliding_window: Callable[[Any], int | None] = field(default=no_sliding_window)
 
     def __post_init__(self) -> None:
         # The class learns its family, so a built model reads its own declaration (model.family).
         self.model.family = self
+
+    def layer_windows(self, config: Any) -> tuple[int | None, ...]:
+        """Each decoder layer's sliding window (None: full attention), as transformers applies it: the
+        window on the layers the config's `layer_types` marks sliding (Qwen2's past
+        `max_window_layers`, Gemma 3's local layers), on every layer where it lists no types
+        (Mistral)."""
+        text = text_config(config)
+        n = text.num_hidden_layers
+        window = self.sliding_window(text)
+        types = getattr(text, "layer_types", None)
+        if types is not None:
+            if len(types) != n or not set(types) <= {SLIDING, FULL}:
+                raise ModelLoadError(
+                    f"layer_types {types!r}: expected {n} entries of {SLIDING!r} or {FULL!r}"
+                )
+            if window is None and SLIDING in types:
+                raise ModelLoadError("layer_types has sliding-attention layers but the config sets no window")
+        if window is None:
+            return (None,) * n
+        if types is None:
+            return (int(window),) * n
+        return tuple(int(window) if t == SLIDING else None for t in types)

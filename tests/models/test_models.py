@@ -53,14 +53,19 @@ CONFIGS = {
     ),
     "qwen2-qkv-bias": lambda: _qwen2_config(),
     "mistral": lambda: _mistral_config(),
+    # Windows shorter than the prompts below: every attention path must drop the older keys.
+    "mistral-window-5": lambda: _mistral_config(sliding_window=5),
+    "qwen2-window-6-from-layer-1": lambda: _qwen2_config(
+        use_sliding_window=True, sliding_window=6, max_window_layers=1, num_hidden_layers=3
+    ),
     "gpt2": lambda: tiny_gpt2_config(vocab_size=SMALL_VOCAB),
 }
 
 
-def _qwen2_config():
+def _qwen2_config(**overrides):
     from transformers import Qwen2Config
 
-    return Qwen2Config(
+    kwargs = dict(
         vocab_size=SMALL_VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -71,9 +76,10 @@ def _qwen2_config():
         tie_word_embeddings=False,
         architectures=["Qwen2ForCausalLM"],
     )
+    return Qwen2Config(**{**kwargs, **overrides})
 
 
-def _mistral_config():
+def _mistral_config(sliding_window: int = 4096):
     from transformers import MistralConfig
 
     return MistralConfig(
@@ -85,7 +91,7 @@ def _mistral_config():
         num_key_value_heads=1,
         head_dim=16,
         max_position_embeddings=512,
-        sliding_window=4096,
+        sliding_window=sliding_window,
         architectures=["MistralForCausalLM"],
     )
 
@@ -126,11 +132,13 @@ def test_flat_batch_matches_transformers(name: str, backend: str) -> None:
         torch.testing.assert_close(logits[i], expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize("name", ["llama-gqa-tied", "mistral-window-5", "qwen2-window-6-from-layer-1"])
 @pytest.mark.parametrize("backend", ["sdpa", "cpu-decode"])
-def test_chunked_prefill_mixed_with_decodes(backend: str) -> None:
+def test_chunked_prefill_mixed_with_decodes(backend: str, name: str) -> None:
     """A step that mixes decodes (first) with prompt chunks whose queries are the LAST positions of a
-    longer cached history: the causal mask must be aligned bottom-right."""
-    hf, ours = build_pair(CONFIGS["llama-gqa-tied"]())
+    longer cached history: the causal mask must be aligned bottom-right (and, with a window, start
+    where each query's window does)."""
+    hf, ours = build_pair(CONFIGS[name]())
     ours.set_attention_backend(backend)
     g = torch.Generator().manual_seed(2)
     full = [torch.randint(0, SMALL_VOCAB, (n,), generator=g).tolist() for n in (9, 5, 11)]
