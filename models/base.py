@@ -77,7 +77,7 @@ class CausalLMBase(nn.Module):
         head on a stage without the embedding loads its own copy instead)."""
         if not pp.is_last:
             return None
-        head = ParallelLMHead(self.config.vocab_size, hidden_size, dtype=dtype, tp=tp)
+        head = ParallelLMHead(text_config(self.config).vocab_size, hidden_size, dtype=dtype, tp=tp)
         if tie_to is not None:
             head.tie_to(tie_to)
         return head

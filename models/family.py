@@ -50,6 +50,10 @@ class WeightNames:
     ignored: tuple[str, ...] = ()
     # Prepended to names that lack it (checkpoints saved from the bare model, without its wrapper).
     prefix: str = ""
+    # Checkpoint name prefixes replaced before anything else is read of a name (a multimodal
+    # checkpoint's language model under its own prefix: ("language_model.model.", "model.")); a
+    # prefix replaced by None marks tensors this server does not use (a vision tower), skipped.
+    renamed: tuple[tuple[str, str | None], ...] = ()
 
 
 @dataclass(frozen=True)

@@ -52,6 +52,37 @@ def tiny_gpt2_config(**overrides):
     return GPT2Config(**kwargs)
 
 
+def tiny_gemma3_config(**overrides):
+    """A tiny Gemma 3 text model: local layers (window 8) and global ones (every second layer), each
+    with its own rotary base, GQA, q/k norms, head_dim 16 (hidden 64 is not heads x head_dim: 4 x 16
+    happens to be)."""
+    from transformers import Gemma3TextConfig
+
+    kwargs = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        sliding_window_pattern=2,  # local, global, local, global
+        max_position_embeddings=512,
+        rope_theta=1_000_000.0,
+        rope_local_base_freq=10_000.0,
+        query_pre_attn_scalar=16,
+        rms_norm_eps=1e-6,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+        architectures=["Gemma3ForCausalLM"],
+        torch_dtype="float32",
+    )
+    kwargs.update(overrides)
+    return Gemma3TextConfig(**kwargs)
+
+
 def build_hf_model(config, seed: int = 0):
     """A random transformers model for a config, float32, eval mode."""
     import torch
@@ -64,6 +95,8 @@ def build_hf_model(config, seed: int = 0):
         for name, p in model.named_parameters():
             if "norm" not in name and "ln_" not in name and p.dim() >= 2:
                 p.normal_(0.0, 0.08)
+            elif "norm" in name and p.dim() == 1 and not p.any():
+                p.normal_(0.0, 0.2)  # zero-centred (1 + w) norms (Gemma's): make w count
     return model.eval()
 
 

@@ -11,7 +11,13 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from builders import build_hf_model, tiny_gpt2_config, tiny_llama_config
+from builders import (
+    build_hf_model,
+    single_seq_logits,
+    tiny_gemma3_config,
+    tiny_gpt2_config,
+    tiny_llama_config,
+)
 from paged_cache import PagedCacheHarness, reference_attention
 
 from models.layers.attention import available_backends, select_attention_backend
@@ -59,6 +65,21 @@ CONFIGS = {
         use_sliding_window=True, sliding_window=6, max_window_layers=1, num_hidden_layers=3
     ),
     "gpt2": lambda: tiny_gpt2_config(vocab_size=SMALL_VOCAB),
+    # Local layers with a window of 5 (prompts below run to 14 tokens) and global ones.
+    "gemma3": lambda: tiny_gemma3_config(vocab_size=SMALL_VOCAB, sliding_window=5),
+    # Linear rope scaling on the global layers only, an untied head, a final logit soft-cap, a
+    # query_pre_attn_scalar that is not head_dim, MQA, every third layer global.
+    "gemma3-scaled-softcap": lambda: tiny_gemma3_config(
+        vocab_size=SMALL_VOCAB,
+        sliding_window=6,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        tie_word_embeddings=False,
+        final_logit_softcapping=3.0,
+        query_pre_attn_scalar=24,
+        num_key_value_heads=1,
+        num_hidden_layers=3,
+        sliding_window_pattern=3,
+    ),
 }
 
 
@@ -132,7 +153,9 @@ def test_flat_batch_matches_transformers(name: str, backend: str) -> None:
         torch.testing.assert_close(logits[i], expected, atol=ATOL, rtol=0)
 
 
-@pytest.mark.parametrize("name", ["llama-gqa-tied", "mistral-window-5", "qwen2-window-6-from-layer-1"])
+@pytest.mark.parametrize(
+    "name", ["llama-gqa-tied", "mistral-window-5", "qwen2-window-6-from-layer-1", "gemma3"]
+)
 @pytest.mark.parametrize("backend", ["sdpa", "cpu-decode"])
 def test_chunked_prefill_mixed_with_decodes(backend: str, name: str) -> None:
     """A step that mixes decodes (first) with prompt chunks whose queries are the LAST positions of a
@@ -296,6 +319,7 @@ def _tp_worker(rank: int, world: int, port: int, name: str) -> None:
 
 TP_CONFIGS = {
     "llama": lambda: tiny_llama_config(vocab_size=SMALL_VOCAB, tie_word_embeddings=False),
+    "gemma3-window": lambda: tiny_gemma3_config(vocab_size=SMALL_VOCAB, sliding_window=4),
     "gpt2-odd-vocab": lambda: tiny_gpt2_config(vocab_size=SMALL_VOCAB - 3),  # padded vocab shards
 }
 
@@ -443,3 +467,75 @@ def test_varlen_without_window_size_refuses_windows() -> None:
     md = PagedCacheHarness(SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=8), 1).step([[0]]).metadata
     with pytest.raises(ValueError, match="window"):
         varlen.forward(torch.zeros(1, 1, 8), None, None, md, None, 1.0, 4)
+
+
+# ------------------------------------------------------------------------------------- Gemma 3
+
+
+def _tiny_gemma3_multimodal_config():
+    from transformers import Gemma3Config, SiglipVisionConfig
+
+    vision = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    text = tiny_gemma3_config(vocab_size=SMALL_VOCAB, sliding_window=5)
+    return Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        architectures=["Gemma3ForConditionalGeneration"],
+    )
+
+
+def test_gemma3_multimodal_checkpoint_runs_its_language_model(tmp_path) -> None:
+    """A Gemma3ForConditionalGeneration checkpoint: its language model, under transformers 5's names
+    (model.language_model.*) and under the hub files' (language_model.model.*, as save_pretrained
+    writes them), gives transformers' text-only logits; the vision tower is skipped."""
+    from models.loader import load_model, max_model_len
+
+    config = _tiny_gemma3_multimodal_config()
+    hf = build_hf_model(config)
+    assert type(hf).__name__ == "Gemma3ForConditionalGeneration"
+    assert any(k.startswith("model.vision_tower.") for k in hf.state_dict())
+    ours = model_class_for(config)(config, dtype=torch.float32)
+    ours.load_weights(hf.state_dict().items())
+    prompt = torch.randint(0, SMALL_VOCAB, (13,), generator=torch.Generator().manual_seed(4)).tolist()
+    expected = hf_logits(hf, prompt)
+    torch.testing.assert_close(single_seq_logits(ours.eval(), prompt), expected, atol=ATOL, rtol=0)
+
+    hf.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path, torch.float32, "cpu")
+    assert max_model_len(loaded.config) == 512  # the text config's
+    torch.testing.assert_close(single_seq_logits(loaded, prompt), expected, atol=ATOL, rtol=0)
+
+
+def test_gemma3_settings_no_backend_runs_are_refused() -> None:
+    for setting in ({"attn_logit_softcapping": 50.0}, {"use_bidirectional_attention": True}):
+        config = tiny_gemma3_config(vocab_size=SMALL_VOCAB, **setting)
+        with pytest.raises(ValueError, match=next(iter(setting))):
+            model_class_for(config)(config)
+
+
+def test_gemma3_rope_per_layer_type() -> None:
+    """Local layers rotate with rope_local_base_freq and no scaling, global ones with rope_theta and
+    the scaling: transformers 5 nests them per layer type, and nothing falls back to 10000."""
+    from types import SimpleNamespace
+
+    from models.errors import ModelLoadError
+    from models.layers.rotary import rope_params_from_config
+
+    config = CONFIGS["gemma3-scaled-softcap"]()
+    local = rope_params_from_config(config, "sliding_attention")
+    full = rope_params_from_config(config, "full_attention")
+    assert (local.theta, local.rope_type, local.factor) == (10_000.0, "default", 1.0)
+    assert (full.theta, full.rope_type, full.factor) == (1_000_000.0, "linear", 8.0)
+    with pytest.raises(ModelLoadError, match="per layer type"):
+        rope_params_from_config(config)
+    nested_without_theta = SimpleNamespace(rope_parameters={"full_attention": {"rope_type": "default"}})
+    with pytest.raises(ModelLoadError, match="rope_theta"):
+        rope_params_from_config(nested_without_theta, "full_attention")
