@@ -65,6 +65,15 @@ class GGUFSupport:
     architectures: tuple[str, ...]
     # llama.cpp's converter interleaves the rotary halves of q/k rows for these (transformers undoes it).
     permute_qk: bool = False
+    # Added to every `*norm.weight` tensor as it is read: llama.cpp stores Gemma's (1 + w) norms as
+    # w + 1, and transformers' GGUF loader subtracts the 1 again (-1.0 here does the same).
+    norm_offset: float = 0.0
+    # Tokens that end a turn of the chat template (Gemma's <end_of_turn>): where the vocabulary has them
+    # their ids join the stop ids (generation_config.eos_token_id), as llama.cpp stops on them.
+    end_of_turn: tuple[str, ...] = ()
+    # Settings transformers' GGUF reader leaves out of the config, set from the file's `<arch>.*`
+    # metadata (the key without the prefix -> its value) as llama.cpp reads them.
+    config_from_metadata: Callable[[Any, dict[str, Any]], None] | None = None
 
 
 def no_sliding_window(config: Any) -> int | None:

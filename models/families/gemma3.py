@@ -25,8 +25,9 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from models.base import CausalLMBase, stage_layers
+from models.errors import ModelLoadError
 from models.families.llama import LLAMA_WEIGHT_NAMES
-from models.family import FULL, SLIDING, ModelFamily, WeightNames, text_config
+from models.family import FULL, SLIDING, GGUFSupport, ModelFamily, WeightNames, text_config
 from models.layers.activation import GeluTanhAndMul
 from models.layers.attention import Attention, AttentionStep
 from models.layers.linear import (
@@ -300,12 +301,42 @@ def gemma3_sliding_window(config: Any) -> int | None:
     return getattr(config, "sliding_window", None) or None
 
 
+# llama.cpp's gemma3 model type for 62 layers, whose attention scale is 1/sqrt(hidden / heads).
+GEMMA3_27B_LAYERS = 62
+
+
+def gemma3_config_from_gguf(config: Any, metadata: dict[str, Any]) -> None:
+    """What transformers' GGUF reader leaves out of a gemma3 file's config, read as llama.cpp reads it:
+    the global layers' linear rope scaling (Gemma 3 4B and up: `rope.scaling.type` / `.factor`; the
+    local layers keep none), the attention scale (llama.cpp: 1/sqrt(hidden / heads) for the 27B model,
+    else 1/sqrt(head_dim); transformers would take its default of 256 for every size), and a final
+    logit soft-cap where the file sets one. The layer pattern (every sixth layer global) and the
+    local rope base (10000) are both readers' defaults."""
+    scaling = metadata.get("rope.scaling.type")
+    if scaling == "linear":
+        config.rope_parameters[FULL].update(rope_type="linear", factor=float(metadata["rope.scaling.factor"]))
+    elif scaling not in (None, "none"):
+        raise ModelLoadError(f"gemma3 GGUF: unsupported rope scaling {scaling!r} (expected linear)")
+    if config.num_hidden_layers == GEMMA3_27B_LAYERS:
+        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+    else:
+        config.query_pre_attn_scalar = config.head_dim
+    if metadata.get("final_logit_softcapping"):
+        config.final_logit_softcapping = float(metadata["final_logit_softcapping"])
+
+
 FAMILY = ModelFamily(
     name="gemma3",
     # A multimodal checkpoint's language model too (its vision tower is skipped while loading).
     architectures=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
     model=Gemma3ForCausalLM,
     weights=GEMMA3_WEIGHT_NAMES,
+    gguf=GGUFSupport(
+        architectures=("gemma3",),
+        norm_offset=-1.0,
+        end_of_turn=("<end_of_turn>",),
+        config_from_metadata=gemma3_config_from_gguf,
+    ),
     native_decode=gemma3_decode_parts,
     sliding_window=gemma3_sliding_window,
 )
