@@ -22,6 +22,7 @@ from models.layers.native_decode import NativeDecodeLayers
 from models.layers.rotary import rope_params_from_config
 from models.loader import load_config, load_hf_model, load_model, load_tokenizer, resolve_model
 from scheduler.config import SchedulerConfig
+from server.tokenizer import ServerTokenizer
 
 # Quantized everywhere the native kernels run (Q8_0 embedding, tied head): the model packs.
 TYPES = {"token_embd": "Q8_0", "attn": "Q4_0", "ffn_gate": "Q8_0", "ffn_up": "Q8_0", "ffn_down": "Q4_0"}
@@ -103,6 +104,13 @@ def test_tokenizer_chat_template_and_end_of_turn(gemma3_dir: Path) -> None:
     assert ids[:2] == [2, 5] and ids.count(END_OF_TURN) == 1  # special tokens stay whole
     assert tok.decode(tok("the hit", add_special_tokens=False)["input_ids"]) == "the hit"
     assert len(tok) == load_config(gemma3_dir).vocab_size  # no token past the model's vocabulary
+    # The server's tokenizer: a completion prompt starts with <bos>, and a streamed reply with bytes
+    # split over byte-fallback tokens decodes whole, its <end_of_turn> and <eos> left out.
+    server_tok = ServerTokenizer.from_pretrained(str(gemma3_dir))
+    reply = server_tok.encode("the hit é ✓ or", add_special_tokens=False)
+    assert server_tok.encode("the")[0] == 2 and len(reply) > len("the hit é ✓ or".split())
+    stream = server_tok.decode_stream(ids, skip_special_tokens=True)
+    assert "".join(stream.step(i) or "" for i in [*reply, END_OF_TURN, 1]) == "the hit é ✓ or"
     # A reply stops at <end_of_turn> (the GGUF's EOS is <eos>), as llama.cpp stops on it.
     assert read_eos_token_ids(gemma3_dir, load_config(gemma3_dir)) == {1, END_OF_TURN}
 
