@@ -17,6 +17,7 @@ What differs from Llama, all read off the (text) config:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -27,7 +28,7 @@ from transformers import PretrainedConfig
 from models.base import CausalLMBase, stage_layers
 from models.errors import ModelLoadError
 from models.families.llama import LLAMA_WEIGHT_NAMES
-from models.family import FULL, SLIDING, GGUFSupport, ModelFamily, WeightNames, text_config
+from models.family import FULL, SLIDING, GGUFSupport, ModelFamily, text_config
 from models.layers.activation import GeluTanhAndMul
 from models.layers.attention import Attention, AttentionStep
 from models.layers.linear import (
@@ -46,19 +47,17 @@ from models.layers.rotary import RotaryEmbedding, rope_params_from_config
 # Llama's names; a multimodal checkpoint keeps its language model under its own prefix (hub files:
 # "language_model.model.", transformers 5's own names: "model.language_model."), and its vision tower
 # and projector are not used.
-GEMMA3_WEIGHT_NAMES = WeightNames(
-    **{
-        **LLAMA_WEIGHT_NAMES.__dict__,
-        "renamed": (
-            ("language_model.model.", "model."),
-            ("language_model.lm_head.", "lm_head."),
-            ("model.language_model.", "model."),
-            ("vision_tower.", None),
-            ("multi_modal_projector.", None),
-            ("model.vision_tower.", None),
-            ("model.multi_modal_projector.", None),
-        ),
-    }
+GEMMA3_WEIGHT_NAMES = dataclasses.replace(
+    LLAMA_WEIGHT_NAMES,
+    renamed=(
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("model.language_model.", "model."),
+        ("vision_tower.", None),
+        ("multi_modal_projector.", None),
+        ("model.vision_tower.", None),
+        ("model.multi_modal_projector.", None),
+    ),
 )
 
 
