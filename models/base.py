@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from models.errors import MissingWeightsError, ModelLoadError
-from models.family import ModelFamily
+from models.family import ModelFamily, text_config
 from models.layers.attention import AttentionStep, select_attention_backend
 from models.layers.attention_backends import AttentionBackend
 from models.layers.linear import ParallelLMHead, VocabParallelEmbedding
@@ -63,7 +63,7 @@ class CausalLMBase(nn.Module):
     @property
     def absent_prefixes(self) -> tuple[str, ...]:
         """Parameter-name prefixes of the modules other pipeline stages hold (their weights are skipped)."""
-        return absent_prefixes(self.family.weights, self.config.num_hidden_layers, self.pp)
+        return absent_prefixes(self.family.weights, text_config(self.config).num_hidden_layers, self.pp)
 
     def build_lm_head(
         self,
@@ -77,7 +77,7 @@ class CausalLMBase(nn.Module):
         head on a stage without the embedding loads its own copy instead)."""
         if not pp.is_last:
             return None
-        head = ParallelLMHead(self.config.vocab_size, hidden_size, dtype=dtype, tp=tp)
+        head = ParallelLMHead(text_config(self.config).vocab_size, hidden_size, dtype=dtype, tp=tp)
         if tie_to is not None:
             head.tie_to(tie_to)
         return head
@@ -103,12 +103,22 @@ class CausalLMBase(nn.Module):
     def set_attention_backend(
         self, backend: str | AttentionBackend, device: torch.device | str = "cpu"
     ) -> None:
-        """Override the automatic choice ("auto", "sdpa", "cpu-decode", "torch-varlen", "flash-attn")."""
-        self.attn_backend = select_attention_backend(backend, device) if isinstance(backend, str) else backend
+        """Override the automatic choice ("auto", "sdpa", "cpu-decode", "torch-varlen", "flash-attn").
+        A model with sliding-window layers refuses a backend that cannot run windows (auto picks sdpa
+        instead of one)."""
+        chosen = select_attention_backend(backend, device) if isinstance(backend, str) else backend
+        if not chosen.supports_sliding_window and any(self.family.layer_windows(self.config)):
+            if backend != "auto":
+                raise ValueError(
+                    f"attention backend {chosen.name!r} cannot run sliding-window attention, which this "
+                    "model's layers use; choose another backend"
+                )
+            chosen = select_attention_backend("sdpa", device)
+        self.attn_backend = chosen
 
     def begin_step(self, input_ids: torch.Tensor, attn_metadata: AttentionMetadata) -> AttentionStep:
         if self.attn_backend is None:
-            self.attn_backend = select_attention_backend("auto", input_ids.device)
+            self.set_attention_backend("auto", input_ids.device)
         return AttentionStep.begin(self.attn_backend, attn_metadata)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

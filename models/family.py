@@ -13,6 +13,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from models.errors import ModelLoadError
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -48,6 +50,10 @@ class WeightNames:
     ignored: tuple[str, ...] = ()
     # Prepended to names that lack it (checkpoints saved from the bare model, without its wrapper).
     prefix: str = ""
+    # Checkpoint name prefixes replaced before anything else is read of a name (a multimodal
+    # checkpoint's language model under its own prefix: ("language_model.model.", "model.")); a
+    # prefix replaced by None marks tensors this server does not use (a vision tower), skipped.
+    renamed: tuple[tuple[str, str | None], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -59,10 +65,30 @@ class GGUFSupport:
     architectures: tuple[str, ...]
     # llama.cpp's converter interleaves the rotary halves of q/k rows for these (transformers undoes it).
     permute_qk: bool = False
+    # Added to every `*norm.weight` tensor as it is read: llama.cpp stores Gemma's (1 + w) norms as
+    # w + 1, and transformers' GGUF loader subtracts the 1 again (-1.0 here does the same).
+    norm_offset: float = 0.0
+    # Tokens that end a turn of the chat template (Gemma's <end_of_turn>): where the vocabulary has them
+    # their ids join the stop ids (generation_config.eos_token_id), as llama.cpp stops on them.
+    end_of_turn: tuple[str, ...] = ()
+    # Settings transformers' GGUF reader leaves out of the config, set from the file's `<arch>.*`
+    # metadata (the key without the prefix -> its value) as llama.cpp reads them.
+    config_from_metadata: Callable[[Any, dict[str, Any]], None] | None = None
 
 
 def no_sliding_window(config: Any) -> int | None:
     return None
+
+
+def text_config(config: Any) -> Any:
+    """The language model's config: a multimodal config's text part (transformers' `get_text_config`:
+    Gemma 3's `text_config`), otherwise the config itself."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+# transformers' `layer_types` entries this server runs (any other is refused).
+SLIDING, FULL = "sliding_attention", "full_attention"
 
 
 @dataclass(frozen=True)
@@ -83,10 +109,32 @@ class ModelFamily:
     # Whether the layers shard Megatron-style (column-parallel in, row-parallel out, vocab-parallel
     # embedding and head); every layer class that does takes a TPContext.
     tensor_parallel: bool = True
-    # The attention window the config turns on (None: full attention); the context is capped at it
-    # until sliding-window attention lands.
+    # The attention window the (text) config turns on (None: full attention); `layer_windows` says
+    # which layers use it.
     sliding_window: Callable[[Any], int | None] = field(default=no_sliding_window)
 
     def __post_init__(self) -> None:
         # The class learns its family, so a built model reads its own declaration (model.family).
         self.model.family = self
+
+    def layer_windows(self, config: Any) -> tuple[int | None, ...]:
+        """Each decoder layer's sliding window (None: full attention), as transformers applies it: the
+        window on the layers the config's `layer_types` marks sliding (Qwen2's past
+        `max_window_layers`, Gemma 3's local layers), on every layer where it lists no types
+        (Mistral)."""
+        text = text_config(config)
+        n = text.num_hidden_layers
+        window = self.sliding_window(text)
+        types = getattr(text, "layer_types", None)
+        if types is not None:
+            if len(types) != n or not set(types) <= {SLIDING, FULL}:
+                raise ModelLoadError(
+                    f"layer_types {types!r}: expected {n} entries of {SLIDING!r} or {FULL!r}"
+                )
+            if window is None and SLIDING in types:
+                raise ModelLoadError("layer_types has sliding-attention layers but the config sets no window")
+        if window is None:
+            return (None,) * n
+        if types is None:
+            return (int(window),) * n
+        return tuple(int(window) if t == SLIDING else None for t in types)

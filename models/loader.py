@@ -17,6 +17,7 @@ import torch.distributed as dist
 from torch import nn
 
 from models.errors import MissingWeightsError, ModelLoadError
+from models.family import text_config
 from models.gguf.convert import convert_gguf
 from models.gguf.reader import GGUFWeights, has_manifest
 from models.layers.parallel import PPContext, TPContext
@@ -183,20 +184,11 @@ def load_tokenizer(path: Path) -> Any:
 
 
 def max_model_len(config: Any) -> int:
-    """Longest sequence the model supports, from its config.
-
-    Sliding-window attention is not implemented, so where the family says a window is in force
-    (Mistral; Qwen2 with use_sliding_window) the context is capped at the window: up to there full
-    attention is exact.
-    """
+    """Longest sequence the model supports, from its (text) config. A sliding window does not cap it:
+    windowed layers attend to their last `window` keys of any longer history."""
+    text = text_config(config)
     for attr in ("max_position_embeddings", "n_positions", "n_ctx"):
-        value = getattr(config, attr, None)
+        value = getattr(text, attr, None)
         if value:
-            n = int(value)
-            break
-    else:
-        raise ModelLoadError("config has none of max_position_embeddings, n_positions, n_ctx")
-    window = family_for(config).sliding_window(config)
-    if window:
-        n = min(n, int(window))
-    return n
+            return int(value)
+    raise ModelLoadError("config has none of max_position_embeddings, n_positions, n_ctx")

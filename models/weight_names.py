@@ -40,11 +40,12 @@ def map_weight_names(
     (whose layers size the cuts of fused checkpoint tensors), with a head tied to the embedding or
     not, on pipeline stage `pp`."""
     for hf_name, tensor in weights:
-        if hf_name.endswith(names.ignored):
+        name = _renamed(names, hf_name)
+        if name is None or name.endswith(names.ignored):
             continue
-        if tied and hf_name == names.head:
+        if tied and name == names.head:
             continue  # the embedding is the head; some checkpoints store both
-        name = hf_name if not names.prefix or hf_name.startswith(names.prefix) else names.prefix + hf_name
+        name = name if not names.prefix or name.startswith(names.prefix) else names.prefix + name
         if tied and name == names.embedding and not pp.is_first:
             # A later stage holds a tied head but not the embedding: the head loads its own copy.
             if pp.is_last:
@@ -53,6 +54,14 @@ def map_weight_names(
         if name.endswith(names.transposed) and isinstance(tensor, torch.Tensor) and tensor.dim() == 2:
             tensor = tensor.t()
         yield from _fused(model, names, hf_name, name, tensor)
+
+
+def _renamed(names: WeightNames, hf_name: str) -> str | None:
+    """The name with its first matching `renamed` prefix replaced, or None for a skipped tensor."""
+    for old, new in names.renamed:
+        if hf_name.startswith(old):
+            return None if new is None else new + hf_name[len(old) :]
+    return hf_name
 
 
 def _fused(

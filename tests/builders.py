@@ -52,6 +52,37 @@ def tiny_gpt2_config(**overrides):
     return GPT2Config(**kwargs)
 
 
+def tiny_gemma3_config(**overrides):
+    """A tiny Gemma 3 text model: local layers (window 8) and global ones (every second layer), each
+    with its own rotary base, GQA, q/k norms, head_dim 16 (hidden 64 is not heads x head_dim: 4 x 16
+    happens to be)."""
+    from transformers import Gemma3TextConfig
+
+    kwargs = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        sliding_window=8,
+        sliding_window_pattern=2,  # local, global, local, global
+        max_position_embeddings=512,
+        rope_theta=1_000_000.0,
+        rope_local_base_freq=10_000.0,
+        query_pre_attn_scalar=16,
+        rms_norm_eps=1e-6,
+        bos_token_id=2,
+        eos_token_id=1,
+        pad_token_id=0,
+        architectures=["Gemma3ForCausalLM"],
+        torch_dtype="float32",
+    )
+    kwargs.update(overrides)
+    return Gemma3TextConfig(**kwargs)
+
+
 def cpu_engine_config(model: Path | str, **overrides):
     """The engine's config for a test: the model on the CPU in float32 (the parity setting)."""
     from engine.config import EngineConfig
@@ -71,6 +102,8 @@ def build_hf_model(config, seed: int = 0):
         for name, p in model.named_parameters():
             if "norm" not in name and "ln_" not in name and p.dim() >= 2:
                 p.normal_(0.0, 0.08)
+            elif "norm" in name and p.dim() == 1 and not p.any():
+                p.normal_(0.0, 0.2)  # zero-centred (1 + w) norms (Gemma's): make w count
     return model.eval()
 
 
@@ -239,6 +272,112 @@ def write_tiny_gguf(
         w.add_tensor(f"blk.{i}.ffn_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
         for name, (rows, cols) in _layer_tensors(i, hidden, ff, heads, kv_heads).items():
             add(name, rows, cols)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+
+
+# A SentencePiece-style vocabulary as Gemma's GGUF files carry it (tokenizer model "llama": pieces
+# with scores, "▁" for a space, byte fallback tokens): specials first, as in Gemma's (<eos> 1, <bos> 2).
+GEMMA_SPECIALS = ["<pad>", "<eos>", "<bos>", "<unk>", "<mask>", "<start_of_turn>", "<end_of_turn>"]
+GEMMA_PIECES = ["▁", *"abcdefghijklmnopqrstuvwxyz", "▁t", "he", "▁the", "in", "▁a", "er", "▁hi", "or"]
+GEMMA_CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "<start_of_turn>{{ role }}\n{{ message['content'] | trim }}<end_of_turn>\n{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn>model\n{% endif %}"
+)
+
+
+def write_tiny_gemma3_gguf(
+    path: Path,
+    seed: int = 0,
+    hidden: int = 64,
+    ff: int = 128,
+    heads: int = 2,
+    kv_heads: int = 1,
+    head_dim: int = 256,
+    layers: int = 6,
+    window: int = 8,
+    types: dict[str, str] | None = None,
+    metadata: dict[str, object] | None = None,
+) -> None:
+    """A Gemma 3 GGUF as llama.cpp's converter writes one: its tensor names, (1 + w) norms stored as
+    w + 1, no output.weight (the head is tied), a SentencePiece vocabulary with byte fallback, the
+    chat template. transformers reads Gemma 3's layer pattern (every sixth layer global) and local rope
+    base (10000) from its defaults, as llama.cpp does, and query_pre_attn_scalar too (256: so
+    head_dim 256 keeps both readings equal). `types` maps a tensor-name fragment to its GGUF type
+    (default F32); `metadata` adds `gemma3.*` keys (name without the prefix -> value)."""
+    import gguf
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    bytes_ = [f"<0x{b:02X}>" for b in range(256)]
+    tokens = [*GEMMA_SPECIALS, *bytes_, *GEMMA_PIECES]
+    vocab = len(tokens)
+    token_types = [3] * len(GEMMA_SPECIALS) + [6] * 256 + [1] * len(GEMMA_PIECES)  # control, byte, normal
+    token_types[3] = 2  # <unk>
+    scores = [0.0] * (len(GEMMA_SPECIALS) + 256) + [-float(i) for i in range(len(GEMMA_PIECES))]
+    w = gguf.GGUFWriter(str(path), "gemma3")
+    w.add_block_count(layers)
+    w.add_context_length(128)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(ff)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_key_length(head_dim)
+    w.add_value_length(head_dim)
+    w.add_rope_freq_base(1_000_000.0)
+    w.add_layer_norm_rms_eps(1e-6)
+    w.add_sliding_window(window)
+    w.add_file_type(0)
+    for key, value in (metadata or {}).items():
+        if isinstance(value, str):
+            w.add_string(f"gemma3.{key}", value)
+        elif isinstance(value, float):
+            w.add_float32(f"gemma3.{key}", value)
+        elif isinstance(value, list):
+            w.add_array(f"gemma3.{key}", value)
+        else:
+            w.add_uint32(f"gemma3.{key}", int(value))
+    w.add_tokenizer_model("llama")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_scores(scores)
+    w.add_token_types(token_types)
+    w.add_bos_token_id(2)
+    w.add_eos_token_id(1)
+    w.add_unk_token_id(3)
+    w.add_pad_token_id(0)
+    w.add_add_bos_token(True)
+    w.add_add_eos_token(False)
+    w.add_chat_template(GEMMA_CHAT_TEMPLATE)
+    types = types or {}
+
+    def add(name: str, rows: int, cols: int) -> None:
+        qtype = next((t for frag, t in types.items() if frag in name), "F32")
+        values = (rng.standard_normal((rows, cols)) * 0.08).astype(np.float32)
+        data = gguf_blocks(values, qtype, rng)
+        w.add_tensor(name, data, raw_dtype=None if qtype == "F32" else gguf.GGMLQuantizationType[qtype])
+
+    def norm(name: str, size: int) -> None:
+        w.add_tensor(name, (1 + 0.2 * rng.standard_normal(size)).astype(np.float32))  # stored as 1 + w
+
+    add("token_embd.weight", vocab, hidden)
+    norm("output_norm.weight", hidden)
+    for i in range(layers):
+        for n in ("attn_norm", "post_attention_norm", "ffn_norm", "post_ffw_norm"):
+            norm(f"blk.{i}.{n}.weight", hidden)
+        norm(f"blk.{i}.attn_q_norm.weight", head_dim)
+        norm(f"blk.{i}.attn_k_norm.weight", head_dim)
+        add(f"blk.{i}.attn_q.weight", heads * head_dim, hidden)
+        add(f"blk.{i}.attn_k.weight", kv_heads * head_dim, hidden)
+        add(f"blk.{i}.attn_v.weight", kv_heads * head_dim, hidden)
+        add(f"blk.{i}.attn_output.weight", hidden, heads * head_dim)
+        add(f"blk.{i}.ffn_gate.weight", ff, hidden)
+        add(f"blk.{i}.ffn_up.weight", ff, hidden)
+        add(f"blk.{i}.ffn_down.weight", hidden, ff)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

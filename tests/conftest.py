@@ -7,7 +7,14 @@ import os
 from pathlib import Path
 
 import pytest
-from builders import build_hf_model, default_gguf_path, gguf_structured, tiny_gpt2_config, tiny_llama_config
+from builders import (
+    build_hf_model,
+    default_gguf_path,
+    gguf_structured,
+    tiny_gemma3_config,
+    tiny_gpt2_config,
+    tiny_llama_config,
+)
 
 TEST_CACHE = Path(os.environ.get("ORCA_TEST_CACHE", Path.home() / ".cache" / "orca-serve" / "tests"))
 
@@ -55,6 +62,36 @@ def tiny_gguf_llama_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     for f in smollm2_tokenizer_dir.iterdir():
         shutil.copy(f, out / f.name)
     return out
+
+
+def _save_with_tokenizer(model, out: Path, tokenizer_dir: Path) -> Path:
+    import shutil
+
+    model.save_pretrained(out, safe_serialization=True)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma3_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    """A tiny random Gemma 3 (local layers with a window of 8 tokens, global ones between them) with
+    GGUF-structured weights, so they pack and the native decode call runs its layers."""
+    model = gguf_structured(build_hf_model(tiny_gemma3_config()))
+    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-gemma3"), smollm2_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral_window_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    """A tiny random Mistral whose sliding window (6 tokens) every test prompt outgrows."""
+    from transformers import MistralConfig
+
+    config = MistralConfig(
+        **{**tiny_llama_config().to_dict(), "sliding_window": 6, "architectures": ["MistralForCausalLM"]}
+    )
+    return _save_with_tokenizer(
+        build_hf_model(config), tmp_path_factory.mktemp("tiny-mistral-window"), smollm2_tokenizer_dir
+    )
 
 
 @pytest.fixture(scope="session")

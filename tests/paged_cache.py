@@ -79,3 +79,35 @@ class PagedCacheHarness:
             block_size=bs,
         )
         return PagedBatch(torch.tensor(ids), torch.tensor(positions), md)
+
+
+def reference_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    md: AttentionMetadata,
+    scale: float,
+    window: int | None = None,
+) -> torch.Tensor:  # [T, Hq, D] float32
+    """Attention written from its definition, independent of every backend: each sequence's whole
+    history gathered from its blocks, and a mask over absolute positions (query at p sees key k iff
+    k <= p and, with a window W, k > p - W: transformers' sliding-window convention)."""
+    bs = k_cache.shape[1]
+    h_kv, d = k_cache.shape[-2:]
+    outs, start = [], 0
+    for i, (q_len, seq_len) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu, strict=True)):
+        blocks = md.block_tables[i, : -(-seq_len // bs)].long()
+        k = k_cache[blocks].reshape(-1, h_kv, d)[:seq_len].float().transpose(0, 1)
+        v = v_cache[blocks].reshape(-1, h_kv, d)[:seq_len].float().transpose(0, 1)
+        pos = torch.arange(seq_len - q_len, seq_len).unsqueeze(1)  # [q_len, 1]
+        key = torch.arange(seq_len).unsqueeze(0)  # [1, seq_len]
+        mask = key <= pos
+        if window is not None:
+            mask &= key > pos - window
+        qi = q[start : start + q_len].float().transpose(0, 1)
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qi, k, v, attn_mask=mask, scale=scale, enable_gqa=True
+        )
+        outs.append(o.transpose(0, 1))
+        start += q_len
+    return torch.cat(outs)

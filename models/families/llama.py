@@ -77,6 +77,7 @@ class LlamaAttention(nn.Module):
         rotary: RotaryEmbedding,
         dtype: torch.dtype,
         tp: TPContext,
+        sliding_window: int | None = None,
     ):
         super().__init__()
         head_dim = layout.head_dim
@@ -101,7 +102,7 @@ class LlamaAttention(nn.Module):
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
         self.rotary = rotary  # shared by all layers (one cos/sin table)
-        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5)
+        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5, sliding_window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, step: AttentionStep):
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
@@ -131,10 +132,11 @@ class LlamaDecoderLayer(nn.Module):
         rotary: RotaryEmbedding,
         dtype: torch.dtype,
         tp: TPContext,
+        sliding_window: int | None = None,
     ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, layout, rotary, dtype, tp)
+        self.self_attn = LlamaAttention(config, layout, rotary, dtype, tp, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.mlp = LlamaMLP(config, layout, dtype, tp)
 
@@ -155,6 +157,7 @@ class LlamaModel(nn.Module):
         dtype: torch.dtype,
         tp: TPContext,
         pp: PPContext = SINGLE_STAGE,
+        windows: tuple[int | None, ...] | None = None,  # each layer's sliding window (None: none)
     ):
         super().__init__()
         self.embed_tokens = (
@@ -163,8 +166,11 @@ class LlamaModel(nn.Module):
         rotary = RotaryEmbedding(
             layout.head_dim, config.max_position_embeddings, rope_params_from_config(config), dtype
         )
+        windows = windows or (None,) * config.num_hidden_layers
         self.layers = stage_layers(
-            config.num_hidden_layers, pp, lambda _: LlamaDecoderLayer(config, layout, rotary, dtype, tp)
+            config.num_hidden_layers,
+            pp,
+            lambda i: LlamaDecoderLayer(config, layout, rotary, dtype, tp, windows[i]),
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if pp.is_last else None
 
@@ -186,7 +192,7 @@ class LlamaForCausalLM(CausalLMBase):
         self.config = config
         self.tp = tp
         self.pp = pp
-        self.model = LlamaModel(config, self.layout(config), dtype, tp, pp)
+        self.model = LlamaModel(config, self.layout(config), dtype, tp, pp, self.family.layer_windows(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         tie_to = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = self.build_lm_head(config.hidden_size, dtype, tp, pp, tie_to=tie_to)

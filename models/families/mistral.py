@@ -1,4 +1,5 @@
-"""Mistral: Llama's layers and checkpoint names; the config's `sliding_window` is always in force.
+"""Mistral: Llama's layers and checkpoint names; the config's `sliding_window`, where set, is in force
+on every layer.
 
 Mistral GGUF files carry the `llama` architecture, so they load through the Llama family's GGUF support
 (transformers reads them as Llama configs).

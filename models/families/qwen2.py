@@ -1,5 +1,6 @@
 """Qwen2 (and Qwen2.5): Llama's layers with q/k/v biases (never on o_proj), and a sliding window only
-where the config turns it on (`use_sliding_window`)."""
+where the config turns it on (`use_sliding_window`), on the layers from `max_window_layers` on (the
+config's `layer_types`)."""
 
 from __future__ import annotations
 

@@ -17,7 +17,7 @@ import hashlib
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from models.errors import ModelLoadError
 from models.options import cache_root
@@ -76,16 +76,20 @@ def _convert_into(gguf: Path, out: Path) -> None:
 
     from models.registry import gguf_support
 
-    field = GGUFReader(gguf).fields.get("general.architecture")
+    fields = GGUFReader(gguf).fields
+    field = fields.get("general.architecture")
     arch = bytes(field.parts[-1]).decode() if field is not None else ""
     support = gguf_support(arch)
     if support is not None:
-        _write_manifest_dir(gguf, out, arch, support)
+        metadata = {k[len(arch) + 1 :]: f.contents() for k, f in fields.items() if k.startswith(f"{arch}.")}
+        _write_manifest_dir(gguf, out, arch, support, metadata)
     else:
         _write_float_dir(gguf, out)
 
 
-def _write_manifest_dir(gguf: Path, out: Path, arch: str, support: GGUFSupport) -> None:
+def _write_manifest_dir(
+    gguf: Path, out: Path, arch: str, support: GGUFSupport, metadata: dict[str, Any]
+) -> None:
     """Config, generation config, tokenizer and the tensor manifest: no weights are read."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -112,11 +116,26 @@ def _write_manifest_dir(gguf: Path, out: Path, arch: str, support: GGUFSupport) 
                 permute[name] = heads
             elif ".attn_k." in name:
                 permute[name] = kv_heads
+    # Gemma's norms are stored as w + 1; transformers' tensor processor subtracts the 1 from each.
+    offsets = {n: support.norm_offset for n in mapping if support.norm_offset and "norm.weight" in n}
+    if support.config_from_metadata is not None:
+        support.config_from_metadata(config, metadata)
     config.architectures = [type(hf).__name__]
     config.save_pretrained(out)
-    GenerationConfig.from_model_config(config).save_pretrained(out)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
-    write_manifest(gguf, out, mapping, permute, arch)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    generation = GenerationConfig.from_model_config(config)
+    generation.eos_token_id = _stop_ids(config.eos_token_id, tokenizer, support.end_of_turn)
+    generation.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    write_manifest(gguf, out, mapping, permute, arch, offsets)
+
+
+def _stop_ids(eos: Any, tokenizer: Any, end_of_turn: tuple[str, ...]) -> Any:
+    """The file's EOS id(s) plus the ids of the family's end-of-turn tokens the vocabulary has."""
+    ids = list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
+    vocab = tokenizer.get_vocab()
+    ids += [vocab[t] for t in end_of_turn if t in vocab and vocab[t] not in ids]
+    return ids[0] if len(ids) == 1 else ids or None
 
 
 def _write_float_dir(gguf: Path, out: Path) -> None:

@@ -4,7 +4,8 @@ their raw blocks.
 convert.py writes a manifest (`gguf_weights.json`) next to the converted config and tokenizer:
 the GGUF file, its size and mtime, and for every tensor the HF parameter name transformers' GGUF
 loader maps it to, its type, shape and byte range in the file, plus the row permutation transformers
-undoes on Llama's q/k projections (llama.cpp's converter interleaves their rotary halves). A load
+undoes on Llama's q/k projections (llama.cpp's converter interleaves their rotary halves) and the
+offset it adds to Gemma's norms (stored as w + 1). A load
 then memory-maps the file and never parses its metadata again (gguf-py takes seconds over a
 tokenizer's 100k strings). `GGUFWeights` yields
 
@@ -82,11 +83,17 @@ class QuantizedTensor(QuantizedBlocks):
 
 
 def write_manifest(
-    gguf: Path, out: Path, mapping: dict[str, str], permute: dict[str, int], arch: str
+    gguf: Path,
+    out: Path,
+    mapping: dict[str, str],
+    permute: dict[str, int],
+    arch: str,
+    offsets: dict[str, float] | None = None,
 ) -> None:
     """mapping: GGUF name -> HF name (transformers'); permute: GGUF name -> heads of its reverse
-    permutation. Tensors the model has no parameter for (rope_freqs, ...) are left out, as
-    transformers leaves them."""
+    permutation; offsets: GGUF name -> what transformers adds to its values (Gemma's stored norms).
+    Tensors the model has no parameter for (rope_freqs, ...) are left out, as transformers leaves
+    them."""
     from gguf import GGUFReader
 
     st = gguf.stat()
@@ -98,6 +105,7 @@ def write_manifest(
             "offset": int(t.data_offset),
             "bytes": int(t.n_bytes),
             "permute": permute.get(t.name),
+            "offset_add": (offsets or {}).get(t.name),
         }
         for t in GGUFReader(gguf).tensors
         if t.name in mapping
@@ -155,11 +163,14 @@ class GGUFWeights:
                 raise ModelLoadError(f"{self.gguf}: truncated (tensor {info['hf']!r} runs past the end)")
             hf_shape = tuple(reversed(shape))
             heads = info["permute"]
-            if qtype in FLOAT_TYPES:
+            add = info.get("offset_add")  # manifests written before it have no such key
+            if qtype in FLOAT_TYPES or add:
                 values = quants.dequantize(raw.view(np.uint8), GGMLQuantizationType[qtype])
                 values = np.asarray(values, dtype=np.float32).reshape(hf_shape)
                 if heads:
                     values = reverse_permute_rows(values, heads)
+                if add:  # in float32, as transformers' (weights - 1)
+                    values = values + np.float32(add)
                 yield info["hf"], torch.from_numpy(np.array(values))  # a copy: the map is read-only
                 continue
             rows = int(np.prod(hf_shape[:-1]))

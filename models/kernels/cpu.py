@@ -3,8 +3,8 @@
     quant_linear.c            y = x @ W^T for block-quantized weights (GGUF's Q4_0 ... Q6_K, tiled as
                               quant_tiles.h describes): int8 activations or float32
     paged_decode_attention.c  one-token-per-sequence attention read in place from the paged KV cache
-    elementwise.c             RMSNorm (with the residual add fused in), SiLU-and-mul, and rotary + KV cache
-                              write, one call each
+    elementwise.c             RMSNorm (with the residual add fused in), SiLU-and-mul, GELU(tanh)-and-mul,
+                              and rotary + KV cache write, one call each
     decode_layers.c           a decode step's decoder layers in one call, out of the kernels above
                               (models/layers/native_decode.py)
     variant.c                 what a build was compiled for; the AMX permission request
@@ -141,11 +141,13 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.orca_qdequant_rows.restype = ctypes.c_int
     lib.orca_qdequant_rows.argtypes = [ptr, i32, i64, i64, ptr, i64, ptr]
     lib.orca_paged_decode_attention.restype = ctypes.c_int
-    lib.orca_paged_decode_attention.argtypes = [ptr] * 5 + [i64] * 6 + [ctypes.c_float, ptr]
+    lib.orca_paged_decode_attention.argtypes = [ptr] * 5 + [i64] * 6 + [ctypes.c_float, i64, ptr]
     lib.orca_rms_norm.restype = None
     lib.orca_rms_norm.argtypes = [ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr]
     lib.orca_silu_and_mul.restype = None
     lib.orca_silu_and_mul.argtypes = [ptr, i64, i64, ptr]
+    lib.orca_gelu_tanh_and_mul.restype = None
+    lib.orca_gelu_tanh_and_mul.argtypes = [ptr, i64, i64, ptr]
     lib.orca_rope_and_cache.restype = None
     lib.orca_rope_and_cache.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr]
     lib.orca_decode_layers.restype = ctypes.c_int
@@ -292,6 +294,7 @@ class Kernels:
         block_tables: torch.Tensor,
         seq_lens: torch.Tensor,
         scale: float,
+        window: int | None = None,
     ) -> torch.Tensor:
         n, hq, d = q.shape
         num_blocks, block_size, hkv, _ = k_cache.shape
@@ -319,6 +322,7 @@ class Kernels:
             block_size,
             tables.shape[1],
             scale,
+            window or 0,
             out.data_ptr(),
         )
         if rc:
@@ -345,14 +349,22 @@ class Kernels:
         return out
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gated(x, self.lib.orca_silu_and_mul, "silu_and_mul")
+
+    def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        return self._gated(x, self.lib.orca_gelu_tanh_and_mul, "gelu_tanh_and_mul")
+
+    @staticmethod
+    def _gated(x: torch.Tensor, fn: Any, name: str) -> torch.Tensor:
+        """A gated activation's kernel over x [..., 2d] (gate | up) -> [..., d]."""
         d = x.shape[-1] // 2
         _require_f32("x", x)
         if x.shape[-1] != 2 * d or d % 8:
-            raise ValueError(f"silu_and_mul: width {x.shape[-1]} is not twice a multiple of 8")
+            raise ValueError(f"{name}: width {x.shape[-1]} is not twice a multiple of 8")
         out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
         rows = x.numel() // (2 * d) if d else 0
         if rows:
-            self.lib.orca_silu_and_mul(x.data_ptr(), rows, d, out.data_ptr())
+            fn(x.data_ptr(), rows, d, out.data_ptr())
         return out
 
     def rope_and_cache(
@@ -418,13 +430,15 @@ def paged_decode_attention(
     block_tables: torch.Tensor,
     seq_lens: torch.Tensor,
     scale: float,
+    window: int | None = None,
 ) -> torch.Tensor:
-    """[n, Hq, D] attention of one query token per sequence over its whole cached history.
+    """[n, Hq, D] attention of one query token per sequence over its cached history: the whole of it,
+    or with a sliding `window` its last `window` tokens (the query's own among them).
 
     q [n, Hq, D] float32; caches [num_blocks, block_size, Hkv, D] float32; block_tables [n, max_blocks]
     and seq_lens [n] int32. Sequence i's token t is at block block_tables[i, t // block_size].
     """
-    return _checked().paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale)
+    return _checked().paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window)
 
 
 def supports_decode_attention(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
@@ -454,6 +468,11 @@ def rms_norm(
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2d] (gate | up) -> [..., d] = silu(gate) * up."""
     return _checked().silu_and_mul(x)
+
+
+def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+    """[..., 2d] (gate | up) -> [..., d] = gelu_tanh(gate) * up (Gemma's MLP)."""
+    return _checked().gelu_tanh_and_mul(x)
 
 
 def fits_rope_and_cache(qkv: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor) -> bool:
@@ -486,6 +505,7 @@ NATIVE_OPS = (
     "paged_decode_attention",
     "rms_norm",
     "silu_and_mul",
+    "gelu_tanh_and_mul",
     "rope_and_cache",
 )
 

@@ -1,15 +1,21 @@
 /* A decode step's decoder layers (Llama family) in one call: for T sequences of one new token each,
  *
  *   normed = rms_norm(hidden)                    qkv = normed W_qkv^T [+ b]
- *   rope on q and k, k and v into the paged cache; attn = paged decode attention of q
- *   normed, hidden = rms_norm(attn W_o^T, residual = hidden)
- *   hidden = hidden + down(silu(gate) * up),     gate | up = normed W_gate_up^T
+ *   [q, k = rms_norm per head (q_norm, k_norm)]
+ *   rope on q and k, k and v into the paged cache; attn = paged decode attention of q [in a window]
+ *   o = attn W_o^T                               [o = rms_norm(o) (attn_out_norm)]
+ *   normed, hidden = rms_norm(o, residual = hidden)
+ *   m = down(act(gate) * up),                    gate | up = normed W_gate_up^T, act SiLU or GELU-tanh
+ *   [m = rms_norm(m) (mlp_out_norm)]             hidden = hidden + m
  *
  * layer after layer, calling the same kernels the Python layers call one by one (quant_linear.c,
  * elementwise.c, paged_decode_attention.c) on the same values in the same order: the result is
  * bit-identical to the module-by-module forward. What it removes is everything between those kernels:
  * at batch 1 on a 2-core CPU a decode step makes ~300 small calls, and each one's Python (module
  * call, checks, a fresh output tensor, ctypes) cost more than its arithmetic (issue #12).
+ *
+ * The bracketed steps are Gemma 3's (its "sandwich" norms around attention and MLP, q/k norms, local
+ * layers' windows and rotary tables, GELU); a layer without them leaves their pointers NULL.
  *
  * Still selective batching: every linear, norm and activation runs once over the flat [T, hidden]
  * tokens; only attention is per sequence. Tensor parallelism is not handled here (no all-reduce):
@@ -26,12 +32,13 @@ int orca_qlinear(const float *x, int64_t M, int64_t K, const uint8_t *w, int fmt
                  int precision);
 void orca_rms_norm(float *x, float *residual, const float *w, float eps, int64_t T, int64_t H, float *out);
 void orca_silu_and_mul(const float *x, int64_t T, int64_t d, float *out);
+void orca_gelu_tanh_and_mul(const float *x, int64_t T, int64_t d, float *out);
 void orca_rope_and_cache(float *qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const int64_t *positions,
                          const float *cos_sin, const int64_t *slots, float *k_cache, float *v_cache);
 int orca_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                                 const int32_t *block_tables, const int32_t *seq_lens, int64_t n, int64_t Hq,
                                 int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, float scale,
-                                float *out);
+                                int64_t window, float *out);
 
 /* One packed weight [N, K]: its row segments (each one block format), as PackedWeight.kernel_args. */
 typedef struct {
@@ -50,6 +57,12 @@ typedef struct {
     const float *input_norm, *post_norm; /* [H] */
     orca_qweight qkv, o, gate_up, down;
     float *k_cache, *v_cache;
+    /* What not every family has (NULL / 0: none). */
+    const float *cos_sin;                     /* this layer's rotary table; NULL: the shape's */
+    int64_t window;                           /* sliding window; 0: full attention */
+    const float *q_norm, *k_norm;             /* [D], on every q / k head before rotary */
+    const float *attn_out_norm, *mlp_out_norm; /* [H], on the attention / MLP output before its residual add */
+    int32_t gelu;                             /* the MLP's activation: 0 SiLU, 1 GELU (tanh) */
 } orca_decode_layer;
 
 /* The model's shape, the same for every layer. */
@@ -91,19 +104,31 @@ int orca_decode_layers(const orca_decode_layer *layers, int64_t num_layers, cons
         const orca_decode_layer *L = layers + l;
         orca_rms_norm(hidden, NULL, L->input_norm, shape->eps, T, H, normed);
         if ((rc = linear(&L->qkv, normed, T, qkv))) break;
-        orca_rope_and_cache(qkv, T, Hq, Hkv, D, positions, shape->cos_sin, slots, L->k_cache, L->v_cache);
+        /* Per-head norms, in place: each token's q heads, then its k heads, are rows of D. */
+        for (int64_t t = 0; L->q_norm && t < T; t++) {
+            float *row = qkv + t * qkv_width;
+            orca_rms_norm(row, NULL, L->q_norm, shape->eps, Hq, D, row);
+            orca_rms_norm(row + q_width, NULL, L->k_norm, shape->eps, Hkv, D, row + q_width);
+        }
+        orca_rope_and_cache(qkv, T, Hq, Hkv, D, positions, L->cos_sin ? L->cos_sin : shape->cos_sin, slots,
+                            L->k_cache, L->v_cache);
         /* Attention reads q as [T, Hq, D]: one token's q heads already are; more are gathered. */
         if (T > 1)
             for (int64_t t = 0; t < T; t++)
                 memcpy(q + t * q_width, qkv + t * qkv_width, (size_t)q_width * sizeof(float));
         if ((rc = orca_paged_decode_attention(T > 1 ? q : qkv, L->k_cache, L->v_cache, block_tables, seq_lens, T, Hq, Hkv, D,
-                                              shape->block_size, max_blocks, shape->scale, attn)))
+                                              shape->block_size, max_blocks, shape->scale, L->window, attn)))
             break;
         if ((rc = linear(&L->o, attn, T, o))) break;
+        if (L->attn_out_norm) orca_rms_norm(o, NULL, L->attn_out_norm, shape->eps, T, H, o);
         orca_rms_norm(o, hidden, L->post_norm, shape->eps, T, H, normed); /* hidden += o */
         if ((rc = linear(&L->gate_up, normed, T, gate_up))) break;
-        orca_silu_and_mul(gate_up, T, I, act);
+        if (L->gelu)
+            orca_gelu_tanh_and_mul(gate_up, T, I, act);
+        else
+            orca_silu_and_mul(gate_up, T, I, act);
         if ((rc = linear(&L->down, act, T, down))) break;
+        if (L->mlp_out_norm) orca_rms_norm(down, NULL, L->mlp_out_norm, shape->eps, T, H, down);
         for (int64_t i = 0; i < T * H; i++) hidden[i] += down[i];
     }
     free(buf);

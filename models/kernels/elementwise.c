@@ -78,3 +78,23 @@ void orca_rope_and_cache(float *qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t
         }
     }
 }
+
+/* out[t] = gelu_tanh(x[t, :d]) * x[t, d:] for x [T, 2d] (gate | up), d a multiple of 8: Gemma's MLP.
+ * gelu_tanh(g) = 0.5 g (1 + tanh(u)), u = sqrt(2/pi) (g + 0.044715 g^3), computed as its equal
+ * g / (1 + e^(-2u)): one exp, and exp8's clamp gives the right limits at both ends. */
+void orca_gelu_tanh_and_mul(const float *x, int64_t T, int64_t d, float *out) {
+#pragma omp parallel for schedule(static) if (T >= PARALLEL_MIN_ROWS)
+    for (int64_t t = 0; t < T; t++) {
+        const float *g = x + t * 2 * d, *u = g + d;
+        float *o = out + t * d;
+        const __m256 minus_2c = _mm256_set1_ps(-2.0f * 0.7978845608028654f), k = _mm256_set1_ps(0.044715f);
+        const __m256 one = _mm256_set1_ps(1.0f);
+        for (int64_t i = 0; i < d; i += 8) {
+            const __m256 gv = _mm256_loadu_ps(g + i);
+            const __m256 inner = _mm256_mul_ps(gv, _mm256_add_ps(one, _mm256_mul_ps(k, _mm256_mul_ps(gv, gv))));
+            const __m256 e = exp8(_mm256_mul_ps(minus_2c, inner));
+            const __m256 gelu = _mm256_div_ps(gv, _mm256_add_ps(one, e));
+            _mm256_storeu_ps(o + i, _mm256_mul_ps(gelu, _mm256_loadu_ps(u + i)));
+        }
+    }
+}

@@ -14,6 +14,11 @@
  * depends only on the sequence's own length, never on the batch or the thread count, so a request's
  * output never depends on what shares its batch.
  *
+ * Sliding-window attention (window > 0): the query, at position len_i - 1, sees only the last `window`
+ * keys (transformers' convention: itself and the window - 1 before it). The spans stay aligned to
+ * absolute positions (span c covers [64c, 64c + 64)); the first one is cut at the window's start and
+ * spans wholly before it are skipped, so the split still depends on the sequence alone.
+ *
  * Within a span: the scores of every head (8 tokens at a time, as 8 independent multiply-add chains),
  * the softmax (max, exp, sum), then the weighted V rows; nothing grows with the context. AVX2 + FMA;
  * OpenMP over (span, group of query heads) tasks. Measured on a 2-core AVX2 EPYC, 30 layers from
@@ -113,12 +118,13 @@ static inline __attribute__((always_inline)) void group_span(
         }
 }
 
-/* One task: g query heads (from h0) of sequence i over one span. A sequence of one span writes its
- * output (acc / l) directly; otherwise the span's partial goes to part (per head: acc [D], m, l). */
+/* One task: g query heads (from h0) of sequence i over tokens [t_begin, t_end) (one span). A sequence
+ * of one span (`single`) writes its output (acc / l) directly; otherwise the span's partial goes to
+ * part (per head: acc [D], m, l). */
 static inline __attribute__((always_inline)) void run_task(
-    const float *q, const float *k_cache, const float *v_cache, const int32_t *table, int64_t seq_len,
-    int64_t span, int64_t h0, int64_t g, int64_t group, int64_t Hkv, int64_t block_size, const int64_t DV,
-    float scale, float *out, float *part) {
+    const float *q, const float *k_cache, const float *v_cache, const int32_t *table, int64_t t_begin,
+    int64_t t_end, int single, int64_t h0, int64_t g, int64_t group, int64_t Hkv, int64_t block_size,
+    const int64_t DV, float scale, float *out, float *part) {
     const int64_t D = DV * 8, kvh = h0 / group;
     float qs[MAX_GROUP * MAX_HEAD_DIM] __attribute__((aligned(32)));
     float acc[MAX_GROUP * MAX_HEAD_DIM] __attribute__((aligned(32)));
@@ -127,10 +133,8 @@ static inline __attribute__((always_inline)) void run_task(
         for (int64_t d = 0; d < DV; d++)
             _mm256_store_ps(qs + h * D + 8 * d,
                             _mm256_mul_ps(_mm256_loadu_ps(q + (h0 + h) * D + 8 * d), _mm256_set1_ps(scale)));
-    const int64_t t_begin = span * SPAN_TOKENS;
-    const int64_t t_end = t_begin + SPAN_TOKENS < seq_len ? t_begin + SPAN_TOKENS : seq_len;
     group_span(qs, k_cache + kvh * D, v_cache + kvh * D, table, t_begin, t_end, block_size, Hkv * D, DV, g, acc, m, l);
-    if (seq_len <= SPAN_TOKENS) {
+    if (single) {
         for (int64_t h = 0; h < g; h++) {
             const __m256 inv = _mm256_set1_ps(1.0f / l[h]);
             for (int64_t d = 0; d < DV; d++)
@@ -170,14 +174,19 @@ static int64_t heads_per_task(int64_t group) {
     return g;
 }
 
+/* The first key a query at position seq_len - 1 sees: 0, or the window's start. */
+static inline int64_t window_start(int64_t seq_len, int64_t window) {
+    return window > 0 && seq_len > window ? seq_len - window : 0;
+}
+
 /* q, out: [n, Hq, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [n, max_blocks] int32;
- * seq_lens: [n] int32 (>= 1). Returns nonzero for shapes it does not handle (D not a multiple of 8 or
- * > 256) or when memory runs out. */
+ * seq_lens: [n] int32 (>= 1); window: the sliding window (0: every key). Returns nonzero for shapes it
+ * does not handle (D not a multiple of 8 or > 256) or when memory runs out. */
 int orca_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                                 const int32_t *block_tables, const int32_t *seq_lens, int64_t n, int64_t Hq,
                                 int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, float scale,
-                                float *out) {
-    if (D % 8 != 0 || D > MAX_HEAD_DIM || Hq % Hkv != 0 || n <= 0) return 1;
+                                int64_t window, float *out) {
+    if (D % 8 != 0 || D > MAX_HEAD_DIM || Hq % Hkv != 0 || n <= 0 || window < 0) return 1;
     const int64_t group = Hq / Hkv, g = heads_per_task(group), groups = Hq / g;
     /* span_start[i]: the index of sequence i's first span among all; part_start: where its partials
      * go (sequences of one span need none). */
@@ -186,7 +195,7 @@ int orca_paged_decode_attention(const float *q, const float *k_cache, const floa
     int64_t *part_start = span_start + n + 1;
     int64_t spans = 0, parts = 0;
     for (int64_t i = 0; i < n; i++) {
-        const int64_t c = (seq_lens[i] + SPAN_TOKENS - 1) / SPAN_TOKENS;
+        const int64_t c = (seq_lens[i] - 1) / SPAN_TOKENS - window_start(seq_lens[i], window) / SPAN_TOKENS + 1;
         span_start[i] = spans;
         part_start[i] = parts;
         spans += c;
@@ -213,19 +222,25 @@ int orca_paged_decode_attention(const float *q, const float *k_cache, const floa
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < spans * groups; task++) {
             const int64_t c = task / groups, h0 = task % groups * g, i = span_seq[c], span = c - span_start[i];
+            const int64_t len = seq_lens[i], lo = window_start(len, window);
+            /* This span's keys: its 64 absolute positions, cut to the window and the history. */
+            const int64_t abs_span = lo / SPAN_TOKENS + span;
+            const int64_t t_begin = abs_span * SPAN_TOKENS > lo ? abs_span * SPAN_TOKENS : lo;
+            const int64_t t_end = (abs_span + 1) * SPAN_TOKENS < len ? (abs_span + 1) * SPAN_TOKENS : len;
+            const int single = span_start[i + 1] - span_start[i] == 1;
             const int32_t *table = block_tables + i * max_blocks;
-            float *p = part ? part + (part_start[i] + span) * span_stride : NULL;
+            float *p = single ? NULL : part + (part_start[i] + span) * span_stride;
             const float *qi = q + i * Hq * D;
             float *oi = out + i * Hq * D;
             if (D == 64)
-                run_task(qi, k_cache, v_cache, table, seq_lens[i], span, h0, g, group, Hkv, block_size, 8,
+                run_task(qi, k_cache, v_cache, table, t_begin, t_end, single, h0, g, group, Hkv, block_size, 8,
                          scale, oi, p);
             else if (D == 128)
-                run_task(qi, k_cache, v_cache, table, seq_lens[i], span, h0, g, group, Hkv, block_size, 16,
+                run_task(qi, k_cache, v_cache, table, t_begin, t_end, single, h0, g, group, Hkv, block_size, 16,
                          scale, oi, p);
             else
-                run_task(qi, k_cache, v_cache, table, seq_lens[i], span, h0, g, group, Hkv, block_size, D / 8,
-                         scale, oi, p);
+                run_task(qi, k_cache, v_cache, table, t_begin, t_end, single, h0, g, group, Hkv, block_size,
+                         D / 8, scale, oi, p);
         }
         if (parts) {
 #pragma omp for schedule(static)

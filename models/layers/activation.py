@@ -19,6 +19,17 @@ class SiluAndMul(nn.Module):
         return F.silu(gate) * up
 
 
+class GeluTanhAndMul(nn.Module):
+    """[..., 2 * d] (gate | up) -> [..., d] = gelu_tanh(gate) * up (Gemma's MLP). On a CPU in float32
+    the native kernel, which the fused decode call runs too (the two paths stay bit-identical)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if cpu_kernels.fits_rowwise(x, x.shape[-1] // 2):
+            return cpu_kernels.gelu_tanh_and_mul(x)
+        gate, up = x.chunk(2, dim=-1)
+        return F.gelu(gate, approximate="tanh") * up
+
+
 _GELU_APPROXIMATION = {
     "gelu_new": "tanh",  # GPT-2's "new" GELU is the tanh approximation
     "gelu_pytorch_tanh": "tanh",

@@ -142,14 +142,29 @@ class AttentionStep:
 
 
 class Attention(nn.Module):
-    """Paged-cache attention for one layer. No weights: projections live in the model."""
+    """Paged-cache attention for one layer. No weights: projections live in the model.
 
-    def __init__(self, num_heads: int, head_dim: int, num_kv_heads: int, scale: float) -> None:
+    With a `sliding_window` W a query sees only the last W keys up to its own position (itself and the
+    W - 1 before it: transformers' convention for Mistral, Qwen2 and Gemma 3). Every key stays in the
+    cache (the layer's blocks are shared with its full-attention neighbours and the prefix cache);
+    the backends just do not read the older ones."""
+
+    def __init__(
+        self,
+        num_heads: int,
+        head_dim: int,
+        num_kv_heads: int,
+        scale: float,
+        sliding_window: int | None = None,
+    ) -> None:
         super().__init__()
+        if sliding_window is not None and sliding_window < 1:
+            raise ValueError(f"sliding window must be at least 1 token, not {sliding_window}")
         self.num_heads = num_heads
         self.head_dim = head_dim
         self.num_kv_heads = num_kv_heads
         self.scale = scale
+        self.sliding_window = sliding_window
 
     def forward(
         self,
@@ -194,5 +209,7 @@ class Attention(nn.Module):
     def attend(self, q: torch.Tensor, kv_cache: KVCache, step: AttentionStep) -> torch.Tensor:
         """The backend over a cache that already holds this step's K/V: [T, Hq, D] -> [T, Hq * D]."""
         k_cache, v_cache = kv_cache
-        out = step.backend.forward(q, k_cache, v_cache, step.metadata, step.plan, self.scale)
+        out = step.backend.forward(
+            q, k_cache, v_cache, step.metadata, step.plan, self.scale, self.sliding_window
+        )
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)

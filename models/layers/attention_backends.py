@@ -5,6 +5,11 @@ that is the same for every layer) and `forward(...)` runs once per layer. Only a
 (selective batching); everything here reads the paged cache, whose layout is
 [num_blocks, block_size, num_kv_heads, head_dim] (see metadata.py).
 
+A layer with a sliding window W (`forward(..., window=W)`) lets each query see only the keys at most
+W - 1 positions before it, itself included (transformers' `kv_idx > q_idx - W`; flash-attn's
+`window_size=(W - 1, 0)`). Plans that depend on the window (sdpa's masks) are built once per step
+for each window a layer asks for: a Gemma 3 step has two, its local layers' and its global layers'.
+
 CUDA-only backends import their kernels lazily, inside __init__, so importing this module never needs
 CUDA, flash-attn or triton.
 """
@@ -13,7 +18,7 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -29,6 +34,8 @@ class AttentionBackend(ABC):
     # that reads host-side sizes only, allocates through torch, and never synchronises. The per-request
     # plans of sdpa and cpu-decode, and history_slots' host-sized gathers, are not.
     capturable: bool = False
+    # Whether forward takes a sliding window (models with windowed layers refuse a backend without).
+    supports_sliding_window: bool = True
 
     @abstractmethod
     def plan(self, md: AttentionMetadata) -> Any:
@@ -43,6 +50,7 @@ class AttentionBackend(ABC):
         md: AttentionMetadata,
         plan: Any,
         scale: float,
+        window: int | None = None,  # sliding window in tokens (None: the whole history)
     ) -> torch.Tensor:  # [T, Hq, D]
         """Attention output for every query token."""
 
@@ -68,9 +76,69 @@ class _SeqPlan:
     q_start: int
     q_end: int
     seq_len: int
-    block_ids: torch.Tensor  # [ceil(seq_len / block_size)] int64
-    mask: torch.Tensor | None  # [query_len, seq_len] bool, or None
+    k_start: int  # the first key any of its queries sees (0, or the window's start for the first query)
+    block_ids: torch.Tensor  # the blocks holding keys [k_start, seq_len), int64
+    mask: torch.Tensor | None  # [query_len, seq_len - k_start] bool, or None
     is_causal: bool
+
+
+@dataclass
+class SdpaPlan:
+    """The step's per-request plans, one list per sliding window the layers ask for (None: full
+    attention), built by the first layer that asks. Requests before `first` are another backend's
+    (cpu-decode batches its leading decodes itself)."""
+
+    md: AttentionMetadata
+    first: int = 0
+    by_window: dict[int | None, list[_SeqPlan]] = field(default_factory=dict)
+
+    def seqs(self, window: int | None) -> list[_SeqPlan]:
+        seqs = self.by_window.get(window)
+        if seqs is None:
+            seqs = self.by_window[window] = _seq_plans(self.md, self.first, window)
+        return seqs
+
+
+def _seq_plans(md: AttentionMetadata, first: int, window: int | None) -> list[_SeqPlan]:
+    """Sequence i's queries are the LAST query_len of its seq_len positions, so query j may see keys
+    up to seq_len - query_len + j (causal, aligned bottom-right) and, with a window W, from
+    seq_len - query_len + j - W + 1. Only keys from the first query's window start are gathered."""
+    device = md.block_tables.device
+    block_tables = md.block_tables.long()
+    bs = md.block_size
+    plans = []
+    q_start = sum(md.query_lens_cpu[:first])
+    for i in range(first, md.num_seqs):
+        q_len, seq_len = md.query_lens_cpu[i], md.seq_lens_cpu[i]
+        context = seq_len - q_len  # keys cached before the first query
+        end_block = -(-seq_len // bs)
+        mask = None
+        if window is None or window >= seq_len:  # no query reaches back past the window
+            k_start = 0
+            if 1 < q_len < seq_len:
+                mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=device).tril(context)
+            is_causal = q_len == seq_len > 1
+        else:
+            k_start = max(0, context - window + 1)
+            keys = seq_len - k_start
+            if q_len > 1:  # one query sees exactly the keys gathered
+                ones = torch.ones(q_len, keys, dtype=torch.bool, device=device)
+                diagonal = context - k_start  # query j sits at key index j + diagonal
+                mask = ones.tril(diagonal) & ones.triu(diagonal - window + 1)
+            is_causal = False
+        plans.append(
+            _SeqPlan(
+                q_start,
+                q_start + q_len,
+                seq_len,
+                k_start,
+                block_tables[i, k_start // bs : end_block],
+                mask,
+                is_causal,
+            )
+        )
+        q_start += q_len
+    return plans
 
 
 class SdpaBackend(AttentionBackend):
@@ -78,40 +146,24 @@ class SdpaBackend(AttentionBackend):
 
     The queries are the LAST query_len of seq_len positions, so query j may see keys 0..seq_len -
     query_len + j: a causal mask aligned to the bottom right. SDPA's is_causal aligns top-left, which is
-    only right when query_len == seq_len; other prefill chunks get an explicit mask.
+    only right when query_len == seq_len; other prefill chunks get an explicit mask, and so does every
+    prompt chunk of a windowed layer whose window binds.
     """
 
     name = "sdpa"
 
-    def plan(self, md: AttentionMetadata) -> list[_SeqPlan]:
-        device = md.block_tables.device
-        block_tables = md.block_tables.long()
-        plans = []
-        q_start = 0
-        for i, (q_len, seq_len) in enumerate(zip(md.query_lens_cpu, md.seq_lens_cpu, strict=True)):
-            num_blocks = -(-seq_len // md.block_size)
-            mask = None
-            if 1 < q_len < seq_len:
-                mask = torch.ones(q_len, seq_len, dtype=torch.bool, device=device).tril(seq_len - q_len)
-            plans.append(
-                _SeqPlan(
-                    q_start,
-                    q_start + q_len,
-                    seq_len,
-                    block_tables[i, :num_blocks],
-                    mask,
-                    q_len == seq_len > 1,
-                )
-            )
-            q_start += q_len
-        return plans
+    def plan(self, md: AttentionMetadata, first: int = 0) -> SdpaPlan:
+        return SdpaPlan(md, first)
 
-    def forward(self, q, k_cache, v_cache, md, plan, scale):
+    def forward(self, q, k_cache, v_cache, md, plan, scale, window=None):
         h_kv, d = k_cache.shape[-2:]
+        bs = k_cache.shape[1]
         outs = []
-        for p in plan:
-            k = k_cache[p.block_ids].view(-1, h_kv, d)[: p.seq_len].transpose(0, 1)  # [Hkv, S, D]
-            v = v_cache[p.block_ids].view(-1, h_kv, d)[: p.seq_len].transpose(0, 1)
+        for p in plan.seqs(window):
+            lo = p.k_start % bs  # the first gathered key's offset in its block
+            n = p.seq_len - p.k_start
+            k = k_cache[p.block_ids].view(-1, h_kv, d)[lo : lo + n].transpose(0, 1)  # [Hkv, S, D]
+            v = v_cache[p.block_ids].view(-1, h_kv, d)[lo : lo + n].transpose(0, 1)
             qi = q[p.q_start : p.q_end].transpose(0, 1)  # [Hq, q_len, D]
             # With a batch dimension: torch's CPU flash kernel takes 4-D inputs only, and 3-D ones fall
             # to the math path (it materializes the scores): 3.3x slower on a 512-token prompt.
@@ -137,10 +189,11 @@ class _DecodePlan:
     block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32, contiguous
     seq_lens: torch.Tensor | None  # [num_decodes] int32
     max_len: int  # longest history among them
-    rest: list[_SeqPlan]  # the other requests, per-request sdpa
-    # The torch path's padded gather index and mask, built by the first layer that needs them.
+    rest: SdpaPlan | None  # the other requests, per-request sdpa
+    # The torch path's padded gather index, built by the first layer that needs it, and its masks
+    # (key position < seq_len, and within the window), one per window.
     slots: torch.Tensor | None = None  # [num_decodes, max_len] int64 cache slots (padding: a valid slot)
-    mask: torch.Tensor | None = None  # [num_decodes, 1, 1, max_len] bool: key position < seq_len
+    masks: dict[int | None, torch.Tensor] = field(default_factory=dict)  # [num_decodes, 1, 1, max_len]
 
 
 class BatchedDecodeBackend(AttentionBackend):
@@ -163,23 +216,30 @@ class BatchedDecodeBackend(AttentionBackend):
         n = 0
         while n < md.num_seqs and md.query_lens_cpu[n] == 1:
             n += 1
-        rest = self._sdpa.plan(md)[n:] if n < md.num_seqs else []
+        rest = self._sdpa.plan(md, first=n) if n < md.num_seqs else None
         if n == 0:
             return _DecodePlan(0, None, None, 0, rest)
         tables = md.block_tables[:n].to(torch.int32).contiguous()
         lens = md.seq_lens[:n].to(torch.int32).contiguous()
         return _DecodePlan(n, tables, lens, max(md.seq_lens_cpu[:n]), rest)
 
-    def _padded(self, plan: _DecodePlan, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _padded(
+        self, plan: _DecodePlan, block_size: int, window: int | None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert plan.block_tables is not None and plan.seq_lens is not None
+        n, device = plan.num_decodes, plan.block_tables.device
+        pos = torch.arange(plan.max_len, device=device)  # [L]
         if plan.slots is None:
-            assert plan.block_tables is not None and plan.seq_lens is not None
-            n, device = plan.num_decodes, plan.block_tables.device
-            pos = torch.arange(plan.max_len, device=device)  # [L]
             blocks = plan.block_tables.long()[:, pos // block_size]  # [n, L]; padded entries are block 0
             plan.slots = blocks * block_size + pos % block_size
-            plan.mask = (pos.unsqueeze(0) < plan.seq_lens.unsqueeze(1)).view(n, 1, 1, plan.max_len)
-        assert plan.mask is not None
-        return plan.slots, plan.mask
+        mask = plan.masks.get(window)
+        if mask is None:
+            lens = plan.seq_lens.unsqueeze(1)
+            visible = pos.unsqueeze(0) < lens
+            if window is not None:
+                visible &= pos.unsqueeze(0) >= lens - window
+            mask = plan.masks[window] = visible.view(n, 1, 1, plan.max_len)
+        return plan.slots, mask
 
     def _native_fits(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
         h_kv, d = k_cache.shape[-2:]
@@ -191,25 +251,25 @@ class BatchedDecodeBackend(AttentionBackend):
             and cpu_kernels.supports_decode_attention(d, q.shape[1], h_kv)
         )
 
-    def forward(self, q, k_cache, v_cache, md, plan, scale):
+    def forward(self, q, k_cache, v_cache, md, plan, scale, window=None):
         n = plan.num_decodes
         outs = []
         if n and self._native_fits(q, k_cache):
             outs.append(
                 cpu_kernels.paged_decode_attention(
-                    q[:n], k_cache, v_cache, plan.block_tables, plan.seq_lens, scale
+                    q[:n], k_cache, v_cache, plan.block_tables, plan.seq_lens, scale, window
                 )
             )
         elif n:
             h_kv, d = k_cache.shape[-2:]
-            slots, mask = self._padded(plan, md.block_size)
+            slots, mask = self._padded(plan, md.block_size, window)
             k = k_cache.view(-1, h_kv, d)[slots].transpose(1, 2)  # [n, Hkv, L, D]
             v = v_cache.view(-1, h_kv, d)[slots].transpose(1, 2)
             qd = q[:n].unsqueeze(2)  # [n, Hq, 1, D]
             o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
             outs.append(o.squeeze(2))  # [n, Hq, D]
-        if plan.rest:
-            outs.append(self._sdpa.forward(q, k_cache, v_cache, md, plan.rest, scale))
+        if plan.rest is not None:
+            outs.append(self._sdpa.forward(q, k_cache, v_cache, md, plan.rest, scale, window))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 
 
@@ -237,14 +297,21 @@ class TorchVarlenBackend(AttentionBackend):
         self._attn = varlen_attn
         params = inspect.signature(varlen_attn).parameters
         # Older torch spelled causal as is_causal=True; newer as a (-1, 0) window. Both align the
-        # causal mask bottom-right, which is what prefill chunks against a cached prefix need.
+        # causal mask bottom-right, which is what prefill chunks against a cached prefix need. Only the
+        # newer one takes a sliding window: (W - 1, 0), flash-attn's convention.
         self._causal = {"is_causal": True} if "is_causal" in params else {"window_size": (-1, 0)}
         self._gqa = {"enable_gqa": True} if "enable_gqa" in params else {}
+        self.supports_sliding_window = "window_size" in params
 
     def plan(self, md: AttentionMetadata) -> _VarlenPlan:
         return _VarlenPlan(history_slots(md))
 
-    def forward(self, q, k_cache, v_cache, md, plan, scale):
+    def forward(self, q, k_cache, v_cache, md, plan, scale, window=None):
+        causal = self._causal
+        if window is not None:
+            if not self.supports_sliding_window:
+                raise ValueError("this torch's varlen_attn has no window_size: no sliding-window attention")
+            causal = {"window_size": (window - 1, 0)}
         h_kv, d = k_cache.shape[-2:]
         k = k_cache.view(-1, h_kv, d)[plan.slots]  # [sum(seq_lens), Hkv, D]
         v = v_cache.view(-1, h_kv, d)[plan.slots]
@@ -260,7 +327,7 @@ class TorchVarlenBackend(AttentionBackend):
             md.max_query_len,
             md.max_seq_len,
             scale=scale,
-            **self._causal,
+            **causal,
             **self._gqa,
         )
 
@@ -280,8 +347,8 @@ class FlashAttnBackend(AttentionBackend):
             return _VarlenPlan(None)
         return _VarlenPlan(history_slots(md))
 
-    def forward(self, q, k_cache, v_cache, md, plan, scale):
-        common = dict(
+    def forward(self, q, k_cache, v_cache, md, plan, scale, window=None):
+        common: dict[str, Any] = dict(
             cu_seqlens_q=md.query_start_loc,
             cu_seqlens_k=md.seq_start_loc,
             max_seqlen_q=md.max_query_len,
@@ -289,6 +356,9 @@ class FlashAttnBackend(AttentionBackend):
             softmax_scale=scale,
             causal=True,  # flash-attn >= 2.1 aligns causal bottom-right
         )
+        if window is not None:
+            # flash-attn (>= 2.3) counts the keys left of the query's own: W - 1 for a window of W.
+            common["window_size"] = (window - 1, 0)
         if plan.slots is None:
             return self._attn(q, k_cache, v_cache, block_table=md.block_tables, **common)
         h_kv, d = k_cache.shape[-2:]
@@ -323,7 +393,7 @@ class TritonBackend(AttentionBackend):
     def plan(self, md: AttentionMetadata) -> _TritonPlan:
         return _TritonPlan({})
 
-    def forward(self, q, k_cache, v_cache, md, plan, scale):
+    def forward(self, q, k_cache, v_cache, md, plan, scale, window=None):
         heads = (q.shape[1], k_cache.shape[2])
         config = plan.configs.get(heads)
         if config is None:
@@ -337,5 +407,13 @@ class TritonBackend(AttentionBackend):
                 device=q.device,
             )
         return self._kernels.paged_attention(
-            q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale, config
+            q,
+            k_cache,
+            v_cache,
+            md.block_tables,
+            md.seq_lens,
+            md.query_start_loc,
+            scale,
+            config,
+            window=window,
         )

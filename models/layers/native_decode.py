@@ -59,6 +59,13 @@ class _Layer(ctypes.Structure):
         ("down", _QWeight),
         ("k_cache", _p),
         ("v_cache", _p),
+        ("cos_sin", _p),
+        ("window", _i64),
+        ("q_norm", _p),
+        ("k_norm", _p),
+        ("attn_out_norm", _p),
+        ("mlp_out_norm", _p),
+        ("gelu", _i32),
     ]
 
 
@@ -96,21 +103,39 @@ def _qweight(layer: PackableLinear) -> _QWeight | None:
     return q
 
 
+# The MLP activations decode_layers.c runs (its `gelu` flag).
+ACTIVATIONS = ("silu", "gelu_tanh")
+
+
 @dataclass(frozen=True)
 class DecodeLayerParts:
     """One pre-norm decoder layer as decode_layers.c runs it (Llama's layout): input norm, fused qkv,
     rotary and the cache write, paged attention, o, the residual add fused into the post-attention
     norm, fused gate/up, SiLU-and-mul, down, residual add. A family declares how its layer maps onto
-    this (`ModelFamily.native_decode`); a layer that does not fit returns None from that function."""
+    this (`ModelFamily.native_decode`); a layer that does not fit returns None from that function.
+
+    The optional parts are Gemma 3's: per-head q/k norms before rotary, a norm on the attention output
+    and one on the MLP output before their residual adds (`post_norm` is then its pre-feedforward
+    norm), GELU-tanh, and per layer its own rotary table and window (`attention.sliding_window`)."""
 
     input_norm: RMSNorm
     qkv: PackableLinear
     rotary: RotaryEmbedding
-    attention: Attention  # head counts (this rank's), head_dim and scale
+    attention: Attention  # head counts (this rank's), head_dim, scale and sliding window
     o: PackableLinear
     post_norm: RMSNorm
     gate_up: PackableLinear
     down: PackableLinear
+    q_norm: RMSNorm | None = None
+    k_norm: RMSNorm | None = None
+    attn_out_norm: RMSNorm | None = None
+    mlp_out_norm: RMSNorm | None = None
+    activation: str = "silu"  # one of ACTIVATIONS
+
+    def norms(self) -> list[RMSNorm]:
+        """Every norm of the layer (the optional ones it has)."""
+        optional = (self.q_norm, self.k_norm, self.attn_out_norm, self.mlp_out_norm)
+        return [self.input_norm, self.post_norm, *(n for n in optional if n is not None)]
 
 
 class NativeDecodeLayers:
@@ -134,28 +159,33 @@ class NativeDecodeLayers:
         attn = first.attention
         d, hq, hkv = attn.head_dim, attn.num_heads, attn.num_kv_heads
         cos_sin = first.rotary.cos_sin_cache
-        if not (
-            _is_f32(cos_sin)
-            and cos_sin.shape[-1] == d
-            and d % 16 == 0
-            and cpu_kernels.supports_decode_attention(d, hq, hkv)
-        ):
+        if not (d % 16 == 0 and cpu_kernels.supports_decode_attention(d, hq, hkv)):
             return None
         hidden = first.input_norm.weight.shape[0]
         for i, layer in enumerate(layers):
-            norms = (layer.input_norm, layer.post_norm)
+            table = layer.rotary.cos_sin_cache
+            a = layer.attention
             if (
-                layer.rotary is not first.rotary
-                or layer.attention.scale != attn.scale
-                or any(n.eps != first.input_norm.eps or not _is_f32(n.weight) for n in norms)
+                not (_is_f32(table) and tuple(table.shape) == tuple(cos_sin.shape) and table.shape[-1] == d)
+                or (a.scale, a.head_dim, a.num_heads, a.num_kv_heads) != (attn.scale, d, hq, hkv)
+                or any(n.eps != first.input_norm.eps or not _is_f32(n.weight) for n in layer.norms())
+                or (layer.q_norm is None) != (layer.k_norm is None)
+                or layer.activation not in ACTIVATIONS
             ):
                 return None
             weights = [_qweight(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             if any(w is None for w in weights):
                 return None
             s = structs[i]
-            s.input_norm, s.post_norm = (n.weight.data_ptr() for n in norms)
+            s.input_norm, s.post_norm = layer.input_norm.weight.data_ptr(), layer.post_norm.weight.data_ptr()
             s.qkv, s.o, s.gate_up, s.down = weights
+            s.cos_sin = table.data_ptr()
+            s.window = a.sliding_window or 0
+            s.q_norm, s.k_norm, s.attn_out_norm, s.mlp_out_norm = (
+                None if n is None else n.weight.data_ptr()
+                for n in (layer.q_norm, layer.k_norm, layer.attn_out_norm, layer.mlp_out_norm)
+            )
+            s.gelu = ACTIVATIONS.index(layer.activation)
         shape = _Shape(
             hidden=hidden,
             num_heads=hq,

@@ -29,18 +29,35 @@ class RopeParams:
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3")
 
 
-def rope_params_from_config(config: Any) -> RopeParams:
+def rope_params_from_config(config: Any, layer_type: str | None = None) -> RopeParams:
     """Read RoPE settings from a transformers config, old style or new.
 
     transformers < 5 keeps `rope_theta` and `rope_scaling` (dict or None) on the config; transformers 5
-    folds both into `rope_parameters` (a dict with rope_type, rope_theta, factor, ...).
+    folds both into `rope_parameters` (a dict with rope_type, rope_theta, factor, ...), and for models
+    whose layer types rotate differently (Gemma 3's local and global layers) nests one such dict per
+    type: {"full_attention": {...}, "sliding_attention": {...}}. Those are read for `layer_type`, and
+    must name their theta: no default stands in for a type the config does not describe.
     """
+    nested = getattr(config, "rope_parameters", None)
+    if isinstance(nested, dict) and nested and all(isinstance(v, dict) for v in nested.values()):
+        if layer_type is None or layer_type not in nested:
+            raise ModelLoadError(
+                f"rope_parameters are given per layer type ({', '.join(nested)}); "
+                f"none for {layer_type or 'an unnamed layer type'}"
+            )
+        chosen = nested[layer_type]
+        if not chosen.get("rope_theta"):
+            raise ModelLoadError(f"rope_parameters[{layer_type!r}] has no rope_theta")
+        return _rope_params(chosen, chosen["rope_theta"])
     params: dict[str, Any] = {}
     for attr in ("rope_scaling", "rope_parameters"):
         value = getattr(config, attr, None)
         if isinstance(value, dict):
             params.update(value)
-    theta = params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0
+    return _rope_params(params, params.get("rope_theta") or getattr(config, "rope_theta", None) or 10000.0)
+
+
+def _rope_params(params: dict[str, Any], theta: float) -> RopeParams:
     rope_type = params.get("rope_type") or params.get("type") or "default"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ModelLoadError(

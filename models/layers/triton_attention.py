@@ -5,7 +5,10 @@ Layout: q and out are [T, Hq, D] (any token/head strides: q may be a view of the
 caches are [num_blocks, block_size, Hkv, D]; block_tables [B, max_blocks] int32; query_start_loc
 [B+1] (cu_seqlens_q) and seq_lens [B] (history length after this step, this step's K/V already
 written). Sequence i's queries are the LAST query_len of its seq_len positions, so query j sees keys
-0 .. seq_len - query_len + j (causal, aligned bottom-right: a chunk sees its cached prefix).
+0 .. seq_len - query_len + j (causal, aligned bottom-right: a chunk sees its cached prefix). With a
+sliding window W (a runtime argument, 0 for none) it sees only the last W of those, itself included,
+and a program starts at the key tile holding its first row's window start: the tiles before it are
+never read.
 
 One program handles one tile of BLOCK_M query rows against one KV head. The rows are BLOCK_Q
 consecutive query tokens of one sequence times the QUERIES_PER_KV query heads that share the KV head
@@ -55,6 +58,7 @@ def _paged_attention_kernel(
     query_start_loc_ptr,  # [B+1] int32
     num_seqs,
     scale_log2,  # softmax scale * log2(e)
+    window,  # sliding window in keys (itself included); 0: the whole history
     stride_q_tok,
     stride_q_head,
     stride_o_tok,
@@ -122,12 +126,17 @@ def _paged_attention_kernel(
         other=0.0,
     )  # [M, D]
 
-    # The last key any row of this tile sees, then this program's share of the key tiles.
+    # The keys any row of this tile sees: from its first row's window start (0 without a window) to its
+    # last row's position; then this program's share of the key tiles that hold them.
     kv_end = tl.minimum(context_len + (local_tile + 1) * BLOCK_Q, seq_len)
-    num_tiles = tl.cdiv(kv_end, TILE_N)
+    kv_start = tl.where(window > 0, tl.maximum(context_len + local_tile * BLOCK_Q - window + 1, 0), 0)
+    tile_first = kv_start // TILE_N
+    num_tiles = tl.cdiv(kv_end, TILE_N) - tile_first
     tiles_per_split = tl.cdiv(num_tiles, NUM_SPLITS)
-    tile_lo = split * tiles_per_split
-    tile_hi = tl.minimum(tile_lo + tiles_per_split, num_tiles)
+    tile_lo = tile_first + split * tiles_per_split
+    tile_hi = tl.minimum(tile_lo + tiles_per_split, tile_first + num_tiles)
+    # Per row, the last key position it may NOT see (the window's start - 1; -1 without a window).
+    before = tl.where(window > 0, context_len + q_pos - window, -1)  # [M]
 
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -148,7 +157,11 @@ def _paged_attention_kernel(
             other=0.0,
         )  # [D, N]
         s = tl.dot(q, k, input_precision=DOT_PRECISION) * scale_log2  # [M, N]
-        visible = kv_ok[None, :] & (kv_pos[None, :] <= context_len + q_pos[:, None])
+        visible = (
+            kv_ok[None, :]
+            & (kv_pos[None, :] <= context_len + q_pos[:, None])
+            & (kv_pos[None, :] > before[:, None])
+        )
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))
         # A row that has seen no key yet keeps max -inf; subtract 0 instead so exp2 gives 0, not NaN.
@@ -169,7 +182,7 @@ def _paged_attention_kernel(
         m_i = m_new
 
     if NUM_SPLITS == 1:
-        # Key 0 is visible to every query, so a real row always has l_i > 0; padding rows are not stored.
+        # Every query sees its own key, so a real row always has l_i > 0; padding rows are not stored.
         out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
         tl.store(
             out_ptr + token[:, None] * stride_o_tok + head[:, None] * stride_o_head + offs_d[None, :],
@@ -205,7 +218,7 @@ def _merge_splits_kernel(
     row = (token * tl.num_programs(1) + head) * NUM_SPLITS + tl.arange(0, NUM_SPLITS)  # [S]
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     m = tl.load(part_max_ptr + row)
-    # Split 0 holds key 0, which every query sees: the max is finite and empty splits weigh 0.
+    # Split 0 holds the first key the (decode) query sees: the max is finite and empty splits weigh 0.
     weight = tl.math.exp2(m - tl.max(m, axis=0))
     total = tl.sum(tl.load(part_sum_ptr + row) * weight, axis=0)
     acc = tl.sum(
@@ -296,9 +309,11 @@ def paged_attention(
     scale: float,
     config: LaunchConfig,
     out: torch.Tensor | None = None,  # [T, Hq, D], written in place when given
+    window: int | None = None,  # sliding window in keys (None: the whole history)
 ) -> torch.Tensor:  # [T, Hq, D]
-    """Causal attention of every sequence's new queries over its paged history, one launch (two when
-    the keys are split). Sizes come from shapes and `config`; nothing reads device values."""
+    """Causal attention of every sequence's new queries over its paged history (or the last `window`
+    keys of it), one launch (two when the keys are split). Sizes come from shapes and `config`;
+    nothing reads device values."""
     num_tokens, num_q_heads, head_dim = q.shape
     _, block_size, num_kv_heads, _ = k_cache.shape
     num_seqs = seq_lens.shape[0]
@@ -307,6 +322,8 @@ def paged_attention(
         raise ValueError(f"{num_q_heads} query heads do not share {num_kv_heads} KV heads evenly")
     if not q.dtype == k_cache.dtype == v_cache.dtype:
         raise ValueError(f"q ({q.dtype}) and the caches ({k_cache.dtype}, {v_cache.dtype}) differ in dtype")
+    if window is not None and window < 1:
+        raise ValueError(f"a sliding window must be at least 1 key, not {window}")
     if splits < 1 or splits & (splits - 1):
         raise ValueError(f"num_splits must be a power of two, not {splits}")
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
@@ -337,6 +354,7 @@ def paged_attention(
         query_start_loc,
         num_seqs,
         scale * math.log2(math.e),
+        window or 0,
         q.stride(0),
         q.stride(1),
         out.stride(0),

@@ -399,6 +399,20 @@ async def test_a_killed_worker_is_restarted_and_the_server_serves_again(
         runner.close()
 
 
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+async def test_sliding_window_model_equals_one_process(tp: int, pp: int, tiny_gemma3_dir: Path) -> None:
+    """Gemma 3 split over 2 ranks: sharded heads with their q/k norms, the sandwich norms after the
+    all-reduce, each rank's local layers keeping their window (8 tokens); or its stages, each with its
+    layers' windows and rotary tables. Prompts and generations past the window, one prompt chunked."""
+    prompts = [[*p, *p, *p] for p in PROMPTS]  # 9 to 60 tokens
+    want = await greedy_through_loop(LocalExecutor(engine_config(tiny_gemma3_dir)), prompts, 12, SCHED)
+    runner = DistributedExecutor(engine_config(tiny_gemma3_dir, tp, pp))
+    try:
+        assert await greedy_through_loop(runner, prompts, 12, SCHED) == want
+    finally:
+        runner.close()
+
+
 @pytest.mark.slow
 async def test_tp2_pp2_four_processes(uneven_llama_dir: Path, reference_tokens: list[list[int]]) -> None:
     runner = DistributedExecutor(engine_config(uneven_llama_dir, tp=2, pp=2))

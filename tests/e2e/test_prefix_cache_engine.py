@@ -127,3 +127,39 @@ async def test_reserve_and_request_batching_reuse_the_cache(runner: LocalExecuto
             await run.generate(system, max_tokens=1)
             assert await run.together(prompts) == want
         assert all(run.cached[f"r{i}"] == 28 for i in range(1, 4)), cfg
+
+
+async def test_sliding_window_model_from_the_cache_and_after_preemption(tiny_gemma3_dir: Path):
+    """Gemma 3's local layers (window 8) beside its global ones: every layer's K/V stays in the blocks,
+    so a prefix far longer than the window, taken from the cache, gives a cold run's tokens, and so
+    does a request preempted and recomputed on a tight cache."""
+    gemma = LocalExecutor(
+        EngineConfig(
+            model=str(tiny_gemma3_dir),
+            dtype="float32",
+            device="cpu",
+            block_size=BLOCK_SIZE,
+            num_kv_blocks=256,
+        )
+    )
+    system = prompt(37, seed=11)
+    prompts = [[*system, *prompt(5 + 3 * i, seed=50 + i)] for i in range(3)]
+    want = await cold(gemma, prompts, max_tokens=14)
+    async with Run(gemma, caching=True, max_num_seqs=8, max_num_batched_tokens=24) as run:
+        await run.generate(system, max_tokens=1)
+        assert await run.together(prompts, max_tokens=14) == want  # chunked, from the cache
+    assert all(run.cached[f"r{i}"] == 36 for i in range(1, 4))
+
+    tight = LocalExecutor(
+        EngineConfig(
+            model=str(tiny_gemma3_dir), dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_kv_blocks=26
+        )
+    )
+    # Prompts of 20-28 tokens and 30 new ones each, in 26 blocks of 4 tokens: all three are admitted
+    # (18 blocks), lazy allocation then preempts, and the victim recomputes (from what its preemption
+    # left cached).
+    distinct = [prompt(20 + 4 * i, seed=60 + i) for i in range(3)]
+    want = await cold(gemma, distinct, max_tokens=30)
+    async with Run(tight, caching=True, max_num_seqs=3) as run:
+        assert await run.together(distinct, max_tokens=30) == want
+        assert run.engine.stats().num_preemptions > 0

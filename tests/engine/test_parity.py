@@ -43,12 +43,21 @@ def hf_generate(model, prompt: Sequence[int], new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.fixture(params=["llama", "gpt2", "gguf-llama"])
-def model_dir(request, tiny_llama_dir: Path, tiny_gpt2_dir: Path, tiny_gguf_llama_dir: Path) -> Path:
-    """gguf-llama has GGUF-structured weights, so the runner packs them (models/weight_packing.py)
-    and the quantized-linear kernel runs every matmul where it builds (float32 activations: the
-    parity reference; int8 activations are checked against float32 in test_quantized_accuracy.py)."""
-    return {"llama": tiny_llama_dir, "gpt2": tiny_gpt2_dir, "gguf-llama": tiny_gguf_llama_dir}[request.param]
+@pytest.fixture(params=["llama", "gpt2", "gguf-llama", "gemma3", "mistral-window"])
+def model_dir(request) -> Path:
+    """gguf-llama and gemma3 have GGUF-structured weights, so the runner packs them
+    (models/weight_packing.py) and the quantized-linear kernel runs every matmul where it builds
+    (float32 activations: the parity reference; int8 activations are checked against float32 in
+    test_quantized_accuracy.py). gemma3's local layers and mistral-window's layers have windows (8 and
+    6 tokens) shorter than most prompts here, and the generations run past them."""
+    fixture = {
+        "llama": "tiny_llama_dir",
+        "gpt2": "tiny_gpt2_dir",
+        "gguf-llama": "tiny_gguf_llama_dir",
+        "gemma3": "tiny_gemma3_dir",
+        "mistral-window": "tiny_mistral_window_dir",
+    }[request.param]
+    return request.getfixturevalue(fixture)
 
 
 def make_runner(path: Path | str, backend: str = "auto", num_blocks: int = 128) -> LocalExecutor:

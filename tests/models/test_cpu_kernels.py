@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kernel_marks import EVERY_VARIANT, kernels_for
+from paged_cache import reference_attention
 
 from models.kernels import cpu as cpu_kernels
 from models.layers.attention_backends import BatchedDecodeBackend
@@ -86,6 +87,36 @@ def test_kernel_is_batch_invariant(variant: str) -> None:
         assert torch.equal(alone[0], batched[i]), f"sequence {i} changed with its batch"
 
 
+@pytest.mark.parametrize("variant", EVERY_VARIANT)
+@pytest.mark.parametrize("window", [1, 5, 63, 64, 65, 130, 500])
+def test_kernel_with_a_sliding_window(variant: str, window: int) -> None:
+    # Histories shorter than, at and past the window, across span edges (64 tokens a span): each query
+    # sees its last `window` keys only. The reference drops the older keys before attending.
+    seq_lens = [1, 7, 64, 65, 129, 200, 300]
+    q, k, v, tables, lens = paged_case(seq_lens, 6, 2, 32, 16, seed=window)
+    got = kernels_for(variant).paged_decode_attention(q, k, v, tables, lens, 0.2, window)
+    expect = []
+    for i, n in enumerate(seq_lens):
+        nb = -(-n // 16)
+        keys = k[tables[i, :nb].long()].reshape(-1, 2, 32)[max(0, n - window) : n].transpose(0, 1)
+        vals = v[tables[i, :nb].long()].reshape(-1, 2, 32)[max(0, n - window) : n].transpose(0, 1)
+        o = F.scaled_dot_product_attention(q[i].unsqueeze(1), keys, vals, scale=0.2, enable_gqa=True)
+        expect.append(o.squeeze(1))
+    torch.testing.assert_close(got, torch.stack(expect), atol=2e-6, rtol=1e-5)
+    if window >= max(seq_lens):  # a window no history outgrows changes nothing, bit for bit
+        assert torch.equal(got, kernels_for(variant).paged_decode_attention(q, k, v, tables, lens, 0.2))
+
+
+@pytest.mark.parametrize("variant", EVERY_VARIANT)
+def test_kernel_with_a_window_is_batch_invariant(variant: str) -> None:
+    q, k, v, tables, lens = paged_case([200, 3, 64, 130, 1, 97], 9, 3, 64, 16, seed=6)
+    kern = kernels_for(variant)
+    batched = kern.paged_decode_attention(q, k, v, tables, lens, 0.125, 70)
+    for i in range(len(lens)):
+        alone = kern.paged_decode_attention(q[i : i + 1], k, v, tables[i : i + 1], lens[i : i + 1], 0.125, 70)
+        assert torch.equal(alone[0], batched[i]), f"sequence {i} changed with its batch"
+
+
 def test_unsupported_head_dims_are_declined() -> None:
     assert cpu_kernels.supports_decode_attention(64, 9, 3)
     assert not cpu_kernels.supports_decode_attention(12, 4, 2)  # not a multiple of 8
@@ -93,9 +124,10 @@ def test_unsupported_head_dims_are_declined() -> None:
     assert not cpu_kernels.supports_decode_attention(64, 9, 2)  # heads not a multiple of KV heads
 
 
+@pytest.mark.parametrize("window", [None, 6])
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("d", [16, 12])
-def test_backend_paths_agree(native: bool, d: int) -> None:
+def test_backend_paths_agree(native: bool, d: int, window: int | None) -> None:
     """cpu-decode with and without the kernel (and with a head_dim the kernel declines) gives SDPA."""
     from models.layers.metadata import AttentionMetadata
 
@@ -116,10 +148,9 @@ def test_backend_paths_agree(native: bool, d: int) -> None:
     )
     backend = BatchedDecodeBackend()
     backend._native = native and cpu_kernels.available()
-    out = backend.forward(q, k_cache, v_cache, md, backend.plan(md), d**-0.5)
-    torch.testing.assert_close(
-        out, reference(q, k_cache, v_cache, tables, lens, d**-0.5), atol=2e-6, rtol=1e-5
-    )
+    out = backend.forward(q, k_cache, v_cache, md, backend.plan(md), d**-0.5, window)
+    expect = reference_attention(q, k_cache, v_cache, md, d**-0.5, window)
+    torch.testing.assert_close(out, expect, atol=2e-6, rtol=1e-5)
 
 
 @pytest.mark.parametrize("variant", EVERY_VARIANT)

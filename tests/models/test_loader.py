@@ -95,22 +95,40 @@ def test_max_model_len() -> None:
 
     assert max_model_len(tiny_llama_config(max_position_embeddings=777)) == 777
     assert max_model_len(tiny_gpt2_config(n_positions=333)) == 333
-    # Sliding-window attention is not implemented: an active window caps the context.
+    # A sliding window no longer caps the context: windowed layers attend to their last keys.
     mistral = MistralConfig(
         max_position_embeddings=32768, sliding_window=4096, architectures=["MistralForCausalLM"]
     )
-    assert max_model_len(mistral) == 4096
-    qwen2 = Qwen2Config(
-        max_position_embeddings=32768, sliding_window=4096, architectures=["Qwen2ForCausalLM"]
-    )
-    assert max_model_len(qwen2) == 32768
+    assert max_model_len(mistral) == 32768
     qwen2_windowed = Qwen2Config(
         max_position_embeddings=32768,
         sliding_window=4096,
         use_sliding_window=True,
         architectures=["Qwen2ForCausalLM"],
     )
-    assert max_model_len(qwen2_windowed) == 4096
+    assert max_model_len(qwen2_windowed) == 32768
+
+
+def test_layer_windows() -> None:
+    from transformers import MistralConfig, Qwen2Config
+
+    from models.registry import family_for
+
+    def windows(config):
+        return family_for(config).layer_windows(config)
+
+    assert windows(tiny_llama_config(num_hidden_layers=3)) == (None, None, None)
+    mistral = MistralConfig(num_hidden_layers=2, sliding_window=16, architectures=["MistralForCausalLM"])
+    assert windows(mistral) == (16, 16)
+    assert windows(
+        MistralConfig(num_hidden_layers=2, sliding_window=None, architectures=["MistralForCausalLM"])
+    ) == (None, None)
+    # Qwen2: only with use_sliding_window, and only from max_window_layers on (transformers' layer_types).
+    qwen2 = dict(
+        num_hidden_layers=3, sliding_window=16, max_window_layers=1, architectures=["Qwen2ForCausalLM"]
+    )
+    assert windows(Qwen2Config(**qwen2)) == (None, None, None)
+    assert windows(Qwen2Config(**qwen2, use_sliding_window=True)) == (None, 16, 16)
 
 
 # --------------------------------------------------------------------------------------- errors

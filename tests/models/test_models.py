@@ -7,10 +7,18 @@ forward with one decode token per sequence against the cached history must match
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
-from builders import build_hf_model, tiny_gpt2_config, tiny_llama_config
-from paged_cache import PagedCacheHarness
+from builders import (
+    build_hf_model,
+    single_seq_logits,
+    tiny_gemma3_config,
+    tiny_gpt2_config,
+    tiny_llama_config,
+)
+from paged_cache import PagedCacheHarness, reference_attention
 
 from models.layers.attention import available_backends, select_attention_backend
 from models.layers.metadata import AttentionMetadata
@@ -51,14 +59,34 @@ CONFIGS = {
     ),
     "qwen2-qkv-bias": lambda: _qwen2_config(),
     "mistral": lambda: _mistral_config(),
+    # Windows shorter than the prompts below: every attention path must drop the older keys.
+    "mistral-window-5": lambda: _mistral_config(sliding_window=5),
+    "qwen2-window-6-from-layer-1": lambda: _qwen2_config(
+        use_sliding_window=True, sliding_window=6, max_window_layers=1, num_hidden_layers=3
+    ),
     "gpt2": lambda: tiny_gpt2_config(vocab_size=SMALL_VOCAB),
+    # Local layers with a window of 5 (prompts below run to 14 tokens) and global ones.
+    "gemma3": lambda: tiny_gemma3_config(vocab_size=SMALL_VOCAB, sliding_window=5),
+    # Linear rope scaling on the global layers only, an untied head, a final logit soft-cap, a
+    # query_pre_attn_scalar that is not head_dim, MQA, every third layer global.
+    "gemma3-scaled-softcap": lambda: tiny_gemma3_config(
+        vocab_size=SMALL_VOCAB,
+        sliding_window=6,
+        rope_scaling={"rope_type": "linear", "factor": 8.0},
+        tie_word_embeddings=False,
+        final_logit_softcapping=3.0,
+        query_pre_attn_scalar=24,
+        num_key_value_heads=1,
+        num_hidden_layers=3,
+        sliding_window_pattern=3,
+    ),
 }
 
 
-def _qwen2_config():
+def _qwen2_config(**overrides):
     from transformers import Qwen2Config
 
-    return Qwen2Config(
+    kwargs = dict(
         vocab_size=SMALL_VOCAB,
         hidden_size=64,
         intermediate_size=128,
@@ -69,9 +97,10 @@ def _qwen2_config():
         tie_word_embeddings=False,
         architectures=["Qwen2ForCausalLM"],
     )
+    return Qwen2Config(**{**kwargs, **overrides})
 
 
-def _mistral_config():
+def _mistral_config(sliding_window: int = 4096):
     from transformers import MistralConfig
 
     return MistralConfig(
@@ -83,7 +112,7 @@ def _mistral_config():
         num_key_value_heads=1,
         head_dim=16,
         max_position_embeddings=512,
-        sliding_window=4096,
+        sliding_window=sliding_window,
         architectures=["MistralForCausalLM"],
     )
 
@@ -124,11 +153,15 @@ def test_flat_batch_matches_transformers(name: str, backend: str) -> None:
         torch.testing.assert_close(logits[i], expected, atol=ATOL, rtol=0)
 
 
+@pytest.mark.parametrize(
+    "name", ["llama-gqa-tied", "mistral-window-5", "qwen2-window-6-from-layer-1", "gemma3"]
+)
 @pytest.mark.parametrize("backend", ["sdpa", "cpu-decode"])
-def test_chunked_prefill_mixed_with_decodes(backend: str) -> None:
+def test_chunked_prefill_mixed_with_decodes(backend: str, name: str) -> None:
     """A step that mixes decodes (first) with prompt chunks whose queries are the LAST positions of a
-    longer cached history: the causal mask must be aligned bottom-right."""
-    hf, ours = build_pair(CONFIGS["llama-gqa-tied"]())
+    longer cached history: the causal mask must be aligned bottom-right (and, with a window, start
+    where each query's window does)."""
+    hf, ours = build_pair(CONFIGS[name]())
     ours.set_attention_backend(backend)
     g = torch.Generator().manual_seed(2)
     full = [torch.randint(0, SMALL_VOCAB, (n,), generator=g).tolist() for n in (9, 5, 11)]
@@ -161,18 +194,37 @@ def _random_step(model, seed: int, decode_only: bool):
     return harness, batch, q, h_kv
 
 
-@pytest.mark.parametrize("backend", [b for b in available_backends("cpu") if b != "sdpa"])
+@pytest.mark.parametrize("window", [None, 1, 4, 11])
 @pytest.mark.parametrize("decode_only", [True, False])
-def test_backend_matches_sdpa(backend: str, decode_only: bool) -> None:
+def test_sdpa_matches_the_definition(decode_only: bool, window: int | None) -> None:
+    """The reference backend against attention written from its definition (tests/paged_cache.py),
+    with and without a sliding window: histories of 7 to 26 keys, chunks of up to 9 queries."""
+    _, ours = build_pair(CONFIGS["llama-gqa-tied"]())
+    harness, batch, q, _ = _random_step(ours, 3, decode_only)
+    k_cache, v_cache = harness.kv_caches[0]
+    sdpa = select_attention_backend("sdpa")
+    md = batch.metadata
+    out = sdpa.forward(q, k_cache, v_cache, md, sdpa.plan(md), 0.25, window)
+    torch.testing.assert_close(out, reference_attention(q, k_cache, v_cache, md, 0.25, window))
+
+
+@pytest.mark.parametrize("backend", [b for b in available_backends("cpu") if b != "sdpa"])
+@pytest.mark.parametrize("window", [None, 4, 11])
+@pytest.mark.parametrize("decode_only", [True, False])
+def test_backend_matches_sdpa(backend: str, decode_only: bool, window: int | None) -> None:
     _, ours = build_pair(CONFIGS["llama-gqa-tied"]())
     harness, batch, q, _ = _random_step(ours, 3, decode_only)
     k_cache, v_cache = harness.kv_caches[0]
     ref_backend = select_attention_backend("sdpa")
     other = select_attention_backend(backend)
     md = batch.metadata
-    ref = ref_backend.forward(q, k_cache, v_cache, md, ref_backend.plan(md), 0.25)
-    out = other.forward(q, k_cache, v_cache, md, other.plan(md), 0.25)
+    ref = ref_backend.forward(q, k_cache, v_cache, md, ref_backend.plan(md), 0.25, window)
+    plan = other.plan(md)
+    out = other.forward(q, k_cache, v_cache, md, plan, 0.25, window)
     torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    # One plan serves layers of both kinds in a step (a Gemma 3 step's local and global layers).
+    full = other.forward(q, k_cache, v_cache, md, plan, 0.25)
+    torch.testing.assert_close(full, ref_backend.forward(q, k_cache, v_cache, md, ref_backend.plan(md), 0.25))
 
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
@@ -267,6 +319,7 @@ def _tp_worker(rank: int, world: int, port: int, name: str) -> None:
 
 TP_CONFIGS = {
     "llama": lambda: tiny_llama_config(vocab_size=SMALL_VOCAB, tie_word_embeddings=False),
+    "gemma3-window": lambda: tiny_gemma3_config(vocab_size=SMALL_VOCAB, sliding_window=4),
     "gpt2-odd-vocab": lambda: tiny_gpt2_config(vocab_size=SMALL_VOCAB - 3),  # padded vocab shards
 }
 
@@ -340,8 +393,11 @@ def test_backend_selection() -> None:
     assert [b for b in available_backends("cpu") if b != "triton"] == ["sdpa", "cpu-decode"]
 
 
-def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
-    """Per-sequence bottom-right-causal attention over contiguous cu_seqlens layouts."""
+def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_size=(-1, 0)):
+    """Per-sequence bottom-right-causal attention over contiguous cu_seqlens layouts, with
+    flash-attn's window_size=(left, right): query i sees keys i + sk - sq - left .. i + sk - sq."""
+    left, right = window_size
+    assert right == 0
     outs = []
     for i in range(len(cu_q) - 1):
         qi = q[cu_q[i] : cu_q[i + 1]].transpose(0, 1)
@@ -349,6 +405,8 @@ def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
         vi = v[cu_k[i] : cu_k[i + 1]].transpose(0, 1)
         ql, sl = qi.shape[1], ki.shape[1]
         mask = torch.ones(ql, sl, dtype=torch.bool).tril(sl - ql)
+        if left >= 0:
+            mask &= torch.ones(ql, sl, dtype=torch.bool).triu(sl - ql - left)
         o = torch.nn.functional.scaled_dot_product_attention(
             qi, ki, vi, attn_mask=mask, scale=scale, enable_gqa=True
         )
@@ -356,10 +414,12 @@ def _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale):
     return torch.cat(outs)
 
 
+@pytest.mark.parametrize("window", [None, 5])
 @pytest.mark.parametrize("decode_only", [True, False])
-def test_varlen_backends_gather_and_arguments(decode_only: bool) -> None:
-    """The CUDA backends' CPU-side plumbing (history gather to the cu_seqlens_k layout, argument order)
-    with the kernel replaced by a reference implementation, so it is checked on any machine."""
+def test_varlen_backends_gather_and_arguments(decode_only: bool, window: int | None) -> None:
+    """The CUDA backends' CPU-side plumbing (history gather to the cu_seqlens_k layout, argument order,
+    the sliding window in flash-attn's (left, right) convention) with the kernel replaced by a
+    reference implementation, so it is checked on any machine."""
     from models.layers.attention_backends import FlashAttnBackend, TorchVarlenBackend
 
     _, ours = build_pair(CONFIGS["llama-gqa-tied"]())
@@ -367,28 +427,115 @@ def test_varlen_backends_gather_and_arguments(decode_only: bool) -> None:
     k_cache, v_cache = harness.kv_caches[0]
     md = batch.metadata
     sdpa = select_attention_backend("sdpa")
-    ref = sdpa.forward(q, k_cache, v_cache, md, sdpa.plan(md), 0.25)
+    ref = sdpa.forward(q, k_cache, v_cache, md, sdpa.plan(md), 0.25, window)
 
     varlen = TorchVarlenBackend.__new__(TorchVarlenBackend)
     varlen._causal, varlen._gqa = {"window_size": (-1, 0)}, {"enable_gqa": True}
+    varlen.supports_sliding_window = True
 
     def fake_varlen(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa):
-        assert window_size == (-1, 0) and enable_gqa
+        assert enable_gqa
         assert (max_q, max_k) == (md.max_query_len, md.max_seq_len)
-        return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale)
+        return _reference_varlen(q, k, v, cu_q, cu_k, max_q, max_k, scale, window_size)
 
     varlen._attn = fake_varlen
-    torch.testing.assert_close(varlen.forward(q, k_cache, v_cache, md, varlen.plan(md), 0.25), ref)
+    out = varlen.forward(q, k_cache, v_cache, md, varlen.plan(md), 0.25, window)
+    torch.testing.assert_close(out, ref)
 
     flash = FlashAttnBackend.__new__(FlashAttnBackend)
 
-    def fake_flash(q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal):
-        assert causal
+    def fake_flash(
+        q, k, v, *, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale, causal, **kw
+    ):
+        assert causal and set(kw) <= {"window_size"}
         return _reference_varlen(
-            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale
-        )
+            q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, softmax_scale,
+            kw.get("window_size", (-1, 0)),
+        )  # fmt: skip
 
     flash._attn = fake_flash
     plan = flash.plan(md)
     assert plan.slots is not None  # block size 4: not a multiple of 256, so the history is gathered
-    torch.testing.assert_close(flash.forward(q, k_cache, v_cache, md, plan, 0.25), ref)
+    torch.testing.assert_close(flash.forward(q, k_cache, v_cache, md, plan, 0.25, window), ref)
+
+
+def test_varlen_without_window_size_refuses_windows() -> None:
+    from models.layers.attention_backends import TorchVarlenBackend
+
+    varlen = TorchVarlenBackend.__new__(TorchVarlenBackend)
+    varlen._causal, varlen.supports_sliding_window = {"is_causal": True}, False  # an older torch
+    md = PagedCacheHarness(SimpleNamespace(num_layers=1, num_kv_heads=1, head_dim=8), 1).step([[0]]).metadata
+    with pytest.raises(ValueError, match="window"):
+        varlen.forward(torch.zeros(1, 1, 8), None, None, md, None, 1.0, 4)
+
+
+# ------------------------------------------------------------------------------------- Gemma 3
+
+
+def _tiny_gemma3_multimodal_config():
+    from transformers import Gemma3Config, SiglipVisionConfig
+
+    vision = SiglipVisionConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        image_size=28,
+        patch_size=14,
+    )
+    text = tiny_gemma3_config(vocab_size=SMALL_VOCAB, sliding_window=5)
+    return Gemma3Config(
+        text_config=text.to_dict(),
+        vision_config=vision.to_dict(),
+        mm_tokens_per_image=4,
+        architectures=["Gemma3ForConditionalGeneration"],
+    )
+
+
+def test_gemma3_multimodal_checkpoint_runs_its_language_model(tmp_path) -> None:
+    """A Gemma3ForConditionalGeneration checkpoint: its language model, under transformers 5's names
+    (model.language_model.*) and under the hub files' (language_model.model.*, as save_pretrained
+    writes them), gives transformers' text-only logits; the vision tower is skipped."""
+    from models.loader import load_model, max_model_len
+
+    config = _tiny_gemma3_multimodal_config()
+    hf = build_hf_model(config)
+    assert type(hf).__name__ == "Gemma3ForConditionalGeneration"
+    assert any(k.startswith("model.vision_tower.") for k in hf.state_dict())
+    ours = model_class_for(config)(config, dtype=torch.float32)
+    ours.load_weights(hf.state_dict().items())
+    prompt = torch.randint(0, SMALL_VOCAB, (13,), generator=torch.Generator().manual_seed(4)).tolist()
+    expected = hf_logits(hf, prompt)
+    torch.testing.assert_close(single_seq_logits(ours.eval(), prompt), expected, atol=ATOL, rtol=0)
+
+    hf.save_pretrained(tmp_path)
+    loaded = load_model(tmp_path, torch.float32, "cpu")
+    assert max_model_len(loaded.config) == 512  # the text config's
+    torch.testing.assert_close(single_seq_logits(loaded, prompt), expected, atol=ATOL, rtol=0)
+
+
+def test_gemma3_settings_no_backend_runs_are_refused() -> None:
+    for setting in ({"attn_logit_softcapping": 50.0}, {"use_bidirectional_attention": True}):
+        config = tiny_gemma3_config(vocab_size=SMALL_VOCAB, **setting)
+        with pytest.raises(ValueError, match=next(iter(setting))):
+            model_class_for(config)(config)
+
+
+def test_gemma3_rope_per_layer_type() -> None:
+    """Local layers rotate with rope_local_base_freq and no scaling, global ones with rope_theta and
+    the scaling: transformers 5 nests them per layer type, and nothing falls back to 10000."""
+    from types import SimpleNamespace
+
+    from models.errors import ModelLoadError
+    from models.layers.rotary import rope_params_from_config
+
+    config = CONFIGS["gemma3-scaled-softcap"]()
+    local = rope_params_from_config(config, "sliding_attention")
+    full = rope_params_from_config(config, "full_attention")
+    assert (local.theta, local.rope_type, local.factor) == (10_000.0, "default", 1.0)
+    assert (full.theta, full.rope_type, full.factor) == (1_000_000.0, "linear", 8.0)
+    with pytest.raises(ModelLoadError, match="per layer type"):
+        rope_params_from_config(config)
+    nested_without_theta = SimpleNamespace(rope_parameters={"full_attention": {"rope_type": "default"}})
+    with pytest.raises(ModelLoadError, match="rope_theta"):
+        rope_params_from_config(nested_without_theta, "full_attention")

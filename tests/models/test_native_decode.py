@@ -37,11 +37,21 @@ def _decode_steps(prompts: list[list[int]], n: int) -> list[list[list[int]]]:
     return [prompts] + [[[(7 * s + 3 * i) % 200 + 1] for i in range(len(prompts))] for s in range(n)]
 
 
+@pytest.fixture(params=["llama", "gemma3"])
+def packed_dir(request) -> Path:
+    """GGUF-structured tiny models: Llama's layout, and Gemma 3's (q/k norms, sandwich norms,
+    GELU, local layers with a window of 8 tokens and their own rotary table)."""
+    return request.getfixturevalue(
+        {"llama": "tiny_gguf_llama_dir", "gemma3": "tiny_gemma3_dir"}[request.param]
+    )
+
+
 @pytest.mark.parametrize("precision", ["int8", "float32"])
-def test_native_layers_equal_the_modules(tiny_gguf_llama_dir: Path, precision: str) -> None:
-    model = load_model(tiny_gguf_llama_dir, torch.float32, "cpu", weight_packing=precision)
+def test_native_layers_equal_the_modules(packed_dir: Path, precision: str) -> None:
+    model = load_model(packed_dir, torch.float32, "cpu", weight_packing=precision)
     assert isinstance(model.native_decode, NativeDecodeLayers)
-    # Three sequences of different lengths crossing block boundaries, then 9 decode steps.
+    # Three sequences of different lengths crossing block boundaries (and Gemma's window), then 9
+    # decode steps.
     steps = _decode_steps([[5, 9, 12, 40, 41], [3] * 11, [77, 78]], 9)
     fast, fast_cache = _run(model, steps, native=True)
     slow, slow_cache = _run(model, steps, native=False)
@@ -51,8 +61,8 @@ def test_native_layers_equal_the_modules(tiny_gguf_llama_dir: Path, precision: s
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 
-def test_native_layers_are_batch_invariant(tiny_gguf_llama_dir: Path) -> None:
-    model = load_model(tiny_gguf_llama_dir, torch.float32, "cpu")
+def test_native_layers_are_batch_invariant(packed_dir: Path) -> None:
+    model = load_model(packed_dir, torch.float32, "cpu")
     prompts = [[5, 9, 12, 40, 41], [3] * 11, [77, 78], [100, 101, 102]]
     together, _ = _run(model, _decode_steps(prompts, 6), native=True)
     for i, prompt in enumerate(prompts):

@@ -99,11 +99,11 @@ def random_step(
     return q.to(DEVICE), k_cache.to(DEVICE), v_cache.to(DEVICE), _to(md, DEVICE)
 
 
-def sdpa_reference(q, k_cache, v_cache, md, scale) -> torch.Tensor:
+def sdpa_reference(q, k_cache, v_cache, md, scale, window: int | None = None) -> torch.Tensor:
     """The sdpa backend in float32 over the same (possibly 16-bit) values."""
     sdpa = select_attention_backend("sdpa", q.device)
     q, k_cache, v_cache = q.float(), k_cache.float(), v_cache.float()
-    return sdpa.forward(q, k_cache, v_cache, md, sdpa.plan(md), scale)
+    return sdpa.forward(q, k_cache, v_cache, md, sdpa.plan(md), scale, window)
 
 
 def run_backend(q, k_cache, v_cache, md, scale) -> torch.Tensor:
@@ -141,7 +141,9 @@ def test_matches_sdpa(name: str, dtype: torch.dtype) -> None:
     )
 
 
-def _paged_attention(q, k_cache, v_cache, md, scale, num_splits: int) -> torch.Tensor:
+def _paged_attention(
+    q, k_cache, v_cache, md, scale, num_splits: int, window: int | None = None
+) -> torch.Tensor:
     from models.layers import triton_attention
 
     config = triton_attention.launch_config(
@@ -155,8 +157,21 @@ def _paged_attention(q, k_cache, v_cache, md, scale, num_splits: int) -> torch.T
     )
     config = dataclasses.replace(config, num_splits=num_splits)
     return triton_attention.paged_attention(
-        q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale, config
+        q, k_cache, v_cache, md.block_tables, md.seq_lens, md.query_start_loc, scale, config, window=window
     )
+
+
+@needs_triton
+@pytest.mark.parametrize("num_splits", [1, 4])
+@pytest.mark.parametrize("window", [1, 16, 37])
+def test_sliding_window_matches_sdpa(window: int, num_splits: int) -> None:
+    """Decodes over histories longer than the window (the key tiles before it are never read), a
+    70-token chunk over a 40-token prefix (two query tiles, each starting at its own first row's
+    window) and a fresh prompt; split or not (a split may hold no visible key at all)."""
+    q, k_cache, v_cache, md = random_step([130, 3, 40, 0], [1, 1, 70, 33], 4, 2, 32, 16, seed=window)
+    out = _paged_attention(q, k_cache, v_cache, md, 0.2, num_splits, window)
+    expect = sdpa_reference(q, k_cache, v_cache, md, 0.2, window)
+    torch.testing.assert_close(out, expect, atol=2e-5, rtol=2e-5)
 
 
 @needs_triton

@@ -1,0 +1,341 @@
+"""Gemma 3 (text): `Gemma3ForCausalLM`, the language model of `Gemma3ForConditionalGeneration` (its
+vision tower is not loaded), and GGUF `gemma3` files.
+
+What differs from Llama, all read off the (text) config:
+- four RMSNorms per layer: input, post-attention (on the attention output, before its residual add),
+  pre- and post-feedforward (the same around the MLP); per-head q/k RMSNorms before rotary. Every one
+  scales by (1 + w): folded into the stored weight when it is loaded (`GemmaRMSNorm`);
+- a GELU-tanh gated MLP;
+- embeddings scaled by sqrt(hidden), the factor rounded to the model dtype first (as transformers);
+- attention scaled by query_pre_attn_scalar^-0.5;
+- local layers (`layer_types` "sliding_attention") with the sliding window and their own rotary
+  (`rope_parameters["sliding_attention"]`: rope_local_base_freq, no scaling), global layers with
+  `rope_parameters["full_attention"]` (rope_theta, and rope_scaling where set);
+- a tied LM head, and final logit soft-capping where the config sets it (Gemma 3's are null; attention
+  soft-capping is refused: no backend applies it).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig
+
+from models.base import CausalLMBase, stage_layers
+from models.errors import ModelLoadError
+from models.families.llama import LLAMA_WEIGHT_NAMES
+from models.family import FULL, SLIDING, GGUFSupport, ModelFamily, text_config
+from models.layers.activation import GeluTanhAndMul
+from models.layers.attention import Attention, AttentionStep
+from models.layers.linear import (
+    MergedColumnParallelLinear,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    default_weight_loader,
+)
+from models.layers.metadata import AttentionMetadata, KVCache
+from models.layers.native_decode import DecodeLayerParts
+from models.layers.norm import RMSNorm
+from models.layers.parallel import SINGLE, SINGLE_STAGE, PPContext, TPContext
+from models.layers.rotary import RotaryEmbedding, rope_params_from_config
+
+# Llama's names; a multimodal checkpoint keeps its language model under its own prefix (hub files:
+# "language_model.model.", transformers 5's own names: "model.language_model."), and its vision tower
+# and projector are not used.
+GEMMA3_WEIGHT_NAMES = dataclasses.replace(
+    LLAMA_WEIGHT_NAMES,
+    renamed=(
+        ("language_model.model.", "model."),
+        ("language_model.lm_head.", "lm_head."),
+        ("model.language_model.", "model."),
+        ("vision_tower.", None),
+        ("multi_modal_projector.", None),
+        ("model.vision_tower.", None),
+        ("model.multi_modal_projector.", None),
+    ),
+)
+
+
+def _fold_one_plus(param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
+    """Store 1 + w, computed in float32 as transformers' Gemma3RMSNorm computes it every forward."""
+    default_weight_loader(param, 1.0 + loaded.float(), shard_id)
+
+
+class GemmaRMSNorm(RMSNorm):
+    """Gemma's RMSNorm: x / rms(x) * (1 + w), in float32 whatever the model dtype, then cast back.
+
+    The weight holds 1 + w (float32), folded in once when it is loaded, so in float32 this is a plain
+    RMSNorm: the native kernel and the fused decode call run it as they run Llama's, bit for bit."""
+
+    def __init__(self, hidden_size: int, eps: float) -> None:
+        super().__init__(hidden_size, eps, torch.float32)
+        self.weight.weight_loader = _fold_one_plus  # type: ignore[attr-defined]
+
+    def _norm(self, x: torch.Tensor) -> torch.Tensor:
+        # Unlike Llama (normalise, cast, then scale in the model dtype): scale in float32, then cast.
+        return F.rms_norm(x.float(), self.weight.shape, self.weight, self.eps).to(x.dtype)
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+        tp: TPContext,
+        sliding_window: int | None,
+    ):
+        super().__init__()
+        hidden, heads, head_dim = config.hidden_size, config.num_attention_heads, config.head_dim
+        bias = bool(getattr(config, "attention_bias", False))
+        self.qkv_proj = QKVParallelLinear(
+            hidden, head_dim, heads, config.num_key_value_heads, bias, dtype, tp
+        )
+        self.o_proj = RowParallelLinear(
+            heads * head_dim, hidden, bias, dtype, tp, input_shard=self.qkv_proj.q_shard
+        )
+        self.num_heads = self.qkv_proj.num_heads  # per rank
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = head_dim
+        self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
+        self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
+        self.rotary = rotary  # this layer type's table, shared by the layers of its type
+        scale = config.query_pre_attn_scalar**-0.5
+        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, scale, sliding_window)
+
+    def norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
+        """The fused projection with every q and k head RMS-normed (rows of head_dim, as the fused
+        decode call norms them in place); v as it was."""
+        t, d, hq, hkv = qkv.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
+        q = self.q_norm(qkv[:, : hq * d].reshape(t * hq, d)).view(t, hq * d)
+        k = self.k_norm(qkv[:, hq * d : (hq + hkv) * d].reshape(t * hkv, d)).view(t, hkv * d)
+        return torch.cat([q, k, qkv[:, (hq + hkv) * d :]], dim=1)
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, step: AttentionStep):
+        qkv = self.norm_heads(self.qkv_proj(x))  # [T, (Hq + 2 Hkv) * D]
+        return self.o_proj(self.attn.forward_rotary_qkv(qkv, positions, self.rotary, kv_cache, step))
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, tp: TPContext):
+        super().__init__()
+        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+        if act not in ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast"):
+            raise ValueError(
+                f"unsupported hidden_activation {act!r} for Gemma 3 (expected gelu_pytorch_tanh)"
+            )
+        inter = config.intermediate_size
+        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], False, dtype, tp)
+        self.down_proj = RowParallelLinear(inter, config.hidden_size, False, dtype, tp)
+        self.act = GeluTanhAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+        tp: TPContext,
+        sliding_window: int | None,
+    ):
+        super().__init__()
+        hidden, eps = config.hidden_size, config.rms_norm_eps
+        self.input_layernorm = GemmaRMSNorm(hidden, eps)
+        self.self_attn = Gemma3Attention(config, rotary, dtype, tp, sliding_window)
+        self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
+        self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+        self.mlp = Gemma3MLP(config, dtype, tp)
+        self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
+
+    def forward(self, positions, hidden, kv_cache: KVCache, step: AttentionStep) -> torch.Tensor:
+        attn_out = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, step)
+        # The residual add is fused into the pre-feedforward norm (hidden is the updated stream after).
+        normed, hidden = self.pre_feedforward_layernorm(
+            self.post_attention_layernorm(attn_out), residual=hidden
+        )
+        return hidden + self.post_feedforward_layernorm(self.mlp(normed))
+
+
+class ScaledEmbedding(VocabParallelEmbedding):
+    """Token embeddings times sqrt(hidden), the factor rounded to the model dtype first (transformers'
+    Gemma3TextScaledWordEmbedding: 55.4256 becomes 55.5 in bfloat16)."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, dtype: torch.dtype, tp: TPContext) -> None:
+        super().__init__(num_embeddings, embedding_dim, dtype, tp)
+        self.register_buffer("normalizer", torch.tensor(embedding_dim**0.5, dtype=dtype), persistent=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return super().forward(input_ids) * self.normalizer
+
+
+class Gemma3Model(nn.Module):
+    """Embedding on the first pipeline stage, this stage's decoder layers, final norm on the last."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,  # the text config
+        windows: tuple[int | None, ...],
+        dtype: torch.dtype,
+        tp: TPContext,
+        pp: PPContext = SINGLE_STAGE,
+    ):
+        super().__init__()
+        self.embed_tokens = (
+            ScaledEmbedding(config.vocab_size, config.hidden_size, dtype, tp) if pp.is_first else None
+        )
+        # One rotary table per layer type present: the local layers' and the global layers'.
+        types = [SLIDING if w is not None else FULL for w in windows]
+        rotary = {
+            t: RotaryEmbedding(
+                config.head_dim, config.max_position_embeddings, rope_params_from_config(config, t), dtype
+            )
+            for t in dict.fromkeys(types)
+        }
+        self.rotary_local = rotary.get(SLIDING)  # registered, so they move with the model
+        self.rotary_global = rotary.get(FULL)
+        self.layers = stage_layers(
+            config.num_hidden_layers,
+            pp,
+            lambda i: Gemma3DecoderLayer(config, rotary[types[i]], dtype, tp, windows[i]),
+        )
+        self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else None
+
+
+def _check_supported(text: PretrainedConfig) -> None:
+    if getattr(text, "attn_logit_softcapping", None) is not None:
+        raise ValueError("attention logit soft-capping (attn_logit_softcapping) is not supported")
+    if getattr(text, "use_bidirectional_attention", False):
+        raise ValueError("bidirectional attention (use_bidirectional_attention) is not supported")
+
+
+class Gemma3ForCausalLM(CausalLMBase):
+    def __init__(
+        self,
+        config: PretrainedConfig,  # a Gemma3TextConfig, or a Gemma3Config (its text_config is read)
+        dtype: torch.dtype = torch.float32,
+        tp: TPContext = SINGLE,
+        pp: PPContext = SINGLE_STAGE,
+    ):
+        super().__init__()
+        text = text_config(config)
+        _check_supported(text)
+        self.config = config
+        self.tp = tp
+        self.pp = pp
+        self.model = Gemma3Model(text, self.family.layer_windows(config), dtype, tp, pp)
+        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+        tie_to = self.model.embed_tokens if self.tie_word_embeddings else None
+        self.lm_head = self.build_lm_head(text.hidden_size, dtype, tp, pp, tie_to=tie_to)
+        self.final_logit_softcapping: float | None = getattr(text, "final_logit_softcapping", None)
+        self.stage_layers = pp.layer_range(text.num_hidden_layers)
+        attn = self.model.layers[self.stage_layers.start].self_attn
+        self.num_layers = len(self.stage_layers)  # this stage's: one KV cache per layer held here
+        self.num_kv_heads = attn.num_kv_heads
+        self.head_dim = attn.head_dim
+        self.hidden_size = text.hidden_size
+        self.vocab_size = text.vocab_size
+
+    def decoder_layers(self) -> list[nn.Module]:
+        return list(self.model.layers[self.stage_layers.start : self.stage_layers.stop])
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = super().compute_logits(hidden)
+        cap = self.final_logit_softcapping
+        return logits if cap is None else torch.tanh(logits / cap) * cap
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVCache],  # this stage's layers only
+        attn_metadata: AttentionMetadata,
+        hidden_states: torch.Tensor | None = None,  # [T, hidden]: the previous stage's output
+    ) -> torch.Tensor:  # [T, hidden]: normed on the last stage, raw residual stream on the others
+        step = self.begin_step(input_ids, attn_metadata)
+        embed = self.model.embed_tokens
+        hidden = self.stage_input(embed(input_ids) if embed is not None else None, hidden_states)
+        native = (
+            self.native_decode.forward(positions, hidden, kv_caches, step) if self.native_decode else None
+        )
+        if native is not None:
+            hidden = native
+        else:
+            for layer, kv_cache in zip(self.decoder_layers(), kv_caches, strict=True):
+                hidden = layer(positions, hidden, kv_cache, step)
+        return hidden if self.model.norm is None else self.model.norm(hidden)
+
+
+def gemma3_decode_parts(layer: nn.Module) -> DecodeLayerParts:
+    """A Gemma 3 decoder layer as the native decode call runs it: its pre-feedforward norm is the
+    fused add + norm before the MLP; the post-attention and post-feedforward norms apply to each
+    branch's output before its residual add."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return DecodeLayerParts(
+        input_norm=layer.input_layernorm,
+        qkv=attn.qkv_proj,
+        rotary=attn.rotary,
+        attention=attn.attn,
+        o=attn.o_proj,
+        post_norm=layer.pre_feedforward_layernorm,
+        gate_up=mlp.gate_up_proj,
+        down=mlp.down_proj,
+        q_norm=attn.q_norm,
+        k_norm=attn.k_norm,
+        attn_out_norm=layer.post_attention_layernorm,
+        mlp_out_norm=layer.post_feedforward_layernorm,
+        activation="gelu_tanh",
+    )
+
+
+def gemma3_sliding_window(config: Any) -> int | None:
+    return getattr(config, "sliding_window", None) or None
+
+
+# llama.cpp's gemma3 model type for 62 layers, whose attention scale is 1/sqrt(hidden / heads).
+GEMMA3_27B_LAYERS = 62
+
+
+def gemma3_config_from_gguf(config: Any, metadata: dict[str, Any]) -> None:
+    """What transformers' GGUF reader leaves out of a gemma3 file's config, read as llama.cpp reads it:
+    the global layers' linear rope scaling (Gemma 3 4B and up: `rope.scaling.type` / `.factor`; the
+    local layers keep none), the attention scale (llama.cpp: 1/sqrt(hidden / heads) for the 27B model,
+    else 1/sqrt(head_dim); transformers would take its default of 256 for every size), and a final
+    logit soft-cap where the file sets one. The layer pattern (every sixth layer global) and the
+    local rope base (10000) are both readers' defaults."""
+    scaling = metadata.get("rope.scaling.type")
+    if scaling == "linear":
+        config.rope_parameters[FULL].update(rope_type="linear", factor=float(metadata["rope.scaling.factor"]))
+    elif scaling not in (None, "none"):
+        raise ModelLoadError(f"gemma3 GGUF: unsupported rope scaling {scaling!r} (expected linear)")
+    if config.num_hidden_layers == GEMMA3_27B_LAYERS:
+        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+    else:
+        config.query_pre_attn_scalar = config.head_dim
+    if metadata.get("final_logit_softcapping"):
+        config.final_logit_softcapping = float(metadata["final_logit_softcapping"])
+
+
+FAMILY = ModelFamily(
+    name="gemma3",
+    # A multimodal checkpoint's language model too (its vision tower is skipped while loading).
+    architectures=("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"),
+    model=Gemma3ForCausalLM,
+    weights=GEMMA3_WEIGHT_NAMES,
+    gguf=GGUFSupport(
+        architectures=("gemma3",),
+        norm_offset=-1.0,
+        end_of_turn=("<end_of_turn>",),
+        config_from_metadata=gemma3_config_from_gguf,
+    ),
+    native_decode=gemma3_decode_parts,
+    sliding_window=gemma3_sliding_window,
+)
