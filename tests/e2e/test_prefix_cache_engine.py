@@ -133,15 +133,7 @@ async def test_sliding_window_model_from_the_cache_and_after_preemption(tiny_gem
     """Gemma 3's local layers (window 8) beside its global ones: every layer's K/V stays in the blocks,
     so a prefix far longer than the window, taken from the cache, gives a cold run's tokens, and so
     does a request preempted and recomputed on a tight cache."""
-    gemma = LocalExecutor(
-        EngineConfig(
-            model=str(tiny_gemma3_dir),
-            dtype="float32",
-            device="cpu",
-            block_size=BLOCK_SIZE,
-            num_kv_blocks=256,
-        )
-    )
+    gemma = LocalExecutor(cpu_engine_config(tiny_gemma3_dir, block_size=BLOCK_SIZE, num_kv_blocks=256))
     system = prompt(37, seed=11)
     prompts = [[*system, *prompt(5 + 3 * i, seed=50 + i)] for i in range(3)]
     want = await cold(gemma, prompts, max_tokens=14)
@@ -150,11 +142,7 @@ async def test_sliding_window_model_from_the_cache_and_after_preemption(tiny_gem
         assert await run.together(prompts, max_tokens=14) == want  # chunked, from the cache
     assert all(run.cached[f"r{i}"] == 36 for i in range(1, 4))
 
-    tight = LocalExecutor(
-        EngineConfig(
-            model=str(tiny_gemma3_dir), dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_kv_blocks=26
-        )
-    )
+    tight = LocalExecutor(cpu_engine_config(tiny_gemma3_dir, block_size=BLOCK_SIZE, num_kv_blocks=26))
     # Prompts of 20-28 tokens and 30 new ones each, in 26 blocks of 4 tokens: all three are admitted
     # (18 blocks), lazy allocation then preempts, and the victim recomputes (from what its preemption
     # left cached).
