@@ -19,6 +19,7 @@ from server.errors import not_ready
 from server.generation import LoopClient
 from server.live_feed import IterationFeed
 from server.metrics import ServerMetrics
+from server.reasoning import REASONING_FORMATS, special_tag_problem
 from server.stats_log import StatsLogger
 from server.tokenizer import ServerTokenizer
 
@@ -110,6 +111,12 @@ class ServerState:
             return
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.vocab_size
+        if cfg.reasoning_parser is not None:
+            problem = special_tag_problem(
+                REASONING_FORMATS[cfg.reasoning_parser], loaded.tokenizer.special_tokens
+            )
+            if problem is not None:
+                logger.warning("%s", problem)
         self.grammars = GrammarCompiler(
             loaded.tokenizer.hf, loaded.vocab_size, sorted(loaded.executor.eos_token_ids)
         )

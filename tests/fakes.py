@@ -98,6 +98,20 @@ def parse_sse(body: str) -> list[Any]:
     return events
 
 
+async def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
+    """Yield to the loop until predicate() holds; fails after timeout_s seconds."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        await asyncio.sleep(0.005)
+
+
+def scripted(tokenizer: ServerTokenizer, text: str, **runner_kwargs: Any) -> FakeRunner:
+    """A fake runner whose every reply is exactly `text`, then EOS (token 2)."""
+    return FakeRunner(script=[*tokenizer.encode(text, add_special_tokens=False), 2], **runner_kwargs)
+
+
 async def wait_until(predicate: Callable[[], bool], steps: int = 2000) -> None:
     """Yield to the loop until predicate() holds; bounded by a number of turns, not by a clock."""
     for _ in range(steps):
