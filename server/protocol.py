@@ -50,8 +50,9 @@ class OpenAIModel(BaseModel):
     @classmethod
     def _log_unknown_fields(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            known = {f.alias for f in cls.model_fields.values() if f.alias} | set(cls.model_fields)
             for key in data:
-                if isinstance(key, str) and key not in cls.model_fields:
+                if isinstance(key, str) and key not in known:
                     unknown_fields.note(cls.__name__, key)
         return data
 

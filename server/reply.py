@@ -6,8 +6,9 @@ calls are parsed from the answer only (server/tool_parsers.py).
 
 A reply the token limit cut inside a tool call still returns the call as far as it went (its
 arguments as written so far, and the API's "length" finish): dropping it, or returning its raw text as
-the answer, loses what the model did. Under a named tool_choice the call's name is known before the
-model writes it, so a call cut before its name is complete is still returned under that name.
+the answer, loses what the model did. Under a named tool_choice (or `required` with one tool) the
+call's name is known before the model writes it, so a call cut before its name is complete is still
+returned under that name.
 """
 
 from __future__ import annotations
@@ -88,14 +89,24 @@ class ReplyParser:
         events.extend(calls)
         return events
 
-    def _named_call_cut(self, held: str) -> bool:
-        """The reply was a call to the named function (the grammar made it one), cut before its name."""
+    def _forced_name(self) -> str | None:
+        """The function a constrained reply must call, when the plan leaves only one."""
         plan = self._plan
-        return plan is not None and plan.function is not None and bool(held.strip())
+        if plan is None or not plan.constrained:
+            return None
+        if plan.function is not None:
+            return plan.function
+        return plan.tools[0].function.name if len(plan.tools) == 1 else None
+
+    def _named_call_cut(self, held: str) -> bool:
+        """The reply was a call to the one function it could call (the grammar made it one), cut before
+        its name was complete."""
+        return self._forced_name() is not None and bool(held.strip())
 
     def _named_call_start(self) -> list[ToolEvent]:
-        assert self._plan is not None and self._plan.function is not None
-        return [ToolCallStart(0, new_call_id(), self._plan.function)]
+        name = self._forced_name()
+        assert name is not None
+        return [ToolCallStart(0, new_call_id(), name)]
 
     def _track(self, e: ToolEvent) -> None:
         if isinstance(e, ToolCallStart):

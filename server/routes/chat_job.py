@@ -11,17 +11,18 @@ the response format, behind the thinking when the prompt opens it); max_tokens; 
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
 
 from engine.grammar import CompiledGrammar, GrammarSpec
 from server.errors import context_length_exceeded, invalid
-from server.generation import LoopClient
+from server.generation import LoopClient, merge_choices
 from server.protocol import ChatCompletionRequest, ChatMessage
 from server.reasoning import REASONING_FORMATS, Thinking, thinking_grammar, thinking_mode
-from server.reply import Reply, ReplyParser
+from server.reply import Reply, ReplyEvent, ReplyParser
 from server.routes.common import check_context, check_limits, choice_specs, offload, sampling_params
-from server.routes.fanout import ChoiceRun, start_choices
+from server.routes.fanout import ChoiceRun, UsageTally, start_choices
 from server.state import ServerState
 from server.structured import compile_constraint, output_constraint
 from server.tokenizer import ServerTokenizer
@@ -50,6 +51,34 @@ class ChatJob:
 
     def reply(self, text: str, finish_reason: str | None) -> Reply:
         return self.parser().parse_all(text, finish_reason)
+
+    async def updates(self, tally: UsageTally) -> AsyncIterator[ReplyUpdate]:
+        """The reply of a one-choice request as events, under the deadline (whose expiry raises its
+        APIError here); `tally` counts the usage. Closing it aborts the choice."""
+        parser = self.parser()
+        try:
+            async for d in self.run.deadline.iterate(merge_choices(self.run.gens)):
+                tally.observe(d)
+                events = parser.feed(d.text)
+                if d.finish_reason is not None:
+                    events += parser.finish(d.finish_reason)
+                yield ReplyUpdate(events, d.finish_reason, d.text)
+        finally:
+            self.run.abort()
+
+
+@dataclass
+class ReplyUpdate:
+    events: list[ReplyEvent]
+    finish_reason: str | None  # on the last update
+    text: str  # the reply's raw text that these events read
+
+
+def reasoning_tokens(tokenizer: ServerTokenizer, reasoning: str | None) -> int:
+    """The thinking's share of the output tokens, counted by encoding its text again (the split is made
+    on text, so the exact tokens are not tracked; a re-encoding can differ from the sampled tokens by a
+    token or two where they split differently)."""
+    return len(tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0
 
 
 def template_kwargs(body: ChatCompletionRequest) -> dict[str, Any]:

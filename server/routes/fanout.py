@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -41,6 +41,8 @@ from server.routes.common import (
 )
 from server.state import ServerState
 from server.tokenizer import ServerTokenizer
+
+T = TypeVar("T")
 
 # (choices, usage or None) -> one response chunk; a partial of responses.chat_chunk / completion_chunk.
 ChunkBuilder = Callable[[list[dict[str, Any]], dict[str, Any] | None], dict[str, Any]]
@@ -176,22 +178,32 @@ def stream_response(run: ChoiceRun, events: AsyncIterator[dict[str, Any]]) -> Ev
     return sse(run.deadline.iterate(events), run.abort, run.send_timeout_s)
 
 
+async def collect(
+    request: Request,
+    run: ChoiceRun,
+    build: Callable[[list[CollectedChoice], dict[str, Any]], T],
+) -> T | None:
+    """The choices collected under the deadline and built into a body; None if the client left first
+    (the choices are aborted then)."""
+
+    async def body() -> T:
+        choices, use = await collect_choices(run)
+        return build(choices, use)
+
+    try:
+        return await cancel_on_disconnect(request, run.deadline.run(body()))
+    except ClientDisconnected:
+        run.abort()  # in case the work was cancelled before it started
+        return None
+    except (GenerationError, LoopStoppedError) as exc:
+        raise loop_stopped_error(exc) from None
+
+
 async def collect_response(
     request: Request,
     run: ChoiceRun,
     build: Callable[[list[CollectedChoice], dict[str, Any]], dict[str, Any]],
 ) -> Response:
     """The choices collected under the deadline into one JSON body; cancelled if the client leaves."""
-
-    async def body() -> dict[str, Any]:
-        choices, use = await collect_choices(run)
-        return build(choices, use)
-
-    try:
-        result = await cancel_on_disconnect(request, run.deadline.run(body()))
-    except ClientDisconnected:
-        run.abort()  # in case the work was cancelled before it started
-        return disconnected_response()
-    except (GenerationError, LoopStoppedError) as exc:
-        raise loop_stopped_error(exc) from None
-    return JSONResponse(result)
+    result = await collect(request, run, build)
+    return disconnected_response() if result is None else JSONResponse(result)
