@@ -122,11 +122,17 @@ def chat_request(body: ResponsesRequest, conversation: list[dict[str, Any]]) -> 
         "tools": tools or None,
         "tool_choice": choice,
         "parallel_tool_calls": body.parallel_tool_calls,
-        "response_format": _response_format(fmt) if fmt is not None else None,
+        # A forced call writes no text, so text.format has nothing to shape in this turn (OpenAI accepts
+        # both, e.g. the Agents SDK with an output type and a tool_choice); the chat path would refuse it.
+        "response_format": _response_format(fmt) if fmt is not None and not _forces_call(choice) else None,
         "reasoning_effort": body.reasoning.effort if body.reasoning is not None else None,
         "chat_template_kwargs": body.chat_template_kwargs,
     }
     return validated(ChatCompletionRequest, fields, PARAMS)
+
+
+def _forces_call(choice: Any) -> bool:
+    return choice == "required" or isinstance(choice, dict)
 
 
 def _response_format(fmt: Any) -> dict[str, Any]:

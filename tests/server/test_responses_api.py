@@ -136,6 +136,12 @@ async def test_function_tools_forced_streamed_and_not(tokenizer):
         ) as s:
             events = [e async for e in s]
             final = await s.get_final_response()
+        # A forced call writes no text: text.format does not stand in its way (the Agents SDK sends both).
+        fmt = {"format": {"type": "json_schema", "name": "out", "schema": {"type": "object"}}}
+        both = await client.responses.create(
+            model=MODEL, input="W?", tools=[WEATHER], tool_choice="required", text=fmt
+        )
+        assert both.output[0].type == "function_call"
         args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
         (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
         assert args == done.arguments == final.output[0].arguments and json.loads(args) == {"city": "Paris"}
