@@ -107,6 +107,29 @@ async def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> No
         await asyncio.sleep(0.005)
 
 
+class RecordingRunner(FakeRunner):
+    """Keeps each request's prompt as the engine received it, by request id."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.prompts: dict[str, list[int]] = {}
+
+    def submit(self, batch: Sequence[Any]) -> Any:
+        for seq in batch:
+            self.prompts.setdefault(seq.request_id, list(seq.prompt_token_ids))
+        return super().submit(batch)
+
+
+# A chat-completions function tool the tool tests share.
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
 def scripted(tokenizer: ServerTokenizer, text: str, **runner_kwargs: Any) -> FakeRunner:
     """A fake runner whose every reply is exactly `text`, then EOS (token 2)."""
     return FakeRunner(script=[*tokenizer.encode(text, add_special_tokens=False), 2], **runner_kwargs)

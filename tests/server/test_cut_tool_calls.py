@@ -5,15 +5,9 @@ the reply a tool_choice grammar would have forced (the masks themselves are test
 from __future__ import annotations
 
 import pytest
-from fakes import make_app, parse_sse, running_app, scripted
+from fakes import WEATHER_TOOL, make_app, parse_sse, running_app, scripted
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
+WEATHER = WEATHER_TOOL
 USER = [{"role": "user", "content": "Weather in Paris?"}]
 CALL = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris, the capital of France"}}]}'
 NAMED = {"type": "function", "function": {"name": "get_weather"}}

@@ -10,7 +10,7 @@ import httpx
 import pytest
 from fakes import (
     MODEL,
-    FakeRunner,
+    RecordingRunner,
     drained,
     live_server,
     make_app,
@@ -29,17 +29,6 @@ WEATHER = {
     "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }
 CALL = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}'
-
-
-class RecordingRunner(FakeRunner):
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.prompts: dict[str, list[int]] = {}
-
-    def submit(self, batch):
-        for seq in batch:
-            self.prompts.setdefault(seq.request_id, list(seq.prompt_token_ids))
-        return super().submit(batch)
 
 
 def sdk(url: str, **kwargs) -> anthropic.AsyncAnthropic:

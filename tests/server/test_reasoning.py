@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from fakes import make_app, parse_sse, running_app, scripted
+from fakes import WEATHER_TOOL, make_app, parse_sse, running_app, scripted
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -196,13 +196,7 @@ async def test_earlier_thinking_goes_back_to_the_template(thinking_tokenizer):
         assert thought["usage"]["prompt_tokens"] > plain["usage"]["prompt_tokens"]
 
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
-    },
-}
+WEATHER = WEATHER_TOOL
 
 
 async def test_tool_calls_are_read_from_the_answer_only(thinking_tokenizer):

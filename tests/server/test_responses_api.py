@@ -13,6 +13,7 @@ import pytest
 from fakes import (
     MODEL,
     FakeRunner,
+    RecordingRunner,
     drained,
     error_of,
     live_server,
@@ -34,19 +35,6 @@ WEATHER = {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
 }
 CALL = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]}'
-
-
-class RecordingRunner(FakeRunner):
-    """Keeps each request's prompt as the engine received it."""
-
-    def __init__(self, **kwargs):
-        super().__init__(**kwargs)
-        self.prompts: dict[str, list[int]] = {}
-
-    def submit(self, batch):
-        for seq in batch:
-            self.prompts.setdefault(seq.request_id, list(seq.prompt_token_ids))
-        return super().submit(batch)
 
 
 def app_for(tokenizer, text: str = GREETING, runner: FakeRunner | None = None, **config):
