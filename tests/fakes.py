@@ -152,6 +152,7 @@ MODEL = "fake-model"  # the served name of every fake-runner app
 def server_config(**flat: Any) -> ServerConfig:
     """A ServerConfig from flat keyword arguments, as flags give them: engine and scheduler fields go to
     the nested configs, the rest to the server's own."""
+    flat.setdefault("responses_store", ":memory:")  # stored /v1/responses stay out of the user's cache
     engine = {f.name for f in dataclasses.fields(EngineConfig)}
     sched = {f.name for f in dataclasses.fields(SchedulerConfig)}
     return ServerConfig(
@@ -284,9 +285,10 @@ def server_process(model: str, log: Path, served_name: str, *flags: str) -> Iter
     """`python -m server` on a free port until the generator is closed; yields its base URL once
     /health says 200 (for module-scoped fixtures: `yield from server_process(...)`)."""
     port = free_port()
+    # Stored /v1/responses stay in memory unless a test names a file (not in the user's cache).
     cmd = [
         sys.executable, "-m", "server", "--model", model, "--served-model-name", served_name,
-        "--port", str(port), "--log-level", "warning", *flags,
+        "--port", str(port), "--log-level", "warning", "--responses-store", ":memory:", *flags,
     ]  # fmt: skip
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)

@@ -10,6 +10,7 @@ import httpx
 import pytest
 from fakes import (
     MODEL,
+    FakeRunner,
     RecordingRunner,
     drained,
     live_server,
@@ -291,3 +292,17 @@ async def test_client_gone_mid_stream_frees_its_request(tokenizer):
         assert (
             metric(text, "orca:http_requests_total", route="/v1/messages", method="POST", status="200") == 1
         )
+
+
+async def test_engine_failure_mid_stream_ends_with_an_error_event(tokenizer):
+    runner = FakeRunner(script=tokenizer.encode(GREETING * 4, add_special_tokens=False), fail_at_step=3)
+    async with running_app(make_app(tokenizer, runner)) as client:
+        body = {"model": MODEL, "max_tokens": 50, "messages": USER}
+        events = parse_sse((await client.post("/v1/messages", json={**body, "stream": True})).text)
+        assert events[0]["type"] == "message_start"
+        assert events[-1] == {
+            "type": "error",
+            "error": {"type": "api_error", "message": events[-1]["error"]["message"]},
+        }
+        assert "injected" in events[-1]["error"]["message"] or events[-1]["error"]["message"]
+        anthropic_error(await client.post("/v1/messages", json=body), 500, "api_error")

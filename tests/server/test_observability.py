@@ -138,7 +138,7 @@ async def test_periodic_stats_line(tokenizer):
 async def test_requests_counted_per_route(tokenizer):
     """orca:http_requests by the route's path template (ids in paths make no new series), method and
     status; paths no route serves are "unmatched"."""
-    async with running_app(make_app(tokenizer, responses_store=":memory:")) as client:
+    async with running_app(make_app(tokenizer)) as client:
         await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
         await client.post("/v1/messages", json={"model": MODEL, "messages": []})
         for rid in ("resp_a", "resp_b"):

@@ -38,7 +38,6 @@ CALL = '{"tool_calls": [{"name": "get_weather", "arguments": {"city": "Paris"}}]
 
 
 def app_for(tokenizer, text: str = GREETING, runner: FakeRunner | None = None, **config):
-    config.setdefault("responses_store", ":memory:")
     runner = runner or scripted(tokenizer, text)
     return make_app(tokenizer, runner, **config)
 
@@ -344,3 +343,15 @@ async def test_background_tasks_end_with_the_server(tokenizer, tmp_path):
     # Shutting down cancelled it (200 steps take 10 s) and recorded that.
     assert not app.state.server.background.running(r["id"])
     assert app.state.server.response_store.get_now(r["id"]).response["status"] == "cancelled"
+
+
+async def test_engine_failure_mid_stream_ends_with_response_failed(tokenizer):
+    runner = FakeRunner(script=tokenizer.encode(GREETING * 4, add_special_tokens=False), fail_at_step=3)
+    async with running_app(app_for(tokenizer, runner=runner)) as client:
+        events = parse_sse((await client.post("/v1/responses", json={"input": "Hi", "stream": True})).text)
+        failed = events[-1]
+        assert failed["type"] == "response.failed" and failed["response"]["status"] == "failed"
+        assert failed["response"]["error"]["code"] == "generation_failed"
+        assert (await client.get(f"/v1/responses/{failed['response']['id']}")).json()["status"] == "failed"
+        err = error_of(await client.post("/v1/responses", json={"input": "Hi"}), 500)
+        assert err["code"] == "generation_failed"
