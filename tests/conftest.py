@@ -109,22 +109,10 @@ def browser(chromium_session):
     assert not errors, errors
 
 
-# A Qwen3-like chat template: the model opens its thinking itself, `enable_thinking=false` closes it in
-# the prompt, and `reasoning_effort="high"` (a stand-in for templates that read it) opens it there.
-THINKING_TEMPLATE = (
-    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
-    "{%- if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
-    "{{ m.content }}<|im_end|>\n{%- endfor %}"
-    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
-    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-    "{%- elif reasoning_effort is defined and reasoning_effort == 'high' %}<think>\n{%- endif %}"
-    "{%- endif %}"
-)
-
-
 @pytest.fixture(scope="session")
 def thinking_tokenizer(smollm2_tokenizer_dir):
     """The default model's tokenizer with THINKING_TEMPLATE as its chat template."""
+    from fakes import THINKING_TEMPLATE
     from transformers import AutoTokenizer
 
     from server.tokenizer import ServerTokenizer

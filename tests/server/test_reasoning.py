@@ -1,7 +1,7 @@
 """Reasoning models: the thinking split from the answer (whole and streamed, every mode), where the
 reply starts (from the rendered prompt), the grammar that constrains only the answer after the thinking,
 and /v1/chat/completions' reasoning_content with a scripted fake runner and a Qwen3-like template
-(tests/conftest.py THINKING_TEMPLATE). The three APIs' own shapes are tested in their own files."""
+(tests/fakes.py THINKING_TEMPLATE). The three APIs' own shapes are tested in their own files."""
 
 from __future__ import annotations
 
