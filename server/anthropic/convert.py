@@ -27,7 +27,7 @@ from server.anthropic.protocol import (
 )
 from server.protocol import ChatCompletionRequest
 from server.reply_blocks import Block
-from server.routes.translate import validated
+from server.translate import validated
 
 # Chat request fields -> the Messages fields they came from, for the errors' messages.
 PARAMS = {

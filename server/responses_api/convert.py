@@ -25,7 +25,7 @@ from server.responses_api.protocol import (
     ReasoningItem,
     ResponsesRequest,
 )
-from server.routes.translate import validated
+from server.translate import validated
 
 # Chat request fields -> the Responses fields they came from, for the `param` of a 400.
 PARAMS = {

@@ -29,8 +29,8 @@ from server.reply_blocks import BlockSequencer, blocks_of
 from server.routes.chat_job import ChatJob, render_prompt, start_chat, template_kwargs
 from server.routes.common import SSEDialect, disconnected_response, failure, ready_for, sse
 from server.routes.fanout import CollectedChoice, UsageTally, collect
-from server.routes.translate import client_params
 from server.tools import plan_tools
+from server.translate import client_params
 
 router = APIRouter()  # the API key (Authorization or x-api-key) is checked by APIKeyMiddleware
 

@@ -46,8 +46,8 @@ from server.routes.common import (
     sse,
 )
 from server.routes.fanout import CollectedChoice, UsageTally, collect, collect_choices
-from server.routes.translate import client_params
 from server.state import ServerState
+from server.translate import client_params
 
 router = APIRouter()  # the API key is checked by server.middleware.APIKeyMiddleware
 
