@@ -46,6 +46,7 @@ serve: install
 	$(PY) -m server --model $(MODEL) --host $(HOST) --port $(PORT)
 
 test: install browser
+	$(VENV)/bin/lint-imports --no-cache
 	$(PY) -m pytest -q
 
 test-slow: install
@@ -56,6 +57,7 @@ test-all: install browser
 
 lint: install
 	$(VENV)/bin/ruff check .
+	$(VENV)/bin/lint-imports --no-cache
 
 bench: install
 	$(PY) -m engine.bench

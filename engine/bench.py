@@ -34,6 +34,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -174,22 +175,28 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def engine_prefill(
-    runner: LocalExecutor, prompts: list[list[int]], new_tokens: int
-) -> tuple[list[list[int]], list[list[int]]]:
-    """Run all prompts in one step; returns (block tables, outputs) ready for decode steps."""
-    blocks_per_seq = -(-(len(prompts[0]) + new_tokens) // runner.block_size)
-    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(prompts))]
-    outputs: list[list[int]] = [[] for _ in prompts]
-    first = runner.step(
-        [
-            ScheduledSequence(str(i), p, 0, tables[i], True, GREEDY_FIXED, p, outputs[i])
-            for i, p in enumerate(prompts)
-        ]
-    )
-    for out, tok in zip(outputs, first, strict=True):
+def _step_and_append(runner: LocalExecutor, batch: list[ScheduledSequence], outputs: list[list[int]]) -> None:
+    for out, tok in zip(outputs, runner.step(batch), strict=True):
         assert tok is not None
         out.append(tok.token_id)
+
+
+def engine_prefill(
+    runner: LocalExecutor,
+    prompts: list[list[int]],
+    new_tokens: int,
+    params: Sequence[SamplingParams] | None = None,  # per prompt; greedy by default
+) -> tuple[list[list[int]], list[list[int]]]:
+    """Run all prompts in one step; returns (block tables, outputs) ready for decode steps."""
+    blocks_per_seq = -(-(max(len(p) for p in prompts) + new_tokens) // runner.block_size)
+    tables = [list(range(i * blocks_per_seq, (i + 1) * blocks_per_seq)) for i in range(len(prompts))]
+    outputs: list[list[int]] = [[] for _ in prompts]
+    params = params or [GREEDY_FIXED] * len(prompts)
+    batch = [
+        ScheduledSequence(str(i), p, 0, tables[i], True, params[i], p, outputs[i])
+        for i, p in enumerate(prompts)
+    ]
+    _step_and_append(runner, batch, outputs)
     return tables, outputs
 
 
@@ -199,20 +206,20 @@ def engine_decode_steps(
     tables: list[list[int]],
     outputs: list[list[int]],
     steps: int,
+    params: Sequence[SamplingParams] | None = None,  # per prompt; greedy by default
 ) -> list[float]:
     """`steps` decode steps of the whole batch, appending to `outputs`; returns each step's seconds
     (building the batch included, as the scheduler's loop would pay it; each step ends when its tokens
     are on the host, so no separate synchronisation is needed)."""
+    params = params or [GREEDY_FIXED] * len(prompts)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
         batch = [
-            ScheduledSequence(str(i), [o[-1]], len(p) + len(o) - 1, tables[i], True, GREEDY_FIXED, p, o)
+            ScheduledSequence(str(i), [o[-1]], len(p) + len(o) - 1, tables[i], True, params[i], p, o)
             for i, (p, o) in enumerate(zip(prompts, outputs, strict=True))
         ]
-        for out, tok in zip(outputs, runner.step(batch), strict=True):
-            assert tok is not None
-            out.append(tok.token_id)
+        _step_and_append(runner, batch, outputs)
         times.append(time.perf_counter() - t0)
     return times
 
@@ -325,7 +332,7 @@ def modes(runner: LocalExecutor) -> list[str]:
 
 
 def in_mode(runner: LocalExecutor, mode: str) -> LocalExecutor:
-    runner.use_cuda_graphs = mode == GRAPHS
+    runner.runner.use_cuda_graphs = mode == GRAPHS
     return runner
 
 

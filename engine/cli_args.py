@@ -4,6 +4,11 @@ from __future__ import annotations
 
 import argparse
 import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, fields
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 _SIZE_UNITS = {
     "": 1,
@@ -45,3 +50,65 @@ def size_arg(text: str) -> int:
         return parse_size(text)
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# ---- flags declared on config dataclasses -----------------------------------------------------------
+#
+# A config field that the command line sets says so where it is defined:
+#
+#     max_num_seqs: int = flag(64, "most requests per iteration (ORCA's max_bs)")
+#
+# so each knob's default, flag and help are written once, and every program that takes a config's
+# flags (the server, the benchmarks) gets the same ones from `add_flags(parser, Config)`.
+
+_PLAIN_TYPES: dict[str, Callable[[str], Any]] = {"int": int, "float": float, "str": str}
+
+
+@dataclass(frozen=True)
+class Flag:
+    """How `add_flags` exposes one config field (the field's default is the flag's)."""
+
+    help: str | None = None
+    name: str | None = None  # default: --the-field-name
+    short: str | None = None  # e.g. "-tp"
+    type: Callable[[str], Any] | None = None  # default: from the annotation (int, float, str)
+    choices: Sequence[str] | None = None
+    metavar: str | None = None
+    # "store_true" / "store_false" / argparse.BooleanOptionalAction for a bool field
+    action: str | type[argparse.Action] | None = None
+    exclusive: str | None = None  # flags naming the same group are mutually exclusive
+
+
+def flag(default: Any, help: str | None = None, **spec: Any) -> Any:
+    """A dataclass field with a command-line flag (see Flag)."""
+    return field(default=default, metadata={"flag": Flag(help, **spec)})
+
+
+def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: type) -> None:
+    """One flag per field of `cls` declared with `flag(...)`, in field order."""
+    exclusive: dict[str, argparse._MutuallyExclusiveGroup] = {}
+    for f in fields(cls):
+        spec: Flag | None = f.metadata.get("flag")
+        if spec is None:
+            continue
+        target: Any = parser
+        if spec.exclusive is not None:
+            if spec.exclusive not in exclusive:
+                exclusive[spec.exclusive] = parser.add_mutually_exclusive_group()
+            target = exclusive[spec.exclusive]
+        names = [spec.name or "--" + f.name.replace("_", "-")] + ([spec.short] if spec.short else [])
+        kwargs: dict[str, Any] = {"dest": f.name, "default": f.default, "help": spec.help}
+        if spec.action is not None:
+            kwargs["action"] = spec.action
+        else:
+            kwargs["type"] = spec.type or _PLAIN_TYPES[str(f.type).replace(" | None", "")]
+            if spec.choices is not None:
+                kwargs["choices"] = spec.choices
+            if spec.metavar is not None:
+                kwargs["metavar"] = spec.metavar
+        target.add_argument(*names, **kwargs)
+
+
+def from_flags(cls: type[T], args: argparse.Namespace) -> T:
+    """The config the flags describe; fields a parser lacks keep their defaults."""
+    return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})

@@ -8,22 +8,17 @@ heavy loads); the resolution functions import it when they run.
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
+
+from engine.cli_args import add_flags, flag, from_flags, size_arg
+from models.options import ATTENTION_BACKEND_NAMES, LOAD_FORMATS, WEIGHT_PACKING_MODES
 
 if TYPE_CHECKING:
     import torch
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
-# How a block-quantized (GGUF) model's linear layers run on CPU in float32 (models/weight_packing.py, which
-# keeps the same tuple: this module stays torch-free): "auto" = the native kernels with int8 activations
-# wherever they build; "int8" / "float32" force the activations' precision; "off": every weight is
-# dequantized to a float tensor for torch's matmuls.
-WEIGHT_PACKING_MODES = ("auto", "int8", "float32", "off")
-# "auto": the checkpoint's weights; "dummy": random weights, no checkpoint read (vLLM's name): the model's
-# exact shapes and costs without its files, for benchmarks (models/loader.py).
-LOAD_FORMATS = ("auto", "dummy")
 
 # KV budget when neither num_kv_blocks nor kv_cache_memory is given.
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in float32
@@ -32,23 +27,53 @@ CUDA_KV_MEMORY_FRACTION = 0.9  # of the memory still free once the weights are l
 
 @dataclass
 class EngineConfig:
-    model: str = "default"  # "default", an HF directory, or a .gguf file
-    dtype: str = "auto"  # "auto" or one of DTYPE_NAMES
-    device: str = "auto"  # "auto" | "cpu" | "cuda" | "cuda:N"
-    block_size: int = 16  # tokens per KV block
-    num_kv_blocks: int | None = None  # exact block count; wins over kv_cache_memory
-    kv_cache_memory: int | None = None  # bytes for K and V of all layers together
-    max_model_len: int | None = None  # None: the model's own maximum (a value may only lower it)
-    attention_backend: str = "auto"
-    weight_packing: str = "auto"  # one of WEIGHT_PACKING_MODES
-    seed: int = 0  # seeds the engine generator used by unseeded sampled rows
-    tensor_parallel_size: int = 1  # ranks that shard every layer (engine.distributed_executor)
-    pipeline_parallel_size: int = 1  # stages the layers are split into (engine.distributed_executor)
+    # "default", an HF directory, or a .gguf file
+    model: str = flag("default", "HF model directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)")
+    dtype: str = flag("auto", choices=("auto", *DTYPE_NAMES))
+    device: str = flag("auto", "auto, cpu, cuda or cuda:N")
+    block_size: int = flag(16, "tokens per KV block")
+    # Exact block count; wins over kv_cache_memory (bytes for K and V of all layers together).
+    num_kv_blocks: int | None = flag(None, "exact number of KV blocks", exclusive="kv")
+    kv_cache_memory: int | None = flag(
+        None,
+        "KV cache bytes, suffixes allowed: 512MiB, 2GiB (default: 1 GiB on CPU, most of the free memory on CUDA)",
+        type=size_arg,
+        exclusive="kv",
+    )
+    # None: the model's own maximum (a value may only lower it).
+    max_model_len: int | None = flag(None, "cap on prompt + output tokens (default: the model's)")
+    attention_backend: str = flag("auto", choices=ATTENTION_BACKEND_NAMES)
+    weight_packing: str = flag(
+        "auto",
+        "auto: run exactly group-quantized weights (a GGUF model's) on the native CPU kernels, "
+        "bit-identical weights in fewer bytes; off: keep them as floats",
+        choices=WEIGHT_PACKING_MODES,
+    )
+    # Seeds the engine generator used by unseeded sampled rows.
+    seed: int = flag(0, "seed for sampled requests that send none")
+    # Ranks that shard every layer, and stages the layers are split into (engine.distributed_executor).
+    tensor_parallel_size: int = flag(
+        1,
+        "ranks that split every layer; workers start on this machine, or under torchrun (docs/parallelism.md)",
+        short="-tp",
+    )
+    pipeline_parallel_size: int = flag(
+        1, "stages the layers are split into; that many batches are kept in flight", short="-pp"
+    )
     # Seconds a rank waits on a peer inside a step (and at start-up) before the engine declares it dead.
     distributed_timeout_s: float = 300.0
-    load_format: str = "auto"  # one of LOAD_FORMATS
+    load_format: str = flag(
+        "auto",
+        "dummy: random weights of the model's shape (its config.json only, no weights read); for benchmarks",
+        choices=LOAD_FORMATS,
+    )
     # CUDA: run every step eagerly instead of replaying CUDA graphs for decode steps (vLLM's flag).
-    enforce_eager: bool = False
+    enforce_eager: bool = flag(
+        False,
+        "CUDA: no CUDA graphs; every step runs eagerly (graphs replay decode steps of up to --max-num-seqs "
+        "sequences)",
+        action="store_true",
+    )
     # The most sequences one step holds: the scheduler's max_num_seqs, which has the one flag and the one
     # default (ServerConfig passes it down; from_cli_args reads it where a parser has the scheduler's
     # flags). It bounds the batch sizes decode graphs are captured for; None (the engine used without a
@@ -58,6 +83,10 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
             raise ValueError(f"dtype must be 'auto' or one of {list(DTYPE_NAMES)}, got {self.dtype!r}")
+        if self.attention_backend not in ATTENTION_BACKEND_NAMES:
+            raise ValueError(
+                f"attention_backend must be one of {ATTENTION_BACKEND_NAMES}, got {self.attention_backend!r}"
+            )
         if self.weight_packing not in WEIGHT_PACKING_MODES:
             raise ValueError(
                 f"weight_packing must be one of {WEIGHT_PACKING_MODES}, got {self.weight_packing!r}"
@@ -85,83 +114,13 @@ class EngineConfig:
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
         """The engine's flags (the server and every benchmark take the same ones)."""
-        from engine.cli_args import size_arg
-
-        d = EngineConfig
-        g = p.add_argument_group("engine")
-        g.add_argument(
-            "--model",
-            default=d.model,
-            help="HF model directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)",
-        )
-        g.add_argument("--dtype", default=d.dtype, choices=["auto", *DTYPE_NAMES])
-        g.add_argument("--device", default=d.device, help="auto, cpu, cuda or cuda:N")
-        g.add_argument("--block-size", type=int, default=d.block_size, help="tokens per KV block")
-        kv = g.add_mutually_exclusive_group()
-        kv.add_argument(
-            "--kv-cache-memory",
-            type=size_arg,
-            default=d.kv_cache_memory,
-            help="KV cache bytes, suffixes allowed: 512MiB, 2GiB (default: 1 GiB on CPU, most of the free "
-            "memory on CUDA)",
-        )
-        kv.add_argument(
-            "--num-kv-blocks", type=int, default=d.num_kv_blocks, help="exact number of KV blocks"
-        )
-        g.add_argument(
-            "--max-model-len",
-            type=int,
-            default=d.max_model_len,
-            help="cap on prompt + output tokens (default: the model's)",
-        )
-        g.add_argument(
-            "--attention-backend",
-            default=d.attention_backend,
-            help="auto, sdpa, cpu-decode, triton, torch-varlen, flash-attn",
-        )
-        g.add_argument(
-            "--weight-packing",
-            default=d.weight_packing,
-            choices=WEIGHT_PACKING_MODES,
-            help="auto: run exactly group-quantized weights (a GGUF model's) on the native CPU kernels, "
-            "bit-identical weights in fewer bytes; off: keep them as floats",
-        )
-        g.add_argument(
-            "--tensor-parallel-size",
-            "-tp",
-            type=int,
-            default=d.tensor_parallel_size,
-            help="ranks that split every layer; workers start on this machine, or under torchrun "
-            "(docs/parallelism.md)",
-        )
-        g.add_argument(
-            "--pipeline-parallel-size",
-            "-pp",
-            type=int,
-            default=d.pipeline_parallel_size,
-            help="stages the layers are split into; that many batches are kept in flight",
-        )
-        g.add_argument("--seed", type=int, default=d.seed, help="seed for sampled requests that send none")
-        g.add_argument(
-            "--load-format",
-            default=d.load_format,
-            choices=LOAD_FORMATS,
-            help="dummy: random weights of the model's shape (its config.json only, no weights read); "
-            "for benchmarks",
-        )
-        g.add_argument(
-            "--enforce-eager",
-            action="store_true",
-            default=d.enforce_eager,
-            help="CUDA: no CUDA graphs; every step runs eagerly (graphs replay decode steps of up to "
-            "--max-num-seqs sequences)",
-        )
+        add_flags(p.add_argument_group("engine"), EngineConfig)
 
     @classmethod
     def from_cli_args(cls, a: argparse.Namespace) -> EngineConfig:
         """The config the flags of add_cli_args describe (flags a parser lacks keep their defaults).
         `max_num_seqs` has no flag here: it is the scheduler's --max-num-seqs, read when present."""
-        return cls(**{f.name: getattr(a, f.name) for f in fields(cls) if hasattr(a, f.name)})
+        return from_flags(cls, a)
 
 
 def resolve_device(name: str) -> torch.device:

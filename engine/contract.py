@@ -40,6 +40,10 @@ class SamplingParams:
     min_tokens: int = 0
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
+    # Stop strings: the text ends before the earliest one, and the request stops in the step that
+    # completes it (scheduler/stop.py). Matched on the text as decoded with skip_special_tokens.
+    stop: tuple[str, ...] = ()
+    skip_special_tokens: bool = True
     # Structured output: this request's grammar state (one per choice, made by the server). The sampler
     # masks every token the grammar does not allow at this point (engine/token_mask.py).
     grammar: GrammarMatcher | None = field(default=None, compare=False, repr=False)
@@ -53,6 +57,8 @@ class SamplingParams:
             raise ValueError(f"logprobs must not be negative, got {self.logprobs}")
         if self.prompt_logprobs is not None and self.prompt_logprobs < 0:
             raise ValueError(f"prompt_logprobs must not be negative, got {self.prompt_logprobs}")
+        if not isinstance(self.stop, tuple) or not all(isinstance(s, str) and s for s in self.stop):
+            raise ValueError(f"stop must be a tuple of non-empty strings, got {self.stop!r}")
 
     @property
     def greedy(self) -> bool:
@@ -89,6 +95,19 @@ class ScheduledSequence:
     def context_len(self) -> int:
         """Tokens in the KV cache once this step has run."""
         return self.start_position + len(self.token_ids)
+
+
+class SamplingRow(Protocol):
+    """What the sampler and the grammar masker read of a batch entry (ScheduledSequence has it). Here,
+    not in engine.sampler, so that engine.token_mask can name it without importing the sampler, which
+    imports the masker's PendingMask: a circle even as type hints."""
+
+    @property
+    def sampling(self) -> SamplingParams: ...
+    @property
+    def prompt_token_ids(self) -> Sequence[int]: ...
+    @property
+    def output_token_ids(self) -> Sequence[int]: ...
 
 
 @dataclass

@@ -29,10 +29,11 @@ Memory. Graphs are captured from the largest size down into one shared memory po
 graphs reuse the largest one's intermediate memory; each graph writes its logits into one persistent
 [max size, vocab] float32 buffer, whose first B rows are the step's logits.
 
-Which steps and runs can use graphs: engine.executor decides (one process, CUDA, a backend that can be
-captured: the triton backend, whose launches read host-side sizes only and never synchronise;
-`--enforce-eager` turns them off). Before each capture the size is run once eagerly on a side stream:
-that compiles the Triton variants and lets cuBLAS pick its kernels outside the capture.
+Which runs capture graphs: engine.executor decides (one process, CUDA, a backend that can be captured:
+the triton backend, whose launches read host-side sizes only and never synchronise; `--enforce-eager`
+turns them off). Which steps replay one: engine.model_runner.ModelRunner.run_step, the one step path.
+Before each capture the size is run once eagerly on a side stream: that compiles the Triton variants
+and lets cuBLAS pick its kernels outside the capture.
 """
 
 from __future__ import annotations

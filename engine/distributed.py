@@ -18,7 +18,6 @@ Start-up agreement (the KV block count) uses gloo with the normal timeout.
 from __future__ import annotations
 
 import os
-import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import timedelta
@@ -110,12 +109,6 @@ class RankGroups:
     def last_stage_head(self) -> int:
         """The rank that sends the logits to the driver."""
         return self.topology.rank_of(self.topology.pp_size - 1, 0)
-
-
-def free_tcp_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
 
 
 def launched_by_torchrun() -> bool:

@@ -7,13 +7,16 @@ torchrun across machines) that loop in `serve_rank`: receive a step message, run
 result on.
 
 One step, for TP=t and PP=p:
-  driver: validate the batch, build its inputs, broadcast the step message to stage 0's other ranks,
-          run stage 0, send (message, hidden states) to stage 1 (each TP rank to its counterpart)
-  stage s: receive, run its layers on its own KV cache, send on; the last stage gathers the vocab
-          shards of the logits at the sampled positions and its TP rank 0 sends them to the driver
-  driver: receive the logits, sample.
-`submit()` returns after stage 0 so the scheduler can put up to p batches in flight (ORCA); `collect()`
-waits for a batch's logits and samples. `step()` is submit + collect.
+  driver: build the batch's inputs, note its rows and start its grammar masks (ExecutorBase._begin_step),
+          broadcast the step message to stage 0's other ranks, run stage 0 (ModelRunner.run_step),
+          send (message, hidden states) to stage 1 (each TP rank to its counterpart)
+  stage s: receive, run its part (ModelRunner.run_step, on its own KV cache), send on; the last stage
+          gathers the vocab shards of the logits rows and its TP rank 0 sends them to the driver
+  driver: receive the logits, score prompt tokens and sample (ExecutorBase.collect).
+Every rank runs its part through the same ModelRunner.run_step; this module only moves the message,
+the hidden states and the logits between ranks. `submit()` returns after stage 0 so the scheduler can
+put up to p batches in flight (ORCA); `collect()` waits for a batch's logits and samples. `step()` is
+submit + collect.
 """
 
 from __future__ import annotations
@@ -50,7 +53,6 @@ from engine.distributed import (
     broadcast_message,
     decode_batch,
     encode_batch,
-    free_tcp_port,
     init_groups,
     launched_by_torchrun,
     recv_message,
@@ -59,6 +61,7 @@ from engine.distributed import (
 )
 from engine.executor import ExecutorBase, PendingStep
 from engine.model_runner import ModelRunner
+from engine.ports import LOOPBACK, free_tcp_port
 
 logger = logging.getLogger(__name__)
 
@@ -112,15 +115,12 @@ def serve_rank(runner: ModelRunner, g: RankGroups) -> None:
                     send_message(msg, g.next_rank, g.control)
                 return
             hidden_in = None if g.is_first_stage else recv_hidden(runner, msg.num_tokens, g.prev_rank, g.data)
-            inputs = runner.prepare(decode_batch(msg))
-            hidden = runner.forward(inputs, hidden_in)
-            if not g.is_last_stage:
+            out = runner.run_step(runner.prepare_host(decode_batch(msg)), hidden_in)
+            if out.hidden is not None:  # not the last stage
                 send_message(msg, g.next_rank, g.control)
-                dist.send(hidden, g.next_rank, group=g.data)
-            elif msg.num_logit_rows:
-                logits = runner.sampled_logits(inputs, hidden)  # every TP rank takes part
-                if g.rank == g.last_stage_head:
-                    dist.send(logits, 0, group=g.data)
+                dist.send(out.hidden, g.next_rank, group=g.data)
+            elif out.logits is not None and g.rank == g.last_stage_head:  # every TP rank computed them
+                dist.send(out.logits, 0, group=g.data)
 
 
 # ---- worker processes ---------------------------------------------------------------------------------
@@ -222,7 +222,7 @@ class DistributedExecutor(ExecutorBase):
             device = rank_device(config, int(os.environ.get("LOCAL_RANK", 0)))
         else:
             # A fresh port each time: a restarted group must not meet the old rendezvous.
-            init_method = f"tcp://127.0.0.1:{free_tcp_port()}"
+            init_method = f"tcp://{LOOPBACK}:{free_tcp_port()}"
             local_world = world
             device = rank_device(config, 0)
             self._spawn_workers(config, model_path, init_method, world)
@@ -320,34 +320,30 @@ class DistributedExecutor(ExecutorBase):
         if self._closed:
             raise WorkerDiedError("the parallel engine is shut down")
         self._check_alive()
-        pending = PendingStep(batch)
         if not batch:
-            return pending
+            return PendingStep(batch)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # per thread: the step thread is not the one that started
         g, runner = self._groups, self.runner
-        inputs = runner.prepare(batch)
+        host = runner.prepare_host(batch)
         msg = encode_batch(batch)
-        num_rows = self._keep_rows(pending, inputs)  # logits rows: samples and scored prompt tokens
-        # Grammar hook: the masks are computed while the stages run; collect() applies them.
-        pending.mask = self.masker.start([batch[i] for i in inputs.sample_rows])
+        pending = self._begin_step(batch, host)
         try:
             with torch.inference_mode():
                 if g.stage0_control is not None:
                     broadcast_message(msg, 0, g.stage0_control)
-                hidden = runner.forward(inputs)  # [T, hidden]
-                if g.is_last_stage:  # no pipeline: this rank also holds (a shard of) the LM head
-                    if num_rows:
-                        pending.logits = runner.sampled_logits(inputs, hidden)
+                out = runner.run_step(host)
+                if out.hidden is None:  # no pipeline: this rank also holds (a shard of) the LM head
+                    pending.logits = out.logits
                     return pending
-                pending.keep = [msg.header, msg.payload, hidden]
+                pending.keep = [msg.header, msg.payload, out.hidden]
                 pending.sends = [dist.isend(msg.header, g.next_rank, group=g.control)]
                 if msg.payload.numel():
                     pending.sends.append(dist.isend(msg.payload, g.next_rank, group=g.control))
-                pending.sends.append(dist.isend(hidden, g.next_rank, group=g.data))
-                if num_rows:
+                pending.sends.append(dist.isend(out.hidden, g.next_rank, group=g.data))
+                if host.num_logit_rows:
                     pending.logits = torch.empty(
-                        num_rows, self.vocab_size, dtype=torch.float32, device=self.device
+                        host.num_logit_rows, self.vocab_size, dtype=torch.float32, device=self.device
                     )
                     pending.recv = dist.irecv(pending.logits, g.last_stage_head, group=g.data)
         except Exception as exc:

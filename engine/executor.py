@@ -1,12 +1,13 @@
 """Executors: what the scheduler's loop drives (engine.contract.Executor). Each holds the driver's
-ModelRunner (rank 0) and the sampler; they differ only in who else runs the step.
+ModelRunner (rank 0), the grammar masker and the sampler; they differ only in who else runs the step.
 
     LocalExecutor        one process: the runner is the whole model
     DistributedExecutor  tensor x pipeline parallel ranks (engine/distributed_executor.py)
 
-`create_executor(config)` picks one. A step is `collect(submit(batch))` in both: `submit` runs (or, with
-pipeline stages, starts) the forward pass and returns a PendingStep; `collect` waits for the logits of
-the sampling entries and samples them here, on the driver.
+`engine.executor_factory.create_executor(config)` picks one. A step is `collect(submit(batch))` in both:
+`submit` prepares the inputs, calls `ExecutorBase._begin_step` (which rows sample and score, the grammar
+masks started) and runs (or, with pipeline stages, starts) the step through `ModelRunner.run_step`;
+`collect` waits for the logits rows, scores prompt tokens and samples, here on the driver.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from engine.config import EngineConfig, resolve_device, resolve_model_path
 from engine.contract import FatalRunnerError, PromptLogprobs, ScheduledSequence, StepResult
-from engine.inputs import HostStepInputs, StepInputs
+from engine.inputs import HostStepInputs
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler, score_prompt_tokens
 from engine.token_mask import PendingMask, TokenMasker
@@ -37,7 +38,7 @@ class PendingStep:
     batch: Sequence[ScheduledSequence]
     sample_rows: list[int] = field(default_factory=list)  # indices into batch of the entries that sample
     logits: torch.Tensor | None = None  # [R, vocab] float32 (still arriving while `recv` is pending)
-    # Prompt logprobs (engine.inputs.StepInputs): which logits rows score prompts, which sample.
+    # Prompt logprobs (engine.inputs.HostStepInputs): which logits rows score prompts, which sample.
     scored: list[tuple[int, int, int]] = field(default_factory=list)
     sample_logit_rows: list[int] | None = None
     recv: Any = None  # dist.Work of the logits' irecv (pipeline parallel)
@@ -47,7 +48,8 @@ class PendingStep:
 
 
 class ExecutorBase(ABC):
-    """The driver's side of every executor: sizes read off its runner, and sampling in collect()."""
+    """The driver's side of every executor: sizes read off its runner, a step's rows and grammar masks
+    (_begin_step), and scoring and sampling in collect()."""
 
     def __init__(
         self, config: EngineConfig, model_path: Path, runner: ModelRunner, pipeline_depth: int
@@ -106,12 +108,17 @@ class ExecutorBase(ABC):
             out[i] = tok
         return out
 
-    def _keep_rows(self, pending: PendingStep, inputs: StepInputs | HostStepInputs) -> int:
-        """Note which logits rows sample and which score prompts; returns how many rows there are."""
-        pending.sample_rows = inputs.sample_rows
-        pending.scored = inputs.scored
-        pending.sample_logit_rows = inputs.sample_logit_rows
-        return inputs.num_logit_rows
+    def _begin_step(self, batch: Sequence[ScheduledSequence], host: HostStepInputs) -> PendingStep:
+        """The PendingStep of a prepared batch, the same for every executor: which logits rows sample and
+        which score prompt tokens (what collect() reads), and the grammar masks of the sampling rows
+        started. Call it before the forward pass: the masks are computed while it runs (None, and no
+        work, for a batch without a grammar). The masker is given exactly the rows collect() hands the
+        sampler, in the same order, since a mask's row indices are positions among them."""
+        pending = PendingStep(
+            batch, sample_rows=host.sample_rows, scored=host.scored, sample_logit_rows=host.sample_logit_rows
+        )
+        pending.mask = self.masker.start([batch[i] for i in host.sample_rows])
+        return pending
 
     def step(self, batch: Sequence[ScheduledSequence]) -> list[StepResult]:
         """One whole step: the batch's tokens, None for entries that do not sample."""
@@ -153,36 +160,11 @@ class LocalExecutor(ExecutorBase):
             runner.capture_decode_graphs(config.max_num_seqs)
         elif runner.device.type == "cuda":
             logger.info("CUDA graphs off: %s; every step runs eagerly", off)
-        # Whether decode steps replay the captured graphs (engine.bench turns it off to compare).
-        self.use_cuda_graphs = runner.decode_graphs is not None
 
     def submit(self, batch: Sequence[ScheduledSequence]) -> PendingStep:
-        pending = PendingStep(batch)
         if not batch:
-            return pending
-        runner = self.runner
-        # Grammar hook: the constrained rows' masks are computed while the forward runs (None, and no
-        # work, for a batch without a grammar).
-        pending.mask = self.masker.start([s for s in batch if s.sample])
-        with torch.inference_mode():
-            host = runner.prepare_host(batch)
-            rows = self._keep_rows(pending, host)  # logits rows: samples and scored prompt tokens
-            # A graph computes the sampling rows' logits only: a step that scores a prompt runs eagerly.
-            logits = runner.graph_logits(host) if self.use_cuda_graphs and not host.scored else None
-            if logits is None:
-                inputs = host.to(self.device)
-                hidden = runner.forward(inputs)  # [T, hidden]
-                if rows:
-                    logits = runner.sampled_logits(inputs, hidden)  # [R, vocab]
-            if rows:
-                pending.logits = logits
+            return PendingStep(batch)
+        host = self.runner.prepare_host(batch)
+        pending = self._begin_step(batch, host)
+        pending.logits = self.runner.run_step(host).logits  # [R, vocab]; None without logits rows
         return pending
-
-
-def create_executor(config: EngineConfig) -> ExecutorBase:
-    """The executor for a config: one process, or tensor/pipeline parallel ranks."""
-    if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
-        from engine.distributed_executor import DistributedExecutor
-
-        return DistributedExecutor(config)
-    return LocalExecutor(config)

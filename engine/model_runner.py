@@ -2,10 +2,12 @@
 
 Every process runs this same class (nano-vllm's design): the single-process engine is tensor rank 0 of
 1 and pipeline stage 0 of 1. A runner loads its shard of its stage's layers, owns their KV cache, turns
-a batch into flat inputs and attention metadata, runs its layers, and (on the last stage) computes the
-logits at the sampled positions. Who sends what to whom, and sampling, belong to the executors
-(engine/executor.py, engine/distributed_executor.py). On CUDA a runner may also hold CUDA graphs of
-its decode steps (engine/cuda_graphs.py), which the one-process executor captures and replays.
+a batch into flat inputs and attention metadata (`prepare_host`), and runs a step: `run_step` is the
+one place a step runs, on every rank of every executor. It runs this stage's layers and returns a
+StepOutput: the hidden states for the next stage, or (on the last stage) the logits rows. Who sends
+what to whom, grammar masks and sampling belong to the executors (engine/executor.py,
+engine/distributed_executor.py). On CUDA a one-process runner may also hold CUDA graphs of its decode
+steps (engine/cuda_graphs.py): the executor captures them, and `run_step` replays one where it can.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import json
 import logging
 import os
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -22,7 +25,7 @@ import torch
 from engine.config import EngineConfig, resolve_dtype, resolve_max_model_len
 from engine.contract import ScheduledSequence
 from engine.cuda_graphs import CaptureStats, DecodeGraphs, GraphCapturer
-from engine.inputs import HostStepInputs, InputLimits, StepInputs, build_host_inputs, check_batch
+from engine.inputs import HostStepInputs, InputLimits, build_host_inputs, check_batch
 from engine.kv_cache import PagedKVCache, plan_kv_cache
 
 if TYPE_CHECKING:
@@ -32,6 +35,20 @@ logger = logging.getLogger(__name__)
 
 # Set to 1 to verify every batch before it runs (engine.inputs.check_batch): for debugging a scheduler.
 DEBUG_CHECKS_ENV = "ORCA_DEBUG_CHECKS"
+
+
+@dataclass
+class StepOutput:
+    """What one rank's part of a step gives (ModelRunner.run_step). At most one field is set: `hidden`
+    on a stage that is not the last, `logits` on the last stage when the step has logits rows; neither
+    on the last stage of a step without any."""
+
+    hidden: torch.Tensor | None = None  # [T, hidden]: what the next pipeline stage runs on
+    # [R, vocab] float32, rows in engine.inputs.StepInputs.logits_indices order: each entry's scored
+    # prompt tokens, then its last token if it samples. On every tensor rank of the last stage (they
+    # all take part in gathering the vocab shards); a CUDA-graph step's is a view of the graphs' output
+    # buffer, valid until the next step.
+    logits: torch.Tensor | None = None
 
 
 def read_eos_token_ids(model_path: Path, hf_config: Any) -> frozenset[int]:
@@ -113,11 +130,15 @@ class ModelRunner:
         self.kv_cache = PagedKVCache(spec, num_blocks, device)
         self.num_kv_blocks: int = num_blocks
         self.block_size: int = config.block_size
+        # One process, or the last pipeline stage: this runner computes the logits.
+        self.is_last_stage: bool = groups is None or groups.is_last_stage
         self._limits: InputLimits | None = None
         if os.environ.get(DEBUG_CHECKS_ENV) == "1":
             self._limits = InputLimits(num_blocks, config.block_size, self.max_model_len, self.vocab_size)
             logger.warning("%s=1: every batch is checked before it runs (slower)", DEBUG_CHECKS_ENV)
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
+        # Whether decode steps replay the captured graphs (engine.bench turns it off to compare).
+        self.use_cuda_graphs = False
 
     def prepare_host(self, batch: Sequence[ScheduledSequence]) -> HostStepInputs:
         """The step's flat inputs on the host (a graph step copies them into its own buffers)."""
@@ -125,50 +146,71 @@ class ModelRunner:
             check_batch(batch, self._limits)
         return build_host_inputs(batch, self.block_size)
 
-    def prepare(self, batch: Sequence[ScheduledSequence]) -> StepInputs:
-        """The step's flat inputs and attention metadata (on this runner's device)."""
-        return self.prepare_host(batch).to(self.device)
-
     def capture_decode_graphs(self, max_num_seqs: int, capturer: GraphCapturer | None = None) -> CaptureStats:
-        """Capture a CUDA graph of the whole forward pass for decode steps of each size up to
-        max_num_seqs (engine/cuda_graphs.py); `capturer` stands in for CUDA in tests."""
+        """Capture a CUDA graph of the whole forward pass and LM head for decode steps of each size up
+        to max_num_seqs (engine/cuda_graphs.py), and replay them from now on; `capturer` stands in for
+        CUDA in tests. A graph runs the whole model: one process only."""
+        if self.groups is not None:
+            raise ValueError("CUDA graphs capture the whole model: tensor/pipeline parallel runs are eager")
         graphs = DecodeGraphs(
             self.model, self.kv_cache, max_num_seqs, self.max_model_len, self.device, capturer
         )
         stats = graphs.capture()
         self.decode_graphs = graphs
+        self.use_cuda_graphs = True
         return stats
 
-    def graph_logits(self, host: HostStepInputs) -> torch.Tensor | None:
-        """[S, vocab] float32 logits of the sampling entries from a captured graph, or None when no graph
-        covers this step (it has prompt tokens, or more sequences than the largest graph)."""
+    def run_step(self, host: HostStepInputs, hidden_in: torch.Tensor | None = None) -> StepOutput:
+        """Run this rank's part of a step: its stage's layers over the step's tokens (`hidden_in`, the
+        previous stage's [T, hidden], on every stage but the first) and, on the last stage, the LM head
+        at the logits rows. Writes the step's K/V to this rank's cache. A decode step that a captured
+        graph covers replays it; any other step runs eagerly."""
+        with torch.inference_mode():
+            if self.use_cuda_graphs:
+                logits = self._replay_graph(host)
+                if logits is not None:
+                    return StepOutput(logits=logits if host.num_logit_rows else None)
+            inputs = host.to(self.device)
+            hidden = self.model(
+                inputs.input_ids,
+                inputs.positions,
+                self.kv_cache.layers,
+                inputs.attn_metadata,
+                hidden_states=hidden_in,
+            )  # [T, hidden]
+            if not self.is_last_stage:
+                return StepOutput(hidden=hidden)
+            if not inputs.num_logit_rows:
+                return StepOutput()
+            # Tensor parallel: every rank of the last stage takes part in the all-gather of the vocab.
+            return StepOutput(logits=self.model.compute_logits(hidden[inputs.logits_indices]))
+
+    def _replay_graph(self, host: HostStepInputs) -> torch.Tensor | None:
+        """[S, vocab] float32 logits of the sampling entries from a captured graph, or None when the step
+        must run eagerly: it has prompt tokens, more sequences than the largest graph, or wants logits
+        rows a graph does not compute. A graph computes one row per sampling sequence, at its last
+        token; a step with as many rows as sampling sequences wants exactly those (a scored prompt
+        token, or every token for a parity check, is a row more)."""
         graphs = self.decode_graphs
-        size = graphs.size_for(host) if graphs is not None else None
-        if graphs is None or size is None:
+        if graphs is None or host.num_logit_rows != len(host.sample_rows):
+            return None
+        size = graphs.size_for(host)
+        if size is None:
             return None
         return graphs.run(host, size)
 
-    def forward(self, inputs: StepInputs, hidden_in: torch.Tensor | None = None) -> torch.Tensor:
-        """This stage's layers over the step: [T, hidden] in (None on the first stage), [T, hidden] out."""
-        return self.model(
-            inputs.input_ids,
-            inputs.positions,
-            self.kv_cache.layers,
-            inputs.attn_metadata,
-            hidden_states=hidden_in,
-        )
-
-    def sampled_logits(self, inputs: StepInputs, hidden: torch.Tensor) -> torch.Tensor:
-        """[S, vocab] float32 at each sampling entry's last token (tensor parallel: every rank of the
-        last stage takes part in the all-gather of the vocab shards)."""
-        return self.model.compute_logits(hidden[inputs.logits_indices])
-
     def logits(self, batch: Sequence[ScheduledSequence], all_tokens: bool = False) -> torch.Tensor:
-        """Run a step on one process without sampling (the KV cache is written as by a step): [S, vocab]
-        at the last token of each sample=True entry, or [T, vocab] at every token (for parity checks)."""
-        with torch.inference_mode():
-            inputs = self.prepare(batch)
-            hidden = self.forward(inputs)
-            if all_tokens:
-                return self.model.compute_logits(hidden)
-            return self.sampled_logits(inputs, hidden)
+        """Run a step on one process without sampling (the KV cache is written as by a step): [R, vocab]
+        at the step's logits rows (each sample=True entry's last token, and any scored prompt tokens),
+        or [T, vocab] at every token (for parity checks). The same path as a served step (run_step)."""
+        if self.groups is not None:  # the other ranks would not take part
+            raise ValueError("logits() runs the whole model: one process only")
+        host = self.prepare_host(batch)
+        if all_tokens:
+            # Every token is a logits row; no row scores a prompt (scored indexes the rows it replaces).
+            every = list(range(host.input_ids.shape[0]))
+            host = replace(host, last_token_index=every, scored=[], sample_logit_rows=None)
+        out = self.run_step(host)
+        if out.logits is None:  # no entry samples or scores
+            return torch.empty(0, self.vocab_size, dtype=torch.float32, device=self.device)
+        return out.logits

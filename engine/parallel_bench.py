@@ -26,7 +26,8 @@ import torch
 
 from engine.config import EngineConfig
 from engine.contract import SamplingParams, ScheduledSequence
-from engine.executor import ExecutorBase, create_executor
+from engine.executor import ExecutorBase
+from engine.executor_factory import create_executor
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
 

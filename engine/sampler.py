@@ -27,11 +27,11 @@ Order of processing, per row (each step only for the rows that ask for it):
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.contract import PromptLogprobs, SampledToken, SamplingParams, ScheduledSequence
+from engine.contract import PromptLogprobs, SampledToken, SamplingParams, SamplingRow, ScheduledSequence
 from engine.inputs import to_device
 
 if TYPE_CHECKING:
@@ -40,17 +40,6 @@ if TYPE_CHECKING:
 LOGPROB_FLOOR = -9999.0  # what a -inf logprob is reported as
 
 _MASK64 = (1 << 64) - 1
-
-
-class SamplingRow(Protocol):
-    """What the sampler reads of a batch entry (engine.contract.ScheduledSequence has it)."""
-
-    @property
-    def sampling(self) -> SamplingParams: ...
-    @property
-    def prompt_token_ids(self) -> Sequence[int]: ...
-    @property
-    def output_token_ids(self) -> Sequence[int]: ...
 
 
 def _tensor(values: Sequence, device: torch.device, dtype: torch.dtype | None = None) -> torch.Tensor:

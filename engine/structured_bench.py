@@ -22,8 +22,9 @@ import time
 from dataclasses import replace
 from pathlib import Path
 
+from engine.bench import engine_decode_steps, engine_prefill
 from engine.config import EngineConfig
-from engine.contract import SamplingParams, ScheduledSequence
+from engine.contract import SamplingParams
 from engine.executor import LocalExecutor
 from engine.grammar import GrammarCompiler, GrammarSpec
 from engine.token_mask import MaskStats
@@ -55,32 +56,12 @@ def prompts(tokenizer, batch_size: int) -> list[list[int]]:
     return out
 
 
-def decode(
+def time_decode_steps(
     runner: LocalExecutor, batch: list[list[int]], params: list[SamplingParams], steps: int
 ) -> list[float]:
     """Prefill every prompt in one step, then `steps` decode steps; returns each decode step's seconds."""
-    per_seq = -(-(max(len(p) for p in batch) + steps + 1) // runner.block_size)
-    tables = [list(range(i * per_seq, (i + 1) * per_seq)) for i in range(len(batch))]
-    outputs: list[list[int]] = [[] for _ in batch]
-    seqs = [
-        ScheduledSequence(str(i), p, 0, tables[i], True, params[i], p, outputs[i])
-        for i, p in enumerate(batch)
-    ]
-    for out, tok in zip(outputs, runner.step(seqs), strict=True):
-        assert tok is not None
-        out.append(tok.token_id)
-    times = []
-    for _ in range(steps):
-        t0 = time.perf_counter()
-        seqs = [
-            ScheduledSequence(str(i), [o[-1]], len(p) + len(o) - 1, tables[i], True, params[i], p, o)
-            for i, (p, o) in enumerate(zip(batch, outputs, strict=True))
-        ]
-        for out, tok in zip(outputs, runner.step(seqs), strict=True):
-            assert tok is not None
-            out.append(tok.token_id)
-        times.append(time.perf_counter() - t0)
-    return times
+    tables, outputs = engine_prefill(runner, batch, steps + 1, params)
+    return engine_decode_steps(runner, batch, tables, outputs, steps, params)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -116,12 +97,14 @@ def main(argv: list[str] | None = None) -> None:
         free_ms: list[float] = []
         cons_ms: list[float] = []
         mask = MaskStats()
-        decode(runner, batch, [GREEDY] * b, 4)  # warm-up
+        time_decode_steps(runner, batch, [GREEDY] * b, 4)  # warm-up
         for _ in range(args.repeats):
-            free_ms.append(1e3 * statistics.median(decode(runner, batch, [GREEDY] * b, args.steps)))
+            free_ms.append(
+                1e3 * statistics.median(time_decode_steps(runner, batch, [GREEDY] * b, args.steps))
+            )
             before = replace(runner.masker.stats)
             params = [replace(GREEDY, grammar=grammar.new_matcher()) for _ in range(b)]
-            cons_ms.append(1e3 * statistics.median(decode(runner, batch, params, args.steps)))
+            cons_ms.append(1e3 * statistics.median(time_decode_steps(runner, batch, params, args.steps)))
             after = runner.masker.stats
             mask.steps += after.steps - before.steps
             mask.fill_s += after.fill_s - before.fill_s

@@ -22,9 +22,10 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
+from engine.contract import SamplingRow
+
 if TYPE_CHECKING:
     from engine.grammar import GrammarMatcher
-    from engine.sampler import SamplingRow
 
 
 @dataclass

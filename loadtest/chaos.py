@@ -35,7 +35,7 @@ from typing import Any
 
 import httpx
 
-from loadtest.launcher import server_to_load
+from loadtest.launcher import add_server_to_load_args, server_to_load
 from loadtest.soak import parse_metrics, served_model
 
 DEFAULT_LAUNCH = "python -m server --model default --log-stats-interval 0"
@@ -316,13 +316,7 @@ class Chaos:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest.chaos", description=__doc__.split("\n\n")[0])
-    p.add_argument("--duration", type=float, default=120.0, help="seconds of chaos (default 2 min)")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--url", default=None, help="a running server (default: launch one)")
-    where.add_argument("--launch", default=DEFAULT_LAUNCH, help="server command to start on a free port")
-    p.add_argument("--pid", type=int, default=None, help="the --url server's process id (for --kill-workers)")
-    p.add_argument("--model", default=None)
-    p.add_argument("--api-key", default=None)
+    add_server_to_load_args(p, "chaos", DEFAULT_LAUNCH, 120.0, "seconds of chaos (default 2 min)")
     p.add_argument("--concurrency", type=int, default=12)
     p.add_argument(
         "--kill-workers",
@@ -335,7 +329,6 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-body-size", type=int, default=4 * 2**20, help="the server's limit (oversized bodies)"
     )
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log", type=Path, default=Path("results/chaos-server.log"), help="launched server's log")
     p.add_argument("--out", type=Path, default=None, help="also write the report as JSON here")
     return p
 

@@ -79,14 +79,19 @@ def validate_servers(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         parser.error(f"{args.base_url} is not loopback; pass --allow-remote to benchmark another machine")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def server_parser(prog: str, doc: str | None) -> tuple[argparse.ArgumentParser, argparse._ArgumentGroup]:
+    """A load generator's parser and its "server" group, with the flags that say which servers to
+    measure (shared by python -m loadtest and python -m loadtest.multiturn)."""
     p = argparse.ArgumentParser(
-        prog="python -m loadtest",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     g = p.add_argument_group("server")
     add_server_args(g)
+    return p, g
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p, g = server_parser("python -m loadtest", __doc__)
     g.add_argument("--endpoint", choices=("completions", "chat"), default="completions")
     g.add_argument(
         "--interleave",

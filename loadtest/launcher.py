@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import os
 import re
 import shlex
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,14 +17,7 @@ from types import TracebackType
 
 import httpx
 
-LOOPBACK = "127.0.0.1"
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((LOOPBACK, 0))
-        return int(sock.getsockname()[1])
-
+from engine.ports import LOOPBACK, free_tcp_port
 
 _ENV_WORD = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*=")
 
@@ -72,7 +65,7 @@ class LaunchedServer:
         stop_timeout: float = 20.0,
     ) -> None:
         self.command = command
-        self.port = free_port()
+        self.port = free_tcp_port()
         self.env, self.argv = build_command(command, self.port)
         self.base_url = f"http://{LOOPBACK}:{self.port}"
         self.log_path = log_path
@@ -154,6 +147,25 @@ class LaunchedServer:
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
         self.stop()
+
+
+def add_server_to_load_args(
+    p: argparse.ArgumentParser, name: str, launch: str, duration_s: float, duration_help: str
+) -> None:
+    """The flags of a long run against one server (server_to_load): how long, which server (a running
+    one, or a command to launch), its process id and log, and what to send it."""
+    p.add_argument("--duration", type=float, default=duration_s, help=duration_help)
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--url", default=None, help="a running server (default: launch one)")
+    where.add_argument("--launch", default=launch, help="server command to start on a free port")
+    p.add_argument(
+        "--pid", type=int, default=None, help="the --url server's process id (its RSS, its workers)"
+    )
+    p.add_argument(
+        "--log", type=Path, default=Path(f"results/{name}-server.log"), help="launched server's log"
+    )
+    p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
+    p.add_argument("--api-key", default=None)
 
 
 @contextlib.contextmanager

@@ -26,7 +26,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from loadtest.cli import add_server_args, auto_labels, normalize_base_url, validate_servers
+from loadtest.cli import auto_labels, normalize_base_url, server_parser, validate_servers
 from loadtest.client import Target, send_request
 from loadtest.conversation import (
     ConversationShape,
@@ -236,13 +236,7 @@ def comparison_lines(results: Sequence[ConfigResult]) -> list[str]:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m loadtest.multiturn",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    g = p.add_argument_group("server")
-    add_server_args(g)
+    p, g = server_parser("python -m loadtest.multiturn", __doc__)
     g.add_argument("--tokenizer", default=None, help="as in python -m loadtest (default: the model's)")
 
     d = ConversationShape()

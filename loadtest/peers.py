@@ -116,7 +116,7 @@ def runnable_llama_server(binary: Path, gguf: Path) -> tuple[Path, str]:
 
 
 def default_gguf() -> Path:
-    from models.gguf_convert import default_gguf_path  # no torch: only the package's file
+    from models.options import default_gguf_path  # no torch: only the package's file
 
     return default_gguf_path()
 

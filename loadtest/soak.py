@@ -29,7 +29,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.client import Target, build_payload, send_request
-from loadtest.launcher import server_to_load
+from loadtest.launcher import add_server_to_load_args, server_to_load
 from loadtest.prompts import PromptBuilder
 from loadtest.records import ErrorKind, RequestRecord
 from loadtest.tokenizer import resolve_tokenizer
@@ -267,19 +267,13 @@ class Soak:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m loadtest.soak", description=__doc__.split("\n\n")[0])
-    p.add_argument("--duration", type=float, default=1200.0, help="seconds of load (default 20 min)")
-    where = p.add_mutually_exclusive_group()
-    where.add_argument("--url", default=None, help="a running server (default: launch one)")
-    where.add_argument("--launch", default=DEFAULT_LAUNCH, help="server command to start on a free port")
+    add_server_to_load_args(p, "soak", DEFAULT_LAUNCH, 1200.0, "seconds of load (default 20 min)")
     p.add_argument(
         "--warmup",
         type=float,
         default=300.0,
         help="seconds after which RSS is the baseline for growth (default 5 min: shape caches fill first)",
     )
-    p.add_argument("--pid", type=int, default=None, help="the --url server's process id, for its RSS")
-    p.add_argument("--model", default=None, help="model name to send (default: the server's first)")
-    p.add_argument("--api-key", default=None)
     p.add_argument("--tokenizer", default=None, help="as in python -m loadtest (default: the model's)")
     p.add_argument("--concurrency", type=int, default=16)
     p.add_argument("--disconnect", type=float, default=0.25, help="fraction of clients that leave early")
@@ -291,7 +285,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-min", type=int, default=8)
     p.add_argument("--output-max", type=int, default=128)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--log", type=Path, default=Path("results/soak-server.log"), help="launched server's log")
     p.add_argument("--out", type=Path, default=None, help="also write the report as JSON here")
     return p
 

@@ -59,7 +59,7 @@ class HFTokenizer:
         return self._hf.decode(list(ids), skip_special_tokens=False)
 
 
-class ServerTokenizer:
+class EndpointTokenizer:
     """The server's own tokenizer over HTTP (synchronous: used while building prompts, before a run)."""
 
     def __init__(self, base_url: str, model: str, headers: dict[str, str] | None = None) -> None:
@@ -119,7 +119,7 @@ def resolve_tokenizer(
 ) -> PromptTokenizer:
     """`hint`: where the server says it loaded the model from (the `root` of its /v1/models card)."""
     if choice == SERVER:
-        return ServerTokenizer(base_url, model, headers)
+        return EndpointTokenizer(base_url, model, headers)
     if choice:
         path = Path(choice).expanduser()
         if not path.exists():
@@ -132,4 +132,4 @@ def resolve_tokenizer(
     default = default_model_tokenizer_path()
     if default is not None:
         return HFTokenizer(default)
-    return ServerTokenizer(base_url, model, headers)
+    return EndpointTokenizer(base_url, model, headers)

@@ -4,26 +4,20 @@ weight-loading loop (HF names -> our, possibly fused and sharded, parameters).""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
 
 from models.errors import MissingWeightsError, ModelLoadError
+from models.family import ModelFamily
 from models.layers.attention import AttentionStep, select_attention_backend
 from models.layers.attention_backends import AttentionBackend
-from models.layers.linear import (
-    MergedColumnParallelLinear,
-    ParallelLMHead,
-    QKVParallelLinear,
-    VocabParallelEmbedding,
-)
+from models.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from models.layers.metadata import AttentionMetadata
 from models.layers.native_decode import NativeDecodeLayers
 from models.layers.parallel import PPContext, TPContext
-
-# (HF name it came from, our parameter name, full tensor, shard id or None)
-WeightItem = tuple[str, str, torch.Tensor, Any]
+from models.weight_names import WeightItem, absent_prefixes, map_weight_names
 
 
 class PPMissingLayer(nn.Identity):
@@ -37,22 +31,23 @@ def stage_layers(num_layers: int, pp: PPContext, build: Callable[[int], nn.Modul
     return nn.ModuleList(build(i) if i in owned else PPMissingLayer() for i in range(num_layers))
 
 
-def absent_layer_prefixes(prefix: str, num_layers: int, pp: PPContext) -> tuple[str, ...]:
-    """Parameter-name prefixes ("model.layers.7.") of the layers other stages hold."""
-    owned = pp.layer_range(num_layers)
-    return tuple(f"{prefix}{i}." for i in range(num_layers) if i not in owned)
-
-
 class CausalLMBase(nn.Module):
-    """Subclasses set: config, num_layers (held by this pipeline stage), num_kv_heads (per TP rank),
-    head_dim, vocab_size, lm_head (None except on the last pipeline stage), and absent_prefixes (the
-    parameter-name prefixes of modules another pipeline stage holds: their weights are skipped)."""
+    """Subclasses set: config, tp, pp, stage_layers (the global indices this pipeline stage holds),
+    num_layers (their count), num_kv_heads (per TP rank), head_dim, hidden_size, vocab_size,
+    tie_word_embeddings, lm_head (None except on the last pipeline stage), and implement
+    `decoder_layers()`. Their family (models/family.py) declares the rest."""
 
+    family: ClassVar[ModelFamily]  # set by the family's declaration (ModelFamily.__post_init__)
     config: Any
+    tp: TPContext
+    pp: PPContext
+    stage_layers: range
     num_layers: int
     num_kv_heads: int
     head_dim: int
+    hidden_size: int
     vocab_size: int
+    tie_word_embeddings: bool
     lm_head: ParallelLMHead | None
 
     def __init__(self) -> None:
@@ -60,7 +55,15 @@ class CausalLMBase(nn.Module):
         self.attn_backend: AttentionBackend | None = None
         # Decode steps' layers in one native call (prepare_native_decode); None: the modules run them.
         self.native_decode: NativeDecodeLayers | None = None
-        self.absent_prefixes: tuple[str, ...] = ()
+
+    def decoder_layers(self) -> list[nn.Module]:
+        """This pipeline stage's decoder layers, in order."""
+        raise NotImplementedError
+
+    @property
+    def absent_prefixes(self) -> tuple[str, ...]:
+        """Parameter-name prefixes of the modules other pipeline stages hold (their weights are skipped)."""
+        return absent_prefixes(self.family.weights, self.config.num_hidden_layers, self.pp)
 
     def build_lm_head(
         self,
@@ -89,8 +92,13 @@ class CausalLMBase(nn.Module):
         return hidden_states
 
     def prepare_native_decode(self) -> None:
-        """Set `native_decode` where this model's layers fit a native whole-stack decode call
-        (models/layers/native_decode.py); called once the weights are packed."""
+        """Set `native_decode` where the family declares a native decode layout and this stage's layers
+        fit it (models/layers/native_decode.py); called once the weights are packed."""
+        parts_of = self.family.native_decode
+        if parts_of is not None:
+            self.native_decode = NativeDecodeLayers.build(
+                [parts_of(x) for x in self.decoder_layers()], self.tp.size
+            )
 
     def set_attention_backend(
         self, backend: str | AttentionBackend, device: torch.device | str = "cpu"
@@ -109,13 +117,19 @@ class CausalLMBase(nn.Module):
             raise RuntimeError("only the last pipeline stage holds the LM head")
         return self.lm_head(hidden).float()
 
+    def load_weights(self, weights: Iterable[tuple[str, Any]]) -> None:
+        """Load a checkpoint's (name, tensor) pairs, named as the family declares (models/weight_names.py)."""
+        names = self.family.weights
+        self.load_mapped_weights(map_weight_names(names, self, self.tie_word_embeddings, self.pp, weights))
+
     def load_mapped_weights(self, items: Iterable[WeightItem]) -> None:
         """Copy every item into its parameter (through the parameter's sharding-aware loader) and fail
         with one clear error on an unknown, mis-shaped or missing weight."""
         params = dict(self.named_parameters())
         loaded: set[tuple[str, Any]] = set()
+        absent = self.absent_prefixes
         for hf_name, name, tensor, shard in items:
-            if self.absent_prefixes and name.startswith(self.absent_prefixes):
+            if absent and name.startswith(absent):
                 continue  # held by another pipeline stage
             param = params.get(name)
             if param is None:
@@ -140,10 +154,9 @@ class CausalLMBase(nn.Module):
         expected = set()
         for name, _ in self.named_parameters():  # tied parameters are listed once
             module = self.get_submodule(name.rsplit(".", 1)[0]) if "." in name else self
-            if isinstance(module, QKVParallelLinear) and name.endswith(("weight", "bias")):
-                expected |= {(name, s) for s in ("q", "k", "v")}
-            elif isinstance(module, MergedColumnParallelLinear):
-                expected |= {(name, s) for s in range(len(module.output_sizes))}
+            shard_sizes = getattr(module, "shard_sizes", None)  # a fused parameter is loaded by parts
+            if shard_sizes is not None and name.endswith(("weight", "bias")):
+                expected |= {(name, s) for s in shard_sizes()}
             else:
                 expected.add((name, None))
         return expected

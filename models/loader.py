@@ -17,10 +17,11 @@ import torch.distributed as dist
 from torch import nn
 
 from models.errors import MissingWeightsError, ModelLoadError
-from models.gguf_convert import convert_gguf, default_gguf_path
-from models.gguf_weights import GGUFWeights, has_manifest
+from models.gguf.convert import convert_gguf
+from models.gguf.reader import GGUFWeights, has_manifest
 from models.layers.parallel import PPContext, TPContext
-from models.registry import model_class_for
+from models.options import default_gguf_path
+from models.registry import family_for
 from models.weight_packing import linear_precision, pack_model_weights, should_pack
 from models.weights_io import SafetensorsReader, safetensors_files
 
@@ -104,19 +105,21 @@ def load_model(
     path = Path(path)
     device = torch.device(device)
     config = load_config(path)
-    pack = should_pack(weight_packing, device, dtype)
     files = safetensors_files(path) if load_format != "dummy" and not has_manifest(path) else []
     tp = TPContext(tp_rank, tp_size, tp_group)
     pp = PPContext(pp_rank, pp_size)
     try:
-        cls = model_class_for(config)
+        family = family_for(config)
+        if tp_size > 1 and not family.tensor_parallel:
+            raise ModelLoadError(f"the {family.name} family does not support tensor parallelism")
         # Parameters are allocated directly on the device (torch.empty: no init, no float32 detour).
         with torch.device(device):
-            model = cls(config, dtype=dtype, tp=tp, pp=pp)
+            model = family.model(config, dtype=dtype, tp=tp, pp=pp)
     except ModelLoadError as e:
         raise ModelLoadError(f"{path / CONFIG_FILE}: {e}") from None
     except ValueError as e:  # unsupported settings found while building (activation, head counts, ...)
         raise ModelLoadError(f"{path / CONFIG_FILE}: {e}") from None
+    pack = family.packing and should_pack(weight_packing, device, dtype)
     if load_format == "dummy":
         dummy_weights(model)
         model.set_attention_backend(attention_backend, device)
@@ -182,8 +185,9 @@ def load_tokenizer(path: Path) -> Any:
 def max_model_len(config: Any) -> int:
     """Longest sequence the model supports, from its config.
 
-    Sliding-window attention is not implemented, so where a window is active (Mistral; Qwen2 with
-    use_sliding_window) the context is capped at the window: up to there full attention is exact.
+    Sliding-window attention is not implemented, so where the family says a window is in force
+    (Mistral; Qwen2 with use_sliding_window) the context is capped at the window: up to there full
+    attention is exact.
     """
     for attr in ("max_position_embeddings", "n_positions", "n_ctx"):
         value = getattr(config, attr, None)
@@ -192,8 +196,7 @@ def max_model_len(config: Any) -> int:
             break
     else:
         raise ModelLoadError("config has none of max_position_embeddings, n_positions, n_ctx")
-    window = getattr(config, "sliding_window", None)
-    uses_window = getattr(config, "use_sliding_window", getattr(config, "model_type", "") == "mistral")
-    if window and uses_window:
+    window = family_for(config).sliding_window(config)
+    if window:
         n = min(n, int(window))
     return n

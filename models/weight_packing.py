@@ -35,10 +35,9 @@ from models.base import CausalLMBase
 from models.kernels import cpu as cpu_kernels
 from models.kernels.cpu import Precision
 from models.layers.linear import PackableLinear
+from models.options import WEIGHT_PACKING_MODES
 
 log = logging.getLogger(__name__)
-
-WEIGHT_PACKING_MODES = ("auto", "int8", "float32", "off")
 
 
 @dataclass

@@ -4,8 +4,10 @@ their command-line flags."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from typing import Literal
+
+from engine.cli_args import add_flags, flag, from_flags
 
 Scheduling = Literal["iteration", "request"]
 KVPolicyName = Literal["lazy", "reserve"]
@@ -14,27 +16,38 @@ KVPolicyName = Literal["lazy", "reserve"]
 @dataclass(frozen=True)
 class SchedulerConfig:
     # ORCA's max_bs: the most requests in one iteration (and in one batch under `request`).
-    max_num_seqs: int = 64
+    max_num_seqs: int = flag(64, "most requests per iteration (ORCA's max_bs)")
     # Tokens (prompt + decode) run in one iteration. 2048 is the paper's maximum sequence length, so
     # with chunking off any of its prompts fits in one iteration; with chunking on it bounds a step's
     # cost so a long prompt cannot stall running decodes for more than one 2048-token step (vLLM's
     # long-standing default for the same reason).
-    max_num_batched_tokens: int = 2048
+    max_num_batched_tokens: int = flag(2048, "token budget per iteration")
     # Split prompts that do not fit the remaining token budget across iterations (Sarathi-Serve).
-    chunked_prefill: bool = True
+    chunked_prefill: bool = flag(
+        True, "run each prompt in one iteration", name="--no-chunked-prefill", action="store_false"
+    )
     # "iteration": ORCA; "request": the Triton-style baseline (run a batch until all of it is done).
-    scheduling: Scheduling = "iteration"
+    scheduling: Scheduling = flag("iteration", choices=("iteration", "request"), type=str)
     # "lazy": blocks are taken as tokens need them, preempt (recompute) when none is free (vLLM);
     # "reserve": ORCA's rule, reserve prompt + max_tokens at admission and never preempt.
-    kv_policy: KVPolicyName = "lazy"
+    kv_policy: KVPolicyName = flag("lazy", choices=("lazy", "reserve"), type=str)
     # Automatic prefix caching (vLLM's, on by default there too): full KV blocks stay cached under a
     # hash of their tokens after their request ends, and a request whose prompt starts with cached
     # blocks starts after them (a chat's next turn, a shared system prompt, the n choices of a prompt).
-    enable_prefix_caching: bool = True
+    enable_prefix_caching: bool = flag(
+        True,
+        "reuse the KV blocks of prompts seen before (a chat's history, a shared system prompt, the n "
+        "choices of a prompt); on by default",
+        action=argparse.BooleanOptionalAction,
+    )
     # A parallel engine whose worker died is restarted (its running requests fail, waiting ones are
     # served after); past this many restarts within the window the loop gives up (/health 503).
-    max_worker_restarts: int = 3
-    worker_restart_window_s: float = 600.0
+    max_worker_restarts: int = flag(
+        3,
+        "restarts of dead tensor/pipeline workers allowed within --worker-restart-window; past it the "
+        "server gives up (0: never restart)",
+    )
+    worker_restart_window_s: float = flag(600.0, name="--worker-restart-window", metavar="SECONDS")
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -54,53 +67,10 @@ class SchedulerConfig:
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:
-        """The scheduler's flags (the server and scheduler.bench take the same ones)."""
-        d = SchedulerConfig
-        g = p.add_argument_group("scheduler")
-        g.add_argument(
-            "--max-num-seqs",
-            type=int,
-            default=d.max_num_seqs,
-            help="most requests per iteration (ORCA's max_bs)",
-        )
-        g.add_argument(
-            "--max-num-batched-tokens",
-            type=int,
-            default=d.max_num_batched_tokens,
-            help="token budget per iteration",
-        )
-        g.add_argument(
-            "--no-chunked-prefill",
-            dest="chunked_prefill",
-            action="store_false",
-            default=d.chunked_prefill,
-            help="run each prompt in one iteration",
-        )
-        g.add_argument("--scheduling", default=d.scheduling, choices=["iteration", "request"])
-        g.add_argument("--kv-policy", default=d.kv_policy, choices=["lazy", "reserve"])
-        g.add_argument(
-            "--enable-prefix-caching",
-            action=argparse.BooleanOptionalAction,
-            default=d.enable_prefix_caching,
-            help="reuse the KV blocks of prompts seen before (a chat's history, a shared system prompt, "
-            "the n choices of a prompt); on by default",
-        )
-        g.add_argument(
-            "--max-worker-restarts",
-            type=int,
-            default=d.max_worker_restarts,
-            help="restarts of dead tensor/pipeline workers allowed within --worker-restart-window; "
-            "past it the server gives up (0: never restart)",
-        )
-        g.add_argument(
-            "--worker-restart-window",
-            dest="worker_restart_window_s",
-            metavar="SECONDS",
-            type=float,
-            default=d.worker_restart_window_s,
-        )
+        """The scheduler's flags (the server and loadtest.inprocess take the same ones)."""
+        add_flags(p.add_argument_group("scheduler"), SchedulerConfig)
 
     @classmethod
     def from_cli_args(cls, a: argparse.Namespace) -> SchedulerConfig:
         """The config the flags of add_cli_args describe (flags a parser lacks keep their defaults)."""
-        return cls(**{f.name: getattr(a, f.name) for f in fields(cls) if hasattr(a, f.name)})
+        return from_flags(cls, a)

@@ -1,7 +1,7 @@
 """The synchronous scheduler: builds each iteration's batch and applies its sampled tokens.
 
 No asyncio and no threads here (scheduler.loop drives it), so every decision is testable directly:
-`schedule()` -> run the batch -> `update()`; `abort()` / `finish()` between steps.
+`schedule()` -> run the batch -> `update()`; `abort()` between steps.
 """
 
 from __future__ import annotations
@@ -11,13 +11,19 @@ from collections import deque
 from collections.abc import Sequence, Set
 from dataclasses import dataclass, field
 
-from engine.contract import PromptLogprobs, SampledToken, ScheduledSequence, StepResult
+from engine.contract import Executor, PromptLogprobs, SampledToken, ScheduledSequence, StepResult
 from scheduler.block_allocator import BlockAllocator, BlockHash, blocks_for_tokens
 from scheduler.config import SchedulerConfig
-from scheduler.outputs import PrefixCacheStats, SchedulerStats, TokenLogprob
+from scheduler.outputs import FinishReason, PrefixCacheStats, SchedulerStats
 from scheduler.policy import make_batching_policy, make_kv_policy
 from scheduler.request import Request, RequestStatus
 from scheduler.stop import check_stop
+
+# The status a stop rule's reason puts a request in.
+_STOPPED = {
+    FinishReason.STOP: RequestStatus.FINISHED_STOPPED,
+    FinishReason.LENGTH: RequestStatus.FINISHED_LENGTH,
+}
 
 
 @dataclass
@@ -45,6 +51,14 @@ class ScheduledStep:
 class Scheduler:
     """Waiting queue (FCFS, preempted requests at the front), running list (in admission order),
     KV blocks, and the stop conditions."""
+
+    @classmethod
+    def for_executor(cls, config: SchedulerConfig, executor: Executor) -> Scheduler:
+        """A scheduler over an executor's KV cache. A request longer than the whole cache could never run
+        (reserve) or would preempt itself forever (lazy), so the cache's capacity caps the length as
+        the model's limit does."""
+        max_len = min(executor.max_model_len, executor.num_kv_blocks * executor.block_size)
+        return cls(config, executor.num_kv_blocks, executor.block_size, max_len, executor.eos_token_ids)
 
     def __init__(
         self,
@@ -136,17 +150,10 @@ class Scheduler:
 
     def abort(self, request_id: str) -> list[Request]:
         """End a request (client gone, shutdown). Returns the requests to send a final delta to."""
-        return self._end_external(request_id, RequestStatus.FINISHED_ABORTED)
-
-    def finish(self, request_id: str) -> list[Request]:
-        """End a request from outside as a normal stop (the server saw a stop string)."""
-        return self._end_external(request_id, RequestStatus.FINISHED_STOPPED)
-
-    def _end_external(self, request_id: str, status: RequestStatus) -> list[Request]:
         req = self.requests.get(request_id)
         if req is None or req.is_finished:  # unknown, or finished and held by `request` batching
             return []
-        return self._finish(req, status, hold=status is RequestStatus.FINISHED_STOPPED)
+        return self._finish(req, RequestStatus.FINISHED_ABORTED, hold=False)
 
     def fail(self, reqs: Sequence[Request], message: str) -> list[Request]:
         """Finish requests with an error (their step raised). Returns those to send a final delta."""
@@ -363,7 +370,8 @@ class Scheduler:
         self.kv.release(req)
 
     def update(self, step: ScheduledStep, sampled: Sequence[StepResult]) -> list[Request]:
-        """Apply a step's sampled tokens and check stop conditions.
+        """Apply a step's sampled tokens (and their text) and check the stop rules, so a request that
+        stops, by a stop string too, has freed its blocks before the next schedule().
 
         Returns the requests with something to hand out: new tokens (when the batching policy
         streams) or a final delta. Raises ValueError, changing nothing, if `sampled` does not match
@@ -387,14 +395,15 @@ class Scheduler:
             if not isinstance(tok, SampledToken):  # a prompt chunk that is not the last
                 continue
             req.output_token_ids.append(tok.token_id)
-            if req.sampling.logprobs is not None:
-                assert tok.logprob is not None  # checked by _check_sampled
-                req.output_logprobs.append(TokenLogprob(tok.token_id, tok.logprob, tok.top_logprobs or []))
+            if req.sampling.logprobs is not None:  # then tok.logprob is set (_check_sampled)
+                req.output_text.add(tok.token_id, tok.logprob, tok.top_logprobs)
+            else:
+                req.output_text.add(tok.token_id)
             if req.first_token_time is None:
                 req.first_token_time = now
-            status = check_stop(req, self.eos_token_ids, self.max_model_len)
-            if status is not None:
-                out += self._finish(req, status, hold=True)
+            reason = check_stop(req, self.eos_token_ids, self.max_model_len)
+            if reason is not None:
+                out += self._finish(req, _STOPPED[reason], hold=True)
             elif self.batching.streams:
                 out.append(req)
         return out

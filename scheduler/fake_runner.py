@@ -15,6 +15,8 @@ cached blocks, no block read that a batch in flight is still writing, collected 
 Output is a function of the request's own context (and seed, when sampling with one) only, never of
 what shares the batch, like a real model's greedy output; unseeded sampling gives the greedy tokens. A `script` replaces that with fixed tokens, so stop-string and
 multi-byte tests know exactly what comes out.
+
+`FakeDetokenizer` gives its tokens text without a tokenizer (the loop's detokenizer in scheduler tests).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ import threading
 import time
 import zlib
 from array import array
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass
 
 from engine.contract import FatalRunnerError, PromptLogprobs, SampledToken, ScheduledSequence, StepResult
@@ -291,3 +293,31 @@ class FakeRunner:
             for b in seq.block_table:
                 if written.get(b, seq.request_id) != seq.request_id:
                     raise AssertionError(f"{seq.request_id}: reads block {b}, which another sequence writes")
+
+
+class FakeDetokenizer:
+    """A tokenizer-free stand-in for the server's (scheduler.output_text.Detokenizer), so the loop's text
+    and stop strings are tested in milliseconds: token id -> `pieces[id]`, else ` t<id>`; ids in
+    `special` read `<s<id>>`, or nothing with skip_special_tokens. A piece of "" stands for a token that
+    ends in the middle of a character (DecodeStream returns nothing until the character is complete)."""
+
+    def __init__(self, pieces: Mapping[int, str] | None = None, special: Set[int] = frozenset({2})) -> None:
+        self.pieces = dict(pieces or {})
+        self.special = frozenset(special)
+
+    def text(self, token_id: int, skip_special_tokens: bool = True) -> str:
+        if token_id in self.special:
+            return "" if skip_special_tokens else f"<s{token_id}>"
+        return self.pieces.get(token_id, f" t{token_id}")
+
+    def decode_stream(self, prompt_ids: Sequence[int], skip_special_tokens: bool) -> _FakeDecodeStream:
+        return _FakeDecodeStream(self, skip_special_tokens)
+
+
+class _FakeDecodeStream:
+    def __init__(self, detokenizer: FakeDetokenizer, skip_special_tokens: bool) -> None:
+        self._detokenizer = detokenizer
+        self._skip = skip_special_tokens
+
+    def step(self, token_id: int) -> str:
+        return self._detokenizer.text(token_id, self._skip)

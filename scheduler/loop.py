@@ -1,9 +1,10 @@
 """IterationLoop: the asyncio iteration loop between the server and the engine's executor.
 
-One background task owns the scheduler. Each turn it drains pending aborts and finishes (so their KV
-blocks are free before the next step), schedules one iteration, hands it to the executor in a single
-worker thread (the event loop keeps serving HTTP meanwhile), applies the sampled tokens and pushes
-deltas to per-request queues. With nothing to do it sleeps on an asyncio.Event until a request arrives.
+One background task owns the scheduler. Each turn it drains pending aborts (so their KV blocks are free
+before the next step), schedules one iteration, hands it to the executor in a single worker thread (the
+event loop keeps serving HTTP meanwhile), applies the sampled tokens (their text and every stop rule
+with them: scheduler.output_text, scheduler.stop) and pushes deltas to per-request queues. With nothing
+to do it sleeps on an asyncio.Event until a request arrives.
 
 There is one loop for every executor: it keeps up to `pipeline_depth` batches in flight (ORCA's rule for
 pipeline parallelism, one batch per stage) and the single-process case is depth 1. Each turn makes one
@@ -20,18 +21,18 @@ from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any
 
 from engine.contract import Executor, FatalRunnerError, SamplingParams, StepResult
 from scheduler.config import SchedulerConfig
 from scheduler.core import ScheduledStep, Scheduler
+from scheduler.output_text import Detokenizer, start_output
 from scheduler.outputs import FinishReason, RequestDelta, SchedulerStats, StepReport
 from scheduler.request import Request
 
 logger = logging.getLogger(__name__)
 
 StepListener = Callable[[StepReport], None]
-_Control = tuple[str, Literal["abort", "finish"]]
 
 # While idle, how often the loop checks that an executor that can restart is still up: a worker can
 # die with nothing running, and is restarted before a request needs it.
@@ -74,7 +75,9 @@ def _merge(a: RequestDelta, b: RequestDelta) -> RequestDelta:
         request_id=a.request_id,
         token_ids=[*a.token_ids, *b.token_ids],
         logprobs=logprobs,
+        text=a.text + b.text,
         finish_reason=b.finish_reason,
+        stop_string=b.stop_string,
         error=b.error,
         num_prompt_tokens=b.num_prompt_tokens,
         num_output_tokens=b.num_output_tokens,
@@ -101,29 +104,28 @@ class IterationLoop:
         executor: Executor,
         config: SchedulerConfig | None = None,
         step_thread: ThreadPoolExecutor | None = None,
+        detokenizer: Detokenizer | None = None,
     ) -> None:
-        """`step_thread`: the one-worker pool steps run in (the caller's: the loop shuts down only a pool
+        """`detokenizer`: turns each request's tokens into the text its deltas carry, which stop strings
+        are matched on (the server's tokenizer). Without one, deltas carry tokens only and a request with
+        stop strings is refused.
+
+        `step_thread`: the one-worker pool steps run in (the caller's: the loop shuts down only a pool
         it made itself). Pass the pool the executor was built in: OpenMP (torch's and the native kernels'
         threads) keeps a team of threads per thread that starts parallel regions, and with a second
         team on a machine with few cores libgomp stops spin-waiting, so every parallel region of a step
         pays a sleep and a wake-up (measured on 2 cores: a 22 ms decode step took 30 ms)."""
         self.config = config or SchedulerConfig()
         self._executor = executor
-        # A request longer than the whole KV cache could never run (reserve) or would preempt itself
-        # forever (lazy), so the cache's capacity caps the length like the model's limit does.
-        self.max_model_len: int = min(executor.max_model_len, executor.num_kv_blocks * executor.block_size)
-        self._scheduler = Scheduler(
-            self.config,
-            num_kv_blocks=executor.num_kv_blocks,
-            block_size=executor.block_size,
-            max_model_len=self.max_model_len,
-            eos_token_ids=executor.eos_token_ids,
-        )
+        self._detokenizer = detokenizer
+        self._scheduler = Scheduler.for_executor(self.config, executor)
+        self.max_model_len: int = self._scheduler.max_model_len  # the model's, capped by the KV cache
         self._queues: dict[str, asyncio.Queue[RequestDelta]] = {}
-        # Aborts and finishes from any thread; deque append/popleft are atomic, and the loop applies
-        # them only between steps, never while a step is using the blocks.
-        self._control: deque[_Control] = deque()
+        # Ids of requests to abort, from any thread; deque append/popleft are atomic, and the loop
+        # applies them only between steps, never while a step is using the blocks.
+        self._aborts: deque[str] = deque()
         self._wake = asyncio.Event()
+        self._parked = False  # the loop task sleeps on _wake: nothing to run (is_idle)
         self._listeners: list[StepListener] = []
         self._loop: asyncio.AbstractEventLoop | None = None
         self._task: asyncio.Task[None] | None = None
@@ -186,6 +188,12 @@ class IterationLoop:
         """The executor's workers are being restarted: requests queue and run once they are back."""
         return self._restarting and not self._closed
 
+    @property
+    def is_idle(self) -> bool:
+        """The loop is parked with nothing waiting, running or in flight: no step runs until a request
+        (or an abort, or shutdown) wakes it."""
+        return self._parked
+
     def _will_restart(self) -> bool:
         return self._restarting or (self._executor.can_restart and self._restarts.allows(time.monotonic()))
 
@@ -197,9 +205,10 @@ class IterationLoop:
         """Queue a request and return its deltas as an async iterator (call from the event loop).
 
         This is where a request is validated, once: ValueError at once for a request that cannot run
-        (empty prompt, too long, token ids outside the vocabulary, duplicate id), LoopStoppedError once
-        the loop is shut down. Steps then trust their batches. Closing the iterator before the last
-        delta (aclose(), a cancelled task, a client gone) aborts the request.
+        (empty prompt, too long, token ids outside the vocabulary, duplicate id, stop strings without a
+        detokenizer), LoopStoppedError once the loop is shut down. Steps then trust their batches.
+        Closing the iterator before the last delta (aclose(), a cancelled task, a client gone) aborts
+        the request.
         """
         down = self._executor.dead_reason
         if down is not None and not self._will_restart():
@@ -208,8 +217,11 @@ class IterationLoop:
             raise LoopStoppedError("the loop is not running")
         prompt = tuple(prompt_ids)
         self._check_token_ids(prompt, params)
+        request = Request(
+            request_id, prompt, params, output_text=start_output(self._detokenizer, prompt, params)
+        )
         # Safe while a step is in flight: the step holds only running requests, this joins `waiting`.
-        self._scheduler.add(Request(request_id, prompt, params))  # validates lengths and the id
+        self._scheduler.add(request)  # validates lengths and the id
         self._ensure_started()
         queue: asyncio.Queue[RequestDelta] = asyncio.Queue()
         self._queues[request_id] = queue
@@ -241,12 +253,7 @@ class IterationLoop:
 
     def abort(self, request_id: str) -> None:
         """End a request; its KV blocks are free before the next step. Any thread; idempotent."""
-        self._control.append((request_id, "abort"))
-        self._wake_threadsafe()
-
-    def finish(self, request_id: str) -> None:
-        """End a request as a normal stop (the server saw a stop string). Any thread; idempotent."""
-        self._control.append((request_id, "finish"))
+        self._aborts.append(request_id)
         self._wake_threadsafe()
 
     def _wake_threadsafe(self) -> None:
@@ -297,7 +304,7 @@ class IterationLoop:
         in_flight: deque[_InFlight] = deque()
         busy: set[str] = set()  # ids of the requests in in-flight batches
         while in_flight or not self._stopping:
-            self._drain_control()
+            self._drain_aborts()
             if not in_flight and not self._stopping and self._is_down():
                 await self._recover(loop)
                 continue
@@ -317,7 +324,7 @@ class IterationLoop:
                 if sched.has_work() and not self._stopping:
                     raise RuntimeError("the scheduler has work but scheduled nothing")
                 self._wake.clear()
-                if not self._control and not self._stopping:
+                if not self._aborts and not self._stopping:
                     await self._idle()
                 continue
             # Collect the oldest batch once the pipeline is full, or when there is nothing new to add.
@@ -334,13 +341,16 @@ class IterationLoop:
 
     async def _idle(self) -> None:
         """Sleep until there is work; an executor that can restart is checked meanwhile (IDLE_WATCH_S)."""
-        if not self._executor.can_restart:
-            await self._wake.wait()
-            return
+        self._parked = True
         try:
+            if not self._executor.can_restart:
+                await self._wake.wait()
+                return
             await asyncio.wait_for(self._wake.wait(), IDLE_WATCH_S)
         except asyncio.TimeoutError:
             pass
+        finally:
+            self._parked = False
 
     def _is_down(self) -> bool:
         return self._down is not None or self._executor.dead_reason is not None
@@ -426,12 +436,9 @@ class IterationLoop:
         if isinstance(exc, FatalRunnerError) and self._down is None:
             self._down = exc
 
-    def _drain_control(self) -> None:
-        sched = self._scheduler
-        while self._control:
-            request_id, kind = self._control.popleft()
-            released = sched.abort(request_id) if kind == "abort" else sched.finish(request_id)
-            self._emit_all(released)
+    def _drain_aborts(self) -> None:
+        while self._aborts:
+            self._emit_all(self._scheduler.abort(self._aborts.popleft()))
 
     def _report(self, step: ScheduledStep, updated: list[Request], duration: float, failed: bool) -> None:
         # Plain lists of ids and ints, built only when someone listens: a few hundred ns per request.
@@ -486,7 +493,7 @@ class IterationLoop:
         )
         if queue is None:
             return
-        logprobs = req.output_logprobs[start:] if req.sampling.logprobs is not None else None
+        text, logprobs = req.output_text.take()
         # Only the first delta carries the queue time (start == 0: nothing emitted before it).
         queue_time = (
             req.first_scheduled_time - req.arrival_time
@@ -497,8 +504,10 @@ class IterationLoop:
             RequestDelta(
                 request_id=req.request_id,
                 token_ids=req.output_token_ids[start:],
-                logprobs=logprobs,
+                logprobs=logprobs if req.sampling.logprobs is not None else None,
+                text=text,
                 finish_reason=finish,
+                stop_string=req.output_text.matched if finish is not None else None,
                 error=req.error,
                 num_prompt_tokens=req.num_prompt_tokens,
                 num_output_tokens=req.num_output_tokens,

@@ -7,7 +7,7 @@ from enum import Enum
 
 
 class FinishReason(str, Enum):
-    STOP = "stop"  # EOS, a stop token id, or a stop string the server saw (finish())
+    STOP = "stop"  # EOS, a stop token id, or a stop string
     LENGTH = "length"  # max_tokens or the model's maximum length
     ABORT = "abort"  # abort(): client gone, timeout, shutdown
     ERROR = "error"  # the step failed; `error` says why
@@ -19,6 +19,8 @@ class TokenLogprob:
     logprob: float
     top_logprobs: list[tuple[int, float]] = field(default_factory=list)  # best first
     rank: int | None = None  # 1 = the likeliest (prompt logprobs report it, as vLLM does)
+    # An output token's: where its text starts in the request's output text (OpenAI's text_offset).
+    text_offset: int = 0
 
 
 @dataclass
@@ -27,8 +29,17 @@ class RequestDelta:
 
     request_id: str
     token_ids: list[int]  # new tokens (several if the consumer lagged behind the loop)
-    logprobs: list[TokenLogprob] | None  # one per new token when SamplingParams.logprobs is set
+    # When SamplingParams.logprobs is set: one per token whose text is in the emitted text, in order.
+    # Not one per new token: a token whose text is held back (it may start a stop string) comes with
+    # the delta that emits its text, and tokens that make up a stop string never come.
+    logprobs: list[TokenLogprob] | None
+    # New text, decoded by the loop's detokenizer ("" without one): never a stop string nor a part of
+    # one that may still complete; the concatenation of a request's deltas is its whole text.
+    text: str = ""
     finish_reason: FinishReason | None = None  # set on the last delta only
+    # On the last delta: the stop string that ended the request (vLLM's stop_reason; None for EOS, a
+    # stop token or a limit). Anthropic's API reports it as stop_sequence.
+    stop_string: str | None = None
     error: str | None = None  # with FinishReason.ERROR
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far, this delta included

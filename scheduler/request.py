@@ -1,4 +1,4 @@
-"""One request's state as the scheduler sees it: status, tokens, KV blocks, timestamps."""
+"""One request's state as the scheduler sees it: status, tokens, text, KV blocks, timestamps."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 
 from engine.contract import PromptLogprobs, SamplingParams
 from scheduler.block_allocator import BlockHash
+from scheduler.output_text import OutputText
 from scheduler.outputs import FinishReason, TokenLogprob
 
 
@@ -45,8 +46,9 @@ class Request:
     sampling: SamplingParams
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
-    # One per output token, only when sampling.logprobs is set.
-    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # The outputs as text (cut at a stop string) and their logprobs, until the loop hands them out.
+    # Made at admission from the loop's detokenizer (scheduler.output_text.start_output).
+    output_text: OutputText = field(default_factory=OutputText.without_text)
     # Prompt tokens 1.. scored so far, only when sampling.prompt_logprobs is set (token 0 has none).
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     # Tokens of prompt + outputs whose K/V are in the cache. Reset to 0 by preemption (recompute).

@@ -27,9 +27,9 @@ def create_app(config: ServerConfig, loader: ModelLoader | None = None) -> FastA
     the default loads the real engine. The model loads during the lifespan's startup without
     blocking it, so the server answers (/health: 503) while the weights load."""
     if loader is None:
-        from server.loader import load_model
+        from server.loader import load_served_model
 
-        loader = functools.partial(load_model, config)
+        loader = functools.partial(load_served_model, config)
     state = ServerState(config, loader)
 
     @asynccontextmanager

@@ -30,6 +30,7 @@ import uvicorn
 
 from engine.config import EngineConfig
 from engine.contract import SamplingParams
+from engine.ports import LOOPBACK, free_tcp_port
 from scheduler.config import SchedulerConfig
 from scheduler.fake_runner import FakeRunner
 from scheduler.outputs import StepReport
@@ -39,7 +40,7 @@ from server.live_feed import FeedLimits, IterationFeed, encode_message
 from server.state import LoadedModel
 from server.tokenizer import ServerTokenizer
 
-HOST = "127.0.0.1"
+HOST = LOOPBACK
 
 
 @dataclass
@@ -68,15 +69,9 @@ class Result:
     viewer_bytes: int  # what the curl viewers received, in all
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
-
-
 async def run_case(case: Case, tokenizer: ServerTokenizer, args: argparse.Namespace) -> Result:
     runner = FakeRunner(num_kv_blocks=8192, block_size=16, max_model_len=1024)
-    port = free_port()
+    port = free_tcp_port()
     config = ServerConfig(
         engine=EngineConfig(model="fake"),
         scheduler=SchedulerConfig(

@@ -316,10 +316,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     config = parse_args(argv)
     configure_logging(config.log_level)
     if config.engine.tensor_parallel_size * config.engine.pipeline_parallel_size > 1:
-        from server.loader import is_torchrun_worker, run_torchrun_worker
+        from server.loader import is_torchrun_worker
 
         if is_torchrun_worker():  # torchrun started every rank with this command; rank 0 serves HTTP
-            return run_torchrun_worker(config)
+            from engine.distributed_executor import run_torchrun_worker
+
+            run_torchrun_worker(config.engine)  # this rank's shard, until the driver shuts the group down
+            return 0
     from server.app import create_app
 
     return serve(create_app(config), config)

@@ -1,8 +1,10 @@
-"""From the loop's token deltas to text deltas for one choice: incremental detokenization, stop strings,
-logprobs aligned with the text that is actually emitted, and the merge of n choices into one stream.
+"""From the loop's deltas to the deltas of one choice, and the merge of n choices into one stream.
 
-Streamed and non-streamed responses both consume `generate_choice`, so the concatenated stream is the
-non-streamed text by construction.
+The loop already hands out text: decoded, cut at stop strings and with the logprobs of exactly the
+tokens in that text (scheduler.output_text). Here each delta only takes the shape routes format: token
+strings for logprobs, the finish reason as OpenAI names it, usage counts. Streamed and non-streamed
+responses both consume `generate_choice`, so the concatenated stream is the non-streamed text by
+construction.
 """
 
 from __future__ import annotations
@@ -10,13 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from engine.contract import SamplingParams
 from scheduler.outputs import FinishReason, RequestDelta, SchedulerStats, TokenLogprob
 from server.metrics import RequestTracker
-from server.stop_strings import StopStringMatcher
 from server.tokenizer import ServerTokenizer
 
 
@@ -30,8 +31,6 @@ class LoopClient(Protocol):
     ) -> AsyncIterator[RequestDelta]: ...
 
     def abort(self, request_id: str) -> None: ...
-
-    def finish(self, request_id: str) -> None: ...
 
     def stats(self) -> SchedulerStats: ...
 
@@ -55,6 +54,7 @@ class ChoiceDelta:
     text: str
     logprobs: list[LogprobEntry] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" on the last delta of the choice
+    stop_string: str | None = None  # with finish_reason "stop": the stop string that ended it, if one did
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens that came from the prefix cache
@@ -64,7 +64,10 @@ class ChoiceDelta:
 
 @dataclass
 class ChoiceSpec:
-    """One choice to generate: the prompt, how to sample, and how to turn tokens into text."""
+    """One choice to generate: the prompt, how to sample, and how to turn tokens into text.
+
+    `stops` and `skip_special_tokens` are the route's say on the text; open_choices puts them into the
+    request's SamplingParams (whatever `params` carries for them), where the loop applies them."""
 
     index: int
     request_id: str
@@ -74,13 +77,17 @@ class ChoiceSpec:
     skip_special_tokens: bool = True
     prompt_index: int = 0  # which of the request's prompts (the n choices of one prompt share it)
 
+    def request_params(self) -> SamplingParams:
+        """The SamplingParams the loop gets: `params` with this choice's stop strings."""
+        return replace(self.params, stop=tuple(self.stops), skip_special_tokens=self.skip_special_tokens)
+
 
 def open_choices(loop: LoopClient, specs: list[ChoiceSpec]) -> list[AsyncIterator[RequestDelta]]:
     """Submit every choice to the loop at once; the loop's ValueError (bad input) aborts those submitted."""
     streams: list[AsyncIterator[RequestDelta]] = []
     try:
         for spec in specs:
-            streams.append(loop.generate(spec.prompt_ids, spec.params, spec.request_id))
+            streams.append(loop.generate(spec.prompt_ids, spec.request_params(), spec.request_id))
     except BaseException:
         for spec in specs[: len(streams)]:
             loop.abort(spec.request_id)
@@ -89,19 +96,13 @@ def open_choices(loop: LoopClient, specs: list[ChoiceSpec]) -> list[AsyncIterato
 
 
 async def generate_choice(
-    loop: LoopClient,
     tokenizer: ServerTokenizer,
     spec: ChoiceSpec,
     stream: AsyncIterator[RequestDelta],
     tracker: RequestTracker,
 ) -> AsyncIterator[ChoiceDelta]:
-    """Text deltas of one choice (`stream` from open_choices). Closing early aborts the request."""
-    detok = tokenizer.decode_stream(spec.prompt_ids, spec.skip_special_tokens)
-    matcher = StopStringMatcher(spec.stops)
+    """Deltas of one choice (`stream` from open_choices). Closing early aborts the request."""
     want_logprobs = spec.params.logprobs is not None
-    decoded_len = 0  # characters decoded so far, held-back text included
-    emitted_len = 0  # characters sent to the client
-    pending: list[LogprobEntry] = []  # logprobs of tokens whose text is not fully emitted yet
     prompt_tokens = len(spec.prompt_ids)
     try:
         async for delta in stream:
@@ -113,55 +114,21 @@ async def generate_choice(
             if delta.queue_time_s is not None:
                 tracker.on_queue_time(delta.queue_time_s)
             tracker.on_tokens(len(delta.token_ids), prompt_tokens)
-            pieces = []
-            for i, token_id in enumerate(delta.token_ids):
-                if want_logprobs and delta.logprobs is not None:
-                    lp = delta.logprobs[i]
-                    pending.append(
-                        LogprobEntry(
-                            token_id, tokenizer.token_text(token_id), lp.logprob, lp.top_logprobs, decoded_len
-                        )
-                    )
-                piece = detok.step(token_id)
-                decoded_len += len(piece)
-                pieces.append(piece)
-            text = matcher.feed("".join(pieces))
-            emitted_len += len(text)
             out = ChoiceDelta(
                 spec.index,
-                text,
+                delta.text,
+                logprobs=_entries(tokenizer, delta.logprobs) if want_logprobs else [],
                 prompt_tokens=prompt_tokens,
                 completion_tokens=delta.num_output_tokens,
                 cached_tokens=delta.num_cached_tokens,
                 prompt_logprobs=delta.prompt_logprobs,
             )
-            if matcher.matched is not None:
-                # Tokens that start after the cut belong to the stop string: they are not reported.
-                out.logprobs = [e for e in pending if e.text_offset < emitted_len]
-                out.finish_reason = "stop"
-                loop.finish(spec.request_id)
-                tracker.on_finish(delta.num_output_tokens, out.finish_reason)
-                yield out
-                return
             if delta.finish_reason is not None:
-                tail = matcher.flush()
-                out.text += tail
-                emitted_len += len(tail)
-                if matcher.matched is not None:
-                    # A stop string had completed but waited on a longer one that began earlier.
-                    out.logprobs = [e for e in pending if e.text_offset < emitted_len]
-                    out.finish_reason = "stop"
-                else:
-                    out.logprobs = pending
-                    out.finish_reason = "stop" if delta.finish_reason is FinishReason.STOP else "length"
+                out.finish_reason = "stop" if delta.finish_reason is FinishReason.STOP else "length"
+                out.stop_string = delta.stop_string
                 tracker.on_finish(delta.num_output_tokens, out.finish_reason)
                 yield out
                 return
-            # Nothing held back: every token so far is accounted for in emitted text.
-            ready = (
-                len(pending) if not matcher.held else sum(1 for e in pending if e.text_offset < emitted_len)
-            )
-            out.logprobs, pending = pending[:ready], pending[ready:]
             if out.text or out.logprobs or out.prompt_logprobs is not None:
                 yield out
         raise GenerationError("the engine ended the request without a finish reason")
@@ -169,6 +136,15 @@ async def generate_choice(
         aclose = getattr(stream, "aclose", None)
         if aclose is not None:
             await aclose()
+
+
+def _entries(tokenizer: ServerTokenizer, logprobs: list[TokenLogprob] | None) -> list[LogprobEntry]:
+    return [
+        LogprobEntry(
+            lp.token_id, tokenizer.token_text(lp.token_id), lp.logprob, lp.top_logprobs, lp.text_offset
+        )
+        for lp in logprobs or ()
+    ]
 
 
 async def merge_choices(streams: list[AsyncIterator[ChoiceDelta]]) -> AsyncIterator[ChoiceDelta]:

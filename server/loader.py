@@ -10,10 +10,10 @@ from server.state import LoadedModel
 from server.tokenizer import ServerTokenizer
 
 
-def load_model(config: ServerConfig) -> LoadedModel:
+def load_served_model(config: ServerConfig) -> LoadedModel:
     """Blocking (weights, GGUF conversion, KV cache allocation): call it from a worker thread."""
     # Imported here so that `python -m server --help` and the app factory stay free of torch.
-    from engine.executor import create_executor
+    from engine.executor_factory import create_executor
     from models.loader import load_tokenizer
 
     executor = create_executor(config.engine)  # starts the worker ranks when parallel
@@ -24,11 +24,3 @@ def load_model(config: ServerConfig) -> LoadedModel:
 def is_torchrun_worker() -> bool:
     """True in a process torchrun started as a rank other than 0 (those run no HTTP server)."""
     return "WORLD_SIZE" in os.environ and int(os.environ.get("RANK", "0")) != 0
-
-
-def run_torchrun_worker(config: ServerConfig) -> int:
-    """Serve this rank's shard until the driver (rank 0) shuts the group down."""
-    from engine.distributed_executor import run_torchrun_worker as run_rank
-
-    run_rank(config.engine)
-    return 0

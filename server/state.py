@@ -105,7 +105,9 @@ class ServerState:
         try:
             loaded = await asyncio.get_running_loop().run_in_executor(step_thread, self._loader)
             cfg = self.config
-            loop = IterationLoop(loaded.executor, cfg.scheduler, step_thread=step_thread)
+            loop = IterationLoop(
+                loaded.executor, cfg.scheduler, step_thread=step_thread, detokenizer=loaded.tokenizer
+            )
             await loop.start()
             loop.add_step_listener(self._on_step)
             if self.live_feed is not None:

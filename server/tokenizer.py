@@ -34,7 +34,9 @@ def _byte_level_decoder() -> dict[str, int]:
 
 
 class ServerTokenizer:
-    """Wraps a transformers tokenizer (fast, with a `tokenizers.Tokenizer` backend)."""
+    """Wraps a transformers tokenizer (fast, with a `tokenizers.Tokenizer` backend). It is the iteration
+    loop's detokenizer (scheduler.output_text.Detokenizer: `decode_stream`), which decodes each request's
+    tokens where they are applied, so stop strings are matched there."""
 
     def __init__(self, hf_tokenizer: Any) -> None:
         self.hf = hf_tokenizer

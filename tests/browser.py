@@ -12,14 +12,14 @@ import contextlib
 import shutil
 import tempfile
 import threading
-import time
 from collections.abc import Callable, Coroutine, Iterator
 from typing import Any, TypeVar
 
 import uvicorn
 from fastapi import FastAPI
+from waiting import wait_for
 
-from loadtest.launcher import LOOPBACK, free_port
+from engine.ports import LOOPBACK, free_tcp_port
 
 T = TypeVar("T")
 
@@ -101,7 +101,7 @@ class ServedApp:
 
     def __init__(self, app: FastAPI) -> None:
         self.app = app
-        self.port = free_port()
+        self.port = free_tcp_port()
         self.url = f"http://{LOOPBACK}:{self.port}"
         self._loop = asyncio.new_event_loop()
         config = uvicorn.Config(
@@ -121,11 +121,13 @@ class ServedApp:
 
     def __enter__(self) -> ServedApp:
         self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started:
-            if not self._thread.is_alive() or time.monotonic() > deadline:
+
+        def started() -> bool:
+            if not self._thread.is_alive():
                 raise RuntimeError("the test server did not start")
-            time.sleep(0.01)
+            return self._server.started
+
+        wait_for(started, poll_s=0.01)
         self.run(self.app.state.server.wait_ready())
         return self
 
@@ -146,15 +148,3 @@ class ServedApp:
             return fn()
 
         return self.run(wrapped())
-
-
-def wait_for(predicate: Callable[[], T], timeout: float = 15, interval: float = 0.05) -> T:
-    """Poll until predicate() is truthy (a browser and a server run on their own): the value it gave."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = predicate()
-        if value:
-            return value
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout}s waiting for {predicate}")
-        time.sleep(interval)

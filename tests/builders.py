@@ -52,6 +52,13 @@ def tiny_gpt2_config(**overrides):
     return GPT2Config(**kwargs)
 
 
+def cpu_engine_config(model: Path | str, **overrides):
+    """The engine's config for a test: the model on the CPU in float32 (the parity setting)."""
+    from engine.config import EngineConfig
+
+    return EngineConfig(model=str(model), dtype="float32", device="cpu", **overrides)
+
+
 def build_hf_model(config, seed: int = 0):
     """A random transformers model for a config, float32, eval mode."""
     import torch

@@ -9,7 +9,6 @@ import dataclasses
 import json
 import subprocess
 import sys
-import time
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -17,10 +16,11 @@ from typing import Any
 import httpx
 import uvicorn
 from fastapi import FastAPI
+from waiting import wait_for, wait_until
 
 from engine.config import EngineConfig
 from engine.contract import SamplingParams
-from loadtest.launcher import LOOPBACK, free_port
+from engine.ports import LOOPBACK, free_tcp_port
 from scheduler import fake_runner
 from scheduler.config import SchedulerConfig
 from scheduler.loop import IterationLoop
@@ -64,7 +64,7 @@ async def live_server(app: FastAPI, as_cli: bool = False) -> AsyncIterator[str]:
     """uvicorn serving the app on a free local port inside this event loop; yields the base URL.
     uvicorn runs the app's lifespan itself (model loading at startup, engine shutdown at exit).
     as_cli: the server `python -m server` runs (server.cli.make_server: its connection cap included)."""
-    port = free_port()
+    port = free_tcp_port()
     if as_cli:
         from server.cli import make_server
 
@@ -73,10 +73,13 @@ async def live_server(app: FastAPI, as_cli: bool = False) -> AsyncIterator[str]:
     else:
         server = uvicorn.Server(uvicorn.Config(app, host=LOOPBACK, port=port, log_level="warning"))
     task = asyncio.create_task(server.serve())
-    while not server.started:
+
+    def started() -> bool:
         if task.done():
             task.result()  # raises the start-up error
-        await asyncio.sleep(0.01)
+        return server.started
+
+    await wait_until(started, poll_s=0.01)
     await app.state.server.wait_ready()
     try:
         yield f"http://{LOOPBACK}:{port}"
@@ -96,15 +99,6 @@ def parse_sse(body: str) -> list[Any]:
         payload = "\n".join(data)
         events.append(payload if payload == "[DONE]" else json.loads(payload))
     return events
-
-
-async def wait_for(predicate: Callable[[], bool], timeout_s: float = 10.0) -> None:
-    """Yield to the loop until predicate() holds; fails after timeout_s seconds."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"condition not met within {timeout_s} s")
-        await asyncio.sleep(0.005)
 
 
 class RecordingRunner(FakeRunner):
@@ -146,15 +140,6 @@ WEATHER_TOOL = {
 def scripted(tokenizer: ServerTokenizer, text: str, **runner_kwargs: Any) -> FakeRunner:
     """A fake runner whose every reply is exactly `text`, then EOS (token 2)."""
     return FakeRunner(script=[*tokenizer.encode(text, add_special_tokens=False), 2], **runner_kwargs)
-
-
-async def wait_until(predicate: Callable[[], bool], steps: int = 2000) -> None:
-    """Yield to the loop until predicate() holds; bounded by a number of turns, not by a clock."""
-    for _ in range(steps):
-        if predicate():
-            return
-        await asyncio.sleep(0.005)
-    raise AssertionError("condition never became true")
 
 
 # --- the app with the fake runner, and what tests read off it ------------------------------------
@@ -297,7 +282,7 @@ TINY_SERVER_FLAGS = ("--dtype", "float32", "--device", "cpu", "--num-kv-blocks",
 def server_process(model: str, log: Path, served_name: str, *flags: str) -> Iterator[str]:
     """`python -m server` on a free port until the generator is closed; yields its base URL once
     /health says 200 (for module-scoped fixtures: `yield from server_process(...)`)."""
-    port = free_port()
+    port = free_tcp_port()
     # Stored /v1/responses stay in memory unless a test names a file (not in the user's cache).
     cmd = [
         sys.executable, "-m", "server", "--model", model, "--served-model-name", served_name,
@@ -318,17 +303,26 @@ def server_process(model: str, log: Path, served_name: str, *flags: str) -> Iter
             proc.wait()
 
 
+SERVER_START_TIMEOUT_S = 180.0  # a model load on a loaded 2-core machine
+
+
 def _wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
     """Poll /health until 200 (503 meanwhile, while the model loads). Fails if the process dies."""
     import pytest
 
-    for _ in range(1200):  # bounded by probes; a load takes a few seconds
+    def healthy() -> bool:
         if proc.poll() is not None:
             pytest.fail(f"server exited with {proc.returncode}:\n{log.read_text()}")
-        with contextlib.suppress(httpx.TransportError):
+        try:
             r = httpx.get(url + "/health", timeout=5)
-            if r.status_code == 200:
-                return
-            assert r.status_code == 503 and "error" in r.json()
-        time.sleep(0.1)
-    pytest.fail(f"server never became healthy:\n{log.read_text()}")
+        except httpx.TransportError:
+            return False
+        if r.status_code == 200:
+            return True
+        assert r.status_code == 503 and "error" in r.json(), r.text  # still loading
+        return False
+
+    try:
+        wait_for(healthy, SERVER_START_TIMEOUT_S, poll_s=0.1)
+    except AssertionError:
+        pytest.fail(f"server never became healthy:\n{log.read_text()}")

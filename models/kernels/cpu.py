@@ -37,15 +37,36 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal, Protocol
 
 import torch
 
-from models.gguf_convert import cache_root
 from models.kernels.isa import VARIANTS, Variant, cpu_flags, requested_variant, variant_named
+from models.options import cache_root
 
-if TYPE_CHECKING:
-    from models.layers.packed_weight import PackedWeight
+
+class _BlockFormat(Protocol):
+    id: int  # QF_* in quant_tiles.h
+
+
+class TiledSegment(Protocol):
+    """Rows of a weight in one block format, tiled as quant_tiles.h describes."""
+
+    tiles: torch.Tensor  # uint8, contiguous
+    fmt: _BlockFormat
+    rows: int
+    row_start: int
+
+
+class TiledWeight(Protocol):
+    """What the kernels read of a packed weight (models/layers/packed_weight.PackedWeight, checked when it
+    was built): a Protocol, so the kernels know no layer or loader."""
+
+    shape: tuple[int, int]
+    segments: tuple[TiledSegment, ...]
+    # Per segment: (tiles address, format id, rows, byte offset of its first output column).
+    kernel_args: tuple[tuple[int, int, int, int], ...]
+
 
 __all__ = ["cpu_flags", "available", "kernels", "for_variant", "Kernels", "Precision"]
 
@@ -213,7 +234,7 @@ class Kernels:
     def tile_bytes(self, fmt_id: int, k: int) -> int:
         return int(self.lib.orca_qtile_bytes(fmt_id, k))
 
-    def quant_linear(self, x: torch.Tensor, w: PackedWeight, precision: Precision = "int8") -> torch.Tensor:
+    def quant_linear(self, x: torch.Tensor, w: TiledWeight, precision: Precision = "int8") -> torch.Tensor:
         """x [..., K] float32 @ W^T for a packed weight (validated when it was built)."""
         n, k = w.shape
         # The forward pass's own case (2-D, contiguous, float32, CPU) goes straight through: this runs
@@ -236,7 +257,7 @@ class Kernels:
                     raise ValueError(f"quantized linear: bad shapes x {tuple(x2.shape)}, weight {(n, k)}")
         return y if lead is None else y.view(*lead, n)
 
-    def dequant_rows(self, w: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
+    def dequant_rows(self, w: TiledWeight, rows: torch.Tensor) -> torch.Tensor:
         """W[rows] as float32 [len(rows), K], exactly as gguf-py dequantizes (embedding lookups)."""
         n, k = w.shape
         flat = rows.reshape(-1).to(torch.int64)
@@ -381,12 +402,12 @@ def _checked() -> Kernels:
 # (so labelled_for_profiler can wrap them).
 
 
-def quant_linear(x: torch.Tensor, w: PackedWeight, precision: Precision = "int8") -> torch.Tensor:
+def quant_linear(x: torch.Tensor, w: TiledWeight, precision: Precision = "int8") -> torch.Tensor:
     """x [..., K] float32 @ W^T for a packed weight, with int8 or float32 activations."""
     return _checked().quant_linear(x, w, precision)
 
 
-def dequant_rows(w: PackedWeight, rows: torch.Tensor) -> torch.Tensor:
+def dequant_rows(w: TiledWeight, rows: torch.Tensor) -> torch.Tensor:
     return _checked().dequant_rows(w, rows)
 
 

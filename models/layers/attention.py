@@ -27,6 +27,7 @@ from models.layers.attention_backends import (
 )
 from models.layers.metadata import AttentionMetadata, KVCache
 from models.layers.rotary import RotaryEmbedding
+from models.options import ATTENTION_BACKEND_NAMES, ATTENTION_BACKENDS, CUDA_ONLY_ATTENTION_BACKENDS
 
 BACKENDS: dict[str, type[AttentionBackend]] = {
     "sdpa": SdpaBackend,
@@ -35,8 +36,7 @@ BACKENDS: dict[str, type[AttentionBackend]] = {
     "flash-attn": FlashAttnBackend,
     "triton": TritonBackend,
 }
-CUDA_ONLY = frozenset({"torch-varlen", "flash-attn"})
-BACKEND_NAMES = ("auto", *BACKENDS)
+assert tuple(BACKENDS) == ATTENTION_BACKENDS  # the names the flags offer (models/options.py)
 
 
 def torch_varlen_available() -> bool:
@@ -111,8 +111,10 @@ def select_attention_backend(name: str = "auto", device: torch.device | str = "c
     if name == "auto":
         name = auto_backend_name(device)
     if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r}; choose one of {', '.join(BACKEND_NAMES)}")
-    if name in CUDA_ONLY and device.type != "cuda":
+        raise ValueError(
+            f"unknown attention backend {name!r}; choose one of {', '.join(ATTENTION_BACKEND_NAMES)}"
+        )
+    if name in CUDA_ONLY_ATTENTION_BACKENDS and device.type != "cuda":
         raise ValueError(f"attention backend {name!r} needs a CUDA device, not {device}")
     if name == "triton" and device.type != "cuda" and not triton_available(device):
         raise ValueError(

@@ -4,9 +4,9 @@ Every parameter carries a `weight_loader(param, full_weight, shard_id)` that tak
 and copies in the slice that this rank owns, so loading for rank r of n is the same code as for 1 of 1.
 Parameters are allocated with torch.empty: their values always come from a checkpoint.
 
-A weight may also arrive as a GGUF tensor's raw blocks (models/gguf_weights.QuantizedTensor, when the
-native kernels will run it): the layer then keeps the slice it owns as blocks, and `pack_weight`
-turns them into its packed weight without ever materializing float32.
+A weight may also arrive still in its file's block format (a `QuantizedBlocks`, such as a GGUF
+tensor's raw blocks, when the native kernels will run it): the layer then keeps the slice it owns as
+blocks, and `pack_weight` turns them into its packed weight without ever materializing float32.
 """
 
 from __future__ import annotations
@@ -18,10 +18,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from models.gguf_weights import QuantizedTensor
 from models.kernels import cpu as cpu_kernels
 from models.kernels.cpu import Precision
-from models.layers.packed_weight import PackedWeight, pack_components, pack_exact
+from models.layers.packed_weight import PackedWeight, QuantizedBlocks, pack_components, pack_exact
 from models.layers.parallel import SINGLE, TPContext, balanced_shard, divide
 
 WeightLoader = Callable[[nn.Parameter, torch.Tensor, Any], None]
@@ -59,10 +58,10 @@ def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: A
 
 
 def narrow_columns(
-    loaded: torch.Tensor | QuantizedTensor, start: int, length: int
-) -> torch.Tensor | QuantizedTensor:
+    loaded: torch.Tensor | QuantizedBlocks, start: int, length: int
+) -> torch.Tensor | QuantizedBlocks:
     """Columns [start, start + length) of a weight; raw blocks that the cut would split become floats."""
-    if isinstance(loaded, QuantizedTensor):
+    if isinstance(loaded, QuantizedBlocks):
         try:
             return loaded.narrow(1, start, length)
         except ValueError:
@@ -84,10 +83,10 @@ class PackableLinear(nn.Module):
     packed: PackedWeight | None = None
     precision: Precision = "int8"
 
-    def take_blocks(self, param: nn.Parameter, row_offset: int, part: torch.Tensor | QuantizedTensor) -> bool:
+    def take_blocks(self, param: nn.Parameter, row_offset: int, part: torch.Tensor | QuantizedBlocks) -> bool:
         """Keep `part` (rows [row_offset, ...) of this layer's weight) as raw blocks if it is some;
         False when it is a float tensor for the caller to copy in."""
-        if not isinstance(part, QuantizedTensor):
+        if not isinstance(part, QuantizedBlocks):
             return False
         if param is not self.weight:
             raise ValueError("only a layer's weight may be block-quantized")
@@ -201,6 +200,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
             divide(size, tp.size, "merged output size")
         super().__init__(input_size, sum(self.output_sizes), bias, dtype, tp)
 
+    def shard_sizes(self) -> dict[int, int]:
+        """Each part's rows in the full (unsharded) weight, by shard id."""
+        return dict(enumerate(self.output_sizes))
+
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         if not isinstance(shard_id, int) or not 0 <= shard_id < len(self.output_sizes):
             raise ValueError(f"merged linear needs a shard index in [0, {len(self.output_sizes)})")
@@ -257,6 +260,11 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.gather_output = False
         self.weight = _new_param((self.local_output_size, hidden_size), dtype, self.weight_loader)
         self.bias = _new_param((self.local_output_size,), dtype, self.weight_loader) if bias else None
+
+    def shard_sizes(self) -> dict[str, int]:
+        """q's, k's and v's rows in the full (unsharded) weight."""
+        kv = self.total_num_kv_heads * self.head_dim
+        return {"q": self.total_num_heads * self.head_dim, "k": kv, "v": kv}
 
     @property
     def q_size(self) -> int:

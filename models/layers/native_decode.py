@@ -17,16 +17,18 @@ from __future__ import annotations
 
 import ctypes
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
-from torch import nn
 
 from models.kernels import cpu as cpu_kernels
 from models.kernels.cpu import PRECISION_CODES
-from models.layers.attention import AttentionStep
+from models.layers.attention import Attention, AttentionStep
 from models.layers.attention_backends import BatchedDecodeBackend
 from models.layers.linear import PackableLinear
 from models.layers.metadata import KVCache
+from models.layers.norm import RMSNorm
+from models.layers.rotary import RotaryEmbedding
 
 MAX_SEGMENTS = 4  # decode_layers.c: row segments (block formats) a weight may have
 
@@ -94,26 +96,44 @@ def _qweight(layer: PackableLinear) -> _QWeight | None:
     return q
 
 
-class NativeDecodeLayers:
-    """One pipeline stage's Llama-family decoder layers, described to decode_layers.c."""
+@dataclass(frozen=True)
+class DecodeLayerParts:
+    """One pre-norm decoder layer as decode_layers.c runs it (Llama's layout): input norm, fused qkv,
+    rotary and the cache write, paged attention, o, the residual add fused into the post-attention
+    norm, fused gate/up, SiLU-and-mul, down, residual add. A family declares how its layer maps onto
+    this (`ModelFamily.native_decode`); a layer that does not fit returns None from that function."""
 
-    def __init__(self, layers: Sequence[nn.Module], shape: _Shape, structs: ctypes.Array) -> None:
-        self.layers = layers
+    input_norm: RMSNorm
+    qkv: PackableLinear
+    rotary: RotaryEmbedding
+    attention: Attention  # head counts (this rank's), head_dim and scale
+    o: PackableLinear
+    post_norm: RMSNorm
+    gate_up: PackableLinear
+    down: PackableLinear
+
+
+class NativeDecodeLayers:
+    """One pipeline stage's decoder layers, described to decode_layers.c."""
+
+    def __init__(self, parts: Sequence[DecodeLayerParts], shape: _Shape, structs: ctypes.Array) -> None:
+        self.layers = parts
         self.shape = shape
         self.structs = structs
         self._caches: list[KVCache] | None = None  # the caches whose addresses `structs` holds
         self._lib = cpu_kernels.kernels().lib  # type: ignore[union-attr]
 
     @classmethod
-    def build(cls, layers: Sequence[nn.Module], tp_size: int) -> NativeDecodeLayers | None:
+    def build(cls, parts: Sequence[DecodeLayerParts | None], tp_size: int) -> NativeDecodeLayers | None:
         """The native description of these layers, or None where the modules must run them."""
-        if tp_size != 1 or not layers or not cpu_kernels.available():
+        if tp_size != 1 or not parts or not cpu_kernels.available() or any(p is None for p in parts):
             return None
+        layers: list[DecodeLayerParts] = [p for p in parts if p is not None]
         structs = (_Layer * len(layers))()
         first = layers[0]
-        attn, mlp = first.self_attn, first.mlp
+        attn = first.attention
         d, hq, hkv = attn.head_dim, attn.num_heads, attn.num_kv_heads
-        cos_sin = attn.rotary.cos_sin_cache
+        cos_sin = first.rotary.cos_sin_cache
         if not (
             _is_f32(cos_sin)
             and cos_sin.shape[-1] == d
@@ -121,17 +141,16 @@ class NativeDecodeLayers:
             and cpu_kernels.supports_decode_attention(d, hq, hkv)
         ):
             return None
-        hidden = first.input_layernorm.weight.shape[0]
+        hidden = first.input_norm.weight.shape[0]
         for i, layer in enumerate(layers):
-            a, m = layer.self_attn, layer.mlp
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            norms = (layer.input_norm, layer.post_norm)
             if (
-                a.rotary is not attn.rotary
-                or a.attn.scale != attn.attn.scale
-                or any(n.eps != first.input_layernorm.eps or not _is_f32(n.weight) for n in norms)
+                layer.rotary is not first.rotary
+                or layer.attention.scale != attn.scale
+                or any(n.eps != first.input_norm.eps or not _is_f32(n.weight) for n in norms)
             ):
                 return None
-            weights = [_qweight(x) for x in (a.qkv_proj, a.o_proj, m.gate_up_proj, m.down_proj)]
+            weights = [_qweight(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             if any(w is None for w in weights):
                 return None
             s = structs[i]
@@ -142,9 +161,9 @@ class NativeDecodeLayers:
             num_heads=hq,
             num_kv_heads=hkv,
             head_dim=d,
-            intermediate=mlp.down_proj.packed.shape[1],
-            eps=first.input_layernorm.eps,
-            scale=attn.attn.scale,
+            intermediate=first.down.packed.shape[1],
+            eps=first.input_norm.eps,
+            scale=attn.scale,
             cos_sin=cos_sin.data_ptr(),
         )
         return cls(layers, shape, structs)
@@ -157,7 +176,7 @@ class NativeDecodeLayers:
             k is k0 and v is v0 for (k, v), (k0, v0) in zip(kv_caches, self._caches, strict=True)
         ):
             return True
-        a = self.layers[0].self_attn
+        a = self.layers[0].attention
         for i, (k, v) in enumerate(kv_caches):
             if not (_is_f32(k) and _is_f32(v) and k.shape == v.shape and k.dim() == 4):
                 return False

@@ -19,13 +19,14 @@ The formats (`FORMATS`, ids shared with the C code):
     Q5_K  8-bit           as Q4_K                                                     5.5 (kept in 8.6)
     Q6_K  8-bit, q - 32   d: f16 per 256; sc: s8 per 16; a = d sc                     6.56 (kept in 8.6)
 
-Two ways in: `pack_components` from a format's codes and scales (gguf_blocks.py decodes them from a
+Two ways in: `pack_components` from a format's codes and scales (models/gguf/blocks.py decodes them from a
 GGUF file's raw blocks), and `pack_exact`, which recognises Q4_0 / Q4_1 / Q8_0 structure in float32
 weights that were dequantized from such blocks (an HF directory converted from a GGUF file).
 """
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -111,6 +112,26 @@ class BlockComponents:
     @property
     def shape(self) -> tuple[int, int]:
         return tuple(self.codes.shape)  # type: ignore[return-value]
+
+
+class QuantizedBlocks(ABC):
+    """A 2-D weight [rows, cols] (HF orientation) still in its file's block format, as a loader hands it
+    to a layer (models/gguf/reader.py's QuantizedTensor): the layer slices its shard out of it and
+    packs it (`components`) or, where a cut would split blocks, takes floats (`dequantize`)."""
+
+    shape: tuple[int, int]
+
+    @abstractmethod
+    def narrow(self, dim: int, start: int, length: int) -> QuantizedBlocks:
+        """Rows or columns [start, start + length); ValueError where columns would split a block."""
+
+    @abstractmethod
+    def components(self) -> BlockComponents:
+        """The codes and scales of every row (for pack_components)."""
+
+    @abstractmethod
+    def dequantize(self) -> torch.Tensor:
+        """float32 [rows, cols], the values the file's blocks encode."""
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,7 @@ class ChatJob:
                 events = parser.feed(d.text)
                 if d.finish_reason is not None:
                     events += parser.finish(d.finish_reason)
-                yield ReplyUpdate(events, d.finish_reason, d.text)
+                yield ReplyUpdate(events, d.finish_reason, d.stop_string)
         finally:
             self.run.abort()
 
@@ -71,7 +71,7 @@ class ChatJob:
 class ReplyUpdate:
     events: list[ReplyEvent]
     finish_reason: str | None  # on the last update
-    text: str  # the reply's raw text that these events read
+    stop_string: str | None  # on the last update: the stop string that ended the reply, if one did
 
 
 def reasoning_tokens(tokenizer: ServerTokenizer, reasoning: str | None) -> int:

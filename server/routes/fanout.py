@@ -96,6 +96,7 @@ class CollectedChoice:
     logprobs: list[LogprobEntry]
     finish_reason: str | None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    stop_string: str | None = None  # the stop string that ended it, if one did
 
 
 def start_choices(
@@ -115,7 +116,7 @@ def start_choices(
         raise loop_stopped_error(exc) from None
     deadline = Deadline(state, state.config.request_timeout_s)
     gens = [
-        generate_choice(loop, tokenizer, s, st, state.metrics.tracker())
+        generate_choice(tokenizer, s, st, state.metrics.tracker())
         for s, st in zip(specs, streams, strict=True)
     ]
     return ChoiceRun(loop, specs, gens, deadline, prompt_tokens, state.config.stream_send_timeout_s)
@@ -126,6 +127,7 @@ async def collect_choices(run: ChoiceRun) -> tuple[list[CollectedChoice], dict[s
     texts: dict[int, list[str]] = {s.index: [] for s in run.specs}
     entries: dict[int, list[LogprobEntry]] = {s.index: [] for s in run.specs}
     finish: dict[int, str | None] = {}
+    stopped_by: dict[int, str | None] = {}
     tally = UsageTally(run.specs, run.prompt_tokens)
     prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}
     try:
@@ -136,7 +138,7 @@ async def collect_choices(run: ChoiceRun) -> tuple[list[CollectedChoice], dict[s
             entries[d.index].extend(d.logprobs)
             tally.observe(d)
             if d.finish_reason is not None:
-                finish[d.index] = d.finish_reason
+                finish[d.index], stopped_by[d.index] = d.finish_reason, d.stop_string
     finally:
         run.abort()
     choices = [
@@ -146,6 +148,7 @@ async def collect_choices(run: ChoiceRun) -> tuple[list[CollectedChoice], dict[s
             entries[s.index],
             finish.get(s.index),
             prompt_logprobs.get(s.index),
+            stopped_by.get(s.index),
         )
         for s in run.specs
     ]

@@ -23,7 +23,6 @@ from server.anthropic.convert import (
 )
 from server.anthropic.events import block_events, message_delta
 from server.anthropic.protocol import CountTokensRequest, MessagesRequest
-from server.anthropic.stop_sequence import DecodedText
 from server.errors import APIError
 from server.reply_blocks import BlockSequencer, blocks_of
 from server.routes.chat_job import ChatJob, render_prompt, start_chat, template_kwargs
@@ -41,15 +40,13 @@ MESSAGES_SSE = SSEDialect(named=True, done=False, error_body=APIError.anthropic_
 async def create_message(body: MessagesRequest, request: Request) -> Response:
     state, loop, tokenizer = ready_for(request, body.model)
     chat = chat_request(body)
-    decoded = DecodedText(tokenizer)  # which stop sequence ended the reply, if one did
     message_id = new_message_id()
     with client_params(PARAMS):
-        job = await start_chat(state, loop, decoded, chat, message_id)  # type: ignore[arg-type]
+        job = await start_chat(state, loop, tokenizer, chat, message_id)
     model = state.config.model_name
-    stops = body.stop_sequences or []
     if body.stream:
         return sse(
-            _stream(job, message_id, model, decoded, stops),
+            _stream(job, message_id, model),
             job.run.abort,
             job.run.send_timeout_s,
             MESSAGES_SSE,
@@ -59,17 +56,14 @@ async def create_message(body: MessagesRequest, request: Request) -> Response:
         (c,) = choices
         reply = job.reply(c.text, c.finish_reason)
         content = [content_block(b) for b in blocks_of(reply, c.finish_reason)]
-        stop = decoded.matched_stop(c.text, c.finish_reason, stops)
-        reason = stop_reason(c.finish_reason, bool(reply.calls), stop)
-        return message_object(message_id, model, content, reason, stop, usage_of(use))
+        reason = stop_reason(c.finish_reason, bool(reply.calls), c.stop_string)
+        return message_object(message_id, model, content, reason, c.stop_string, usage_of(use))
 
     result = await collect(request, job.run, build)
     return disconnected_response() if result is None else JSONResponse(result)
 
 
-async def _stream(
-    job: ChatJob, message_id: str, model: str, decoded: DecodedText, stops: list[str]
-) -> AsyncIterator[dict[str, Any]]:
+async def _stream(job: ChatJob, message_id: str, model: str) -> AsyncIterator[dict[str, Any]]:
     prompt_tokens = len(job.prompt)
     usage = {"input_tokens": prompt_tokens, "output_tokens": 0, "cache_read_input_tokens": 0}
     start = message_object(message_id, model, [], None, None, usage)
@@ -78,17 +72,15 @@ async def _stream(
     seq = BlockSequencer()
     tally = UsageTally(job.run.specs, job.run.prompt_tokens)
     finish: str | None = None
-    text: list[str] = []
+    stop: str | None = None
     try:
         async with contextlib.aclosing(job.updates(tally)) as updates:  # closing it aborts the choice
             async for update in updates:
-                text.append(update.text)
                 for event in block_events(seq.push(update.events)):
                     yield event
-                finish = update.finish_reason or finish
+                finish, stop = update.finish_reason or finish, update.stop_string or stop
         for event in block_events(seq.close(finish)):
             yield event
-        stop = decoded.matched_stop("".join(text), finish, stops)
         reason = stop_reason(finish, any(b.kind == "call" for b in seq.blocks), stop)
         yield message_delta(reason, stop, usage_of(tally.usage()))
         yield {"type": "message_stop"}

@@ -12,7 +12,9 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-from fakes import TINY_SERVER_FLAGS, free_port, parse_sse, server_process
+from fakes import TINY_SERVER_FLAGS, parse_sse, server_process
+
+from engine.ports import free_tcp_port
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = "default"  # the README's examples name the model as `make serve` serves it
@@ -157,7 +159,15 @@ def test_readme_python_examples(server_url, capsys):
 
 def test_unloadable_model_exits_nonzero(tmp_path):
     # A server that cannot load its model must not linger answering 503s: it exits with status 1.
-    cmd = [sys.executable, "-m", "server", "--model", str(tmp_path / "missing"), "--port", str(free_port())]
+    cmd = [
+        sys.executable,
+        "-m",
+        "server",
+        "--model",
+        str(tmp_path / "missing"),
+        "--port",
+        str(free_tcp_port()),
+    ]
     out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=180)
     assert out.returncode == 1
     assert "missing" in out.stderr

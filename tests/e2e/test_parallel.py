@@ -20,9 +20,10 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from builders import build_hf_model, gguf_structured, tiny_gpt2_config, tiny_llama_config
-from fakes import greedy_through_loop, live_server, metric, server_config, wait_until
+from builders import build_hf_model, cpu_engine_config, gguf_structured, tiny_gpt2_config, tiny_llama_config
+from fakes import greedy_through_loop, live_server, metric, server_config
 from kernel_marks import needs_native_kernels
+from waiting import wait_until
 
 from engine.config import EngineConfig
 from engine.contract import SampledToken, SamplingParams, ScheduledSequence
@@ -170,10 +171,8 @@ def test_topology_is_stage_major() -> None:
 
 
 def engine_config(model_dir: Path, tp: int = 1, pp: int = 1) -> EngineConfig:
-    return EngineConfig(
-        model=str(model_dir),
-        dtype="float32",
-        device="cpu",
+    return cpu_engine_config(
+        model_dir,
         num_kv_blocks=NUM_KV_BLOCKS,
         tensor_parallel_size=tp,
         pipeline_parallel_size=pp,
@@ -389,7 +388,7 @@ async def test_a_killed_worker_is_restarted_and_the_server_serves_again(
             # in flight with an error event: either is a clean answer).
             assert (await queued).status_code == 200
             assert (await streamed).status_code == 200
-            await wait_until(lambda: engine.is_running, steps=4000)
+            await wait_until(lambda: engine.is_running)
             assert (await http.get("/health")).status_code == 200
             assert runner.worker_pids != old_pids
             assert "orca:worker_restarts_total" in (metrics := (await http.get("/metrics")).text)
@@ -440,7 +439,7 @@ def test_torchrun_launch_matches_one_process(
     import subprocess
     import sys
 
-    from engine.distributed import free_tcp_port
+    from engine.ports import free_tcp_port
 
     script = tmp_path / "run.py"
     script.write_text(TORCHRUN_SCRIPT)

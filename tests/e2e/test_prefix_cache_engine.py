@@ -8,8 +8,8 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from builders import cpu_engine_config
 
-from engine.config import EngineConfig
 from engine.contract import SamplingParams
 from engine.executor import LocalExecutor
 from scheduler.config import SchedulerConfig
@@ -30,11 +30,7 @@ def prompt(n: int, seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def runner(tiny_llama_dir: Path) -> LocalExecutor:
-    return LocalExecutor(
-        EngineConfig(
-            model=str(tiny_llama_dir), dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_kv_blocks=256
-        )
-    )
+    return LocalExecutor(cpu_engine_config(tiny_llama_dir, block_size=BLOCK_SIZE, num_kv_blocks=256))
 
 
 class Run:

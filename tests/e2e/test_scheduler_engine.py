@@ -9,8 +9,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+from builders import cpu_engine_config
 
-from engine.config import EngineConfig
 from engine.contract import SamplingParams
 from engine.executor import LocalExecutor
 from scheduler.config import SchedulerConfig
@@ -29,15 +29,7 @@ def prompt(n: int, seed: int) -> list[int]:
 
 
 def runner_for(model_dir: Path, num_kv_blocks: int, block_size: int = 4) -> LocalExecutor:
-    return LocalExecutor(
-        EngineConfig(
-            model=str(model_dir),
-            dtype="float32",
-            device="cpu",
-            block_size=block_size,
-            num_kv_blocks=num_kv_blocks,
-        )
-    )
+    return LocalExecutor(cpu_engine_config(model_dir, block_size=block_size, num_kv_blocks=num_kv_blocks))
 
 
 @pytest.fixture(scope="module")
@@ -151,13 +143,12 @@ async def test_request_level_batching_makes_the_late_arrival_wait_for_the_whole_
         order.append((rid, engine.stats().num_steps))
         return deltas
 
+    first_step = asyncio.Event()  # set on the loop thread as the first iteration is applied
+    engine.add_step_listener(lambda report: first_step.set())
     try:
         a = asyncio.create_task(run("a", engine.generate(prompt(8, 5), greedy(12), "a")))
         b = asyncio.create_task(run("b", engine.generate(prompt(8, 6), greedy(3), "b")))
-        for _ in range(10_000):  # until the batch {a, b} has run its first iteration
-            if engine.stats().num_steps >= 1:
-                break
-            await asyncio.sleep(0)
+        await asyncio.wait_for(first_step.wait(), GUARD_S)  # the batch {a, b} has run its first iteration
         assert engine.stats().running == 2
         late = await run("late", engine.generate(prompt(8, 7), greedy(2), "late"))
         deltas_a, deltas_b = await asyncio.gather(a, b)
@@ -170,7 +161,7 @@ async def test_request_level_batching_makes_the_late_arrival_wait_for_the_whole_
 
 
 def test_bench_replays_the_workload_for_each_policy(tiny_llama_dir: Path, tmp_path: Path, capsys):
-    from scheduler import bench
+    from loadtest import inprocess as bench
 
     out = tmp_path / "rows.json"
     bench.main(

@@ -10,10 +10,11 @@ import httpx
 import openai
 import pytest
 import pytest_asyncio
-from fakes import live_server, parse_sse, server_config, wait_until
+from fakes import live_server, parse_sse, server_config
+from waiting import wait_until
 
 from server.app import create_app
-from server.loader import load_model
+from server.loader import load_served_model
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 MODEL = "tiny-llama"
@@ -25,7 +26,7 @@ async def served(tiny_llama_dir):
     config = server_config(
         model=str(tiny_llama_dir), served_model_name=MODEL, dtype="float32", device="cpu", num_kv_blocks=512
     )
-    app = create_app(config, lambda: load_model(config))
+    app = create_app(config, lambda: load_served_model(config))
     async with live_server(app) as url:
         yield app, url
 

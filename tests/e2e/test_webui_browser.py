@@ -7,10 +7,11 @@ import json
 from collections.abc import Sequence
 
 import pytest
-from browser import ServedApp, wait_for
+from browser import ServedApp
 from fakes import MODEL, FakeRunner, loop_of, make_app, server_config
 from selenium.webdriver.common.by import By
 from selenium.webdriver.common.keys import Keys
+from waiting import wait_for
 
 from engine.contract import SampledToken, ScheduledSequence
 
@@ -114,7 +115,7 @@ def test_a_reply_streams_in_and_a_second_turn_carries_the_conversation(browser, 
             found = replies(browser)
             return found and found[0]["text"].strip() and found[0]["pending"] and not found[0]["stats"]
 
-        wait_for(streaming, interval=0.01)
+        wait_for(streaming, poll_s=0.01)
         first = finished_reply(browser, 1)
         user = browser.find_element(By.CSS_SELECTOR, "article.msg.user .body")
         assert user.text == "first line\nsecond line"
@@ -157,7 +158,7 @@ def test_stop_aborts_the_request_and_frees_it_at_once(browser, tokenizer):
         reply = finished_reply(browser, 1)
         assert "stopped" in reply["stats"] and reply["text"].strip()  # what came is kept
         # The server dropped the request: nothing running, no KV block held, the loop idle.
-        wait_for(lambda: idle(served), timeout=5)
+        wait_for(lambda: idle(served), timeout_s=5)
         steps = runner.num_steps
         assert browser.find_element(By.ID, "send").is_displayed()
         # A second turn after a stop works; Esc stops too.
@@ -165,7 +166,7 @@ def test_stop_aborts_the_request_and_frees_it_at_once(browser, tokenizer):
         wait_for(lambda: len(replies(browser)) == 2 and replies(browser)[1]["text"].strip())
         browser.find_element(By.TAG_NAME, "body").send_keys(Keys.ESCAPE)
         assert "stopped" in finished_reply(browser, 2)["stats"]
-        wait_for(lambda: idle(served), timeout=5)
+        wait_for(lambda: idle(served), timeout_s=5)
         assert runner.num_steps > steps
 
 

@@ -19,8 +19,9 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tests/: the shared helpers
 
-from browser import ServedApp, chromium, missing_browser, wait_for  # noqa: E402
+from browser import ServedApp, chromium, missing_browser  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
+from waiting import wait_for  # noqa: E402
 
 from engine.config import EngineConfig  # noqa: E402
 from scheduler.config import SchedulerConfig  # noqa: E402
@@ -70,7 +71,7 @@ def replies_done(driver, n: int) -> bool:
 
 def chat(url: str, prompt: str, max_tokens: int) -> None:
     body = {"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens, "stream": True}
-    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout=120) as r:
+    with httpx.stream("POST", f"{url}/v1/chat/completions", json=body, timeout_s=120) as r:
         for _ in r.iter_lines():
             pass
 
@@ -90,20 +91,20 @@ def main() -> int:
     )
     with ServedApp(create_app(config)) as served, chromium(1280, 940) as driver:
         driver.get(served.url + "/")
-        wait_for(lambda: driver.find_element(By.ID, "model-name").text == "default", timeout=120)
+        wait_for(lambda: driver.find_element(By.ID, "model-name").text == "default", timeout_s=120)
         driver.execute_script(
             "localStorage.setItem('orca.settings.v1', JSON.stringify({temperature: 0, maxTokens: 160}))"
         )
         driver.refresh()
         wait_for(lambda: driver.find_element(By.ID, "model-name").text == "default")
         send(driver, QUESTION)
-        wait_for(lambda: replies_done(driver, 1), timeout=120)
+        wait_for(lambda: replies_done(driver, 1), timeout_s=120)
         send(driver, FOLLOW_UP)
-        wait_for(lambda: replies_done(driver, 2), timeout=120)
+        wait_for(lambda: replies_done(driver, 2), timeout_s=120)
         # An earlier conversation in the sidebar, as a person's page would have.
         driver.find_element(By.ID, "new-chat").click()
         send(driver, "Hi! Who are you?")
-        wait_for(lambda: replies_done(driver, 1), timeout=120)
+        wait_for(lambda: replies_done(driver, 1), timeout_s=120)
         driver.find_element(By.CSS_SELECTOR, ".chat-list li:not(.current) .open-chat").click()
         time.sleep(0.3)
         driver.save_screenshot(str(args.out / "webui-chat.png"))

@@ -67,8 +67,7 @@ def with_fake_graphs(monkeypatch: pytest.MonkeyPatch) -> ReplayByCalling:
     def executor(config: EngineConfig) -> LocalExecutor:
         ex = LocalExecutor(config)
         assert config.max_num_seqs is not None
-        ex.runner.capture_decode_graphs(config.max_num_seqs, capturer=fake)
-        ex.use_cuda_graphs = True
+        ex.runner.capture_decode_graphs(config.max_num_seqs, capturer=fake)  # and replays them
         return ex
 
     monkeypatch.setattr(bench, "LocalExecutor", executor)

@@ -23,7 +23,7 @@ import torch
 from fake_graphs import ReplayByCalling
 
 from engine.config import EngineConfig
-from engine.contract import SamplingParams, ScheduledSequence
+from engine.contract import SampledToken, SamplingParams, ScheduledSequence
 from engine.cuda_graphs import (
     GraphInputBuffers,
     bucket_for,
@@ -224,7 +224,7 @@ def test_graph_steps_give_the_eager_tokens_and_touch_only_the_scratch_block(
     fake = ReplayByCalling()
     with caplog.at_level(logging.INFO, logger="engine.cuda_graphs"):
         stats = graphed.runner.capture_decode_graphs(MAX_NUM_SEQS, capturer=fake)
-    graphed.use_cuda_graphs = True
+    assert graphed.runner.use_cuda_graphs  # capturing turns replays on
     assert stats.sizes == (1, 2, 4)
     assert "captured 3 decode graphs (batch sizes 1, 2, 4)" in caplog.text
     sizes_by_capture = list(reversed(stats.sizes))  # largest first, into one pool
@@ -245,7 +245,7 @@ def test_graph_steps_give_the_eager_tokens_and_touch_only_the_scratch_block(
 
 def test_graphs_are_off_unless_cuda_a_capturable_backend_and_a_batch_bound(tiny_llama_dir: Path):
     cpu = executor(tiny_llama_dir, "cpu", "cpu-decode", enforce_eager=False)
-    assert not cpu.use_cuda_graphs and cpu.runner.decode_graphs is None
+    assert not cpu.runner.use_cuda_graphs and cpu.runner.decode_graphs is None
     assert cuda_graphs_off_reason(cpu.config, cpu.runner) == "the device is cpu"
 
     def on_cuda(capturable: bool) -> SimpleNamespace:  # what the policy reads of a runner
@@ -259,6 +259,49 @@ def test_graphs_are_off_unless_cuda_a_capturable_backend_and_a_batch_bound(tiny_
     assert "max_num_seqs" in (cuda_graphs_off_reason(replace(config, max_num_seqs=None), on_cuda(True)) or "")
 
 
+def test_run_step_replays_a_graph_only_where_the_graph_computes_the_rows_asked_for(tiny_llama_dir: Path):
+    """ModelRunner.run_step owns the replay decision: a decode step of sampling rows replays (its
+    logits are a view of the graphs' buffer, equal to the eager step's); a step that also scores a
+    prompt token, or asks for every token's logits (ModelRunner.logits), runs eagerly."""
+    ex = executor(tiny_llama_dir, "cpu", "cpu-decode", enforce_eager=True)
+    fake = ReplayByCalling()
+    runner = ex.runner
+    runner.capture_decode_graphs(MAX_NUM_SEQS, capturer=fake)
+    assert runner.decode_graphs is not None and runner.decode_graphs.logits is not None
+    graph_out = runner.decode_graphs.logits
+    tables = [list(range(i * BLOCKS_PER_REQUEST, (i + 1) * BLOCKS_PER_REQUEST)) for i in range(3)]
+    prompts = [list(range(100 + 20 * i, 109 + 20 * i + i)) for i in range(3)]
+    first = ex.step([ScheduledSequence(str(i), p, 0, tables[i], True, GREEDY) for i, p in enumerate(prompts)])
+    assert not fake.replays  # prompts run eagerly
+
+    def decode(i: int, scored: int = 0) -> ScheduledSequence:
+        token = first[i]
+        assert isinstance(token, SampledToken)
+        return ScheduledSequence(
+            str(i), [token.token_id], len(prompts[i]), tables[i], True, GREEDY, num_prompt_scored=scored
+        )
+
+    def replays() -> int:
+        return sum(fake.replays.values())
+
+    batch = [decode(i) for i in range(3)]
+    host = runner.prepare_host(batch)
+    graph = runner.run_step(host).logits
+    assert replays() == 1 and graph is not None
+    assert graph.untyped_storage().data_ptr() == graph_out.untyped_storage().data_ptr()
+    graph = graph.clone()
+    runner.use_cuda_graphs = False  # the same step again, eagerly (it writes the same K/V)
+    eager = runner.run_step(host).logits
+    runner.use_cuda_graphs = True
+    assert eager is not None and eager.untyped_storage().data_ptr() != graph_out.untyped_storage().data_ptr()
+    torch.testing.assert_close(graph, eager, atol=1e-5, rtol=1e-5)
+
+    scoring = runner.run_step(runner.prepare_host([decode(0, scored=1), decode(1)])).logits
+    assert replays() == 1 and scoring is not None and scoring.shape[0] == 3  # 1 scored row + 2 samples
+    every = runner.logits([decode(0), replace(decode(1), sample=False)], all_tokens=True)
+    assert replays() == 1 and every.shape[0] == 2
+
+
 # ------------------------------------------------------------------------------------------ CUDA
 
 cuda = pytest.mark.skipif(
@@ -270,10 +313,10 @@ cuda = pytest.mark.skipif(
 @cuda
 def test_cuda_graph_tokens_equal_eager_tokens(tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture):
     eager = executor(tiny_llama_dir, "cuda", "triton", enforce_eager=True)
-    assert not eager.use_cuda_graphs
+    assert not eager.runner.use_cuda_graphs
     with caplog.at_level(logging.INFO, logger="engine.cuda_graphs"):
         graphed = executor(tiny_llama_dir, "cuda", "triton", enforce_eager=False)
-    assert graphed.use_cuda_graphs
+    assert graphed.runner.use_cuda_graphs
     line = next(r.getMessage() for r in caplog.records if "captured" in r.getMessage())
     print(line)  # the start-up cost, for the GPU check's log
     assert "captured 3 decode graphs (batch sizes 1, 2, 4)" in line and " MiB" in line
@@ -300,23 +343,27 @@ def test_cuda_graph_logits_match_eager_in_bfloat16(tiny_llama_dir: Path):
             max_num_seqs=MAX_NUM_SEQS,
         )
     )
-    assert ex.use_cuda_graphs
+    assert ex.runner.use_cuda_graphs
     tables = [list(range(i * BLOCKS_PER_REQUEST, (i + 1) * BLOCKS_PER_REQUEST)) for i in range(4)]
     prompts = [list(range(100 + 20 * i, 109 + 20 * i + i)) for i in range(4)]
     first = ex.step([ScheduledSequence(str(i), p, 0, tables[i], True, GREEDY) for i, p in enumerate(prompts)])
     runner = ex.runner
+    assert runner.decode_graphs is not None and runner.decode_graphs.logits is not None
+    graph_out = runner.decode_graphs.logits
     for n in (1, 3, 4):
         batch = [
             ScheduledSequence(str(i), [first[i].token_id], len(prompts[i]), tables[i], True, GREEDY)
             for i in range(n)
         ]
-        with torch.inference_mode():
-            host = runner.prepare_host(batch)
-            graph = runner.graph_logits(host)
-            assert graph is not None
-            graph = graph.clone()
-            inputs = host.to(runner.device)
-            eager = runner.sampled_logits(inputs, runner.forward(inputs))
+        host = runner.prepare_host(batch)
+        graph = runner.run_step(host).logits
+        assert graph is not None
+        # A replay: its logits are a view of the graphs' output buffer (an eager step's are not).
+        assert graph.untyped_storage().data_ptr() == graph_out.untyped_storage().data_ptr()
+        graph = graph.clone()
+        runner.use_cuda_graphs = False  # the same step again, eagerly (it writes the same K/V)
+        eager = runner.run_step(host).logits
+        runner.use_cuda_graphs = True
         torch.testing.assert_close(graph, eager, atol=0.1, rtol=0.05)
 
 

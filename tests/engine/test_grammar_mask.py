@@ -10,10 +10,10 @@ from pathlib import Path
 import llguidance as llg
 import pytest
 import torch
+from builders import cpu_engine_config
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.config import EngineConfig
 from engine.contract import SamplingParams
 from engine.executor import LocalExecutor
 from engine.grammar import GrammarCompiler, GrammarError, GrammarSpec
@@ -44,11 +44,7 @@ PROMPT = [1, 504, 3458, 28, 253, 1789, 30]
 
 @pytest.fixture(scope="module")
 def runner(tiny_llama_dir: Path) -> LocalExecutor:
-    return LocalExecutor(
-        EngineConfig(
-            model=str(tiny_llama_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=256
-        )
-    )
+    return LocalExecutor(cpu_engine_config(tiny_llama_dir, block_size=4, num_kv_blocks=256))
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +143,7 @@ def test_grammar_state_survives_preemption(runner, compiler):
 def test_logprobs_are_those_of_the_constrained_distribution(runner, compiler):
     spec = SPECS["choice"]
     (req,) = run(runner, [(PROMPT, constrained(compiler, spec, temperature=0.0, logprobs=5))])
-    first = req.output_logprobs[0]
+    first = req.output_text.take()[1][0]
     matcher = compiler.compile(spec).new_matcher().matcher
     allowed = set(torch.nonzero(_allowed(matcher, runner.vocab_size)).flatten().tolist())
     tops = [t for t, lp in first.top_logprobs if lp > LOGPROB_FLOOR]

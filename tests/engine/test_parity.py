@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from builders import cpu_engine_config
 
 from engine.config import EngineConfig
 from engine.contract import SamplingParams, ScheduledSequence
@@ -51,17 +52,14 @@ def model_dir(request, tiny_llama_dir: Path, tiny_gpt2_dir: Path, tiny_gguf_llam
 
 
 def make_runner(path: Path | str, backend: str = "auto", num_blocks: int = 128) -> LocalExecutor:
-    return LocalExecutor(
-        EngineConfig(
-            model=str(path),
-            dtype="float32",
-            device="cpu",
-            block_size=BLOCK_SIZE,
-            num_kv_blocks=num_blocks,
-            attention_backend=backend,
-            weight_packing="float32",
-        )
+    config = cpu_engine_config(
+        path,
+        block_size=BLOCK_SIZE,
+        num_kv_blocks=num_blocks,
+        attention_backend=backend,
+        weight_packing="float32",
     )
+    return LocalExecutor(config)
 
 
 @pytest.mark.parametrize("backend", ["sdpa", "cpu-decode"])

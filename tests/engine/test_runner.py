@@ -11,6 +11,7 @@ from unittest import mock
 
 import pytest
 import torch
+from builders import cpu_engine_config
 
 from engine import config as engine_config
 from engine.config import EngineConfig, resolve_dtype
@@ -22,9 +23,7 @@ GREEDY = SamplingParams(temperature=0.0)
 
 
 def tiny_executor(model_dir: Path) -> LocalExecutor:
-    return LocalExecutor(
-        EngineConfig(model=str(model_dir), dtype="float32", device="cpu", block_size=4, num_kv_blocks=16)
-    )
+    return LocalExecutor(cpu_engine_config(model_dir, block_size=4, num_kv_blocks=16))
 
 
 @pytest.fixture(scope="module")

@@ -4,17 +4,18 @@ from __future__ import annotations
 
 import json
 import threading
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import uvicorn
+from waiting import wait_for
 
+from engine.ports import free_tcp_port
 from loadtest import cli, plot
 from loadtest.fakeserver import FakeConfig, create_app
-from loadtest.launcher import build_command, free_port
+from loadtest.launcher import build_command
 from loadtest.results import BenchmarkResults
 from loadtest.tokenizer import HFTokenizer
 
@@ -24,16 +25,19 @@ SMALL = ["--input-len-min", "8", "--input-len-max", "48", "--output-len-min", "1
 @contextmanager
 def fake_server(config: FakeConfig) -> Iterator[str]:
     """The fake server on a uvicorn thread; yields its base URL."""
-    port = free_port()
+    port = free_tcp_port()
     server = uvicorn.Server(
         uvicorn.Config(create_app(config), host="127.0.0.1", port=port, log_level="warning")
     )
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
-    while not server.started:
+
+    def started() -> bool:
         if not thread.is_alive():
             raise RuntimeError("fake server did not start")
-        time.sleep(0.01)
+        return server.started
+
+    wait_for(started, poll_s=0.01)
     try:
         yield f"http://127.0.0.1:{port}"
     finally:

@@ -13,8 +13,8 @@ from builders import gguf_blocks, single_seq_logits, write_tiny_gguf
 from kernel_marks import needs_native_kernels
 
 from models.errors import ModelLoadError
-from models.gguf_blocks import decode
-from models.gguf_weights import MANIFEST, QuantizedTensor
+from models.gguf.blocks import decode_blocks
+from models.gguf.reader import MANIFEST, QuantizedTensor
 from models.layers.linear import ColumnParallelLinear, RowParallelLinear
 from models.layers.packed_weight import FORMATS, PackedWeight, pack_components
 from models.layers.parallel import TPContext
@@ -62,7 +62,7 @@ def test_blocks_decode_to_gguf_py_values(qtype: str) -> None:
     k = 512
     raw = gguf_blocks((rng.standard_normal((21, k)) * 0.1).astype(np.float32), qtype, rng)
     expect = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[qtype]).copy())
-    packed = PackedWeight((pack_components(decode(qtype, raw, k)),))
+    packed = PackedWeight((pack_components(decode_blocks(qtype, raw, k)),))
     assert torch.equal(packed.dequantize(), expect)
     # Bits per weight as stored (21 rows pad to two 16-row tiles): the file's for the 4-bit formats
     # (Q4_K: its 6-bit sub-scales kept as bytes) and Q8_0; 5- and 6-bit codes are kept in a byte.

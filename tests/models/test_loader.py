@@ -19,7 +19,7 @@ from builders import (
 )
 from safetensors.torch import load_file, save_file
 
-from models import gguf_convert
+from models.gguf import convert as gguf_convert
 from models.loader import (
     ModelLoadError,
     load_config,
@@ -96,8 +96,21 @@ def test_max_model_len() -> None:
     assert max_model_len(tiny_llama_config(max_position_embeddings=777)) == 777
     assert max_model_len(tiny_gpt2_config(n_positions=333)) == 333
     # Sliding-window attention is not implemented: an active window caps the context.
-    assert max_model_len(MistralConfig(max_position_embeddings=32768, sliding_window=4096)) == 4096
-    assert max_model_len(Qwen2Config(max_position_embeddings=32768, sliding_window=4096)) == 32768
+    mistral = MistralConfig(
+        max_position_embeddings=32768, sliding_window=4096, architectures=["MistralForCausalLM"]
+    )
+    assert max_model_len(mistral) == 4096
+    qwen2 = Qwen2Config(
+        max_position_embeddings=32768, sliding_window=4096, architectures=["Qwen2ForCausalLM"]
+    )
+    assert max_model_len(qwen2) == 32768
+    qwen2_windowed = Qwen2Config(
+        max_position_embeddings=32768,
+        sliding_window=4096,
+        use_sliding_window=True,
+        architectures=["Qwen2ForCausalLM"],
+    )
+    assert max_model_len(qwen2_windowed) == 4096
 
 
 # --------------------------------------------------------------------------------------- errors

@@ -95,10 +95,9 @@ def test_models_it_does_not_fit(
     assert load_model(resolve_model(str(gguf_file)), torch.float32, "cpu").native_decode is None
     # Tensor parallelism needs an all-reduce inside the layer: never native.
     model = load_model(tiny_gguf_llama_dir, torch.float32, "cpu")
-    layers = list(model.model.layers)
+    parts = [model.family.native_decode(layer) for layer in model.decoder_layers()]
     assert (
-        NativeDecodeLayers.build(layers, tp_size=2) is None
-        and NativeDecodeLayers.build(layers, 1) is not None
+        NativeDecodeLayers.build(parts, tp_size=2) is None and NativeDecodeLayers.build(parts, 1) is not None
     )
 
 

@@ -18,10 +18,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import single_seq_logits
+from builders import cpu_engine_config, single_seq_logits
 from kernel_marks import needs_native_kernels
 
-from engine.config import EngineConfig
 from engine.contract import SamplingParams, ScheduledSequence
 from engine.executor import LocalExecutor
 from models.loader import load_model, load_tokenizer, resolve_model
@@ -98,9 +97,7 @@ def teacher_forced_agreement(model, prompts: list[list[int]], reference: list[li
 
 
 def runner_for(source: str | Path, mode: str) -> LocalExecutor:
-    return LocalExecutor(
-        EngineConfig(model=str(source), dtype="float32", device="cpu", num_kv_blocks=256, weight_packing=mode)
-    )
+    return LocalExecutor(cpu_engine_config(source, num_kv_blocks=256, weight_packing=mode))
 
 
 def compare(

@@ -10,11 +10,12 @@ import threading
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
-from fakes import greedy_through_loop, wait_until
+from fakes import greedy_through_loop
+from waiting import wait_until
 
 from engine.contract import FatalRunnerError, SamplingParams, ScheduledSequence
 from scheduler.config import SchedulerConfig
-from scheduler.fake_runner import FakeRunner, hash_next_token
+from scheduler.fake_runner import FakeDetokenizer, FakeRunner, hash_next_token
 from scheduler.loop import IterationLoop, LoopStoppedError, new_step_thread
 from scheduler.outputs import FinishReason, RequestDelta, StepReport
 
@@ -37,15 +38,6 @@ async def collect(stream: AsyncIterator[RequestDelta]) -> list[RequestDelta]:
         return [d async for d in stream]
 
     return await asyncio.wait_for(run(), GUARD_S)
-
-
-async def until(cond, turns: int = 10_000) -> None:
-    """Yield to the event loop until cond() holds (counted in loop turns, not seconds)."""
-    for _ in range(turns):
-        if cond():
-            return
-        await asyncio.sleep(0)
-    raise AssertionError("condition never held")
 
 
 async def in_thread_wait(event: threading.Event) -> None:
@@ -86,7 +78,7 @@ async def test_lagging_consumer_gets_coalesced_deltas_without_loss(make_engine):
     engine = await make_engine()
     p = prompt(5)
     stream = engine.generate(p, SamplingParams(max_tokens=8, logprobs=1), "a")
-    await until(lambda: engine.stats().num_steps >= 8)  # finished before we read anything
+    await wait_until(lambda: engine.stats().num_steps >= 8)  # finished before we read anything
     deltas = await collect(stream)
     assert len(deltas) == 1 and deltas[0].token_ids == expected_outputs(p, 8)
     assert deltas[0].finish_reason is FinishReason.LENGTH
@@ -177,7 +169,7 @@ async def test_closing_the_iterator_aborts(make_engine):
     stream = engine.generate(prompt(4), SamplingParams(max_tokens=100), "a")
     await asyncio.wait_for(stream.__anext__(), GUARD_S)
     await stream.aclose()
-    await until(lambda: engine.stats().running == 0)
+    await wait_until(lambda: engine.stats().running == 0)
     assert engine.stats().kv_blocks_used == 0
 
 
@@ -195,24 +187,29 @@ async def test_cancelling_the_consumer_task_aborts(make_engine):
     task.cancel()
     with pytest.raises(asyncio.CancelledError):
         await task
-    await until(lambda: engine.stats().running == 0)
+    await wait_until(lambda: engine.stats().running == 0)
     assert engine.stats().kv_blocks_used == 0
     # the id is free again once the request is gone
     await collect(engine.generate(prompt(4), SamplingParams(max_tokens=2), "a"))
 
 
-async def test_event_loop_keeps_answering_during_a_slow_step(make_engine):
-    gate = threading.Event()
-    runner = FakeRunner(gate=gate)
+async def held_first_step(make_engine, max_tokens: int) -> tuple[IterationLoop, FakeRunner, AsyncIterator]:
+    """An engine running request "a", its first step held in the worker thread until runner.gate is set."""
+    runner = FakeRunner(gate=threading.Event())
     engine = await make_engine(runner)
-    stream = engine.generate(prompt(4), SamplingParams(max_tokens=2), "a")
+    stream = engine.generate(prompt(4), SamplingParams(max_tokens=max_tokens), "a")
     await in_thread_wait(runner.step_started)
+    return engine, runner, stream
+
+
+async def test_event_loop_keeps_answering_during_a_slow_step(make_engine):
+    engine, runner, stream = await held_first_step(make_engine, max_tokens=2)
     progress = 0
     for _ in range(50):  # another coroutine runs many turns while the step is held in the worker
         await asyncio.sleep(0)
         progress += 1
     assert progress == 50 and runner.num_steps == 0 and engine.stats().running == 1
-    gate.set()
+    runner.gate.set()
     deltas = await collect(stream)
     assert deltas[-1].finish_reason is FinishReason.LENGTH
 
@@ -220,14 +217,13 @@ async def test_event_loop_keeps_answering_during_a_slow_step(make_engine):
 async def test_idle_loop_does_not_step(make_engine):
     runner = FakeRunner()
     engine = await make_engine(runner)
-    for _ in range(200):
-        await asyncio.sleep(0)
+    await wait_until(lambda: engine.is_idle)  # parked: nothing runs until a request wakes it
     assert engine.stats().num_steps == 0 and runner.num_steps == 0 and engine.is_running
     await collect(engine.generate(prompt(4), SamplingParams(max_tokens=3), "a"))
+    await wait_until(lambda: engine.is_idle)
     steps = engine.stats().num_steps
-    for _ in range(200):
-        await asyncio.sleep(0)
-    assert engine.stats().num_steps == steps == runner.num_steps
+    assert steps == runner.num_steps and 3 <= steps
+    assert engine.is_idle and engine.stats().num_steps == steps
 
 
 async def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(make_engine):
@@ -243,11 +239,7 @@ async def test_a_failing_step_fails_its_requests_and_the_loop_goes_on(make_engin
 
 
 async def test_a_dead_loop_fails_every_request_and_refuses_new_ones(make_engine):
-    gate = threading.Event()
-    runner = FakeRunner(gate=gate)
-    engine = await make_engine(runner)
-    a = engine.generate(prompt(4), SamplingParams(max_tokens=50), "a")
-    await in_thread_wait(runner.step_started)
+    engine, runner, a = await held_first_step(make_engine, max_tokens=50)
     b = engine.generate(prompt(4), SamplingParams(max_tokens=50), "b")  # waiting
 
     def broken_update(step, sampled):
@@ -255,7 +247,7 @@ async def test_a_dead_loop_fails_every_request_and_refuses_new_ones(make_engine)
 
     engine._scheduler.update = broken_update  # type: ignore[method-assign]
     engine._scheduler.fail = broken_update  # type: ignore[method-assign]
-    gate.set()
+    runner.gate.set()
     for stream in (a, b):
         deltas = await collect(stream)
         assert deltas[-1].finish_reason is FinishReason.ERROR and "scheduler bug" in (deltas[-1].error or "")
@@ -264,14 +256,81 @@ async def test_a_dead_loop_fails_every_request_and_refuses_new_ones(make_engine)
         engine.generate(prompt(4), SamplingParams(), "c")
 
 
-async def test_finish_ends_a_request_as_a_stop(make_engine):
+# ---- text and stop strings --------------------------------------------------------------------------
+
+WORDS = FakeDetokenizer({30: "one", 31: " two", 32: " <", 33: "/e", 34: ">", 35: " three"})
+
+
+async def start_with_text(runner: FakeRunner) -> IterationLoop:
+    engine = IterationLoop(runner, detokenizer=WORDS)
+    await engine.start()
+    return engine
+
+
+def finished_event(engine: IterationLoop, request_id: str) -> tuple[asyncio.Event, list[StepReport]]:
+    """Set by the step report that lists the request as finished; every report, in order."""
+    reports: list[StepReport] = []
+    done = asyncio.Event()
+
+    def on_step(report: StepReport) -> None:
+        reports.append(report)
+        if request_id in report.finished_ids:
+            done.set()
+
+    engine.add_step_listener(on_step)
+    return done, reports
+
+
+async def test_a_stop_string_frees_the_request_in_the_iteration_that_produced_it():
+    runner = FakeRunner(script=[30, 31, 32, 33, 34, 35, 35, 35])
+    engine = await start_with_text(runner)
+    try:
+        done, reports = finished_event(engine, "a")
+        stream = engine.generate(prompt(6), SamplingParams(max_tokens=50, stop=(" </e>",)), "a")
+        await asyncio.wait_for(done.wait(), GUARD_S)
+        # The 5th token completes the stop string: the step that sampled it (the 5th; the prompt's
+        # step sampled the first) finished the request and its report already sees its blocks free.
+        last = reports[-1]
+        assert (last.step, last.finished_ids, last.kv_blocks_used) == (5, ["a"], 0)
+        assert sum("a" in r.request_ids for r in reports) == 5 == runner.num_steps  # no step after it
+        deltas = await collect(stream)
+        assert "".join(d.text for d in deltas) == "one two"
+        assert deltas[-1].finish_reason is FinishReason.STOP and deltas[-1].num_output_tokens == 5
+        assert deltas[-1].stop_string == " </e>"  # which one, as vLLM's stop_reason says
+    finally:
+        await asyncio.wait_for(engine.shutdown(), GUARD_S)
+
+
+async def test_a_lagging_consumer_gets_the_text_and_logprobs_of_every_delta_merged():
+    params = SamplingParams(max_tokens=50, logprobs=1, stop=(" </e>",))
+    script = [30, 31, 32, 33, 35, 32, 33, 34]  # " </e" is held twice; the second one completes
+    engine = await start_with_text(FakeRunner(script=script))
+    try:
+        streamed = []
+        async for d in engine.generate(prompt(6), params, "reader"):
+            streamed.append(d)
+            await asyncio.sleep(0)  # read each delta before the next step's
+        done, _ = finished_event(engine, "lagging")
+        stream = engine.generate(prompt(6), params, "lagging")
+        await asyncio.wait_for(done.wait(), GUARD_S)  # finished before anything is read
+        (merged,) = await collect(stream)
+    finally:
+        await asyncio.wait_for(engine.shutdown(), GUARD_S)
+    assert len(streamed) > 1
+    assert merged.text == "".join(d.text for d in streamed) == "one two </e three"
+    entries = [(lp.token_id, lp.text_offset) for lp in merged.logprobs or []]
+    assert entries == [(lp.token_id, lp.text_offset) for d in streamed for lp in d.logprobs or []]
+    assert entries == [(30, 0), (31, 3), (32, 7), (33, 9), (35, 11)]  # not the stop string's tokens
+    assert merged.token_ids == script and merged.finish_reason is FinishReason.STOP
+    assert merged.stop_string == streamed[-1].stop_string == " </e>"
+
+
+async def test_stop_strings_need_a_detokenizer(make_engine):
     engine = await make_engine()
-    stream = engine.generate(prompt(4), SamplingParams(max_tokens=100), "a")
-    first = await asyncio.wait_for(stream.__anext__(), GUARD_S)
-    engine.finish("a")
-    rest = await collect(stream)
-    assert first.finish_reason is None and rest[-1].finish_reason is FinishReason.STOP
-    assert rest[-1].num_output_tokens < 100 and engine.stats().kv_blocks_used == 0
+    with pytest.raises(ValueError, match="detokenizer"):
+        engine.generate(prompt(4), SamplingParams(stop=("x",)), "a")
+    deltas = await collect(engine.generate(prompt(4), SamplingParams(max_tokens=3), "b"))
+    assert all(d.text == "" for d in deltas) and deltas[-1].finish_reason is FinishReason.LENGTH
 
 
 async def test_shutdown_aborts_everything_and_stops(make_engine):

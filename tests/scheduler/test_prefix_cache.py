@@ -14,6 +14,7 @@ import pytest
 from fakes import greedy_through_loop
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategies import scheduler_configs
 
 from engine.contract import SamplingParams
 from scheduler.block_allocator import BlockAllocator, hash_block
@@ -38,9 +39,8 @@ def tokens(seed: str, n: int) -> list[int]:
     return [10 + zlib.crc32(f"{seed}:{i}".encode()) % 1000 for i in range(n)]
 
 
-def make(runner: FakeRunner, **cfg) -> Scheduler:
-    max_len = min(runner.max_model_len, runner.num_kv_blocks * runner.block_size)
-    return Scheduler(SchedulerConfig(**cfg), runner.num_kv_blocks, runner.block_size, max_len, {2})
+def make(runner: FakeRunner, config: SchedulerConfig | None = None, **cfg) -> Scheduler:
+    return Scheduler.for_executor(config or SchedulerConfig(**cfg), runner)
 
 
 def request(rid: str, prompt: Sequence[int], max_tokens: int = 4) -> Request:
@@ -359,17 +359,11 @@ def shared_prefix_workloads(draw):
 @settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     wl=shared_prefix_workloads(),
-    scheduling=st.sampled_from(["iteration", "request"]),
-    kv_policy=st.sampled_from(["lazy", "reserve"]),
-    chunked=st.booleans(),
-    max_num_seqs=st.integers(1, 6),
-    extra_budget=st.integers(0, 20),
+    config=scheduler_configs(max_extra_budget=20),
     extra_blocks=st.integers(0, 10),
     depth=st.sampled_from([1, 2]),
 )
-def test_random_shared_prefix_workloads_keep_every_invariant(
-    wl, scheduling, kv_policy, chunked, max_num_seqs, extra_budget, extra_blocks, depth
-):
+def test_random_shared_prefix_workloads_keep_every_invariant(wl, config, extra_blocks, depth):
     """Reference counts match the tables, nothing leaks or is freed twice, an evicted block is never
     in a live table, a block being written by a batch in flight is never read by another request,
     every output is the unshared one, and at the end no block is held (cached ones remain)."""
@@ -377,15 +371,7 @@ def test_random_shared_prefix_workloads_keep_every_invariant(
     longest = max(len(p) + m for _, p, m in arrivals)
     num_blocks = -(-longest // BS) + extra_blocks  # small: eviction and preemption are common
     runner = FakeRunner(num_kv_blocks=num_blocks, block_size=BS, max_model_len=num_blocks * BS)
-    budget = max_num_seqs + extra_budget
-    sched = make(
-        runner,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=budget,
-        chunked_prefill=chunked,
-        scheduling=scheduling,
-        kv_policy=kv_policy,
-    )
+    sched = make(runner, config)
     reqs = [request(f"r{i}", p, m) for i, (_, p, m) in enumerate(arrivals)]
     pending = list(zip(arrivals, reqs, strict=True))
     in_flight: list[tuple[ScheduledStep, list]] = []  # (step, its sampled tokens), oldest first

@@ -9,7 +9,7 @@ import threading
 from collections.abc import AsyncIterator
 
 import pytest
-from fakes import wait_until
+from waiting import wait_until
 
 from engine.contract import SamplingParams
 from scheduler.config import SchedulerConfig
@@ -99,7 +99,7 @@ async def test_a_worker_dying_while_idle_is_restarted_before_the_next_request(lo
     engine = loops(runner)
     await engine.start()
     runner.kill()
-    await wait_until(lambda: runner.num_restarts == 1, steps=1000)  # IDLE_WATCH_S polls
+    await wait_until(lambda: runner.num_restarts == 1)  # IDLE_WATCH_S polls
     deltas = await collect(engine.generate([1, 2, 3], SamplingParams(max_tokens=3), "r"))
     assert deltas[-1].finish_reason is FinishReason.LENGTH
 
@@ -176,7 +176,7 @@ async def test_cached_prefixes_are_forgotten_with_the_cache_they_were_in(loops) 
     before = await collect(engine.generate(prompt, params, "before"))
     assert engine.stats().prefix_cache.queries > 0
     runner.kill()
-    await wait_until(lambda: runner.num_restarts == 1, steps=1000)
+    await wait_until(lambda: runner.num_restarts == 1)
     after = await collect(engine.generate(prompt, params, "after"))
     assert after[-1].finish_reason is FinishReason.LENGTH
     assert [t for d in after for t in d.token_ids] == [t for d in before for t in d.token_ids]

@@ -9,17 +9,20 @@ from dataclasses import dataclass, field
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from strategies import scheduler_configs
 
 from engine.contract import SampledToken, SamplingParams
 from scheduler.block_allocator import BlockAllocator, NoFreeBlocksError, blocks_for_tokens
 from scheduler.config import SchedulerConfig
 from scheduler.core import ScheduledStep, Scheduler
-from scheduler.fake_runner import FakeRunner, hash_next_token
+from scheduler.fake_runner import FakeDetokenizer, FakeRunner, hash_next_token
+from scheduler.output_text import start_output
 from scheduler.outputs import FinishReason
 from scheduler.request import Request, RequestStatus
 from scheduler.stop import check_stop
 
 EOS = 2
+DETOK = FakeDetokenizer()
 
 
 def expected_outputs(prompt: Sequence[int], n: int) -> list[int]:
@@ -30,15 +33,18 @@ def expected_outputs(prompt: Sequence[int], n: int) -> list[int]:
     return context[len(prompt) :]
 
 
-def make(runner: FakeRunner, **cfg) -> Scheduler:
-    config = SchedulerConfig(**cfg)
-    max_len = min(runner.max_model_len, runner.num_kv_blocks * runner.block_size)
-    return Scheduler(config, runner.num_kv_blocks, runner.block_size, max_len, runner.eos_token_ids)
+def make(runner: FakeRunner, config: SchedulerConfig | None = None, **cfg) -> Scheduler:
+    return Scheduler.for_executor(config or SchedulerConfig(**cfg), runner)
+
+
+def prompt_of(rid: str, prompt_len: int) -> list[int]:
+    return [10 + zlib.crc32(f"{rid}:{i}".encode()) % 1000 for i in range(prompt_len)]  # stable across runs
 
 
 def req(rid: str, prompt_len: int, max_tokens: int = 4, **params) -> Request:
-    prompt = [10 + zlib.crc32(f"{rid}:{i}".encode()) % 1000 for i in range(prompt_len)]  # stable across runs
-    return Request(rid, prompt, SamplingParams(max_tokens=max_tokens, **params))
+    prompt = prompt_of(rid, prompt_len)
+    sampling = SamplingParams(max_tokens=max_tokens, **params)
+    return Request(rid, prompt, sampling, output_text=start_output(DETOK, prompt, sampling))
 
 
 def run_step(sched: Scheduler, runner: FakeRunner) -> tuple[ScheduledStep, list[Request]]:
@@ -154,21 +160,20 @@ def test_model_max_length_stops():
     r.output_token_ids = [7, 8, 9]
     assert check_stop(r, {EOS}, max_model_len=9) is None
     r.output_token_ids.append(10)
-    assert check_stop(r, {EOS}, max_model_len=9) is RequestStatus.FINISHED_LENGTH
+    assert check_stop(r, {EOS}, max_model_len=9) is FinishReason.LENGTH
 
 
-def test_external_finish_and_abort():
+def test_abort():
     runner = FakeRunner()
     sched = make(runner)
-    a, b, c = req("a", 3, max_tokens=50), req("b", 3, max_tokens=50), req("c", 3)
-    for r in (a, b, c):
+    a, b = req("a", 3, max_tokens=50), req("b", 3)
+    for r in (a, b):
         sched.add(r)
     run_step(sched, runner)
-    assert [r.request_id for r in sched.finish("a")] == ["a"]
-    assert [r.request_id for r in sched.abort("b")] == ["b"]
-    assert sched.abort("b") == [] and sched.abort("nope") == [] and sched.finish("a") == []
-    assert a.finish_reason is FinishReason.STOP and b.finish_reason is FinishReason.ABORT
-    assert used_blocks(sched) == sched.allocator.num_used  # only c's
+    assert [r.request_id for r in sched.abort("a")] == ["a"]
+    assert sched.abort("a") == [] and sched.abort("nope") == []
+    assert a.finish_reason is FinishReason.ABORT
+    assert used_blocks(sched) == sched.allocator.num_used  # only b's
     drain(sched, runner)
     assert sched.allocator.num_free == runner.num_kv_blocks
 
@@ -327,7 +332,8 @@ def test_request_level_admits_nothing_while_its_batch_runs_and_returns_at_batch_
 class Workload:
     arrivals: list[tuple[int, int, int]]  # (arrival step, prompt length, max_tokens)
     aborts: dict[int, list[int]] = field(default_factory=dict)  # step -> request indices
-    finishes: dict[int, list[int]] = field(default_factory=dict)
+    # request index -> the output token whose text is the request's stop string
+    stop_at: dict[int, int] = field(default_factory=dict)
 
 
 @st.composite
@@ -338,43 +344,47 @@ def workloads(draw):
     ]
     arrivals.sort(key=lambda a: a[0])
     aborts: dict[int, list[int]] = {}
-    finishes: dict[int, list[int]] = {}
     for i in draw(st.lists(st.integers(0, n - 1), max_size=3)):
         aborts.setdefault(draw(st.integers(0, 60)), []).append(i)
-    for i in draw(st.lists(st.integers(0, n - 1), max_size=2)):
-        finishes.setdefault(draw(st.integers(0, 60)), []).append(i)
-    return Workload(arrivals, aborts, finishes)
+    stop_at = {i: draw(st.integers(1, 16)) for i in draw(st.lists(st.integers(0, n - 1), max_size=3))}
+    return Workload(arrivals, aborts, stop_at)
+
+
+def stop_point(tokens: Sequence[int], stop: str) -> int | None:
+    """Reference: after how many of `tokens` the decoded text first holds `stop`."""
+    text = ""
+    for i, t in enumerate(tokens):
+        text += DETOK.text(t)
+        if stop in text:
+            return i + 1
+    return None
 
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(
     wl=workloads(),
-    scheduling=st.sampled_from(["iteration", "request"]),
-    kv_policy=st.sampled_from(["lazy", "reserve"]),
-    chunked=st.booleans(),
-    max_num_seqs=st.integers(1, 6),
-    extra_budget=st.integers(0, 30),
+    config=scheduler_configs(max_extra_budget=30),
     block_size=st.sampled_from([1, 2, 4]),
     extra_blocks=st.integers(0, 12),
 )
-def test_random_workloads_keep_every_invariant(
-    wl, scheduling, kv_policy, chunked, max_num_seqs, extra_budget, block_size, extra_blocks
-):
+def test_random_workloads_keep_every_invariant(wl, config, block_size, extra_blocks):
     longest = max(p + m for _, p, m in wl.arrivals)
     num_blocks = blocks_for_tokens(longest, block_size) + extra_blocks  # small: preemption is common
     runner = FakeRunner(
         num_kv_blocks=num_blocks, block_size=block_size, max_model_len=num_blocks * block_size
     )
-    budget = max_num_seqs + extra_budget
-    sched = make(
-        runner,
-        max_num_seqs=max_num_seqs,
-        max_num_batched_tokens=budget,
-        chunked_prefill=chunked,
-        scheduling=scheduling,
-        kv_policy=kv_policy,
-    )
-    reqs = [req(f"r{i}", p, max_tokens=m) for i, (_, p, m) in enumerate(wl.arrivals)]
+    sched = make(runner, config)
+    max_num_seqs, budget, chunked = config.max_num_seqs, config.max_num_batched_tokens, config.chunked_prefill
+    scheduling, kv_policy = config.scheduling, config.kv_policy
+    # A stop string: the text of the stop_at-th token the fake model says for that prompt.
+    stops = {
+        i: DETOK.text(expected_outputs(prompt_of(f"r{i}", wl.arrivals[i][1]), k)[-1])
+        for i, k in wl.stop_at.items()
+    }
+    reqs = [
+        req(f"r{i}", p, max_tokens=m, stop=(stops[i],) if i in stops else ())
+        for i, (_, p, m) in enumerate(wl.arrivals)
+    ]
     index = {r.request_id: i for i, r in enumerate(reqs)}
     admitted: list[int] = []  # request indices in order of first admission
     released: list[Request] = []
@@ -385,8 +395,6 @@ def test_random_workloads_keep_every_invariant(
             sched.add(pending.pop(0)[1])
         for i in wl.aborts.get(step_no, []):
             released += sched.abort(reqs[i].request_id)
-        for i in wl.finishes.get(step_no, []):
-            released += sched.finish(reqs[i].request_id)
         was_running = {id(r) for r in sched.running}
         batch_before = [r for r in sched.running]
         step = sched.schedule()
@@ -426,8 +434,17 @@ def test_random_workloads_keep_every_invariant(
         assert r.is_finished
         want = expected_outputs(r.prompt_token_ids, r.num_output_tokens)
         assert r.output_token_ids == want  # the fake model's sequence, preempted or not
+        # A stop string ends its request at the token that completes it (the fake model never says EOS).
+        stop = r.sampling.stop[0] if r.sampling.stop else None
+        at = (
+            None
+            if stop is None
+            else stop_point(expected_outputs(r.prompt_token_ids, r.sampling.max_tokens), stop)
+        )
         if r.status is RequestStatus.FINISHED_LENGTH:
-            assert r.num_output_tokens == r.sampling.max_tokens
+            assert r.num_output_tokens == r.sampling.max_tokens and at is None
+        if r.status is RequestStatus.FINISHED_STOPPED:
+            assert r.num_output_tokens == at
         assert r.status is not RequestStatus.FINISHED_ERROR
 
 

@@ -22,12 +22,22 @@ async def run_engine(runner: FakeRunner, requests, **config) -> tuple[list[StepR
     """Run requests [(id, prompt, max_tokens, start after this many steps)] to their end."""
     engine = IterationLoop(runner, SchedulerConfig(**config))
     reports: list[StepReport] = []
-    engine.add_step_listener(reports.append)
+    # Set on the loop thread by the listener the moment the n-th report arrives (an event, not a
+    # poll: a poll could let the engine run several more steps before the request arrives).
+    reached = {after: asyncio.Event() for *_, after in requests}
+
+    def on_step(report: StepReport) -> None:
+        reports.append(report)
+        for n, event in reached.items():
+            if len(reports) >= n:
+                event.set()
+
+    engine.add_step_listener(on_step)
     await engine.start()
 
     async def one(rid, ids, max_tokens, after):
-        while len(reports) < after:
-            await asyncio.sleep(0)
+        if after:
+            await reached[after].wait()
         return rid, [d async for d in engine.generate(ids, SamplingParams(max_tokens=max_tokens), rid)]
 
     try:

@@ -76,7 +76,7 @@ def test_flags_that_conflict_are_refused_by_the_parser(capsys):
 def test_benchmarks_take_the_servers_engine_and_scheduler_flags():
     from engine import bench as engine_bench
     from engine import parallel_bench
-    from scheduler import bench as scheduler_bench
+    from loadtest import inprocess as scheduler_bench
 
     flags = ["--model", "m", "--dtype", "float32", "--block-size", "32", "--max-num-seqs", "4"]
     for module in (engine_bench, parallel_bench, scheduler_bench):

@@ -11,9 +11,10 @@ import socket
 import time
 
 import httpx
-from fakes import FakeRunner, drained, live_server, loop_of, make_app, wait_until
+from fakes import FakeRunner, drained, live_server, loop_of, make_app
+from waiting import wait_until
 
-from loadtest.launcher import LOOPBACK
+from engine.ports import LOOPBACK
 
 
 def _connect(url: str, rcvbuf: int | None = None) -> socket.socket:
@@ -56,61 +57,63 @@ async def test_connections_past_the_cap_get_a_fast_503(tokenizer):
         # Three idle connections (a flood that sends nothing) fill the cap.
         idle = [_connect(url) for _ in range(3)]
         try:
-            await asyncio.sleep(0.2)  # accepted by the server
             async with httpx.AsyncClient(base_url=url, timeout=10) as http:
-                t0 = time.perf_counter()
-                r = await http.get("/health")
-                assert r.status_code == 503 and time.perf_counter() - t0 < 5
+
+                async def refused_fast() -> bool:
+                    # Each probe is a fourth connection: once the server has accepted the three idle
+                    # ones, it is answered 503 at once (before the app runs), not queued.
+                    t0 = time.perf_counter()
+                    r = await http.get("/health")
+                    return r.status_code == 503 and time.perf_counter() - t0 < 5
+
+                await wait_until(refused_fast, poll_s=0.05)
         finally:
             for s in idle:
                 s.close()
-        await asyncio.sleep(0.2)
         async with httpx.AsyncClient(base_url=url, timeout=10) as http:
-            for _ in range(50):  # the server sees the closed connections go within a few turns
-                if (await http.get("/health")).status_code == 200:
+
+            async def served() -> bool:  # the server sees the closed connections go
+                return (await http.get("/health")).status_code == 200
+
+            await wait_until(served, poll_s=0.05)
+
+
+BODY = json.dumps({"prompt": "hello", "max_tokens": 2}).encode()
+
+
+async def _trickle(
+    tokenizer, body_timeout_s: float, pieces: list[bytes], pause_s: float
+) -> tuple[bytes, FakeRunner]:
+    """A completions request whose body arrives in `pieces`, pause_s apart (stopping once the server
+    answers): the head of the answer, and the runner behind the server."""
+    runner = FakeRunner()
+    app = make_app(tokenizer, runner, body_timeout_s=body_timeout_s)
+    async with live_server(app) as url:
+        sock = _connect(url)
+        try:
+            await _send(sock, _request_head("/v1/completions", len(BODY)))
+            reader = asyncio.ensure_future(_read_response(sock))
+            for piece in pieces:
+                if reader.done():
                     break
-                await asyncio.sleep(0.1)
-            assert (await http.get("/health")).status_code == 200
+                await _send(sock, piece)
+                await asyncio.sleep(pause_s)  # pacing the client, not waiting for the server
+            return await reader, runner
+        finally:
+            sock.close()
 
 
 async def test_a_body_sent_a_byte_at_a_time_gets_408(tokenizer):
-    runner = FakeRunner()
-    app = make_app(tokenizer, runner, body_timeout_s=0.5)
-    body = json.dumps({"prompt": "hello", "max_tokens": 2}).encode()
-    async with live_server(app) as url:
-        sock = _connect(url)
-        try:
-            await _send(sock, _request_head("/v1/completions", len(body)))
-            reader = asyncio.ensure_future(_read_response(sock))
-            for byte in body[:-1]:  # never the last byte
-                if reader.done():
-                    break
-                await _send(sock, bytes([byte]))
-                await asyncio.sleep(0.05)
-            head = await reader
-        finally:
-            sock.close()
-        assert head.startswith(b"HTTP/1.1 408"), head[:200]
-        assert b"body_timeout" in head
-        # Nothing reached the engine.
-        assert runner.num_steps == 0
+    # Byte by byte, and never the last one: the body cannot be whole within the limit.
+    head, runner = await _trickle(tokenizer, 0.5, [bytes([b]) for b in BODY[:-1]], pause_s=0.05)
+    assert head.startswith(b"HTTP/1.1 408"), head[:200]
+    assert b"body_timeout" in head
+    assert runner.num_steps == 0  # nothing reached the engine
 
 
 async def test_a_body_within_the_time_limit_is_served(tokenizer):
-    runner = FakeRunner()
-    app = make_app(tokenizer, runner, body_timeout_s=5.0)
-    body = json.dumps({"prompt": "hello", "max_tokens": 2}).encode()
-    async with live_server(app) as url:
-        sock = _connect(url)
-        try:
-            await _send(sock, _request_head("/v1/completions", len(body)))
-            await _send(sock, body[:5])
-            await asyncio.sleep(0.1)
-            await _send(sock, body[5:])
-            head = await _read_response(sock)
-        finally:
-            sock.close()
-        assert head.startswith(b"HTTP/1.1 200"), head[:200]
+    head, _ = await _trickle(tokenizer, 5.0, [BODY[:5], BODY[5:]], pause_s=0.1)
+    assert head.startswith(b"HTTP/1.1 200"), head[:200]
 
 
 async def test_a_stream_that_is_never_read_is_aborted(tokenizer):
@@ -137,9 +140,7 @@ async def test_a_stream_that_is_never_read_is_aborted(tokenizer):
         try:
             await _send(sock, _request_head("/v1/completions", len(body)) + body)
             await wait_until(lambda: engine.stats().running == 8)
-            deadline = time.monotonic() + 60
-            while engine.stats().running and time.monotonic() < deadline:
-                await asyncio.sleep(0.05)
+            await wait_until(lambda: engine.stats().running == 0, timeout_s=60, poll_s=0.05)
             stats = engine.stats()
             # Aborted while the client is still connected, not finished: far fewer steps than tokens.
             assert stats.running == 0 and stats.kv_blocks_used == 0, stats

@@ -18,6 +18,7 @@ import pytest
 from fakes import FakeRunner, fake_loader, parse_sse, running_app, server_config
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from waiting import wait_until
 
 from server.app import create_app
 from server.tokenizer import ServerTokenizer
@@ -164,7 +165,7 @@ def fuzz_app(request, smollm2_tokenizer_dir):
         config = server_config(model=MODEL, **limits)
         loader = fake_loader(tokenizer, FakeRunner(max_model_len=64, num_kv_blocks=64))
     else:
-        from server.loader import load_model
+        from server.loader import load_served_model
 
         tiny = request.getfixturevalue("tiny_llama_dir")
         config = server_config(
@@ -178,7 +179,7 @@ def fuzz_app(request, smollm2_tokenizer_dir):
         )
 
         def loader():
-            return load_model(config)
+            return load_served_model(config)
 
     app = create_app(config, loader)
     loop = asyncio.new_event_loop()
@@ -287,11 +288,12 @@ def test_fuzz_openapi_routes(fuzz_app) -> None:
     assert statuses[200] > 0 and any(400 <= s < 500 for s in statuses)
     # Nothing leaked: every request's KV blocks and queue entries are gone once the loop settles.
     engine = app.state.server.loop
-    for _ in range(200):
+
+    def settled() -> bool:
         stats = engine.stats()
-        if stats.running == stats.waiting == stats.kv_blocks_used == 0:
-            break
-        loop.run_until_complete(asyncio.sleep(0.01))
+        return stats.running == stats.waiting == stats.kv_blocks_used == 0
+
+    loop.run_until_complete(wait_until(settled))
     stats = engine.stats()
     assert (stats.running, stats.waiting, stats.kv_blocks_used) == (0, 0, 0)
     assert engine.is_running

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 
-from fakes import wait_until
+from waiting import wait_until
 
 from scheduler.outputs import StepReport
 from server.live_feed import FeedLimits, IterationFeed
@@ -38,8 +38,8 @@ async def test_the_listener_only_keeps_a_bounded_history_while_nobody_watches():
     feed = IterationFeed(FeedLimits(history=8))
     for step in range(1, 21):
         feed.on_step(report(step))
-    await asyncio.sleep(0)
-    assert feed.messages_sent == 0 and feed.num_viewers == 0  # no sender task, no JSON
+    assert not [t for t in asyncio.all_tasks() if t.get_name() == "orca-live-feed"]  # no sender task
+    assert feed.messages_sent == 0 and feed.num_viewers == 0  # no JSON
     stream = feed.subscribe()
     backlog = await next_message(stream)
     assert [s["step"] for s in backlog["steps"]] == list(range(13, 21))  # the newest 8 kept

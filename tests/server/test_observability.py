@@ -20,43 +20,6 @@ from fakes import (
 
 from server.middleware import RequestIdFilter
 
-
-@pytest.fixture
-async def client(tokenizer):
-    async with running_app(make_app(tokenizer)) as c:
-        yield c
-
-
-async def test_metrics(client):
-    await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
-    text = (await client.get("/metrics")).text
-    for name in (
-        "vllm:num_requests_running",
-        "vllm:num_requests_waiting",
-        "vllm:kv_cache_usage_perc",
-        "vllm:num_preemptions_total",
-        "vllm:prompt_tokens_total",
-        "vllm:generation_tokens_total",
-        "vllm:time_to_first_token_seconds_bucket",
-        "vllm:time_per_output_token_seconds_bucket",
-        "vllm:e2e_request_latency_seconds_bucket",
-        "vllm:iteration_tokens_total_bucket",
-    ):
-        assert name in text, name
-    assert f'vllm:generation_tokens_total{{model_name="{MODEL}"}} 3.0' in text
-    prompt_tokens = len((await client.post("/tokenize", json={"prompt": "Hello"})).json()["tokens"])
-    assert f'vllm:prompt_tokens_total{{model_name="{MODEL}"}} {float(prompt_tokens)}' in text
-    assert f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}} 1.0' in text
-
-
-async def test_two_apps_in_one_process_keep_separate_metrics(tokenizer):
-    async with running_app(make_app(tokenizer)) as a, running_app(make_app(tokenizer)) as b:
-        await a.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
-        assert f'vllm:generation_tokens_total{{model_name="{MODEL}"}} 2.0' in (await a.get("/metrics")).text
-        # b's series exists from the start, at 0: a's tokens are not counted there.
-        assert f'vllm:generation_tokens_total{{model_name="{MODEL}"}} 0.0' in (await b.get("/metrics")).text
-
-
 VLLM_NAMES = [
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
@@ -70,6 +33,33 @@ VLLM_NAMES = [
     "vllm:request_queue_time_seconds_count",
     "vllm:iteration_tokens_total_count",
 ]
+
+
+@pytest.fixture
+async def client(tokenizer):
+    async with running_app(make_app(tokenizer)) as c:
+        yield c
+
+
+async def test_metrics(client):
+    await client.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 3})
+    text = (await client.get("/metrics")).text
+    for name in VLLM_NAMES:
+        assert name in text, name
+    for histogram in ("time_to_first_token_seconds", "e2e_request_latency_seconds", "iteration_tokens_total"):
+        assert f"vllm:{histogram}_bucket" in text, histogram
+    assert f'vllm:generation_tokens_total{{model_name="{MODEL}"}} 3.0' in text
+    prompt_tokens = len((await client.post("/tokenize", json={"prompt": "Hello"})).json()["tokens"])
+    assert f'vllm:prompt_tokens_total{{model_name="{MODEL}"}} {float(prompt_tokens)}' in text
+    assert f'vllm:request_success_total{{finished_reason="length",model_name="{MODEL}"}} 1.0' in text
+
+
+async def test_two_apps_in_one_process_keep_separate_metrics(tokenizer):
+    async with running_app(make_app(tokenizer)) as a, running_app(make_app(tokenizer)) as b:
+        await a.post("/v1/completions", json={"prompt": "Hello", "max_tokens": 2})
+        assert f'vllm:generation_tokens_total{{model_name="{MODEL}"}} 2.0' in (await a.get("/metrics")).text
+        # b's series exists from the start, at 0: a's tokens are not counted there.
+        assert f'vllm:generation_tokens_total{{model_name="{MODEL}"}} 0.0' in (await b.get("/metrics")).text
 
 
 async def test_metrics_use_vllm_names(client):

@@ -13,7 +13,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from fakes import free_port
+from fakes import SERVER_START_TIMEOUT_S
+from waiting import wait_for
+
+from engine.ports import free_tcp_port
 
 ROOT = Path(__file__).resolve().parents[2]
 SERVER_SCRIPT = """
@@ -32,7 +35,7 @@ raise SystemExit(serve(create_app(config, fake_loader(ServerTokenizer.from_pretr
 
 
 def start_server(tokenizer_dir: Path, grace: float) -> tuple[subprocess.Popen[bytes], str]:
-    port = free_port()
+    port = free_tcp_port()
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "tests"), str(ROOT)])}
     proc = subprocess.Popen(
         [sys.executable, "-c", SERVER_SCRIPT, str(tokenizer_dir), str(port), str(grace)],
@@ -42,20 +45,21 @@ def start_server(tokenizer_dir: Path, grace: float) -> tuple[subprocess.Popen[by
         stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
-    for _ in range(600):  # up to ~60 s of start-up on a loaded machine
+
+    def healthy() -> bool:
         if proc.poll() is not None:
             raise AssertionError(proc.stdout.read().decode() if proc.stdout else "server exited")
         try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return proc, url
+            return httpx.get(url + "/health", timeout=1).status_code == 200
         except httpx.TransportError:
-            pass
-        try:
-            proc.wait(timeout=0.1)
-        except subprocess.TimeoutExpired:
-            pass
-    proc.kill()
-    raise AssertionError("the server did not become healthy")
+            return False
+
+    try:
+        wait_for(healthy, SERVER_START_TIMEOUT_S, poll_s=0.1)
+    except AssertionError:
+        proc.kill()
+        raise
+    return proc, url
 
 
 @pytest.fixture

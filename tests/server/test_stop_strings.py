@@ -1,84 +1,13 @@
-"""Stop strings: the hold-back matcher against a reference, a cut that does not depend on how the text
-is chunked, and over the API: no prefix of a stop string is ever emitted, and a match frees the request."""
+"""Stop strings over the API: the text is cut before the earliest one, streamed or not, no prefix of a
+stop string is ever emitted, and a match ends the request in the step that completed it. (The matcher
+itself is tested in tests/scheduler/test_stop.py.)"""
 
 from __future__ import annotations
 
 import pytest
-from fakes import (
-    FakeRunner,
-    joined,
-    make_app,
-    parse_sse,
-    running_app,
-    scripted_client,
-    wait_until,
-)
-from hypothesis import example, given
-from hypothesis import strategies as st
-
-from server.stop_strings import StopStringMatcher
+from fakes import FakeRunner, joined, make_app, parse_sse, running_app, scripted_client
 
 CHAT = [{"role": "user", "content": "Say something."}]
-
-
-def run_matcher(stops: list[str], chunks: list[str]) -> tuple[list[str], bool]:
-    m = StopStringMatcher(stops)
-    out = []
-    for chunk in chunks:
-        out.append(m.feed(chunk))
-        if m.matched is not None:
-            return out, True
-    out.append(m.flush())
-    return out, m.matched is not None  # flush() acts on a stop that completed under a longer candidate
-
-
-@given(
-    text=st.text(alphabet="abc ", max_size=40),
-    cuts=st.lists(st.integers(min_value=0, max_value=40), max_size=12),
-    stops=st.lists(st.text(alphabet="abc ", min_size=1, max_size=4), min_size=1, max_size=4),
-)
-@example(text=" a", cuts=[1], stops=["a", " aa"])  # "a" completes while " aa" is pending: flush decides
-def test_stop_matcher_matches_reference(text, cuts, stops):
-    bounds = sorted({0, len(text), *(c for c in cuts if c <= len(text))})
-    chunks = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
-    out, matched = run_matcher(stops, chunks)
-    # Reference: cut at the earliest occurrence of any stop string.
-    hits = [text.find(s) for s in stops if s in text]
-    expected = text[: min(hits)] if hits else text
-    assert "".join(out) == expected
-    assert matched == bool(hits)
-    # Never emitted: a prefix of a stop string that later completes, so the emitted text at every
-    # point is a prefix of the final text.
-    emitted = ""
-    for piece in out:
-        emitted += piece
-        assert expected.startswith(emitted)
-
-
-def test_stop_matcher_holds_only_what_may_match():
-    m = StopStringMatcher(["</end>"])
-    assert m.feed("hello </") == "hello "
-    assert m.held == "</"
-    assert m.feed("b>") == "</b>"
-    assert m.feed("x</en") == "x"
-    assert m.feed("d>tail") == "" and m.matched == "</end>"
-
-
-@pytest.mark.parametrize("chunks", [["aba"], ["ab", "a"], ["a", "b", "a"], ["a", "ba"]])
-def test_stop_cut_is_the_same_for_every_chunking(chunks):
-    from server.stop_strings import StopStringMatcher
-
-    m = StopStringMatcher(["b", "aba"])
-    out = "".join(m.feed(c) for c in chunks)
-    assert (out, m.matched) == ("", "aba")  # "aba" starts first, though "b" completes first
-
-
-def test_stop_that_completed_while_a_longer_one_was_pending_is_applied_at_the_end():
-    from server.stop_strings import StopStringMatcher
-
-    m = StopStringMatcher(["b", "aba"])
-    assert m.feed("ab") == "" and m.matched is None  # "aba" may still come
-    assert m.flush() == "a" and m.matched == "b"  # the text ended: "b" it is
 
 
 def assert_never_emits_stop_prefix(events: list, stops: list[str]) -> None:
@@ -124,7 +53,35 @@ async def test_stop_string_frees_the_request(tokenizer):
             await client.post("/v1/completions", json={"prompt": "p", "max_tokens": 200, "stop": " STOP"})
         ).json()
         assert body["choices"][0] == {"index": 0, "text": "a b c", "logprobs": None, "finish_reason": "stop"}
-        assert body["usage"]["completion_tokens"] < 10  # finish() ended it; it did not run to max_tokens
-        engine = app.state.server.loop
-        await wait_until(lambda: engine.stats().running == 0 and engine.stats().kv_blocks_used == 0)
-        assert engine.stats().waiting == 0
+        # It ended at the token that completed " STOP", whose step also freed its blocks: both before
+        # the final delta, so before the response.
+        stopped_at = len(tokenizer.encode("a b c STOP", add_special_tokens=False))
+        assert body["usage"]["completion_tokens"] == stopped_at == runner.num_steps
+        stats = app.state.server.loop.stats()
+        assert (stats.running, stats.waiting, stats.kv_blocks_used) == (0, 0, 0)
+
+
+async def test_stop_string_logprobs_cover_the_emitted_text(tokenizer):
+    text = "Hello world. The end is near."
+    async with scripted_client(tokenizer, text) as client:
+        req = {"prompt": "p", "max_tokens": 20, "stop": "d. T", "logprobs": 1}
+        body = (await client.post("/v1/completions", json=req)).json()
+        choice = body["choices"][0]
+        assert choice["text"] == "Hello worl" and choice["finish_reason"] == "stop"
+        # Every token whose text starts before the cut (the one that holds "worl" included), no more.
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        starts = [len(tokenizer.decode(ids[:i])) for i in range(len(ids))]
+        kept = [i for i, start in enumerate(starts) if start < len("Hello worl")]
+        tokens, offsets = choice["logprobs"]["tokens"], choice["logprobs"]["text_offset"]
+        assert tokens == [tokenizer.token_text(ids[i]) for i in kept] and offsets == [starts[i] for i in kept]
+        assert len(kept) < len(ids) - 1  # the tokens of the stop string are not reported
+        events = parse_sse((await client.post("/v1/completions", json={**req, "stream": True})).text)
+        streamed = [
+            t
+            for e in events
+            if e != "[DONE]"
+            for c in e["choices"]
+            if c["logprobs"]
+            for t in c["logprobs"]["tokens"]
+        ]
+        assert streamed == tokens

@@ -1,7 +1,7 @@
 """Micro-benchmark of the quantized-linear kernel: every variant this CPU runs, both precisions, next
 to torch's float32 and bfloat16 matmuls on the same (dequantized) weight, interleaved and repeated.
 
-    python -m models.kernels.microbench [--rows 1,8,32,64,512] [--shape 3072x576] [--format Q4_1]
+    python -m engine.kernel_bench [--rows 1,8,32,64,512] [--shape 3072x576] [--format Q4_1]
 
 Prints, per number of rows of x, the median time of each path and what it reached: GB/s of weight
 bytes read (the bound at few rows) and GFLOP/s (at many). Interleaving the paths round by round keeps

@@ -1,7 +1,7 @@
 """A GGUF file's tensors under their HF names, read in place (memory-mapped), quantized ones kept as
 their raw blocks.
 
-gguf_convert.py writes a manifest (`gguf_weights.json`) next to the converted config and tokenizer:
+convert.py writes a manifest (`gguf_weights.json`) next to the converted config and tokenizer:
 the GGUF file, its size and mtime, and for every tensor the HF parameter name transformers' GGUF
 loader maps it to, its type, shape and byte range in the file, plus the row permutation transformers
 undoes on Llama's q/k projections (llama.cpp's converter interleaves their rotary halves). A load
@@ -29,14 +29,11 @@ import numpy as np
 import torch
 
 from models.errors import ModelLoadError
-from models.gguf_blocks import decodable, decode
-from models.layers.packed_weight import BlockComponents
+from models.gguf.blocks import decodable, decode_blocks
+from models.layers.packed_weight import BlockComponents, QuantizedBlocks
 
 MANIFEST = "gguf_weights.json"
 MANIFEST_VERSION = 2
-# GGUF architectures whose tensors transformers only renames (and, for llama, row-permutes q/k):
-# their raw blocks can be used as they are. Others are converted to float safetensors instead.
-NATIVE_ARCHITECTURES = ("llama", "qwen2")
 FLOAT_TYPES = ("F32", "F16", "BF16")
 
 
@@ -48,7 +45,7 @@ def reverse_permute_rows(rows: np.ndarray, n_head: int) -> np.ndarray:
 
 
 @dataclass
-class QuantizedTensor:
+class QuantizedTensor(QuantizedBlocks):
     """A 2-D weight [rows, cols] (HF orientation) as a GGUF type's raw blocks: uint8 [rows, bytes]."""
 
     ggml_type: str
@@ -75,7 +72,7 @@ class QuantizedTensor:
         return QuantizedTensor(self.ggml_type, (rows, length), self.raw[:, b0:b1])
 
     def components(self) -> BlockComponents:
-        return decode(self.ggml_type, self.raw, self.shape[1])
+        return decode_blocks(self.ggml_type, self.raw, self.shape[1])
 
     def dequantize(self) -> torch.Tensor:
         from gguf import GGMLQuantizationType, quants

@@ -6,14 +6,13 @@ projections as Conv1D weights [in, out]; they are transposed to nn.Linear's [out
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from models.base import CausalLMBase, WeightItem, absent_layer_prefixes, stage_layers
+from models.base import CausalLMBase, stage_layers
+from models.family import ModelFamily, WeightNames
 from models.layers.activation import get_gelu
 from models.layers.attention import Attention, AttentionStep
 from models.layers.linear import (
@@ -27,9 +26,19 @@ from models.layers.metadata import AttentionMetadata, KVCache
 from models.layers.norm import LayerNorm
 from models.layers.parallel import SINGLE, SINGLE_STAGE, PPContext, TPContext
 
-# Causal-mask buffers of old checkpoints; the attention op does its own masking.
-_IGNORED_SUFFIXES = (".attn.bias", ".attn.masked_bias")
-_CONV1D_SUFFIXES = (".c_attn.weight", ".c_proj.weight", ".c_fc.weight")
+GPT2_WEIGHT_NAMES = WeightNames(
+    layers="transformer.h.",
+    first_stage=("transformer.wte.", "transformer.wpe."),
+    last_stage=("transformer.ln_f.",),
+    embedding="transformer.wte.weight",
+    # HF stores the projections as Conv1D weights [in, out]; c_attn holds q, k and v in one tensor.
+    transposed=(".c_attn.weight", ".c_proj.weight", ".c_fc.weight"),
+    split=((".c_attn.", ("q", "k", "v")),),
+    # Causal-mask buffers of old checkpoints; the attention op does its own masking.
+    ignored=(".attn.bias", ".attn.masked_bias"),
+    # Some GPT-2 checkpoints (the original "gpt2") have no "transformer." prefix.
+    prefix="transformer.",
+)
 
 
 class PositionEmbedding(nn.Module):
@@ -128,11 +137,10 @@ class GPT2LMHeadModel(CausalLMBase):
         self.head_dim = config.n_embd // config.n_head
         self.hidden_size = config.n_embd
         self.vocab_size = config.vocab_size
-        self.absent_prefixes = absent_layer_prefixes("transformer.h.", config.n_layer, pp)
-        if not pp.is_first:
-            self.absent_prefixes += ("transformer.wte.", "transformer.wpe.")
-        if not pp.is_last:
-            self.absent_prefixes += ("transformer.ln_f.",)
+        self.tie_word_embeddings = True
+
+    def decoder_layers(self) -> list[nn.Module]:
+        return list(self.transformer.h[self.stage_layers.start : self.stage_layers.stop])
 
     def forward(
         self,
@@ -146,34 +154,16 @@ class GPT2LMHeadModel(CausalLMBase):
         t = self.transformer
         embedded = t.wte(input_ids) + t.wpe(positions) if t.wte is not None and t.wpe is not None else None
         hidden = self.stage_input(embedded, hidden_states)  # [T, hidden]
-        for block, kv_cache in zip(
-            t.h[self.stage_layers.start : self.stage_layers.stop], kv_caches, strict=True
-        ):
+        for block, kv_cache in zip(self.decoder_layers(), kv_caches, strict=True):
             hidden = block(hidden, kv_cache, step)
         return hidden if t.ln_f is None else t.ln_f(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.load_mapped_weights(self._map_names(weights))
 
-    def _map_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[WeightItem]:
-        for hf_name, tensor in weights:
-            if hf_name.endswith(_IGNORED_SUFFIXES) or hf_name == "lm_head.weight":
-                continue  # lm_head is tied to wte
-            # Some GPT-2 checkpoints (the original "gpt2") have no "transformer." prefix.
-            name = hf_name if hf_name.startswith("transformer.") else f"transformer.{hf_name}"
-            if name == "transformer.wte.weight" and not self.pp.is_first and self.pp.is_last:
-                yield hf_name, "lm_head.weight", tensor, None  # the tied head's own copy
-                continue
-            if name.endswith(_CONV1D_SUFFIXES):
-                if tensor.dim() != 2:
-                    yield hf_name, name, tensor, None  # the loader reports the bad shape
-                    continue
-                tensor = tensor.t()  # Conv1D [in, out] -> Linear [out, in]
-            if ".c_attn." in name:
-                if tensor.shape[0] % 3 != 0:
-                    yield hf_name, name, tensor, "q"  # mis-shaped: reported by the loader
-                    continue
-                for shard, part in zip(("q", "k", "v"), tensor.chunk(3, dim=0), strict=True):
-                    yield hf_name, name, part, shard
-            else:
-                yield hf_name, name, tensor, None
+# GPT-2 GGUF files are converted to float safetensors by transformers (its tensors are transposed and
+# fused differently), so no GGUFSupport; no native decode layout (LayerNorm, GELU, biases everywhere).
+FAMILY = ModelFamily(
+    name="gpt2",
+    architectures=("GPT2LMHeadModel",),
+    model=GPT2LMHeadModel,
+    weights=GPT2_WEIGHT_NAMES,
+)

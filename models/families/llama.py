@@ -1,4 +1,4 @@
-"""Llama family (Llama 2/3, Mistral, Qwen2, SmolLM) for selective batching.
+"""Llama (Llama 2/3, SmolLM) for selective batching; Mistral and Qwen2 reuse its layers (their own files).
 
 All linear layers, norms and the MLP run once over the flat [T, hidden] tokens of every request in the
 step; only the attention op splits per request. q/k/v and gate/up are fused into single matmuls.
@@ -6,13 +6,14 @@ step; only the attention op splits per request. q/k/v and gate/up are fused into
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from models.base import CausalLMBase, WeightItem, absent_layer_prefixes, stage_layers
+from models.base import CausalLMBase, stage_layers
+from models.family import GGUFSupport, ModelFamily, WeightNames
 from models.layers.activation import SiluAndMul
 from models.layers.attention import Attention, AttentionStep
 from models.layers.linear import (
@@ -22,42 +23,76 @@ from models.layers.linear import (
     VocabParallelEmbedding,
 )
 from models.layers.metadata import AttentionMetadata, KVCache
-from models.layers.native_decode import NativeDecodeLayers
+from models.layers.native_decode import DecodeLayerParts
 from models.layers.norm import RMSNorm
 from models.layers.parallel import SINGLE, SINGLE_STAGE, PPContext, TPContext
 from models.layers.rotary import RotaryEmbedding, rope_params_from_config
 
-# HF checkpoint names -> (our fused parameter, shard id)
-_STACKED = (
-    (".q_proj.", ".qkv_proj.", "q"),
-    (".k_proj.", ".qkv_proj.", "k"),
-    (".v_proj.", ".qkv_proj.", "v"),
-    (".gate_proj.", ".gate_up_proj.", 0),
-    (".up_proj.", ".gate_up_proj.", 1),
+# The checkpoint names of a Llama-layout model (Mistral and Qwen2 share them).
+LLAMA_WEIGHT_NAMES = WeightNames(
+    layers="model.layers.",
+    first_stage=("model.embed_tokens.",),
+    last_stage=("model.norm.", "lm_head."),
+    embedding="model.embed_tokens.weight",
+    stacked=(
+        (".q_proj.", ".qkv_proj.", "q"),
+        (".k_proj.", ".qkv_proj.", "k"),
+        (".v_proj.", ".qkv_proj.", "v"),
+        (".gate_proj.", ".gate_up_proj.", 0),
+        (".up_proj.", ".gate_up_proj.", 1),
+    ),
+    # Buffers some checkpoints carry that are recomputed here.
+    ignored=("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached"),
 )
-# Buffers some checkpoints carry that are recomputed here.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
 
 
-def llama_head_dim(config: PretrainedConfig) -> int:
-    return getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+@dataclass(frozen=True)
+class LlamaLayout:
+    """What varies between the families that share these layers, read off a config once."""
+
+    head_dim: int
+    num_kv_heads: int
+    qkv_bias: bool  # biases on q, k and v
+    o_bias: bool  # a bias on the attention output projection
+    mlp_bias: bool
+
+    @classmethod
+    def of(cls, config: PretrainedConfig) -> LlamaLayout:
+        """Llama's: `attention_bias` covers all four attention projections."""
+        attention_bias = bool(getattr(config, "attention_bias", False))
+        return cls(
+            head_dim=getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads,
+            num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+            qkv_bias=attention_bias,
+            o_bias=attention_bias,
+            mlp_bias=bool(getattr(config, "mlp_bias", False)),
+        )
 
 
 class LlamaAttention(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, dtype: torch.dtype, tp: TPContext):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layout: LlamaLayout,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+        tp: TPContext,
+    ):
         super().__init__()
-        head_dim = llama_head_dim(config)
-        num_kv_heads = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-        attention_bias = bool(getattr(config, "attention_bias", False))
-        # Qwen2 always has q/k/v biases (and no o_proj bias); Llama's attention_bias covers all four.
-        qkv_bias = attention_bias or config.model_type == "qwen2"
+        head_dim = layout.head_dim
         self.qkv_proj = QKVParallelLinear(
-            config.hidden_size, head_dim, config.num_attention_heads, num_kv_heads, qkv_bias, dtype, tp
+            config.hidden_size,
+            head_dim,
+            config.num_attention_heads,
+            layout.num_kv_heads,
+            layout.qkv_bias,
+            dtype,
+            tp,
         )
         self.o_proj = RowParallelLinear(
             config.num_attention_heads * head_dim,
             config.hidden_size,
-            attention_bias,
+            layout.o_bias,
             dtype,
             tp,
             input_shard=self.qkv_proj.q_shard,
@@ -74,11 +109,11 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, tp: TPContext):
+    def __init__(self, config: PretrainedConfig, layout: LlamaLayout, dtype: torch.dtype, tp: TPContext):
         super().__init__()
         if getattr(config, "hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {config.hidden_act!r} for a Llama-family model")
-        bias = bool(getattr(config, "mlp_bias", False))
+        bias = layout.mlp_bias
         inter = config.intermediate_size
         self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias, dtype, tp)
         self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, dtype, tp)
@@ -89,12 +124,19 @@ class LlamaMLP(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: PretrainedConfig, rotary: RotaryEmbedding, dtype: torch.dtype, tp: TPContext):
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        layout: LlamaLayout,
+        rotary: RotaryEmbedding,
+        dtype: torch.dtype,
+        tp: TPContext,
+    ):
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, rotary, dtype, tp)
+        self.self_attn = LlamaAttention(config, layout, rotary, dtype, tp)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, dtype, tp)
+        self.mlp = LlamaMLP(config, layout, dtype, tp)
 
     def forward(self, positions, hidden, kv_cache: KVCache, step: AttentionStep) -> torch.Tensor:
         attn_out = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, step)
@@ -107,23 +149,31 @@ class LlamaModel(nn.Module):
     """Embedding on the first pipeline stage, this stage's decoder layers, final norm on the last."""
 
     def __init__(
-        self, config: PretrainedConfig, dtype: torch.dtype, tp: TPContext, pp: PPContext = SINGLE_STAGE
+        self,
+        config: PretrainedConfig,
+        layout: LlamaLayout,
+        dtype: torch.dtype,
+        tp: TPContext,
+        pp: PPContext = SINGLE_STAGE,
     ):
         super().__init__()
         self.embed_tokens = (
             VocabParallelEmbedding(config.vocab_size, config.hidden_size, dtype, tp) if pp.is_first else None
         )
         rotary = RotaryEmbedding(
-            llama_head_dim(config), config.max_position_embeddings, rope_params_from_config(config), dtype
+            layout.head_dim, config.max_position_embeddings, rope_params_from_config(config), dtype
         )
         self.layers = stage_layers(
-            config.num_hidden_layers, pp, lambda _: LlamaDecoderLayer(config, rotary, dtype, tp)
+            config.num_hidden_layers, pp, lambda _: LlamaDecoderLayer(config, layout, rotary, dtype, tp)
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if pp.is_last else None
 
 
 class LlamaForCausalLM(CausalLMBase):
-    """Also serves MistralForCausalLM and Qwen2ForCausalLM (same graph, different config flags)."""
+    """The Llama graph; a family with the same layers and other config flags subclasses it and
+    overrides `layout`."""
+
+    layout = staticmethod(LlamaLayout.of)
 
     def __init__(
         self,
@@ -136,7 +186,7 @@ class LlamaForCausalLM(CausalLMBase):
         self.config = config
         self.tp = tp
         self.pp = pp
-        self.model = LlamaModel(config, dtype, tp, pp)
+        self.model = LlamaModel(config, self.layout(config), dtype, tp, pp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         tie_to = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = self.build_lm_head(config.hidden_size, dtype, tp, pp, tie_to=tie_to)
@@ -147,15 +197,9 @@ class LlamaForCausalLM(CausalLMBase):
         self.head_dim = attn.head_dim
         self.hidden_size = config.hidden_size
         self.vocab_size = config.vocab_size
-        self.absent_prefixes = absent_layer_prefixes("model.layers.", config.num_hidden_layers, pp)
-        if not pp.is_first:
-            self.absent_prefixes += ("model.embed_tokens.",)
-        if not pp.is_last:
-            self.absent_prefixes += ("model.norm.", "lm_head.")
 
-    def prepare_native_decode(self) -> None:
-        layers = list(self.model.layers[self.stage_layers.start : self.stage_layers.stop])
-        self.native_decode = NativeDecodeLayers.build(layers, self.tp.size)
+    def decoder_layers(self) -> list[nn.Module]:
+        return list(self.model.layers[self.stage_layers.start : self.stage_layers.stop])
 
     def forward(
         self,
@@ -176,32 +220,32 @@ class LlamaForCausalLM(CausalLMBase):
         if native is not None:
             hidden = native
         else:
-            layers = self.model.layers[self.stage_layers.start : self.stage_layers.stop]
-            for layer, kv_cache in zip(layers, kv_caches, strict=True):
+            for layer, kv_cache in zip(self.decoder_layers(), kv_caches, strict=True):
                 hidden = layer(positions, hidden, kv_cache, step)
         return hidden if self.model.norm is None else self.model.norm(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        self.load_mapped_weights(self._map_names(weights))
 
-    def _map_names(self, weights: Iterable[tuple[str, torch.Tensor]]) -> Iterable[WeightItem]:
-        for hf_name, tensor in weights:
-            if hf_name.endswith(_IGNORED_SUFFIXES):
-                continue
-            if hf_name == "lm_head.weight" and self.tie_word_embeddings:
-                continue  # the embedding is the head; some checkpoints store both
-            if hf_name == "model.embed_tokens.weight" and self.tie_word_embeddings and not self.pp.is_first:
-                # A later stage holds a tied head but not the embedding: the head loads its own copy.
-                if self.pp.is_last:
-                    yield hf_name, "lm_head.weight", tensor, None
-                continue
-            for old, new, shard in _STACKED:
-                if old in hf_name:
-                    yield hf_name, hf_name.replace(old, new), tensor, shard
-                    break
-            else:
-                yield hf_name, hf_name, tensor, None
+def llama_decode_parts(layer: nn.Module) -> DecodeLayerParts:
+    """A Llama decoder layer as the native decode call runs it."""
+    attn, mlp = layer.self_attn, layer.mlp
+    return DecodeLayerParts(
+        input_norm=layer.input_layernorm,
+        qkv=attn.qkv_proj,
+        rotary=attn.rotary,
+        attention=attn.attn,
+        o=attn.o_proj,
+        post_norm=layer.post_attention_layernorm,
+        gate_up=mlp.gate_up_proj,
+        down=mlp.down_proj,
+    )
 
 
-MistralForCausalLM = LlamaForCausalLM
-Qwen2ForCausalLM = LlamaForCausalLM
+FAMILY = ModelFamily(
+    name="llama",
+    architectures=("LlamaForCausalLM",),
+    model=LlamaForCausalLM,
+    weights=LLAMA_WEIGHT_NAMES,
+    # llama.cpp's converter permutes q/k rows for rotary; transformers' GGUF loader undoes it.
+    gguf=GGUFSupport(architectures=("llama",), permute_qk=True),
+    native_decode=llama_decode_parts,
+)

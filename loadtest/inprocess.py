@@ -1,6 +1,6 @@
 """Replay ORCA's synthetic workload into IterationLoop, in process (no HTTP), for each policy and rate.
 
-    python -m scheduler.bench --rates 0.5,1,2 --num-requests 100
+    python -m loadtest.inprocess --rates 0.5,1,2 --num-requests 100
 
 Workload (the paper's section 6): Poisson arrivals at each rate, input length uniform in [32, 512],
 output length uniform in [1, 128], EOS ignored (every request generates exactly its output length).
@@ -30,7 +30,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.loop import IterationLoop, new_step_thread
 from scheduler.outputs import FinishReason
 
-logger = logging.getLogger("scheduler.bench")
+logger = logging.getLogger("loadtest.inprocess")
 
 
 @dataclass(frozen=True)
@@ -230,7 +230,7 @@ async def warm_up(runner: Executor, step_thread: ThreadPoolExecutor) -> None:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m scheduler.bench", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m loadtest.inprocess", description=__doc__.split("\n\n")[0])
     EngineConfig.add_cli_args(p)  # --seed also seeds the workload
     SchedulerConfig.add_cli_args(p)
     p.add_argument("--rates", default="0.25,0.5,1,2", help="request rates (req/s), comma-separated")

