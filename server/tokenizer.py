@@ -84,14 +84,8 @@ class ServerTokenizer:
         except Exception as exc:  # jinja raises TemplateError / its own `raise_exception` messages
             raise ValueError(f"The chat template rejected the messages: {exc}") from exc
 
-    def encode_chat(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
-        template_kwargs: dict[str, Any] | None = None,
-    ) -> list[int]:
-        return self.encode_rendered(self.render_chat(messages, add_generation_prompt, tools, template_kwargs))
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode_rendered(self.render_chat(messages, add_generation_prompt))
 
     def encode_rendered(self, prompt: str) -> list[int]:
         # The template writes BOS/role tokens itself, so no special tokens are added on top (vLLM too).
