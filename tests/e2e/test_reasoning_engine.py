@@ -16,7 +16,7 @@ from builders import build_hf_model, tiny_llama_config
 from fakes import THINKING_TEMPLATE, live_server, server_config
 
 from server.app import create_app
-from server.loader import load_model
+from server.loader import load_served_model
 
 SCHEMA = {
     "type": "object",
@@ -50,7 +50,7 @@ async def test_thinking_grammar_runs_in_the_engine(thinking_llama_dir):
         reasoning_parser="qwen3",
         log_stats_interval_s=0,
     )
-    app = create_app(config, lambda: load_model(config))
+    app = create_app(config, lambda: load_served_model(config))
     async with live_server(app) as url, httpx.AsyncClient(base_url=url, timeout=120) as client:
         user = [{"role": "user", "content": "Is the sky clear?"}]
         # reasoning_effort "high": the template opens the thinking, so the reply must think first.
