@@ -27,7 +27,7 @@ from typing import Any, Literal
 
 logger = logging.getLogger(__name__)
 
-GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "lark"]
+GrammarKind = Literal["json_schema", "json_object", "regex", "choice", "grammar", "lark", "llguidance"]
 CACHE_SIZE = 256  # compiled grammars kept (a matcher template each: tens of KB)
 # JSON whitespace between tokens, bounded: room for pretty-printing a few levels deep, but a weak model
 # sampled hot cannot loop on newlines until max_tokens (an unbounded pattern lets it; vLLM's answer is
@@ -43,7 +43,8 @@ class GrammarError(ValueError):
 class GrammarSpec:
     """A constraint on a request's output. `text` is the schema as canonical JSON (json_schema), the
     regex, the choices as a JSON list (choice), or the grammar (grammar: Lark or GBNF; lark: Lark only,
-    for grammars the server builds itself)."""
+    for grammars the server builds itself; llguidance: a whole llguidance TopLevelGrammar as JSON, for
+    grammars the server composes from others, e.g. free thinking text before a constrained answer)."""
 
     kind: GrammarKind
     text: str = ""
@@ -92,6 +93,8 @@ def llguidance_grammar(spec: GrammarSpec) -> str:
         return llg.LLMatcher.grammar_from_lark(lark)
     if spec.kind == "lark":
         return llg.LLMatcher.grammar_from_lark(spec.text)
+    if spec.kind == "llguidance":
+        return spec.text
     raise GrammarError(f"unknown grammar kind {spec.kind!r}")
 
 

@@ -37,6 +37,9 @@ class RequestDelta:
     # one that may still complete; the concatenation of a request's deltas is its whole text.
     text: str = ""
     finish_reason: FinishReason | None = None  # set on the last delta only
+    # On the last delta: the stop string that ended the request (vLLM's stop_reason; None for EOS, a
+    # stop token or a limit). Anthropic's API reports it as stop_sequence.
+    stop_string: str | None = None
     error: str | None = None  # with FinishReason.ERROR
     num_prompt_tokens: int = 0
     num_output_tokens: int = 0  # total so far, this delta included

@@ -11,8 +11,14 @@ from fastapi.middleware.cors import CORSMiddleware
 
 from server.config import ServerConfig
 from server.errors import install_error_handlers
-from server.middleware import PUBLIC_PATHS, APIKeyMiddleware, BodySizeLimitMiddleware, RequestIdMiddleware
-from server.routes import chat, completions, misc, webui
+from server.middleware import (
+    PUBLIC_PATHS,
+    APIKeyMiddleware,
+    BodySizeLimitMiddleware,
+    RequestIdMiddleware,
+    RouteMetricsMiddleware,
+)
+from server.routes import chat, completions, messages, misc, responses_api, webui
 from server.state import ModelLoader, ServerState
 
 
@@ -52,14 +58,17 @@ def create_app(config: ServerConfig, loader: ModelLoader | None = None) -> FastA
             CORSMiddleware,
             allow_origins=list(config.allowed_origins),
             allow_methods=["GET", "POST", "OPTIONS"],
-            allow_headers=["Authorization", "Content-Type", "X-Request-Id"],
+            allow_headers=["Authorization", "Content-Type", "X-Request-Id", "X-Api-Key", "Anthropic-Version"],
             expose_headers=["X-Request-Id", "Retry-After"],
         )
+    app.add_middleware(RouteMetricsMiddleware, count=state.metrics.count_http)
     app.add_middleware(RequestIdMiddleware)
     app.include_router(misc.public)
     app.include_router(misc.router)
     app.include_router(completions.router)
     app.include_router(chat.router)
+    app.include_router(responses_api.router)
+    app.include_router(messages.router)
     if config.webui:
         webui.mount(app)
     return app

@@ -19,6 +19,7 @@ from engine.cli_args import size_arg
 from engine.config import EngineConfig
 from scheduler.config import SchedulerConfig
 from server.config import ServerConfig, read_key_file
+from server.reasoning import REASONING_FORMATS
 
 if TYPE_CHECKING:
     from server.state import ServerState
@@ -137,6 +138,34 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_false",
         help="serve no chat page at / and no live iteration view at /live (the API only)",
     )
+    p.add_argument(
+        "--reasoning-parser",
+        default=d.reasoning_parser,
+        choices=sorted(REASONING_FORMATS),
+        help="split the model's <think>...</think> from the answer (reasoning_content, reasoning items, "
+        "thinking blocks); tool calls and response formats then constrain only the answer",
+    )
+    p.add_argument(
+        "--responses-store",
+        default=d.responses_store,
+        metavar="PATH",
+        help="SQLite file of stored /v1/responses (default: responses.sqlite in $ORCA_CACHE_DIR or "
+        "~/.cache/orca-serve; ':memory:' keeps them in memory only)",
+    )
+    p.add_argument(
+        "--responses-store-max-entries",
+        type=int,
+        default=d.responses_store_max_entries,
+        help="stored responses kept; the oldest are evicted past it",
+    )
+    p.add_argument(
+        "--responses-store-max-age",
+        dest="responses_store_max_age_s",
+        metavar="SECONDS",
+        type=float,
+        default=d.responses_store_max_age_s,
+        help="seconds a stored response is kept",
+    )
     p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
     return p
 
@@ -156,7 +185,8 @@ def _api_keys(parser: argparse.ArgumentParser, a: argparse.Namespace) -> tuple[s
 def parse_args(argv: Sequence[str] | None = None) -> ServerConfig:
     parser = build_parser()
     a = parser.parse_args(argv)
-    for name in ("max_n", "max_choices", "max_logprobs", "max_stop_strings", "max_connections"):
+    names = ("max_n", "max_choices", "max_logprobs", "max_stop_strings", "max_connections")
+    for name in (*names, "responses_store_max_entries"):
         if getattr(a, name) < 0:
             parser.error(f"--{name.replace('_', '-')} must not be negative")
     keys = _api_keys(parser, a)

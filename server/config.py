@@ -3,6 +3,7 @@ CLI (server/cli.py) or by tests."""
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -46,6 +47,15 @@ class ServerConfig:
     shutdown_grace_s: float = 30.0  # SIGTERM: in-flight requests get this long to finish
     log_stats_interval_s: float = 10.0  # the periodic throughput / queue / KV log line; 0: off
     webui: bool = True  # the chat page at /, the live iteration view at /live and its event stream
+    # The model's thinking format (server/reasoning.py: qwen3, deepseek_r1): split from the answer in
+    # every chat API, and kept out of the tool-call and response-format grammars. None: no split.
+    reasoning_parser: str | None = None
+    # Stored /v1/responses (store: true): a SQLite file, by default responses.sqlite under the cache
+    # directory ($ORCA_CACHE_DIR or ~/.cache/orca-serve); ":memory:" keeps them in memory only. The
+    # oldest are evicted past the count, and any older than the age.
+    responses_store: Path | str | None = None
+    responses_store_max_entries: int = 10_000
+    responses_store_max_age_s: float = 30 * 24 * 3600.0
     log_level: str = "info"
 
     def __post_init__(self) -> None:
@@ -58,6 +68,14 @@ class ServerConfig:
                 f"engine max_num_seqs ({self.engine.max_num_seqs}) differs from the scheduler's "
                 f"({self.scheduler.max_num_seqs})"
             )
+
+    @property
+    def responses_store_path(self) -> Path | str:
+        if self.responses_store is not None:
+            return self.responses_store
+        # models/gguf_convert.py's cache_root(), recomputed: the server does not import the models package.
+        root = os.environ.get("ORCA_CACHE_DIR") or Path.home() / ".cache" / "orca-serve"
+        return Path(root) / "responses.sqlite"
 
     @property
     def model_name(self) -> str:

@@ -34,8 +34,31 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status_code, headers=self.headers)
+    def anthropic_body(self) -> dict[str, Any]:
+        """Anthropic's shape, for the routes of its Messages API."""
+        kind = ANTHROPIC_ERROR_TYPES.get(self.status_code, "api_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The answer, in the shape of the API `path` belongs to (OpenAI's unless it is Anthropic's)."""
+        body = self.anthropic_body() if path.startswith(ANTHROPIC_PATHS) else self.body()
+        return JSONResponse(body, status_code=self.status_code, headers=self.headers)
+
+
+# Anthropic's Messages API: its routes answer errors in its shape, with its error types by status.
+ANTHROPIC_PATHS = ("/v1/messages",)
+ANTHROPIC_ERROR_TYPES = {
+    400: "invalid_request_error",
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    408: "timeout_error",
+    409: "conflict_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    500: "api_error",
+    503: "overloaded_error",
+}
 
 
 def invalid(message: str, param: str | None = None, code: str | None = None) -> APIError:
@@ -106,7 +129,7 @@ def payload_too_large(limit: int) -> APIError:
 
 def unauthorized() -> APIError:
     return APIError(
-        "Incorrect or missing API key. Send it as `Authorization: Bearer <key>`.",
+        "Incorrect or missing API key. Send it as `Authorization: Bearer <key>` (or `x-api-key: <key>`).",
         HTTPStatus.UNAUTHORIZED,
         "invalid_request_error",
         None,
@@ -173,22 +196,22 @@ def validation_error(exc: RequestValidationError) -> APIError:
 
 def install_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _validation(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc).response()
+    async def _validation(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
         return APIError(
             str(exc.detail), exc.status_code, kind, headers=getattr(exc, "headers", None)
-        ).response()
+        ).response(request.url.path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.exception("unhandled error")
         err = APIError(f"Internal server error: {type(exc).__name__}", 500, "server_error")
-        return err.response()
+        return err.response(request.url.path)

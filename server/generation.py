@@ -54,6 +54,7 @@ class ChoiceDelta:
     text: str
     logprobs: list[LogprobEntry] = field(default_factory=list)
     finish_reason: str | None = None  # "stop" | "length" on the last delta of the choice
+    stop_string: str | None = None  # with finish_reason "stop": the stop string that ended it, if one did
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0  # prompt tokens that came from the prefix cache
@@ -124,6 +125,7 @@ async def generate_choice(
             )
             if delta.finish_reason is not None:
                 out.finish_reason = "stop" if delta.finish_reason is FinishReason.STOP else "length"
+                out.stop_string = delta.stop_string
                 tracker.on_finish(delta.num_output_tokens, out.finish_reason)
                 yield out
                 return

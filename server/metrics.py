@@ -187,6 +187,14 @@ class ServerMetrics:
         )
         for reason in REJECT_REASONS:  # present at 0, so a rate() over them works from the start
             self.rejected.labels(model_name, reason)
+        # Every HTTP answer, by the route that took it (its path template, so ids in paths do not make
+        # new series; "unmatched" for paths no route serves), method and status code.
+        self.http_requests = Counter(
+            "orca:http_requests",
+            "HTTP requests answered, by route, method and status code.",
+            [*labels, "route", "method", "status"],
+            registry=reg,
+        )
         reg.register(_EngineCollector(model_name, stats))
         # The children every token or step updates, looked up once: labels() costs ~15 us a call.
         self.model_iteration_tokens = self.iteration_tokens.labels(model_name)
@@ -203,6 +211,9 @@ class ServerMetrics:
         if not report.failed:
             self.step_prompt_tokens += report.num_prompt_tokens
             self.step_decode_tokens += report.num_decode_tokens
+
+    def count_http(self, route: str, method: str, status: int) -> None:
+        self.http_requests.labels(self.model_name, route, method, str(status)).inc()
 
     def count_rejected(self, reason: str) -> None:
         self.rejected.labels(self.model_name, reason).inc()

@@ -12,7 +12,7 @@ import logging
 import re
 import time
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -42,7 +42,7 @@ class RequestIdFilter(logging.Filter):
 
 async def _send_error(scope: Scope, send: Send, err: APIError) -> None:
     # The app below never runs, so the answer is sent here (the request body is never read).
-    await err.response()(scope, _no_receive, send)
+    await err.response(scope.get("path", ""))(scope, _no_receive, send)
 
 
 async def _no_receive() -> Message:
@@ -93,11 +93,44 @@ class RequestIdMiddleware:
             request_id_var.reset(token)
 
 
+class RouteMetricsMiddleware:
+    """Counts every HTTP answer by route, method and status (`count`: ServerMetrics.count_http). The
+    route is the path template of the route that matched (FastAPI leaves it in the scope), so
+    /v1/responses/{response_id} is one series whatever the id."""
+
+    def __init__(self, app: ASGIApp, count: Callable[[str, str, int], None]) -> None:
+        self.app = app
+        self.count = count
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        status = 0
+
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        except BaseException:
+            status = status or 500  # answered by Starlette's error middleware, outside this one
+            raise
+        finally:
+            route = scope.get("route")
+            template = getattr(route, "path", None) or "unmatched"
+            # No answer and no error: the client left before one was sent (nginx's 499).
+            self.count(template, scope["method"], status or 499)
+
+
 class APIKeyMiddleware:
     """`Authorization: Bearer <key>` on every route but PUBLIC_PATHS (and CORS preflights, which
-    browsers send without credentials). Keys are compared as SHA-256 digests with
-    hmac.compare_digest, against every key without stopping at a match, so neither the length nor
-    the position of a key shows in the timing."""
+    browsers send without credentials), or `x-api-key: <key>` as Anthropic's clients send it. Keys are
+    compared as SHA-256 digests with hmac.compare_digest, against every key without stopping at a
+    match, so neither the length nor the position of a key shows in the timing."""
 
     def __init__(
         self,
@@ -112,13 +145,17 @@ class APIKeyMiddleware:
         self._public_paths = public_paths
         self._public_prefixes = public_prefixes
 
-    def accepts(self, authorization: str | None) -> bool:
+    def accepts(self, authorization: str | None, api_key: str | None = None) -> bool:
         scheme, _, token = (authorization or "").partition(" ")
-        digest = hashlib.sha256(token.strip().encode()).digest()
+        bearer = self._matches(token.strip()) and scheme.lower() == "bearer"
+        return self._matches((api_key or "").strip()) | bearer  # both compared, whichever was sent
+
+    def _matches(self, token: str) -> bool:
+        digest = hashlib.sha256(token.encode()).digest()
         matched = False
         for key in self._digests:
             matched |= hmac.compare_digest(digest, key)
-        return matched and scheme.lower() == "bearer"
+        return matched and bool(token)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if (
@@ -127,7 +164,7 @@ class APIKeyMiddleware:
             or scope["path"] in self._public_paths
             or scope["path"].startswith(self._public_prefixes)
             or scope["method"] == "OPTIONS"
-            or self.accepts(_header(scope, b"authorization"))
+            or self.accepts(_header(scope, b"authorization"), _header(scope, b"x-api-key"))
         ):
             await self.app(scope, receive, send)
             return

@@ -50,8 +50,9 @@ class OpenAIModel(BaseModel):
     @classmethod
     def _log_unknown_fields(cls, data: Any) -> Any:
         if isinstance(data, dict):
+            known = {f.alias for f in cls.model_fields.values() if f.alias} | set(cls.model_fields)
             for key in data:
-                if isinstance(key, str) and key not in cls.model_fields:
+                if isinstance(key, str) and key not in known:
                     unknown_fields.note(cls.__name__, key)
         return data
 
@@ -163,6 +164,11 @@ class TextPart(OpenAIModel):
 
 
 FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
+ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
+# What the server itself hands the chat template; a request may not replace them.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize"}
+)
 
 
 class FunctionDefinition(OpenAIModel):
@@ -203,11 +209,18 @@ class ChatMessage(OpenAIModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None  # assistant messages
     tool_call_id: str | None = None  # tool messages: the call they answer
+    # An assistant turn's thinking, as this server (and vLLM) returns it; templates that show earlier
+    # thinking (or drop it on purpose, as Qwen3's does) read `reasoning_content`. vLLM and Ollama also
+    # call it `reasoning`.
+    reasoning_content: str | None = None
+    reasoning: str | None = None
 
     @model_validator(mode="after")
     def _check(self) -> ChatMessage:
         if self.tool_calls and self.role != "assistant":
             raise ValueError("only assistant messages may have tool_calls")
+        if (self.reasoning_content or self.reasoning) and self.role != "assistant":
+            raise ValueError("only assistant messages may have reasoning_content")
         if self.role == "tool" and not self.tool_call_id:
             raise ValueError("a tool message needs 'tool_call_id'")
         if self.content is None and not (self.role == "assistant" and self.tool_calls):
@@ -219,6 +232,10 @@ class ChatMessage(OpenAIModel):
             return self.content
         return "".join(part.text or "" for part in self.content or [])
 
+    @property
+    def thinking(self) -> str | None:
+        return self.reasoning_content or self.reasoning
+
 
 class ChatCompletionRequest(SamplingFields):
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
@@ -229,6 +246,18 @@ class ChatCompletionRequest(SamplingFields):
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    # Passed to the chat template: OpenAI's reasoning_effort (templates such as gpt-oss's read it) and
+    # vLLM's chat_template_kwargs (e.g. {"enable_thinking": false} for Qwen3).
+    reasoning_effort: ReasoningEffort | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @field_validator("chat_template_kwargs")
+    @classmethod
+    def _check_template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
+        taken = sorted(set(v or {}) & RESERVED_TEMPLATE_KWARGS)
+        if taken:
+            raise ValueError(f"{', '.join(taken)} cannot be set through chat_template_kwargs")
+        return v
 
     @property
     def requested_max_tokens(self) -> int | None:

@@ -172,8 +172,11 @@ def chat_choice(
     logprobs: dict[str, Any] | None,
     finish_reason: str | None,
     tool_calls: list[dict[str, Any]] | None = None,
+    reasoning: str | None = None,
 ) -> dict[str, Any]:
     message: dict[str, Any] = {"role": "assistant", "content": text, "refusal": None}
+    if reasoning is not None:  # under vLLM's name and under the name vLLM's newer releases and Ollama use
+        message["reasoning_content"] = message["reasoning"] = reasoning
     if tool_calls:
         message["tool_calls"] = tool_calls
     return {"index": index, "message": message, "logprobs": logprobs, "finish_reason": finish_reason}

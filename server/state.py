@@ -19,6 +19,9 @@ from server.errors import not_ready
 from server.generation import LoopClient
 from server.live_feed import IterationFeed
 from server.metrics import ServerMetrics
+from server.reasoning import REASONING_FORMATS, special_tag_problem
+from server.responses_api.background import BackgroundResponses
+from server.responses_api.store import ResponseStore
 from server.stats_log import StatsLogger
 from server.tokenizer import ServerTokenizer
 
@@ -56,6 +59,11 @@ class ServerState:
         self.on_load_failed: Callable[[str], None] | None = None
         # The live iteration view's step feed (server.live_feed); None without the web UI.
         self.live_feed: IterationFeed | None = IterationFeed() if config.webui else None
+        # /v1/responses: stored responses (opened on first use) and those running in the background.
+        self.response_store = ResponseStore(
+            config.responses_store_path, config.responses_store_max_entries, config.responses_store_max_age_s
+        )
+        self.background = BackgroundResponses()
 
     @property
     def ready(self) -> bool:
@@ -112,6 +120,12 @@ class ServerState:
             return
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.vocab_size
+        if cfg.reasoning_parser is not None:
+            problem = special_tag_problem(
+                REASONING_FORMATS[cfg.reasoning_parser], loaded.tokenizer.special_tokens
+            )
+            if problem is not None:
+                logger.warning("%s", problem)
         self.grammars = GrammarCompiler(
             loaded.tokenizer.hf, loaded.vocab_size, sorted(loaded.executor.eos_token_ids)
         )
@@ -141,6 +155,8 @@ class ServerState:
 
     async def shutdown(self) -> None:
         self.draining = True
+        await self.background.shutdown()  # while the loop still runs: their choices are aborted in it
+        self.response_store.close()
         if self.live_feed is not None:
             await self.live_feed.close()
         if self._stats_task is not None:

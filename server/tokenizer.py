@@ -69,12 +69,14 @@ class ServerTokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
     ) -> str:
         """The prompt text; raises ValueError (template missing or rejecting the conversation).
-        `tools` go to templates that render tools themselves (server/tools.py decides)."""
+        `tools` go to templates that render tools themselves (server/tools.py decides);
+        `template_kwargs` are the template's own variables (enable_thinking, reasoning_effort, ...)."""
         if not self.has_chat_template:
             raise ValueError("This model's tokenizer has no chat template; use /v1/completions instead.")
-        extra = {"tools": tools} if tools else {}
+        extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
         try:
             return self.hf.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
@@ -82,14 +84,17 @@ class ServerTokenizer:
         except Exception as exc:  # jinja raises TemplateError / its own `raise_exception` messages
             raise ValueError(f"The chat template rejected the messages: {exc}") from exc
 
-    def encode_chat(
-        self,
-        messages: list[dict[str, Any]],
-        add_generation_prompt: bool = True,
-        tools: list[dict[str, Any]] | None = None,
-    ) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
+        return self.encode_rendered(self.render_chat(messages, add_generation_prompt))
+
+    def encode_rendered(self, prompt: str) -> list[int]:
         # The template writes BOS/role tokens itself, so no special tokens are added on top (vLLM too).
-        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
+        return self.encode(prompt, add_special_tokens=False)
+
+    @property
+    def special_tokens(self) -> set[str]:
+        """The added tokens the tokenizer marks special (left out of decoded text)."""
+        return {t.content for t in self.backend.get_added_tokens_decoder().values() if t.special}
 
     # --- decoding ---
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

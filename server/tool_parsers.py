@@ -176,15 +176,25 @@ def _parse_container(text: str, i: int) -> _Node:
         raise _Malformed()
 
 
-def _calls_in(node: _Node | None, text: str, args_key: str, out: list[tuple[str, str, bool]]) -> None:
-    """(name, arguments so far, complete) of every call object in the tree, in order."""
+def _calls_in(
+    node: _Node | None, text: str, args_key: str, out: list[tuple[str, str, bool]], cut: bool = False
+) -> None:
+    """(name, arguments so far, complete) of every call object in the tree, in order. `cut`: the reply
+    ended mid-object (the token limit), so an object cut after its name is a call whose arguments never
+    came; otherwise the arguments key must appear, or `{"name": "Bob", "age": 3}` would be a call."""
     if node is None or node.kind not in ("obj", "arr"):
         return
     if node.kind == "obj":
         fields = dict(node.items)
         name = fields.get("name")
-        if name is not None and name.kind == "str" and name.end is not None and args_key in fields:
-            args = fields[args_key]
+        cut_short = cut and node.end is None
+        if (
+            name is not None
+            and name.kind == "str"
+            and name.end is not None
+            and (args_key in fields or cut_short)
+        ):
+            args = fields.get(args_key)
             if args is None:
                 out.append((name.value or "", "", False))
             else:
@@ -192,7 +202,7 @@ def _calls_in(node: _Node | None, text: str, args_key: str, out: list[tuple[str,
                 out.append((name.value or "", text[args.start : end].rstrip(_WS), args.end is not None))
             return
     for _, child in node.items:
-        _calls_in(child, text, args_key, out)
+        _calls_in(child, text, args_key, out, cut)
 
 
 # --- the streaming parser -------------------------------------------------------------------------
@@ -221,19 +231,20 @@ class ToolCallParser:
         self._text += delta
         return self._advance(final=False)
 
-    def finish(self) -> tuple[str, list[ToolEvent]]:
-        """What was held back, at the end of the reply."""
-        return self._advance(final=True)
+    def finish(self, cut: bool = False) -> tuple[str, list[ToolEvent]]:
+        """What was held back, at the end of the reply. `cut`: the token limit ended it, so a call cut
+        right after its name is still a call (with the arguments it got: none)."""
+        return self._advance(final=True, cut=cut)
 
-    def parse_all(self, text: str) -> ParsedReply:
+    def parse_all(self, text: str, cut: bool = False) -> ParsedReply:
         """A whole reply at once (non-streamed responses)."""
         content, _ = self.feed(text)
-        tail, _ = self.finish()
+        tail, _ = self.finish(cut)
         content += tail
         calls = list(zip(self._ids, self._names, self._args, strict=True))
         return ParsedReply(content if content or not calls else None, calls)
 
-    def _advance(self, final: bool) -> tuple[str, list[ToolEvent]]:
+    def _advance(self, final: bool, cut: bool = False) -> tuple[str, list[ToolEvent]]:
         if self._plain:
             return self._content_up_to(len(self._text)), []
         if self._region is None:
@@ -243,7 +254,7 @@ class ToolCallParser:
         else:
             content = ""
         try:
-            calls = self._scan()
+            calls = self._scan(cut)
         except (_Malformed, RecursionError):
             calls = None
         if calls is None or (final and not calls and not self._ids):
@@ -279,7 +290,7 @@ class ToolCallParser:
         self._plain = True
         return self._content_up_to(len(text))
 
-    def _scan(self) -> list[tuple[str, str, bool]] | None:
+    def _scan(self, cut: bool = False) -> list[tuple[str, str, bool]] | None:
         assert self._region is not None
         region = self._text[self._region :]
         fmt = self.fmt
@@ -287,11 +298,11 @@ class ToolCallParser:
         if fmt.open_tag:
             for block in region.split(fmt.open_tag)[1:]:
                 body = block.split(fmt.close_tag)[0] if fmt.close_tag else block
-                _calls_in(_parse(body, 0), body, fmt.args_key, out)
+                _calls_in(_parse(body, 0), body, fmt.args_key, out, cut)
             return out
         if fmt.marker and region.startswith(fmt.marker):
             region = region[len(fmt.marker) :]
-        _calls_in(_parse(region, 0), region, fmt.args_key, out)
+        _calls_in(_parse(region, 0), region, fmt.args_key, out, cut)
         return out
 
     def _events(self, calls: list[tuple[str, str, bool]]) -> list[ToolEvent]:

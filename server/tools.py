@@ -169,7 +169,7 @@ def render_messages(messages: list[ChatMessage], plan: ToolPlan | None) -> list[
                     }
                     for c in m.tool_calls
                 ]
-                out.append({"role": "assistant", "content": text, "tool_calls": calls})
+                out.append(_with_thinking({"role": "assistant", "content": text, "tool_calls": calls}, m))
                 continue
             payload = {
                 "tool_calls": [
@@ -188,10 +188,17 @@ def render_messages(messages: list[ChatMessage], plan: ToolPlan | None) -> list[
         elif m.role == "tool":
             out.append({"role": "tool", "content": text, "tool_call_id": m.tool_call_id})
             continue
-        out.append({"role": role, "content": text})
+        out.append(_with_thinking({"role": role, "content": text}, m))
     if plan is not None and not plan.native:
         _add_system(out, FALLBACK_INSTRUCTIONS + json.dumps(plan.definitions(), ensure_ascii=False, indent=1))
     return out
+
+
+def _with_thinking(message: dict[str, Any], source: ChatMessage) -> dict[str, Any]:
+    """An assistant turn's thinking, for templates that read it (as `reasoning_content`)."""
+    if source.role == "assistant" and source.thinking:
+        message["reasoning_content"] = source.thinking
+    return message
 
 
 def _arguments(arguments: str) -> Any:

@@ -144,3 +144,16 @@ def browser(chromium_session):
     chromium_session.switch_to.window(handles[0])
     chromium_session.get("about:blank")
     assert not errors, errors
+
+
+@pytest.fixture(scope="session")
+def thinking_tokenizer(smollm2_tokenizer_dir):
+    """The default model's tokenizer with THINKING_TEMPLATE as its chat template."""
+    from fakes import THINKING_TEMPLATE
+    from transformers import AutoTokenizer
+
+    from server.tokenizer import ServerTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
+    hf.chat_template = THINKING_TEMPLATE
+    return ServerTokenizer(hf)

@@ -101,6 +101,47 @@ def parse_sse(body: str) -> list[Any]:
     return events
 
 
+class RecordingRunner(FakeRunner):
+    """Keeps each request's prompt as the engine received it, by request id."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.prompts: dict[str, list[int]] = {}
+
+    def submit(self, batch: Sequence[Any]) -> Any:
+        for seq in batch:
+            self.prompts.setdefault(seq.request_id, list(seq.prompt_token_ids))
+        return super().submit(batch)
+
+
+# A Qwen3-like chat template: the model opens its thinking itself, `enable_thinking=false` closes it in
+# the prompt, and `reasoning_effort="high"` (a stand-in for templates that read it) opens it there.
+THINKING_TEMPLATE = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{%- if m.reasoning_content %}<think>{{ m.reasoning_content }}</think>{% endif %}"
+    "{{ m.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n"
+    "{%- if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
+    "{%- elif reasoning_effort is defined and reasoning_effort == 'high' %}<think>\n{%- endif %}"
+    "{%- endif %}"
+)
+
+
+# A chat-completions function tool the tool tests share.
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
+
+
+def scripted(tokenizer: ServerTokenizer, text: str, **runner_kwargs: Any) -> FakeRunner:
+    """A fake runner whose every reply is exactly `text`, then EOS (token 2)."""
+    return FakeRunner(script=[*tokenizer.encode(text, add_special_tokens=False), 2], **runner_kwargs)
+
+
 # --- the app with the fake runner, and what tests read off it ------------------------------------
 
 MODEL = "fake-model"  # the served name of every fake-runner app
@@ -109,6 +150,7 @@ MODEL = "fake-model"  # the served name of every fake-runner app
 def server_config(**flat: Any) -> ServerConfig:
     """A ServerConfig from flat keyword arguments, as flags give them: engine and scheduler fields go to
     the nested configs, the rest to the server's own."""
+    flat.setdefault("responses_store", ":memory:")  # stored /v1/responses stay out of the user's cache
     engine = {f.name for f in dataclasses.fields(EngineConfig)}
     sched = {f.name for f in dataclasses.fields(SchedulerConfig)}
     return ServerConfig(
@@ -241,9 +283,10 @@ def server_process(model: str, log: Path, served_name: str, *flags: str) -> Iter
     """`python -m server` on a free port until the generator is closed; yields its base URL once
     /health says 200 (for module-scoped fixtures: `yield from server_process(...)`)."""
     port = free_tcp_port()
+    # Stored /v1/responses stay in memory unless a test names a file (not in the user's cache).
     cmd = [
         sys.executable, "-m", "server", "--model", model, "--served-model-name", served_name,
-        "--port", str(port), "--log-level", "warning", *flags,
+        "--port", str(port), "--log-level", "warning", "--responses-store", ":memory:", *flags,
     ]  # fmt: skip
     with open(log, "w") as out:
         proc = subprocess.Popen(cmd, cwd=REPO_ROOT, stdout=out, stderr=subprocess.STDOUT)

@@ -9,7 +9,7 @@ import json
 import logging
 import sys
 from collections.abc import AsyncIterator, Callable, Coroutine
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from http import HTTPStatus
 from typing import Any, TypeVar
 
@@ -22,6 +22,7 @@ from starlette.types import Receive, Scope, Send
 
 from engine.contract import SamplingParams
 from engine.grammar import CompiledGrammar
+from scheduler.loop import LoopStoppedError
 from server.errors import (
     APIError,
     context_length_exceeded,
@@ -202,6 +203,15 @@ def loop_stopped_error(exc: Exception) -> APIError:
     return APIError(f"The engine is not running: {exc}", HTTPStatus.SERVICE_UNAVAILABLE, "server_error")
 
 
+def failure(exc: Exception) -> APIError:
+    """What a stream that already started reports when its generation fails (a bug is logged too)."""
+    if isinstance(exc, APIError):
+        return exc
+    if not isinstance(exc, (GenerationError, LoopStoppedError)):
+        logger.exception("stream failed")
+    return loop_stopped_error(exc)
+
+
 class Deadline:
     """The server's per-request timeout, from the request's admission to its last token. Work run
     through it is cancelled when the time is up, which closes the choices' streams (so the loop
@@ -280,35 +290,53 @@ def disconnected_response() -> Response:
     return Response(status_code=499)
 
 
+@dataclass(frozen=True)
+class SSEDialect:
+    """How an API frames its stream. OpenAI's chat and completions: `data:` lines only, ending with
+    `data: [DONE]`. OpenAI's Responses and Anthropic's Messages: each event also named on an `event:`
+    line (its "type"; the SDKs dispatch on it), and no [DONE]."""
+
+    named: bool = False
+    done: bool = True
+    error_body: Callable[[APIError], dict[str, Any]] = APIError.body
+
+
+OPENAI_SSE = SSEDialect()
+
+
 def sse(
     events: AsyncIterator[dict[str, Any] | str],
     cleanup: Callable[[], None],
     send_timeout_s: float | None = None,
+    dialect: SSEDialect = OPENAI_SSE,
 ) -> EventSourceResponse:
-    """`data: {json}` events, then `data: [DONE]`. An error mid-stream arrives as an event holding the
-    OpenAI error object (the status line is long gone), followed by [DONE]. `cleanup` runs once the
-    response is over however it ended: a client gone before the first event never starts `events`,
-    so their own `finally` would not run. A send that waits `send_timeout_s` (the client reads nothing
-    and every buffer on the way is full) ends the stream: see SlowClientStream."""
+    """`data: {json}` events, then `data: [DONE]` (see SSEDialect). An error mid-stream arrives as an
+    event holding the API's error object (the status line is long gone), followed by [DONE]. `cleanup`
+    runs once the response is over however it ended: a client gone before the first event never starts
+    `events`, so their own `finally` would not run. A send that waits `send_timeout_s` (the client reads
+    nothing and every buffer on the way is full) ends the stream: see SlowClientStream."""
 
     async def after() -> None:
         cleanup()
 
+    def frame(event: dict[str, Any] | str) -> dict[str, str]:
+        if isinstance(event, str):
+            return {"data": event}
+        data = json.dumps(event, ensure_ascii=False, separators=(",", ":"))
+        return {"event": event["type"], "data": data} if dialect.named else {"data": data}
+
     async def frames() -> AsyncIterator[dict[str, str]]:
         try:
             async for event in events:
-                yield {
-                    "data": event
-                    if isinstance(event, str)
-                    else json.dumps(event, ensure_ascii=False, separators=(",", ":"))
-                }
+                yield frame(event)
         except APIError as exc:
-            yield {"data": json.dumps(exc.body())}
+            yield frame(dialect.error_body(exc))
         except Exception as exc:  # GenerationError, LoopStoppedError, or a bug: the client must hear of it
             if not isinstance(exc, GenerationError):
                 logger.exception("stream failed")
-            yield {"data": json.dumps(loop_stopped_error(exc).body())}
-        yield {"data": "[DONE]"}
+            yield frame(dialect.error_body(loop_stopped_error(exc)))
+        if dialect.done:
+            yield {"data": "[DONE]"}
 
     # Pings are SSE comments (": ping"), which every SSE parser (the openai client's included) skips;
     # they keep proxies from closing a stream whose prefill takes long.

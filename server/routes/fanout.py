@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response
@@ -41,6 +41,8 @@ from server.routes.common import (
 )
 from server.state import ServerState
 from server.tokenizer import ServerTokenizer
+
+T = TypeVar("T")
 
 # (choices, usage or None) -> one response chunk; a partial of responses.chat_chunk / completion_chunk.
 ChunkBuilder = Callable[[list[dict[str, Any]], dict[str, Any] | None], dict[str, Any]]
@@ -94,6 +96,7 @@ class CollectedChoice:
     logprobs: list[LogprobEntry]
     finish_reason: str | None
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    stop_string: str | None = None  # the stop string that ended it, if one did
 
 
 def start_choices(
@@ -124,6 +127,7 @@ async def collect_choices(run: ChoiceRun) -> tuple[list[CollectedChoice], dict[s
     texts: dict[int, list[str]] = {s.index: [] for s in run.specs}
     entries: dict[int, list[LogprobEntry]] = {s.index: [] for s in run.specs}
     finish: dict[int, str | None] = {}
+    stopped_by: dict[int, str | None] = {}
     tally = UsageTally(run.specs, run.prompt_tokens)
     prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}
     try:
@@ -134,7 +138,7 @@ async def collect_choices(run: ChoiceRun) -> tuple[list[CollectedChoice], dict[s
             entries[d.index].extend(d.logprobs)
             tally.observe(d)
             if d.finish_reason is not None:
-                finish[d.index] = d.finish_reason
+                finish[d.index], stopped_by[d.index] = d.finish_reason, d.stop_string
     finally:
         run.abort()
     choices = [
@@ -144,6 +148,7 @@ async def collect_choices(run: ChoiceRun) -> tuple[list[CollectedChoice], dict[s
             entries[s.index],
             finish.get(s.index),
             prompt_logprobs.get(s.index),
+            stopped_by.get(s.index),
         )
         for s in run.specs
     ]
@@ -176,22 +181,32 @@ def stream_response(run: ChoiceRun, events: AsyncIterator[dict[str, Any]]) -> Ev
     return sse(run.deadline.iterate(events), run.abort, run.send_timeout_s)
 
 
+async def collect(
+    request: Request,
+    run: ChoiceRun,
+    build: Callable[[list[CollectedChoice], dict[str, Any]], T],
+) -> T | None:
+    """The choices collected under the deadline and built into a body; None if the client left first
+    (the choices are aborted then)."""
+
+    async def body() -> T:
+        choices, use = await collect_choices(run)
+        return build(choices, use)
+
+    try:
+        return await cancel_on_disconnect(request, run.deadline.run(body()))
+    except ClientDisconnected:
+        run.abort()  # in case the work was cancelled before it started
+        return None
+    except (GenerationError, LoopStoppedError) as exc:
+        raise loop_stopped_error(exc) from None
+
+
 async def collect_response(
     request: Request,
     run: ChoiceRun,
     build: Callable[[list[CollectedChoice], dict[str, Any]], dict[str, Any]],
 ) -> Response:
     """The choices collected under the deadline into one JSON body; cancelled if the client leaves."""
-
-    async def body() -> dict[str, Any]:
-        choices, use = await collect_choices(run)
-        return build(choices, use)
-
-    try:
-        result = await cancel_on_disconnect(request, run.deadline.run(body()))
-    except ClientDisconnected:
-        run.abort()  # in case the work was cancelled before it started
-        return disconnected_response()
-    except (GenerationError, LoopStoppedError) as exc:
-        raise loop_stopped_error(exc) from None
-    return JSONResponse(result)
+    result = await collect(request, run, build)
+    return disconnected_response() if result is None else JSONResponse(result)

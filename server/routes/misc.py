@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from server.errors import APIError, draining, not_ready
 from server.metrics import CONTENT_TYPE
 from server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
-from server.routes.chat import encode_chat
+from server.routes.chat_job import encode_chat
 from server.routes.common import check_model, check_token_ids, get_state, offload
 from server.state import ServerState
 

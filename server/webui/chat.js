@@ -140,6 +140,14 @@ function statsText(stats) {
 function messageNode(msg) {
   const article = el("article", `msg ${msg.role}`);
   article.append(el("div", "who", msg.role === "user" ? "You" : msg.model || "Assistant"));
+  if (msg.role === "assistant") {
+    // The model's thinking (a server run with --reasoning-parser sends it apart from the answer),
+    // folded above the answer; made once, so a reader's open/closed choice survives re-renders.
+    const thinking = el("details", "reasoning");
+    thinking.append(el("summary", null, "Thinking"), el("div", "reasoning-text"));
+    thinking.hidden = true;
+    article.append(thinking);
+  }
   const body = el("div", msg.role === "user" ? "body" : "body md");
   article.append(body);
   fillMessage(article, msg);
@@ -155,6 +163,14 @@ function fillMessage(article, msg) {
   }
   body.replaceChildren(renderMarkdown(msg.content));
   const streaming = active && active.reply === msg;
+  const thinking = article.querySelector("details.reasoning");
+  thinking.hidden = !msg.reasoning;
+  if (msg.reasoning) {
+    thinking.querySelector(".reasoning-text").textContent = msg.reasoning;
+    const still = streaming && !msg.content;
+    thinking.querySelector("summary").textContent = still ? "Thinking…" : "Thought";
+    thinking.classList.toggle("pending", Boolean(still));
+  }
   body.classList.toggle("pending", Boolean(streaming));
   if (msg.requestId) article.dataset.requestId = msg.requestId;
   article.querySelector(".error")?.remove();
@@ -284,7 +300,14 @@ async function generate(chat, reply) {
       if (chunk.id && !reply.requestId) reply.requestId = chunk.id;
       if (chunk.usage) usage = chunk.usage;
       for (const choice of chunk.choices || []) {
-        const text = choice.delta && choice.delta.content;
+        const delta = choice.delta || {};
+        const thought = delta.reasoning_content ?? delta.reasoning;
+        if (thought) {
+          firstToken ??= performance.now();
+          reply.reasoning = (reply.reasoning || "") + thought;
+          queueReplyRender(reply);
+        }
+        const text = delta.content;
         if (text) {
           firstToken ??= performance.now();
           reply.content += text;

@@ -148,11 +148,13 @@ def test_readme_curl_examples(server_url):
             assert "error" not in body, body
 
 
-def test_readme_python_example(server_url, capsys):
-    [block] = _readme_blocks("python")
-    code = block.replace("http://127.0.0.1:8000/v1", server_url + "/v1")
-    exec(compile(code, "README.md", "exec"), {})
-    assert capsys.readouterr().out.strip()
+def test_readme_python_examples(server_url, capsys):
+    blocks = _readme_blocks("python")
+    assert len(blocks) >= 2  # the openai client's, and the anthropic client's
+    for block in blocks:
+        code = block.replace("http://127.0.0.1:8000", server_url)
+        exec(compile(code, "README.md", "exec"), {})
+        assert capsys.readouterr().out.strip()
 
 
 def test_unloadable_model_exits_nonzero(tmp_path):

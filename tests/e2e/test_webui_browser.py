@@ -321,3 +321,39 @@ def test_chat_page_on_the_tiny_llama(browser, tiny_llama_dir):
         steps = wait_for(lambda: live_steps(browser))
         assert len(steps) == 12  # the prompt's step, then a decode step per further token
         assert all(batch == [reply["requestId"] + "-0"] for batch, _ in steps.values())
+
+
+def test_reasoning_is_shown_folded_above_the_answer(browser, thinking_tokenizer):
+    """With --reasoning-parser, the thinking streams apart from the answer: the page folds it away in a
+    <details> above the answer, and the answer shows no tags."""
+    reply = "<think>Two and two make four.</think>It is 4."
+    script = [*thinking_tokenizer.encode(reply, add_special_tokens=False), 2]
+    app = make_app(thinking_tokenizer, FakeRunner(script=script, step_delay_s=0.01), reasoning_parser="qwen3")
+    with ServedApp(app) as served:
+        open_chat(browser, served.url)
+        send(browser, "What is 2 + 2?")
+        finished_reply(browser, 1)
+        shown = browser.execute_script(
+            """const a = document.querySelector('article.msg.assistant');
+            const d = a.querySelector('details.reasoning');
+            return {open: d.open, hidden: d.hidden, summary: d.querySelector('summary').innerText,
+                    thinking: d.querySelector('.reasoning-text').textContent,
+                    above: Boolean(d.compareDocumentPosition(a.querySelector('.body')) & 4),
+                    answer: a.querySelector('.body').innerText.trim()}"""
+        )
+        assert shown == {
+            "open": False,
+            "hidden": False,
+            "summary": "Thought",
+            "thinking": "Two and two make four.",
+            "above": True,
+            "answer": "It is 4.",
+        }
+        browser.find_element(By.CSS_SELECTOR, "details.reasoning summary").click()  # unfolds on a click
+        assert browser.find_element(By.CSS_SELECTOR, "details.reasoning .reasoning-text").is_displayed()
+        # A reply without thinking (cut right after its <think> tag) shows no fold.
+        browser.find_element(By.ID, "new-chat").click()
+        set_settings(browser, maxTokens=3)
+        send(browser, "again")
+        finished_reply(browser, 1)
+        assert browser.execute_script("return document.querySelector('details.reasoning').hidden")

@@ -296,6 +296,7 @@ async def test_a_stop_string_frees_the_request_in_the_iteration_that_produced_it
         deltas = await collect(stream)
         assert "".join(d.text for d in deltas) == "one two"
         assert deltas[-1].finish_reason is FinishReason.STOP and deltas[-1].num_output_tokens == 5
+        assert deltas[-1].stop_string == " </e>"  # which one, as vLLM's stop_reason says
     finally:
         await asyncio.wait_for(engine.shutdown(), GUARD_S)
 
@@ -321,6 +322,7 @@ async def test_a_lagging_consumer_gets_the_text_and_logprobs_of_every_delta_merg
     assert entries == [(lp.token_id, lp.text_offset) for d in streamed for lp in d.logprobs or []]
     assert entries == [(30, 0), (31, 3), (32, 7), (33, 9), (35, 11)]  # not the stop string's tokens
     assert merged.token_ids == script and merged.finish_reason is FinishReason.STOP
+    assert merged.stop_string == streamed[-1].stop_string == " </e>"
 
 
 async def test_stop_strings_need_a_detokenizer(make_engine):

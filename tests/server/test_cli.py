@@ -100,3 +100,19 @@ def test_the_engine_gets_the_schedulers_max_num_seqs():
     assert built.engine.max_num_seqs == 16
     with pytest.raises(ValueError, match="differs"):
         ServerConfig(engine=EngineConfig(max_num_seqs=8), scheduler=SchedulerConfig(max_num_seqs=16))
+
+
+def test_reasoning_and_responses_store_flags(monkeypatch, tmp_path):
+    c = parse_args(
+        "--reasoning-parser deepseek_r1 --responses-store /data/r.sqlite --responses-store-max-entries 5 "
+        "--responses-store-max-age 60".split()
+    )
+    assert c.reasoning_parser == "deepseek_r1" and str(c.responses_store_path) == "/data/r.sqlite"
+    assert (c.responses_store_max_entries, c.responses_store_max_age_s) == (5, 60.0)
+    # By default the store is a file in the cache directory ($ORCA_CACHE_DIR, as models/ uses it).
+    monkeypatch.setenv("ORCA_CACHE_DIR", str(tmp_path))
+    assert parse_args([]).responses_store_path == tmp_path / "responses.sqlite"
+    assert parse_args([]).reasoning_parser is None
+    for bad in (["--reasoning-parser", "nope"], ["--responses-store-max-entries", "-1"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)

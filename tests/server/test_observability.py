@@ -123,3 +123,19 @@ async def test_periodic_stats_line(tokenizer):
             "KV cache usage",
         ):
             assert part in line
+
+
+async def test_requests_counted_per_route(tokenizer):
+    """orca:http_requests by the route's path template (ids in paths make no new series), method and
+    status; paths no route serves are "unmatched"."""
+    async with running_app(make_app(tokenizer)) as client:
+        await client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]})
+        await client.post("/v1/messages", json={"model": MODEL, "messages": []})
+        for rid in ("resp_a", "resp_b"):
+            await client.get(f"/v1/responses/{rid}")
+        await client.get("/no/such/path")
+        text = (await client.get("/metrics")).text
+    assert metric(text, "orca:http_requests_total", route="/v1/chat/completions", status="200") == 1
+    assert metric(text, "orca:http_requests_total", route="/v1/messages", method="POST", status="400") == 1
+    assert metric(text, "orca:http_requests_total", route="/v1/responses/{response_id}", status="404") == 2
+    assert metric(text, "orca:http_requests_total", route="unmatched", method="GET", status="404") == 1
