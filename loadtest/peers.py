@@ -29,6 +29,7 @@ from pathlib import Path
 
 from loadtest import cli
 from loadtest.results import BenchmarkResults, isa_flags
+from models.options import cache_root
 
 REPO = Path(__file__).resolve().parent.parent
 DEFAULT_LLAMA_SERVER = REPO.parent / "shared" / "peers" / "llama.cpp" / "llama-server"
@@ -82,8 +83,7 @@ def runnable_llama_server(binary: Path, gguf: Path) -> tuple[Path, str]:
     key = hashlib.sha256(
         "".join(f"{f.name}:{f.stat().st_size}:{f.stat().st_mtime_ns}" for f in files).encode()
     )
-    root = Path(os.environ.get("ORCA_CACHE_DIR") or Path.home() / ".cache" / "orca-serve")
-    staged = root / "peers" / f"llama.cpp-{key.hexdigest()[:12]}"
+    staged = cache_root() / "peers" / f"llama.cpp-{key.hexdigest()[:12]}"
     if not (staged / binary.name).is_file():
         staged.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=".llama.cpp-", dir=staged.parent))

@@ -15,11 +15,10 @@ from pathlib import Path
 from types import FrameType
 from typing import TYPE_CHECKING, Any
 
-from engine.cli_args import size_arg
+from engine.cli_args import add_flags
 from engine.config import EngineConfig
 from scheduler.config import SchedulerConfig
 from server.config import ServerConfig, read_key_file
-from server.reasoning import REASONING_FORMATS
 
 if TYPE_CHECKING:
     from server.state import ServerState
@@ -30,20 +29,13 @@ API_KEY_ENV = "ORCA_API_KEY"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """Every flag, each default taken from the config dataclass that holds it."""
-    d = ServerConfig
+    """Every flag, each declared on the config dataclass field it sets (engine.cli_args.flag), but for
+    the API keys and CORS origins, which are shaped here."""
     p = argparse.ArgumentParser(
         prog="orca-serve", description="OpenAI-compatible LLM server with ORCA iteration-level scheduling."
     )
     EngineConfig.add_cli_args(p)
     SchedulerConfig.add_cli_args(p)
-    p.add_argument(
-        "--served-model-name",
-        default=d.served_model_name,
-        help="name clients send as `model` (default: the --model value)",
-    )
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port)
     p.add_argument(
         "--api-key",
         action="append",
@@ -58,115 +50,7 @@ def build_parser() -> argparse.ArgumentParser:
         default=None,
         help="enable CORS for these origins ('*' for any); off by default",
     )
-    p.add_argument(
-        "--max-queue-len",
-        type=int,
-        default=d.max_queue_len,
-        help="requests allowed to wait for admission; more get 429 + Retry-After (0: unbounded)",
-    )
-    p.add_argument(
-        "--request-timeout",
-        dest="request_timeout_s",
-        metavar="SECONDS",
-        type=float,
-        default=d.request_timeout_s,
-        help="seconds a request may run before it is aborted with 408 (default: no limit)",
-    )
-    p.add_argument(
-        "--max-body-size",
-        dest="max_body_bytes",
-        metavar="SIZE",
-        type=size_arg,
-        default=d.max_body_bytes,
-        help="request body limit (413)",
-    )
-    p.add_argument(
-        "--max-connections",
-        type=int,
-        default=d.max_connections,
-        help="open connections; a request on a connection past it gets a fast 503 (0: no cap)",
-    )
-    p.add_argument(
-        "--body-timeout",
-        dest="body_timeout_s",
-        metavar="SECONDS",
-        type=float,
-        default=d.body_timeout_s,
-        help="seconds a request body may take to arrive whole (408; 0: no limit)",
-    )
-    p.add_argument(
-        "--stream-send-timeout",
-        dest="stream_send_timeout_s",
-        metavar="SECONDS",
-        type=float,
-        default=d.stream_send_timeout_s,
-        help="abort a stream whose client has read nothing for this long (0: never)",
-    )
-    p.add_argument("--max-n", type=int, default=d.max_n, help="largest n a request may ask for")
-    p.add_argument(
-        "--max-choices", type=int, default=d.max_choices, help="largest prompts x n of one request"
-    )
-    p.add_argument("--max-logprobs", type=int, default=d.max_logprobs, help="largest (top_)logprobs")
-    p.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings)
-    p.add_argument(
-        "--max-tokens-limit",
-        dest="max_tokens",
-        metavar="N",
-        type=int,
-        default=d.max_tokens,
-        help="largest max_tokens of a request",
-    )
-    p.add_argument(
-        "--shutdown-grace",
-        dest="shutdown_grace_s",
-        metavar="SECONDS",
-        type=float,
-        default=d.shutdown_grace_s,
-        help="on SIGTERM, seconds in-flight requests get to finish before they are cut",
-    )
-    p.add_argument(
-        "--log-stats-interval",
-        dest="log_stats_interval_s",
-        metavar="SECONDS",
-        type=float,
-        default=d.log_stats_interval_s,
-        help="seconds between throughput / queue / KV log lines (0: off)",
-    )
-    p.add_argument(
-        "--no-webui",
-        dest="webui",
-        action="store_false",
-        help="serve no chat page at / and no live iteration view at /live (the API only)",
-    )
-    p.add_argument(
-        "--reasoning-parser",
-        default=d.reasoning_parser,
-        choices=sorted(REASONING_FORMATS),
-        help="split the model's <think>...</think> from the answer (reasoning_content, reasoning items, "
-        "thinking blocks); tool calls and response formats then constrain only the answer",
-    )
-    p.add_argument(
-        "--responses-store",
-        default=d.responses_store,
-        metavar="PATH",
-        help="SQLite file of stored /v1/responses (default: responses.sqlite in $ORCA_CACHE_DIR or "
-        "~/.cache/orca-serve; ':memory:' keeps them in memory only)",
-    )
-    p.add_argument(
-        "--responses-store-max-entries",
-        type=int,
-        default=d.responses_store_max_entries,
-        help="stored responses kept; the oldest are evicted past it",
-    )
-    p.add_argument(
-        "--responses-store-max-age",
-        dest="responses_store_max_age_s",
-        metavar="SECONDS",
-        type=float,
-        default=d.responses_store_max_age_s,
-        help="seconds a stored response is kept",
-    )
-    p.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error"])
+    add_flags(p, ServerConfig)
     return p
 
 
