@@ -66,85 +66,53 @@ def invalid(message: str, param: str | None = None, code: str | None = None) -> 
 
 
 def not_ready() -> APIError:
-    return APIError(
-        "The model is still loading; retry when GET /health answers 200.",
-        HTTPStatus.SERVICE_UNAVAILABLE,
-        "server_error",
-        None,
-        "model_not_ready",
-    )
+    msg = "The model is still loading; retry when GET /health answers 200."
+    return APIError(msg, HTTPStatus.SERVICE_UNAVAILABLE, "server_error", code="model_not_ready")
 
 
 def queue_full(max_queue_len: int, retry_after_s: int) -> APIError:
-    return APIError(
-        f"The server is busy: more than {max_queue_len} requests are waiting. Retry after {retry_after_s} s.",
-        HTTPStatus.TOO_MANY_REQUESTS,
-        "rate_limit_error",
-        None,
-        "rate_limit_exceeded",
-        {"Retry-After": str(retry_after_s)},
+    msg = (
+        f"The server is busy: more than {max_queue_len} requests are waiting. Retry after {retry_after_s} s."
+    )
+    return _retry_later(
+        msg, HTTPStatus.TOO_MANY_REQUESTS, "rate_limit_error", "rate_limit_exceeded", retry_after_s
     )
 
 
 def draining(retry_after_s: int) -> APIError:
-    return APIError(
-        "The server is shutting down and takes no new requests; retry on another replica.",
-        HTTPStatus.SERVICE_UNAVAILABLE,
-        "server_error",
-        None,
-        "server_shutting_down",
-        {"Retry-After": str(retry_after_s)},
+    msg = "The server is shutting down and takes no new requests; retry on another replica."
+    return _retry_later(
+        msg, HTTPStatus.SERVICE_UNAVAILABLE, "server_error", "server_shutting_down", retry_after_s
     )
+
+
+def _retry_later(msg: str, status: int, kind: str, code: str, retry_after_s: int) -> APIError:
+    return APIError(msg, status, kind, code=code, headers={"Retry-After": str(retry_after_s)})
 
 
 def request_timeout(timeout_s: float) -> APIError:
-    return APIError(
-        f"The request did not finish within the server's limit of {timeout_s:g} s.",
-        HTTPStatus.REQUEST_TIMEOUT,
-        "timeout_error",
-        None,
-        "request_timeout",
-    )
+    msg = f"The request did not finish within the server's limit of {timeout_s:g} s."
+    return APIError(msg, HTTPStatus.REQUEST_TIMEOUT, "timeout_error", code="request_timeout")
 
 
 def body_timeout(timeout_s: float) -> APIError:
-    return APIError(
-        f"The request body did not arrive within the server's limit of {timeout_s:g} s.",
-        HTTPStatus.REQUEST_TIMEOUT,
-        "invalid_request_error",
-        None,
-        "body_timeout",
-    )
+    msg = f"The request body did not arrive within the server's limit of {timeout_s:g} s."
+    return APIError(msg, HTTPStatus.REQUEST_TIMEOUT, code="body_timeout")
 
 
 def payload_too_large(limit: int) -> APIError:
-    return APIError(
-        f"The request body is larger than the server's limit of {limit} bytes.",
-        HTTPStatus.REQUEST_ENTITY_TOO_LARGE,
-        "invalid_request_error",
-        None,
-        "payload_too_large",
-    )
+    msg = f"The request body is larger than the server's limit of {limit} bytes."
+    return APIError(msg, HTTPStatus.REQUEST_ENTITY_TOO_LARGE, code="payload_too_large")
 
 
 def unauthorized() -> APIError:
-    return APIError(
-        "Incorrect or missing API key. Send it as `Authorization: Bearer <key>` (or `x-api-key: <key>`).",
-        HTTPStatus.UNAUTHORIZED,
-        "invalid_request_error",
-        None,
-        "invalid_api_key",
-    )
+    msg = "Incorrect or missing API key. Send it as `Authorization: Bearer <key>` (or `x-api-key: <key>`)."
+    return APIError(msg, HTTPStatus.UNAUTHORIZED, code="invalid_api_key")
 
 
 def model_not_found(name: str) -> APIError:
-    return APIError(
-        f"The model `{name}` does not exist.",
-        HTTPStatus.NOT_FOUND,
-        "invalid_request_error",
-        "model",
-        "model_not_found",
-    )
+    msg = f"The model `{name}` does not exist."
+    return APIError(msg, HTTPStatus.NOT_FOUND, param="model", code="model_not_found")
 
 
 def context_length_exceeded(max_len: int, prompt_tokens: int, completion_tokens: int) -> APIError:

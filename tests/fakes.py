@@ -197,6 +197,15 @@ async def drained(app: FastAPI) -> None:
     await wait_until(idle)
 
 
+async def leave_mid_stream(client: httpx.AsyncClient, path: str, body: dict, marker: str) -> None:
+    """POST a streamed request and hang up at the first line holding `marker` (a client gone mid-reply)."""
+    async with client.stream("POST", path, json=body) as r:
+        async for line in r.aiter_lines():
+            if marker in line:
+                return
+    raise AssertionError(f"the stream ended without a line holding {marker!r}")
+
+
 def error_of(r: httpx.Response, status: int = 400) -> dict:
     """The body of an error answer, checked to be OpenAI's shape with the expected status."""
     assert r.status_code == status, r.text

@@ -161,12 +161,9 @@ def test_anthropic_messages_create_stream_and_tool_round_trip(server_url):
         text = "".join(stream.text_stream)
         final = stream.get_final_message()
     assert text == plain.content[0].text and final.stop_reason == "max_tokens"
+    force = {"type": "tool", "name": "get_weather"}
     used = client.messages.create(
-        model=MODEL,
-        max_tokens=200,
-        messages=user,
-        tools=[ANTHROPIC_WEATHER],
-        tool_choice={"type": "tool", "name": "get_weather"},
+        model=MODEL, max_tokens=200, messages=user, tools=[ANTHROPIC_WEATHER], tool_choice=force
     )
     (use,) = used.content
     assert used.stop_reason == "tool_use" and use.type == "tool_use" and use.input["city"] in CITY["enum"]

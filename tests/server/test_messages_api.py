@@ -13,6 +13,7 @@ from fakes import (
     FakeRunner,
     RecordingRunner,
     drained,
+    leave_mid_stream,
     live_server,
     make_app,
     metric,
@@ -106,12 +107,9 @@ async def test_tool_use_round_trip(tokenizer):
     runner = RecordingRunner(script=[*tokenizer.encode(CALL, add_special_tokens=False), 2])
     app = make_app(tokenizer, runner)
     async with live_server(app) as url, sdk(url) as client:
+        force = {"type": "tool", "name": "get_weather"}
         m = await client.messages.create(
-            model=MODEL,
-            max_tokens=80,
-            messages=USER,
-            tools=[WEATHER],
-            tool_choice={"type": "tool", "name": "get_weather"},
+            model=MODEL, max_tokens=80, messages=USER, tools=[WEATHER], tool_choice=force
         )
         (use,) = m.content
         assert use.type == "tool_use" and use.name == "get_weather" and use.input == {"city": "Paris"}
@@ -281,10 +279,7 @@ async def test_client_gone_mid_stream_frees_its_request(tokenizer):
     app = make_app(tokenizer, runner)
     async with live_server(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
         body = {"model": MODEL, "max_tokens": 300, "messages": USER, "stream": True}
-        async with client.stream("POST", "/v1/messages", json=body) as r:
-            async for line in r.aiter_lines():
-                if "text_delta" in line:
-                    break
+        await leave_mid_stream(client, "/v1/messages", body, "text_delta")
         steps = runner.num_steps
         await drained(app)
         assert runner.num_steps - steps <= 2  # the step in flight, and at most one more

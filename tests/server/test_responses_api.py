@@ -15,6 +15,7 @@ from fakes import (
     RecordingRunner,
     drained,
     error_of,
+    leave_mid_stream,
     live_server,
     make_app,
     metric,
@@ -322,10 +323,7 @@ async def test_client_gone_mid_stream_frees_its_request(tokenizer):
 
         async with httpx.AsyncClient(base_url=url, timeout=30) as client:
             body = {"input": "Hi", "stream": True, "max_output_tokens": 300}
-            async with client.stream("POST", "/v1/responses", json=body) as r:
-                async for line in r.aiter_lines():
-                    if "response.output_text.delta" in line:
-                        break
+            await leave_mid_stream(client, "/v1/responses", body, "response.output_text.delta")
             steps = runner.num_steps
         await drained(app)
         assert runner.num_steps - steps <= 2  # the step in flight, and at most one more
