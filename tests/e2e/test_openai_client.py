@@ -77,13 +77,9 @@ def test_chat_next_turn_reports_cached_tokens(client):
     turn2 = client.chat.completions.create(model=MODEL, messages=history, max_tokens=6, temperature=0)
     assert turn1.usage.prompt_tokens // 16 * 16 <= turn2.usage.prompt_tokens_details.cached_tokens
     assert turn2.usage.prompt_tokens_details.cached_tokens < turn2.usage.prompt_tokens
+    usage_too = {"include_usage": True}
     stream = client.chat.completions.create(
-        model=MODEL,
-        messages=history,
-        max_tokens=6,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
+        model=MODEL, messages=history, max_tokens=6, temperature=0, stream=True, stream_options=usage_too
     )
     usage = [chunk.usage for chunk in stream if chunk.usage is not None]
     assert usage[-1].prompt_tokens_details.cached_tokens >= turn2.usage.prompt_tokens_details.cached_tokens

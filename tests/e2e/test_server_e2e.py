@@ -180,13 +180,9 @@ async def test_async_openai_client(served):
     msgs = [{"role": "user", "content": "Hi"}]
     chat = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6, temperature=0, n=2)
     assert [ch.index for ch in chat.choices] == [0, 1]
+    usage_too = {"include_usage": True}
     stream = await client.chat.completions.create(
-        model=MODEL,
-        messages=msgs,
-        max_tokens=6,
-        temperature=0,
-        stream=True,
-        stream_options={"include_usage": True},
+        model=MODEL, messages=msgs, max_tokens=6, temperature=0, stream=True, stream_options=usage_too
     )
     parts, usage = [], None
     async for chunk in stream:

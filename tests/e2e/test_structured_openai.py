@@ -247,7 +247,7 @@ def test_named_and_required_tool_choices_on_the_default_model(default_url):
                 max_tokens=150,
                 temperature=0,
                 stream=True,
-            )  # fmt: skip
+            )
         )
         assert finish == "tool_calls"
         assert [(x["name"], x["arguments"]) for x in calls.values()] == [
