@@ -1,7 +1,7 @@
 """The native CPU kernels: build once per ISA variant, load the one this CPU runs, call.
 
-    quant_linear.c            y = x @ W^T for block-quantized weights (GGUF's Q4_0 ... Q6_K, tiled as
-                              quant_tiles.h describes): int8 activations or float32
+    quant_linear.c            y = x @ W^T for block-quantized weights (GGUF's Q4_0 ... Q6_K, Q2_K, Q3_K,
+                              IQ4_XS, tiled as quant_tiles.h describes): int8 activations or float32
     paged_decode_attention.c  one-token-per-sequence attention read in place from the paged KV cache
     elementwise.c             RMSNorm (with the residual add fused in), SiLU-and-mul, and rotary + KV cache
                               write, one call each
