@@ -1,7 +1,8 @@
 /* A decode step's decoder layers (Llama family) in one call: for T sequences of one new token each,
  *
  *   normed = rms_norm(hidden)                    qkv = normed W_qkv^T [+ b]
- *   rope on q and k, k and v into the paged cache; attn = paged decode attention of q
+ *   [per-head rms_norm of q and k (Qwen3)]
+ *   rope on q and k (their first R dims), k and v into the paged cache; attn = paged decode attention of q
  *   normed, hidden = rms_norm(attn W_o^T, residual = hidden)
  *   hidden = hidden + down(silu(gate) * up),     gate | up = normed W_gate_up^T
  *
@@ -26,8 +27,11 @@ int orca_qlinear(const float *x, int64_t M, int64_t K, const uint8_t *w, int fmt
                  int precision);
 void orca_rms_norm(float *x, float *residual, const float *w, float eps, int64_t T, int64_t H, float *out);
 void orca_silu_and_mul(const float *x, int64_t T, int64_t d, float *out);
-void orca_rope_and_cache(float *qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const int64_t *positions,
-                         const float *cos_sin, const int64_t *slots, float *k_cache, float *v_cache);
+void orca_qk_norm(float *qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float *q_w, const float *k_w,
+                  float eps);
+void orca_rope_and_cache(float *qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t R,
+                         const int64_t *positions, const float *cos_sin, const int64_t *slots, float *k_cache,
+                         float *v_cache);
 int orca_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                                 const int32_t *block_tables, const int32_t *seq_lens, int64_t n, int64_t Hq,
                                 int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, float scale,
@@ -50,14 +54,16 @@ typedef struct {
     const float *input_norm, *post_norm; /* [H] */
     orca_qweight qkv, o, gate_up, down;
     float *k_cache, *v_cache;
+    const float *q_norm, *k_norm; /* [D] each: per-head RMSNorm of q and k before rotary, or NULL */
 } orca_decode_layer;
 
 /* The model's shape, the same for every layer. */
 typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
     float eps, scale;
-    const float *cos_sin; /* [max_pos, D]: cos | sin */
+    const float *cos_sin; /* [max_pos, R]: cos | sin */
     int64_t block_size;
+    int64_t rotary_dim; /* R: the leading dims of a head that rotary turns (R <= D) */
 } orca_decode_shape;
 
 static int linear(const orca_qweight *w, const float *x, int64_t T, float *y) {
@@ -91,7 +97,9 @@ int orca_decode_layers(const orca_decode_layer *layers, int64_t num_layers, cons
         const orca_decode_layer *L = layers + l;
         orca_rms_norm(hidden, NULL, L->input_norm, shape->eps, T, H, normed);
         if ((rc = linear(&L->qkv, normed, T, qkv))) break;
-        orca_rope_and_cache(qkv, T, Hq, Hkv, D, positions, shape->cos_sin, slots, L->k_cache, L->v_cache);
+        if (L->q_norm) orca_qk_norm(qkv, T, Hq, Hkv, D, L->q_norm, L->k_norm, shape->eps);
+        orca_rope_and_cache(qkv, T, Hq, Hkv, D, shape->rotary_dim, positions, shape->cos_sin, slots, L->k_cache,
+                            L->v_cache);
         /* Attention reads q as [T, Hq, D]: one token's q heads already are; more are gathered. */
         if (T > 1)
             for (int64_t t = 0; t < T; t++)

@@ -59,6 +59,8 @@ class _Layer(ctypes.Structure):
         ("down", _QWeight),
         ("k_cache", _p),
         ("v_cache", _p),
+        ("q_norm", _p),
+        ("k_norm", _p),
     ]
 
 
@@ -73,6 +75,7 @@ class _Shape(ctypes.Structure):
         ("scale", _f),
         ("cos_sin", _p),
         ("block_size", _i64),
+        ("rotary_dim", _i64),
     ]
 
 
@@ -99,9 +102,10 @@ def _qweight(layer: PackableLinear) -> _QWeight | None:
 @dataclass(frozen=True)
 class DecodeLayerParts:
     """One pre-norm decoder layer as decode_layers.c runs it (Llama's layout): input norm, fused qkv,
-    rotary and the cache write, paged attention, o, the residual add fused into the post-attention
-    norm, fused gate/up, SiLU-and-mul, down, residual add. A family declares how its layer maps onto
-    this (`ModelFamily.native_decode`); a layer that does not fit returns None from that function."""
+    [per-head RMSNorm of q and k: Qwen3's], rotary (partial where the table is narrower than a head)
+    and the cache write, paged attention, o, the residual add fused into the post-attention norm,
+    fused gate/up, SiLU-and-mul, down, residual add. A family declares how its layer maps onto this
+    (`ModelFamily.native_decode`); a layer that does not fit returns None from that function."""
 
     input_norm: RMSNorm
     qkv: PackableLinear
@@ -111,6 +115,9 @@ class DecodeLayerParts:
     post_norm: RMSNorm
     gate_up: PackableLinear
     down: PackableLinear
+    # Per-head RMSNorm of q and k after the qkv projection (Qwen3); both or neither.
+    q_norm: RMSNorm | None = None
+    k_norm: RMSNorm | None = None
 
 
 class NativeDecodeLayers:
@@ -134,9 +141,11 @@ class NativeDecodeLayers:
         attn = first.attention
         d, hq, hkv = attn.head_dim, attn.num_heads, attn.num_kv_heads
         cos_sin = first.rotary.cos_sin_cache
+        rotary = cos_sin.shape[-1]  # the rotated dims of a head (partial rotary: fewer than d)
         if not (
             _is_f32(cos_sin)
-            and cos_sin.shape[-1] == d
+            and rotary <= d
+            and rotary % 16 == 0
             and d % 16 == 0
             and cpu_kernels.supports_decode_attention(d, hq, hkv)
         ):
@@ -144,10 +153,20 @@ class NativeDecodeLayers:
         hidden = first.input_norm.weight.shape[0]
         for i, layer in enumerate(layers):
             norms = (layer.input_norm, layer.post_norm)
+            head_norms = (layer.q_norm, layer.k_norm)
+            if (layer.q_norm is None) != (layer.k_norm is None) or (layer.q_norm is None) != (
+                first.q_norm is None
+            ):
+                return None
             if (
                 layer.rotary is not first.rotary
                 or layer.attention.scale != attn.scale
                 or any(n.eps != first.input_norm.eps or not _is_f32(n.weight) for n in norms)
+                or any(
+                    n is not None
+                    and (n.eps != first.input_norm.eps or n.weight.shape != (d,) or not _is_f32(n.weight))
+                    for n in head_norms
+                )
             ):
                 return None
             weights = [_qweight(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
@@ -155,6 +174,8 @@ class NativeDecodeLayers:
                 return None
             s = structs[i]
             s.input_norm, s.post_norm = (n.weight.data_ptr() for n in norms)
+            if layer.q_norm is not None and layer.k_norm is not None:
+                s.q_norm, s.k_norm = layer.q_norm.weight.data_ptr(), layer.k_norm.weight.data_ptr()
             s.qkv, s.o, s.gate_up, s.down = weights
         shape = _Shape(
             hidden=hidden,
@@ -165,6 +186,7 @@ class NativeDecodeLayers:
             eps=first.input_norm.eps,
             scale=attn.scale,
             cos_sin=cos_sin.data_ptr(),
+            rotary_dim=rotary,
         )
         return cls(layers, shape, structs)
 
