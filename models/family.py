@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 if TYPE_CHECKING:
     from torch import nn
@@ -50,6 +50,21 @@ class WeightNames:
     prefix: str = ""
 
 
+class GGUFMetadata(Protocol):
+    """What a family's GGUF config function reads of a file (models/gguf/metadata.py reads it)."""
+
+    architecture: str  # general.architecture
+
+    def value(self, key: str, default: Any = None) -> Any:
+        """A metadata value by its full key ("tokenizer.ggml.eos_token_id")."""
+
+    def arch_value(self, name: str, default: Any = None) -> Any:
+        """A value under the architecture's prefix ("attention.key_length" -> "qwen3.attention.key_length")."""
+
+    def tensor(self, name: str) -> Any:
+        """A small tensor's values (float32 numpy array; rope factors), or None if the file has none."""
+
+
 @dataclass(frozen=True)
 class GGUFSupport:
     """GGUF architectures (`general.architecture`) whose tensors transformers' GGUF loader only renames,
@@ -59,6 +74,9 @@ class GGUFSupport:
     architectures: tuple[str, ...]
     # llama.cpp's converter interleaves the rotary halves of q/k rows for these (transformers undoes it).
     permute_qk: bool = False
+    # Config entries the file states but transformers' GGUF reader leaves out (a head_dim apart from
+    # hidden / heads, partial rotary, rope scaling, the window): set on the converted config.
+    config: Callable[[GGUFMetadata], dict[str, Any]] | None = None
 
 
 def no_sliding_window(config: Any) -> int | None:

@@ -34,6 +34,82 @@ def tiny_llama_config(**overrides):
     return LlamaConfig(**kwargs)
 
 
+def tiny_qwen3_config(**overrides):
+    """Qwen3's layout at toy sizes: head_dim (32) set apart from hidden / heads (16), as in Qwen3-0.6B
+    (128 against 64), GQA, q/k norms, an untied head."""
+    from transformers import Qwen3Config
+
+    kwargs = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        architectures=["Qwen3ForCausalLM"],
+        torch_dtype="float32",
+    )
+    kwargs.update(overrides)
+    return Qwen3Config(**kwargs)
+
+
+def tiny_phi3_config(**overrides):
+    """Phi-3's layout at toy sizes: fused qkv (GQA: q, k and v of different sizes) and gate/up."""
+    from transformers import Phi3Config
+
+    kwargs = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        sliding_window=None,
+        architectures=["Phi3ForCausalLM"],
+        torch_dtype="float32",
+    )
+    kwargs.update(overrides)
+    return Phi3Config(**kwargs)
+
+
+def tiny_phi4_mini_config(original: int = 64, **overrides):
+    """Phi-4-mini's rotary at toy sizes: head_dim 64 of which 32 turn (partial_rotary_factor 0.5; a
+    multiple of 16, so the native rotary kernel takes it), LongRoPE with distinct short and long
+    factors past an original context of `original` tokens, a tied head."""
+    half = 16  # rotary dims / 2
+    rope = {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.05 * i for i in range(half)],
+        "long_factor": [1.5 + 0.4 * i for i in range(half)],
+    }
+    kwargs = dict(
+        hidden_size=128,
+        intermediate_size=192,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        partial_rotary_factor=0.5,
+        original_max_position_embeddings=original,
+        rope_scaling=rope,
+        tie_word_embeddings=True,
+    )
+    kwargs.update(overrides)
+    return tiny_phi3_config(**kwargs)
+
+
 def tiny_gpt2_config(**overrides):
     from transformers import GPT2Config
 
@@ -64,6 +140,8 @@ def build_hf_model(config, seed: int = 0):
         for name, p in model.named_parameters():
             if "norm" not in name and "ln_" not in name and p.dim() >= 2:
                 p.normal_(0.0, 0.08)
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)  # not all ones: a q norm used for k (or none) must show
     return model.eval()
 
 

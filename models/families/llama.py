@@ -1,4 +1,5 @@
-"""Llama (Llama 2/3, SmolLM) for selective batching; Mistral and Qwen2 reuse its layers (their own files).
+"""Llama (Llama 2/3, SmolLM) for selective batching; Mistral, Qwen2 and Qwen3 reuse its layers (their own
+files), with what differs read off their configs into a `LlamaLayout`.
 
 All linear layers, norms and the MLP run once over the flat [T, hidden] tokens of every request in the
 step; only the attention op splits per request. q/k/v and gate/up are fused into single matmuls.
@@ -24,7 +25,7 @@ from models.layers.linear import (
 )
 from models.layers.metadata import AttentionMetadata, KVCache
 from models.layers.native_decode import DecodeLayerParts
-from models.layers.norm import RMSNorm
+from models.layers.norm import RMSNorm, qk_rms_norm
 from models.layers.parallel import SINGLE, SINGLE_STAGE, PPContext, TPContext
 from models.layers.rotary import RotaryEmbedding, rope_params_from_config
 
@@ -55,6 +56,7 @@ class LlamaLayout:
     qkv_bias: bool  # biases on q, k and v
     o_bias: bool  # a bias on the attention output projection
     mlp_bias: bool
+    qk_norm: bool = False  # a per-head RMSNorm of q and k before rotary (Qwen3)
 
     @classmethod
     def of(cls, config: PretrainedConfig) -> LlamaLayout:
@@ -102,9 +104,14 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim
         self.rotary = rotary  # shared by all layers (one cos/sin table)
         self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5)
+        # Weights [head_dim], the same for every head (and so on every tensor-parallel rank).
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if layout.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if layout.qk_norm else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, step: AttentionStep):
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        if self.q_norm is not None and self.k_norm is not None:
+            qkv = qk_rms_norm(qkv, self.q_norm, self.k_norm, self.num_heads, self.num_kv_heads)
         return self.o_proj(self.attn.forward_rotary_qkv(qkv, positions, self.rotary, kv_cache, step))
 
 
@@ -237,6 +244,8 @@ def llama_decode_parts(layer: nn.Module) -> DecodeLayerParts:
         post_norm=layer.post_attention_layernorm,
         gate_up=mlp.gate_up_proj,
         down=mlp.down_proj,
+        q_norm=attn.q_norm,
+        k_norm=attn.k_norm,
     )
 
 

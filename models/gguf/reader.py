@@ -82,13 +82,11 @@ class QuantizedTensor(QuantizedBlocks):
 
 
 def write_manifest(
-    gguf: Path, out: Path, mapping: dict[str, str], permute: dict[str, int], arch: str
+    gguf: Path, out: Path, mapping: dict[str, str], permute: dict[str, int], arch: str, reader: Any
 ) -> None:
     """mapping: GGUF name -> HF name (transformers'); permute: GGUF name -> heads of its reverse
-    permutation. Tensors the model has no parameter for (rope_freqs, ...) are left out, as
-    transformers leaves them."""
-    from gguf import GGUFReader
-
+    permutation; reader: the file's gguf.GGUFReader. Tensors the model has no parameter for
+    (rope_freqs, rope factors, ...) are left out, as transformers leaves them."""
     st = gguf.stat()
     tensors = {
         t.name: {
@@ -99,7 +97,7 @@ def write_manifest(
             "bytes": int(t.n_bytes),
             "permute": permute.get(t.name),
         }
-        for t in GGUFReader(gguf).tensors
+        for t in reader.tensors
         if t.name in mapping
     }
     manifest = {
