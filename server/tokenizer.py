@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import functools
 import re
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tokenizers import Tokenizer
@@ -15,6 +15,27 @@ from tokenizers.decoders import ByteLevel, DecodeStream
 # previous token (SentencePiece's leading-space rule), cheap for long prompts.
 _DECODE_CONTEXT_TOKENS = 8
 _BYTE_FALLBACK_RE = re.compile(r"^<0x([0-9A-Fa-f]{2})>$")
+# apply_chat_template's own arguments, which a request's chat_template_kwargs may not set (the server
+# sets them, or they would change what the call returns).
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
+)
 
 
 @functools.cache
@@ -67,12 +88,17 @@ class ServerTokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> str:
         """The prompt text; raises ValueError (template missing or rejecting the conversation).
-        `tools` go to templates that render tools themselves (server/tools.py decides)."""
+        `tools` go to templates that render tools themselves (server/tools.py decides);
+        `template_kwargs` are the template's own variables (a request's chat_template_kwargs)."""
         if not self.has_chat_template:
             raise ValueError("This model's tokenizer has no chat template; use /v1/completions instead.")
-        extra = {"tools": tools} if tools else {}
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or ()))
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)}")
+        extra = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
         try:
             return self.hf.apply_chat_template(
                 messages, tokenize=False, add_generation_prompt=add_generation_prompt, **extra
@@ -85,9 +111,11 @@ class ServerTokenizer:
         messages: list[dict[str, Any]],
         add_generation_prompt: bool = True,
         tools: list[dict[str, Any]] | None = None,
+        template_kwargs: Mapping[str, Any] | None = None,
     ) -> list[int]:
         # The template writes BOS/role tokens itself, so no special tokens are added on top (vLLM too).
-        return self.encode(self.render_chat(messages, add_generation_prompt, tools), add_special_tokens=False)
+        text = self.render_chat(messages, add_generation_prompt, tools, template_kwargs)
+        return self.encode(text, add_special_tokens=False)
 
     # --- decoding ---
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:

@@ -212,16 +212,25 @@ def _byte_level_alphabet() -> list[str]:
     return [chr(c) for c in printable] + [chr(256 + i) for i in range(len(others))]
 
 
-# The GGUF tensors of one Llama layer and their (rows, cols) in HF orientation, from the sizes.
-def _layer_tensors(i: int, hidden: int, ff: int, heads: int, kv_heads: int) -> dict[str, tuple[int, int]]:
-    d = hidden // heads
-    return {
+# The GGUF tensors of one layer and their (rows, cols) in HF orientation, from the sizes: llama's and
+# qwen3's (separate q/k/v, gate/up), phi3's (fused attn_qkv; ffn_up holds gate | up).
+def _layer_tensors(
+    i: int, hidden: int, ff: int, heads: int, kv_heads: int, head_dim: int | None = None, arch: str = "llama"
+) -> dict[str, tuple[int, int]]:
+    d = head_dim or hidden // heads
+    attn = {
         f"blk.{i}.attn_q.weight": (heads * d, hidden),
         f"blk.{i}.attn_k.weight": (kv_heads * d, hidden),
         f"blk.{i}.attn_v.weight": (kv_heads * d, hidden),
+    }
+    ffn = {f"blk.{i}.ffn_gate.weight": (ff, hidden), f"blk.{i}.ffn_up.weight": (ff, hidden)}
+    if arch == "phi3":
+        attn = {f"blk.{i}.attn_qkv.weight": ((heads + 2 * kv_heads) * d, hidden)}
+        ffn = {f"blk.{i}.ffn_up.weight": (2 * ff, hidden)}
+    return {
+        **attn,
         f"blk.{i}.attn_output.weight": (hidden, heads * d),
-        f"blk.{i}.ffn_gate.weight": (ff, hidden),
-        f"blk.{i}.ffn_up.weight": (ff, hidden),
+        **ffn,
         f"blk.{i}.ffn_down.weight": (hidden, ff),
     }
 
@@ -262,6 +271,12 @@ def gguf_blocks(values, qtype_name: str, rng):
     return raw.reshape(rows, -1)
 
 
+# The chat template the tiny files carry (ChatML, as SmolLM2's and Qwen's).
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+)
+
+
 def write_tiny_gguf(
     path: Path,
     seed: int = 0,
@@ -272,19 +287,42 @@ def write_tiny_gguf(
     layers: int = 1,
     types: dict[str, str] | None = None,
     tied: bool = True,
+    arch: str = "llama",
+    head_dim: int | None = None,
+    rotary_dim: int | None = None,
+    longrope: dict | None = None,
+    context: int = 64,
+    sliding_window: int | None = None,
+    extra_tokens: tuple[str, ...] = (),
+    eos: int = 2,
+    eot: int | None = None,
+    add_bos: bool | None = None,
+    chat_template: str = CHATML_TEMPLATE,
 ) -> None:
-    """A Llama GGUF with a byte-level BPE tokenizer and a chat template. `types` maps a tensor-name
-    fragment ("attn_q", "token_embd", ...) to its GGUF type (default F32 everywhere)."""
+    """A GGUF of a llama, qwen3 or phi3 model with a byte-level BPE tokenizer and a chat template, laid
+    out as llama.cpp's converter writes them. `types` maps a tensor-name fragment ("attn_q",
+    "token_embd", ...) to its GGUF type (default F32 everywhere). qwen3: `head_dim` is written as
+    attention.key_length and q/k norms are added; phi3: `rotary_dim` as rope.dimension_count, and
+    `longrope` = {"original": context, "short": [...], "long": [...], "attn_factor": f} as llama.cpp
+    writes LongRoPE (factors as tensors). `extra_tokens` are control tokens after the vocabulary."""
     import gguf
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *_byte_level_alphabet(), "Ġt", "he"]
+    tokens = [
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        *_byte_level_alphabet(),
+        "Ġt",
+        "he",
+        *extra_tokens,
+    ]
     vocab = len(tokens)
-    head_dim = hidden // heads
-    w = gguf.GGUFWriter(str(path), "llama")
+    d = head_dim or hidden // heads
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(layers)
-    w.add_context_length(64)
+    w.add_context_length(context)
     w.add_embedding_length(hidden)
     w.add_feed_forward_length(ff)
     w.add_head_count(heads)
@@ -292,19 +330,30 @@ def write_tiny_gguf(
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(rotary_dim or d)
+    if head_dim is not None:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if longrope is not None:
+        w.add_rope_scaling_orig_ctx_len(longrope["original"])
+        w.add_rope_scaling_attn_factors(longrope["attn_factor"])
+    if sliding_window is not None:
+        w.add_sliding_window(sliding_window)
     w.add_file_type(0)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
-    w.add_token_types([3, 3, 3] + [1] * (vocab - 3))  # 3: control tokens
+    control = [3, 3, 3] + [1] * (vocab - 3 - len(extra_tokens)) + [3] * len(extra_tokens)  # 3: control
+    w.add_token_types(control)
     w.add_token_merges(["Ġ t", "h e"])
     w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    w.add_eos_token_id(eos)
+    if eot is not None:
+        w.add_eot_token_id(eot)
     w.add_pad_token_id(0)
-    w.add_chat_template(
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    )
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    w.add_chat_template(chat_template)
     types = types or {}
 
     def add(name: str, rows: int, cols: int) -> None:
@@ -313,15 +362,24 @@ def write_tiny_gguf(
         data = gguf_blocks(values, qtype, rng)
         w.add_tensor(name, data, raw_dtype=None if qtype == "F32" else gguf.GGMLQuantizationType[qtype])
 
+    def norm(name: str, size: int) -> None:
+        w.add_tensor(name, (1 + 0.1 * rng.standard_normal(size)).astype(np.float32))
+
     add("token_embd.weight", vocab, hidden)
     if not tied:
         add("output.weight", vocab, hidden)
-    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+    norm("output_norm.weight", hidden)
+    if longrope is not None:
+        w.add_tensor("rope_factors_long.weight", np.asarray(longrope["long"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(longrope["short"], dtype=np.float32))
     for i in range(layers):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
-        for name, (rows, cols) in _layer_tensors(i, hidden, ff, heads, kv_heads).items():
+        norm(f"blk.{i}.attn_norm.weight", hidden)
+        norm(f"blk.{i}.ffn_norm.weight", hidden)
+        for name, (rows, cols) in _layer_tensors(i, hidden, ff, heads, kv_heads, head_dim, arch).items():
             add(name, rows, cols)
+        if arch == "qwen3":
+            norm(f"blk.{i}.attn_q_norm.weight", d)
+            norm(f"blk.{i}.attn_k_norm.weight", d)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -7,7 +7,15 @@ import os
 from pathlib import Path
 
 import pytest
-from builders import build_hf_model, default_gguf_path, gguf_structured, tiny_gpt2_config, tiny_llama_config
+from builders import (
+    build_hf_model,
+    default_gguf_path,
+    gguf_structured,
+    tiny_gpt2_config,
+    tiny_llama_config,
+    tiny_phi4_mini_config,
+    tiny_qwen3_config,
+)
 
 TEST_CACHE = Path(os.environ.get("ORCA_TEST_CACHE", Path.home() / ".cache" / "orca-serve" / "tests"))
 
@@ -55,6 +63,32 @@ def tiny_gguf_llama_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     for f in smollm2_tokenizer_dir.iterdir():
         shutil.copy(f, out / f.name)
     return out
+
+
+def _hf_dir_with_tokenizer(out: Path, config, tokenizer_dir: Path) -> Path:
+    import shutil
+
+    build_hf_model(config).save_pretrained(out, safe_serialization=True)
+    for f in tokenizer_dir.iterdir():
+        shutil.copy(f, out / f.name)
+    return out
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    """A tiny random Qwen3 (q/k norms, head_dim apart from hidden / heads) as an HF directory."""
+    return _hf_dir_with_tokenizer(
+        tmp_path_factory.mktemp("tiny-qwen3"), tiny_qwen3_config(), smollm2_tokenizer_dir
+    )
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    """A tiny random Phi-4-mini-like model (fused qkv/gate_up, partial rotary, LongRoPE) as an HF
+    directory. Its original context (64) holds every test sequence: transformers recomputes a
+    sequence that outgrows it with the long factors, which this server does not (rotary.py says why)."""
+    config = tiny_phi4_mini_config(original=64)
+    return _hf_dir_with_tokenizer(tmp_path_factory.mktemp("tiny-phi3"), config, smollm2_tokenizer_dir)
 
 
 @pytest.fixture(scope="session")

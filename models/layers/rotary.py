@@ -6,12 +6,16 @@ partial rotary factor (Phi-4-mini) only the first `rotary_dim` dims of a head tu
 
 LongRoPE (Phi-3.5 / Phi-4-mini, `rope_type` "longrope") scales the frequencies by `short_factor`
 up to `original_max_position_embeddings` and by `long_factor` past it, and multiplies cos and sin by
-an attention factor. transformers picks one set for a whole forward by the longest position in it;
-here a position's own row decides (short below the original context, long from it on). That is what
-transformers computes for every sequence within the original context and for decoding past it (its
-cached keys keep the short rows), it keeps a position's K/V independent of the rest of its sequence
-(prefix caching, chunked prompts, batch invariance), and it differs only for a prompt that crosses
-the original context in one forward, whose early positions transformers turns with the long set.
+an attention factor. Here a position's own row decides: short below the original context, long from
+it on. That is transformers' result for every sequence within the original context (4096 tokens for
+Phi-4-mini). Past it, transformers uses the long set for the whole sequence: a forward over a longer
+prompt turns every position with it, and its `generate` drops the cache once a sequence outgrows the
+original context and recomputes all of it (Phi3ForCausalLM.prepare_inputs_for_generation). Doing that
+here would make every K/V depend on its sequence's final length, which prefix caching (blocks shared
+across requests), chunked prompts and batch invariance rule out; so a long sequence keeps the short
+rows of its first positions (vLLM's cache keeps them too, and llama.cpp picks one set for all
+positions by the configured context). tests/models/test_models.py holds both sides of the table to
+transformers' cos/sin.
 """
 
 from __future__ import annotations

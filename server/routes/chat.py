@@ -41,7 +41,7 @@ from server.routes.fanout import (
 )
 from server.state import ServerState
 from server.structured import compile_constraint, output_constraint
-from server.tokenizer import ServerTokenizer
+from server.tokenizer import RESERVED_TEMPLATE_KWARGS, ServerTokenizer
 from server.tool_parsers import ToolCallParser, ToolCallStart
 from server.tools import (
     ToolPlan,
@@ -60,6 +60,7 @@ async def encode_chat(
     messages: list[ChatMessage],
     add_generation_prompt: bool = True,
     plan: ToolPlan | None = None,
+    template_kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
     if not tokenizer.has_chat_template:
         raise invalid(
@@ -67,12 +68,20 @@ async def encode_chat(
             param="messages",
             code="chat_template_missing",
         )
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS & set(template_kwargs or ()))
+    if reserved:
+        raise invalid(
+            f"chat_template_kwargs may not set {', '.join(reserved)} (the server sets them).",
+            param="chat_template_kwargs",
+        )
     check_tool_history(messages)
     msgs = render_messages(messages, plan)
     tools = plan.definitions() if plan is not None and plan.native else None
     size = sum(len(str(m.get("content") or "")) for m in msgs)
     try:
-        return await offload(tokenizer.encode_chat, msgs, add_generation_prompt, tools, size=size)
+        return await offload(
+            tokenizer.encode_chat, msgs, add_generation_prompt, tools, template_kwargs, size=size
+        )
     except ValueError as exc:
         raise invalid(str(exc), param="messages") from None
 
@@ -119,7 +128,7 @@ async def create_chat_completion(body: ChatCompletionRequest, request: Request) 
         max_tokens=body.requested_max_tokens,
     )
     plan = plan_tools(body, tokenizer.chat_template)
-    prompt = await encode_chat(tokenizer, body.messages, plan=plan)
+    prompt = await encode_chat(tokenizer, body.messages, plan=plan, template_kwargs=body.chat_template_kwargs)
     grammar = await _grammar(state, body, plan)
     limit = loop.max_model_len
     requested = body.requested_max_tokens

@@ -131,3 +131,23 @@ async def test_reserve_and_request_batching_reuse_the_cache(runner: LocalExecuto
             await run.generate(system, max_tokens=1)
             assert await run.together(prompts) == want
         assert all(run.cached[f"r{i}"] == 28 for i in range(1, 4)), cfg
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+async def test_new_families_from_the_cache_equal_cold_runs(family: str, request: pytest.FixtureRequest):
+    """Qwen3 (q/k norms) and Phi-4-mini-like (partial rotary, LongRoPE) models: prompts that start
+    from cached blocks, alone and batched together, give a cold run's greedy tokens."""
+    model_dir = request.getfixturevalue(f"tiny_{family}_dir")
+    runner = LocalExecutor(
+        EngineConfig(
+            model=str(model_dir), dtype="float32", device="cpu", block_size=BLOCK_SIZE, num_kv_blocks=256
+        )
+    )
+    system = prompt(37, seed=1)
+    a, b, c = ([*system, *prompt(n, seed=s)] for n, s in ((9, 2), (14, 3), (5, 4)))
+    async with Run(runner, caching=True) as run:
+        first = await run.generate(a)
+        again = await run.generate(a)
+        batched = await run.together([b, c])
+    assert run.cached["r1"] == 44 and run.cached["r2"] == run.cached["r3"] == 36
+    assert [first, again, *batched] == await cold(runner, [a, a, b, c])

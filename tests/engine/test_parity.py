@@ -42,12 +42,20 @@ def hf_generate(model, prompt: Sequence[int], new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.fixture(params=["llama", "gpt2", "gguf-llama"])
-def model_dir(request, tiny_llama_dir: Path, tiny_gpt2_dir: Path, tiny_gguf_llama_dir: Path) -> Path:
+@pytest.fixture(params=["llama", "gpt2", "gguf-llama", "qwen3", "phi3"])
+def model_dir(request) -> Path:
     """gguf-llama has GGUF-structured weights, so the runner packs them (models/weight_packing.py)
     and the quantized-linear kernel runs every matmul where it builds (float32 activations: the
-    parity reference; int8 activations are checked against float32 in test_quantized_accuracy.py)."""
-    return {"llama": tiny_llama_dir, "gpt2": tiny_gpt2_dir, "gguf-llama": tiny_gguf_llama_dir}[request.param]
+    parity reference; int8 activations are checked against float32 in test_quantized_accuracy.py).
+    phi3 is Phi-4-mini-like (fused qkv and gate/up, partial rotary, LongRoPE)."""
+    fixture = {
+        "llama": "tiny_llama_dir",
+        "gpt2": "tiny_gpt2_dir",
+        "gguf-llama": "tiny_gguf_llama_dir",
+        "qwen3": "tiny_qwen3_dir",
+        "phi3": "tiny_phi3_dir",
+    }[request.param]
+    return request.getfixturevalue(fixture)
 
 
 def make_runner(path: Path | str, backend: str = "auto", num_blocks: int = 128) -> LocalExecutor:
