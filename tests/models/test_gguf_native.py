@@ -14,9 +14,10 @@ from kernel_marks import needs_native_kernels
 
 from models.errors import ModelLoadError
 from models.gguf.blocks import decode
+from models.gguf.encode import ENCODABLE, encode
 from models.gguf.reader import MANIFEST, QuantizedTensor
 from models.layers.linear import ColumnParallelLinear, RowParallelLinear
-from models.layers.packed_weight import FORMATS, PackedWeight, pack_components
+from models.layers.packed_weight import FORMATS, PackedWeight, pack_components, random_components
 from models.layers.parallel import TPContext
 from models.loader import load_model, resolve_model
 from models.weight_packing import packable_layers
@@ -99,6 +100,24 @@ def test_blocks_decode_to_gguf_py_values(qtype: str) -> None:
         "IQ4_XS": 4.3125,
     }
     assert 8 * packed.nbytes / (32 * k) == stored[qtype]
+
+
+@needs_native_kernels
+@pytest.mark.parametrize("qtype", ENCODABLE)
+def test_encoded_k_quant_blocks_round_trip(qtype: str) -> None:
+    """Codes and scales written as a K-quant's blocks (models/gguf/encode.py, for files at a model's
+    shape) decode to themselves, and gguf-py reads from them the values they stand for."""
+    from gguf import GGMLQuantizationType, quants
+
+    c = random_components(FORMATS[qtype], 21, 512, seed=3)
+    raw = encode(qtype, c)
+    back = decode(qtype, raw, 512)
+    for field in ("codes", "scale", "minimum", "sub_scale", "sub_min"):
+        assert (getattr(c, field) is None) == (getattr(back, field) is None)
+        if getattr(c, field) is not None:
+            assert torch.equal(getattr(c, field), getattr(back, field)), field
+    expect = PackedWeight((pack_components(c),)).dequantize()
+    assert torch.equal(torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[qtype]).copy()), expect)
 
 
 def _convert(tmp_path: Path, monkeypatch, mix: str) -> Path:
