@@ -298,13 +298,15 @@ def write_tiny_gguf(
     eot: int | None = None,
     add_bos: bool | None = None,
     chat_template: str = CHATML_TEMPLATE,
+    rope_freqs: list[float] | None = None,
 ) -> None:
     """A GGUF of a llama, qwen3 or phi3 model with a byte-level BPE tokenizer and a chat template, laid
     out as llama.cpp's converter writes them. `types` maps a tensor-name fragment ("attn_q",
     "token_embd", ...) to its GGUF type (default F32 everywhere). qwen3: `head_dim` is written as
     attention.key_length and q/k norms are added; phi3: `rotary_dim` as rope.dimension_count, and
     `longrope` = {"original": context, "short": [...], "long": [...], "attn_factor": f} as llama.cpp
-    writes LongRoPE (factors as tensors). `extra_tokens` are control tokens after the vocabulary."""
+    writes LongRoPE (factors as tensors); llama: `rope_freqs`, Llama 3.1's per-frequency divisors.
+    `extra_tokens` are control tokens after the vocabulary."""
     import gguf
     import numpy as np
 
@@ -369,6 +371,8 @@ def write_tiny_gguf(
     if not tied:
         add("output.weight", vocab, hidden)
     norm("output_norm.weight", hidden)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
     if longrope is not None:
         w.add_tensor("rope_factors_long.weight", np.asarray(longrope["long"], dtype=np.float32))
         w.add_tensor("rope_factors_short.weight", np.asarray(longrope["short"], dtype=np.float32))

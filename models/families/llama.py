@@ -8,13 +8,14 @@ step; only the attention op splits per request. q/k/v and gate/up are fused into
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
 from models.base import CausalLMBase, stage_layers
-from models.family import GGUFSupport, ModelFamily, WeightNames
+from models.family import GGUFMetadata, GGUFSupport, ModelFamily, WeightNames
 from models.layers.activation import SiluAndMul
 from models.layers.attention import Attention, AttentionStep
 from models.layers.linear import (
@@ -249,12 +250,34 @@ def llama_decode_parts(layer: nn.Module) -> DecodeLayerParts:
     )
 
 
+def llama_gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
+    """Llama 3.1+ files carry their llama3 rope scaling as per-frequency divisors (the rope_freqs
+    tensor llama.cpp's converter computes from factor, low/high_freq_factor and the original context),
+    which transformers' GGUF reader drops. Kept as one LongRoPE set for every position (its original
+    context the whole context, so no long set and an attention factor of 1): the frequencies
+    llama.cpp turns with, inv_freq / factor."""
+    factors = meta.tensor("rope_freqs.weight")
+    if factors is None:
+        return {}
+    per_frequency = [float(f) for f in factors]
+    return {
+        "rope_parameters": {
+            "rope_type": "longrope",
+            "rope_theta": float(meta.arch_value("rope.freq_base", 10000.0)),
+            "short_factor": per_frequency,
+            "long_factor": per_frequency,
+            "original_max_position_embeddings": int(meta.arch_value("context_length")),
+            "attention_factor": 1.0,
+        }
+    }
+
+
 FAMILY = ModelFamily(
     name="llama",
     architectures=("LlamaForCausalLM",),
     model=LlamaForCausalLM,
     weights=LLAMA_WEIGHT_NAMES,
     # llama.cpp's converter permutes q/k rows for rotary; transformers' GGUF loader undoes it.
-    gguf=GGUFSupport(architectures=("llama",), permute_qk=True),
+    gguf=GGUFSupport(architectures=("llama",), permute_qk=True, config=llama_gguf_config),
     native_decode=llama_decode_parts,
 )

@@ -272,3 +272,45 @@ def test_truncated_files(tmp_path: Path, cache: Path) -> None:
     for size in (12, 300, 7000, len(whole) // 2, len(whole) - 1):
         cut.write_bytes(whole[:size])
         _expect_error(cut, cache, "cut.gguf", "truncated or corrupt GGUF file")
+
+
+def test_llama3_rope_freqs_come_from_the_file(tmp_path: Path, cache: Path) -> None:
+    """A Llama 3.1-style file: its llama3 rope scaling as the per-frequency divisors llama.cpp
+    writes (rope_freqs), which transformers' GGUF reader drops. Our model turns with them, and so
+    matches transformers' Llama run with the llama3 parameters the divisors came from."""
+    from transformers import LlamaConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    rope = {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 16,
+    }
+    llama3 = LlamaConfig(
+        hidden_size=256,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        rope_scaling={"rope_type": "llama3", "rope_theta": 10000.0, **rope},
+    )
+    scaled, _ = ROPE_INIT_FUNCTIONS["llama3"](llama3, "cpu")
+    plain = 1.0 / (10000.0 ** (torch.arange(0, 64, 2, dtype=torch.int64).float() / 64))
+    divisors = (plain / scaled).tolist()  # what llama.cpp's converter writes: up to 8 per frequency
+    assert max(divisors) == pytest.approx(8.0) and min(divisors) < 2.0
+    gguf = tmp_path / "llama31.gguf"
+    write_tiny_gguf(gguf, seed=4, hidden=256, ff=512, heads=4, kv_heads=2, layers=2, rope_freqs=divisors)
+    path = resolve_model(str(gguf))
+    assert load_config(path).rope_parameters["rope_type"] == "longrope"
+    model = load_model(path, torch.float32, "cpu")
+    reference = transformers_model(gguf)  # transformers' reading: no rope scaling at all
+    original = reference.config.to_dict()
+    original.pop("quantization_config", None)  # transformers' GGUF marker; it sets its own again
+    original["rope_parameters"] = {"rope_type": "llama3", "rope_theta": 10000.0, **rope}
+    hf = transformers_model(gguf, type(reference.config).from_dict(original))
+    with torch.no_grad():
+        expect = hf(torch.tensor([PROMPT])).logits[0]
+        unscaled = reference(torch.tensor([PROMPT])).logits[0]
+    ours = single_seq_logits(model, PROMPT)
+    torch.testing.assert_close(ours, expect, atol=1e-4, rtol=1e-4)
+    assert (ours - unscaled).abs().max() > 1e-2  # the scaling matters at these positions
