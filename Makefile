@@ -64,8 +64,11 @@ bench: install
 
 # orca-serve against llama.cpp's llama-server on the same GGUF file (../shared/peers/llama.cpp/), in one
 # run: closed-loop streaming chat at concurrency 1, 8 and 32 and a 512-token prefill run, as ratios.
+# GGUF=<file> for another file than the default model's, e.g. a published shape with random Q4_K_M
+# weights (loadtest/gguf_shapes.py: qwen3-0.6b, phi-4-mini):
+#   make bench-peers GGUF=$$(.venv/bin/python -m loadtest.gguf_shapes qwen3-0.6b)
 bench-peers: install
-	$(PY) -m loadtest.peers
+	$(PY) -m loadtest.peers $(if $(GGUF),--gguf $(GGUF))
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from models.errors import ModelLoadError
 
@@ -56,6 +56,21 @@ class WeightNames:
     renamed: tuple[tuple[str, str | None], ...] = ()
 
 
+class GGUFMetadata(Protocol):
+    """What a family's GGUF config function reads of a file (models/gguf/metadata.py reads it)."""
+
+    architecture: str  # general.architecture
+
+    def value(self, key: str, default: Any = None) -> Any:
+        """A metadata value by its full key ("tokenizer.ggml.eos_token_id")."""
+
+    def arch_value(self, name: str, default: Any = None) -> Any:
+        """A value under the architecture's prefix ("attention.key_length" -> "qwen3.attention.key_length")."""
+
+    def tensor(self, name: str) -> Any:
+        """A small tensor's values (float32 numpy array; rope factors), or None if the file has none."""
+
+
 @dataclass(frozen=True)
 class GGUFSupport:
     """GGUF architectures (`general.architecture`) whose tensors transformers' GGUF loader only renames,
@@ -68,12 +83,11 @@ class GGUFSupport:
     # Added to every `*norm.weight` tensor as it is read: llama.cpp stores Gemma's (1 + w) norms as
     # w + 1, and transformers' GGUF loader subtracts the 1 again (-1.0 here does the same).
     norm_offset: float = 0.0
-    # Tokens that end a turn of the chat template (Gemma's <end_of_turn>): where the vocabulary has them
-    # their ids join the stop ids (generation_config.eos_token_id), as llama.cpp stops on them.
-    end_of_turn: tuple[str, ...] = ()
-    # Settings transformers' GGUF reader leaves out of the config, set from the file's `<arch>.*`
-    # metadata (the key without the prefix -> its value) as llama.cpp reads them.
-    config_from_metadata: Callable[[Any, dict[str, Any]], None] | None = None
+    # Config entries the file states but transformers' GGUF reader leaves out (a head_dim apart from
+    # hidden / heads, partial rotary, rope scaling, the window, Gemma 3's attention scale): from the
+    # file's metadata and the config transformers read (not changed: the entries returned are set on
+    # the converted config), as llama.cpp reads them.
+    config: Callable[[GGUFMetadata, Any], dict[str, Any]] | None = None
 
 
 def no_sliding_window(config: Any) -> int | None:

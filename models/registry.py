@@ -13,7 +13,7 @@ from models.errors import ModelLoadError
 from models.family import GGUFSupport, ModelFamily
 
 # models/families/<name>.py, each defining FAMILY. Adding a family: its file and its name here.
-FAMILY_MODULES = ("llama", "mistral", "qwen2", "gpt2", "gemma3")
+FAMILY_MODULES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "gemma3")
 
 FAMILIES: tuple[ModelFamily, ...] = tuple(
     importlib.import_module(f"models.families.{name}").FAMILY for name in FAMILY_MODULES
@@ -23,6 +23,8 @@ SUPPORTED_ARCHITECTURES = tuple(_BY_ARCHITECTURE)
 _BY_GGUF_ARCHITECTURE = {
     arch: family.gguf for family in FAMILIES if family.gguf is not None for arch in family.gguf.architectures
 }
+# GGUF architectures read in place (others transformers reads are converted to float safetensors).
+SUPPORTED_GGUF_ARCHITECTURES = tuple(_BY_GGUF_ARCHITECTURE)
 
 
 def family_for(config: Any) -> ModelFamily:

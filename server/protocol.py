@@ -7,7 +7,7 @@ import logging
 import threading
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 # Shared bounds, as OpenAI documents them. How many choices, stop strings and top logprobs a request may
 # ask for is the server's decision (ServerConfig.max_n, max_stop_strings, max_logprobs: flags that can
@@ -165,10 +165,38 @@ class TextPart(OpenAIModel):
 
 FunctionName = Annotated[str, Field(pattern=r"^[a-zA-Z0-9_.-]{1,64}$")]
 ReasoningEffort = Literal["none", "minimal", "low", "medium", "high", "xhigh"]
-# What the server itself hands the chat template; a request may not replace them.
+# apply_chat_template's own arguments, which a request's chat_template_kwargs may not set (the server
+# sets them, or they would change what the call returns).
 RESERVED_TEMPLATE_KWARGS = frozenset(
-    {"messages", "tools", "documents", "add_generation_prompt", "continue_final_message", "tokenize"}
+    {
+        "conversation",
+        "messages",
+        "tools",
+        "documents",
+        "chat_template",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tokenize",
+        "padding",
+        "truncation",
+        "max_length",
+        "return_tensors",
+        "return_dict",
+        "return_assistant_tokens_mask",
+        "tokenizer_kwargs",
+    }
 )
+
+
+def _check_template_kwargs(v: dict[str, Any] | None) -> dict[str, Any] | None:
+    taken = sorted(set(v or {}) & RESERVED_TEMPLATE_KWARGS)
+    if taken:
+        raise ValueError(f"{', '.join(taken)} cannot be set through chat_template_kwargs")
+    return v
+
+
+# A request's variables for the chat template (vLLM's chat_template_kwargs), the reserved ones refused.
+TemplateKwargs = Annotated[dict[str, Any] | None, AfterValidator(_check_template_kwargs)]
 
 
 class FunctionDefinition(OpenAIModel):
@@ -249,15 +277,7 @@ class ChatCompletionRequest(SamplingFields):
     # Passed to the chat template: OpenAI's reasoning_effort (templates such as gpt-oss's read it) and
     # vLLM's chat_template_kwargs (e.g. {"enable_thinking": false} for Qwen3).
     reasoning_effort: ReasoningEffort | None = None
-    chat_template_kwargs: dict[str, Any] | None = None
-
-    @field_validator("chat_template_kwargs")
-    @classmethod
-    def _check_template_kwargs(cls, v: dict[str, Any] | None) -> dict[str, Any] | None:
-        taken = sorted(set(v or {}) & RESERVED_TEMPLATE_KWARGS)
-        if taken:
-            raise ValueError(f"{', '.join(taken)} cannot be set through chat_template_kwargs")
-        return v
+    chat_template_kwargs: TemplateKwargs = None
 
     @property
     def requested_max_tokens(self) -> int | None:
@@ -275,6 +295,7 @@ class TokenizeChatRequest(OpenAIModel):
     model: str | None = None
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     add_generation_prompt: bool = True
+    chat_template_kwargs: TemplateKwargs = None
 
 
 class DetokenizeRequest(OpenAIModel):

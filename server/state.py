@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from engine.contract import Executor
 from engine.grammar import GrammarCompiler
+from models.errors import ModelLoadError
 from scheduler.loop import IterationLoop, new_step_thread
 from scheduler.outputs import SchedulerStats, StepReport
 from server.config import ServerConfig
@@ -114,7 +115,10 @@ class ServerState:
                 loop.add_step_listener(self.live_feed.on_step)
         except Exception as exc:
             self.load_error = f"{type(exc).__name__}: {exc}"
-            logger.error("loading the model failed: %s", self.load_error, exc_info=exc)
+            # A ModelLoadError names the file and what is wrong with it (an unsupported architecture
+            # or ggml type, a truncated file): its traceback would only bury that.
+            expected = isinstance(exc, ModelLoadError)
+            logger.error("loading the model failed: %s", self.load_error, exc_info=None if expected else exc)
             if self.on_load_failed is not None:
                 self.on_load_failed(self.load_error)
             return

@@ -34,6 +34,82 @@ def tiny_llama_config(**overrides):
     return LlamaConfig(**kwargs)
 
 
+def tiny_qwen3_config(**overrides):
+    """Qwen3's layout at toy sizes: head_dim (32) set apart from hidden / heads (16), as in Qwen3-0.6B
+    (128 against 64), GQA, q/k norms, an untied head."""
+    from transformers import Qwen3Config
+
+    kwargs = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        architectures=["Qwen3ForCausalLM"],
+        torch_dtype="float32",
+    )
+    kwargs.update(overrides)
+    return Qwen3Config(**kwargs)
+
+
+def tiny_phi3_config(**overrides):
+    """Phi-3's layout at toy sizes: fused qkv (GQA: q, k and v of different sizes) and gate/up."""
+    from transformers import Phi3Config
+
+    kwargs = dict(
+        vocab_size=49152,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-5,
+        rope_theta=10000.0,
+        tie_word_embeddings=False,
+        bos_token_id=1,
+        eos_token_id=2,
+        pad_token_id=0,
+        sliding_window=None,
+        architectures=["Phi3ForCausalLM"],
+        torch_dtype="float32",
+    )
+    kwargs.update(overrides)
+    return Phi3Config(**kwargs)
+
+
+def tiny_phi4_mini_config(original: int = 64, **overrides):
+    """Phi-4-mini's rotary at toy sizes: head_dim 64 of which 32 turn (partial_rotary_factor 0.5; a
+    multiple of 16, so the native rotary kernel takes it), LongRoPE with distinct short and long
+    factors past an original context of `original` tokens, a tied head."""
+    half = 16  # rotary dims / 2
+    rope = {
+        "rope_type": "longrope",
+        "short_factor": [1.0 + 0.05 * i for i in range(half)],
+        "long_factor": [1.5 + 0.4 * i for i in range(half)],
+    }
+    kwargs = dict(
+        hidden_size=128,
+        intermediate_size=192,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        partial_rotary_factor=0.5,
+        original_max_position_embeddings=original,
+        rope_scaling=rope,
+        tie_word_embeddings=True,
+    )
+    kwargs.update(overrides)
+    return tiny_phi3_config(**kwargs)
+
+
 def tiny_gpt2_config(**overrides):
     from transformers import GPT2Config
 
@@ -104,6 +180,8 @@ def build_hf_model(config, seed: int = 0):
                 p.normal_(0.0, 0.08)
             elif "norm" in name and p.dim() == 1 and not p.any():
                 p.normal_(0.0, 0.2)  # zero-centred (1 + w) norms (Gemma's): make w count
+            elif name.endswith(("q_norm.weight", "k_norm.weight")):
+                p.uniform_(0.5, 1.5)  # not all ones: a q norm used for k (or none) must show
     return model.eval()
 
 
@@ -174,23 +252,33 @@ def _byte_level_alphabet() -> list[str]:
     return [chr(c) for c in printable] + [chr(256 + i) for i in range(len(others))]
 
 
-# The GGUF tensors of one Llama layer and their (rows, cols) in HF orientation, from the sizes.
-def _layer_tensors(i: int, hidden: int, ff: int, heads: int, kv_heads: int) -> dict[str, tuple[int, int]]:
-    d = hidden // heads
-    return {
+# The GGUF tensors of one layer and their (rows, cols) in HF orientation, from the sizes: llama's and
+# qwen3's (separate q/k/v, gate/up), phi3's (fused attn_qkv; ffn_up holds gate | up).
+def _layer_tensors(
+    i: int, hidden: int, ff: int, heads: int, kv_heads: int, head_dim: int | None = None, arch: str = "llama"
+) -> dict[str, tuple[int, int]]:
+    d = head_dim or hidden // heads
+    attn = {
         f"blk.{i}.attn_q.weight": (heads * d, hidden),
         f"blk.{i}.attn_k.weight": (kv_heads * d, hidden),
         f"blk.{i}.attn_v.weight": (kv_heads * d, hidden),
+    }
+    ffn = {f"blk.{i}.ffn_gate.weight": (ff, hidden), f"blk.{i}.ffn_up.weight": (ff, hidden)}
+    if arch == "phi3":
+        attn = {f"blk.{i}.attn_qkv.weight": ((heads + 2 * kv_heads) * d, hidden)}
+        ffn = {f"blk.{i}.ffn_up.weight": (2 * ff, hidden)}
+    return {
+        **attn,
         f"blk.{i}.attn_output.weight": (hidden, heads * d),
-        f"blk.{i}.ffn_gate.weight": (ff, hidden),
-        f"blk.{i}.ffn_up.weight": (ff, hidden),
+        **ffn,
         f"blk.{i}.ffn_down.weight": (hidden, ff),
     }
 
 
 def gguf_blocks(values, qtype_name: str, rng):
     """float32 [rows, cols] -> a GGUF type's raw blocks: gguf-py's quantizer where it has one; for the
-    K-quants (gguf-py only dequantizes them) random blocks with finite, small float16 scales."""
+    K-quants and IQ4 types (gguf-py only dequantizes them) random blocks (every code and sub-scale
+    a valid one) with finite, small float16 scales."""
     import numpy as np
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, quants
 
@@ -205,11 +293,70 @@ def gguf_blocks(values, qtype_name: str, rng):
     block, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
     # Where each type keeps its float16 super-block scales (d, dmin): keep them finite and small.
-    f16_at = {"Q2_K": [80, 82], "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208]}[qtype_name]
+    f16_at = {
+        "Q2_K": [80, 82],
+        "Q3_K": [108],
+        "Q4_K": [0, 2],
+        "Q5_K": [0, 2],
+        "Q6_K": [208],
+        "IQ4_XS": [0],
+        "IQ4_NL": [0],
+    }[qtype_name]
+    # Super-block scales up to 5e-4: weights times sub-scales (up to 63) and codes (up to 127 in the IQ4
+    # codebook) of about 0.1, like `values`. Larger ones (4e-3, once) made the tiny models' logits reach
+    # the hundreds, where float32 summation order alone moves them by more than the parity tests allow.
     for at in f16_at:
-        scale = (rng.random((rows, cols // block)) * 0.004).astype(np.float16)
+        scale = (rng.random((rows, cols // block)) * 0.0005).astype(np.float16)
         raw[..., at : at + 2] = scale.view(np.uint8).reshape(rows, cols // block, 2)
     return raw.reshape(rows, -1)
+
+
+# The tensor types of llama.cpp's mixes, by tensor-name fragment (qwen3 files have attn_q/k/v and
+# ffn_gate/up; phi3 files attn_qkv and ffn_up holding gate | up).
+GGUF_MIXES = {
+    "Q4_K_M": {
+        "attn_q": "Q4_K",
+        "attn_k": "Q4_K",
+        "attn_v": "Q6_K",
+        "attn_qkv": "Q4_K",
+        "attn_output": "Q4_K",
+        "ffn_gate": "Q4_K",
+        "ffn_up": "Q4_K",
+        "ffn_down": "Q6_K",
+        "token_embd": "Q4_K",
+        "output.": "Q6_K",
+    },
+    "Q3_K_M": {
+        "attn_q": "Q3_K",
+        "attn_k": "Q3_K",
+        "attn_v": "Q5_K",
+        "attn_qkv": "Q3_K",
+        "attn_output": "Q4_K",
+        "ffn_gate": "Q3_K",
+        "ffn_up": "Q3_K",
+        "ffn_down": "Q5_K",
+        "token_embd": "Q3_K",
+        "output.": "Q6_K",
+    },
+    "Q2_K": {
+        "attn_q": "Q2_K",
+        "attn_k": "Q2_K",
+        "attn_v": "Q3_K",
+        "attn_qkv": "Q2_K",
+        "attn_output": "Q3_K",
+        "ffn_gate": "Q2_K",
+        "ffn_up": "Q2_K",
+        "ffn_down": "Q3_K",
+        "token_embd": "Q2_K",
+        "output.": "Q6_K",
+    },
+    "IQ4_XS": {"attn": "IQ4_XS", "ffn": "IQ4_XS", "token_embd": "IQ4_XS", "output.": "Q6_K"},
+}
+
+# The chat template the tiny files carry (ChatML, as SmolLM2's and Qwen's).
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+)
 
 
 def write_tiny_gguf(
@@ -222,19 +369,44 @@ def write_tiny_gguf(
     layers: int = 1,
     types: dict[str, str] | None = None,
     tied: bool = True,
+    arch: str = "llama",
+    head_dim: int | None = None,
+    rotary_dim: int | None = None,
+    longrope: dict | None = None,
+    context: int = 64,
+    sliding_window: int | None = None,
+    extra_tokens: tuple[str, ...] = (),
+    eos: int = 2,
+    eot: int | None = None,
+    add_bos: bool | None = None,
+    chat_template: str = CHATML_TEMPLATE,
+    rope_freqs: list[float] | None = None,
 ) -> None:
-    """A Llama GGUF with a byte-level BPE tokenizer and a chat template. `types` maps a tensor-name
-    fragment ("attn_q", "token_embd", ...) to its GGUF type (default F32 everywhere)."""
+    """A GGUF of a llama, qwen3 or phi3 model with a byte-level BPE tokenizer and a chat template, laid
+    out as llama.cpp's converter writes them. `types` maps a tensor-name fragment ("attn_q",
+    "token_embd", ...) to its GGUF type (default F32 everywhere). qwen3: `head_dim` is written as
+    attention.key_length and q/k norms are added; phi3: `rotary_dim` as rope.dimension_count, and
+    `longrope` = {"original": context, "short": [...], "long": [...], "attn_factor": f} as llama.cpp
+    writes LongRoPE (factors as tensors); llama: `rope_freqs`, Llama 3.1's per-frequency divisors.
+    `extra_tokens` are control tokens after the vocabulary."""
     import gguf
     import numpy as np
 
     rng = np.random.default_rng(seed)
-    tokens = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", *_byte_level_alphabet(), "Ġt", "he"]
+    tokens = [
+        "<|endoftext|>",
+        "<|im_start|>",
+        "<|im_end|>",
+        *_byte_level_alphabet(),
+        "Ġt",
+        "he",
+        *extra_tokens,
+    ]
     vocab = len(tokens)
-    head_dim = hidden // heads
-    w = gguf.GGUFWriter(str(path), "llama")
+    d = head_dim or hidden // heads
+    w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(layers)
-    w.add_context_length(64)
+    w.add_context_length(context)
     w.add_embedding_length(hidden)
     w.add_feed_forward_length(ff)
     w.add_head_count(heads)
@@ -242,19 +414,30 @@ def write_tiny_gguf(
     w.add_rope_freq_base(10000.0)
     w.add_layer_norm_rms_eps(1e-5)
     w.add_vocab_size(vocab)
-    w.add_rope_dimension_count(head_dim)
+    w.add_rope_dimension_count(rotary_dim or d)
+    if head_dim is not None:
+        w.add_key_length(head_dim)
+        w.add_value_length(head_dim)
+    if longrope is not None:
+        w.add_rope_scaling_orig_ctx_len(longrope["original"])
+        w.add_rope_scaling_attn_factors(longrope["attn_factor"])
+    if sliding_window is not None:
+        w.add_sliding_window(sliding_window)
     w.add_file_type(0)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)
-    w.add_token_types([3, 3, 3] + [1] * (vocab - 3))  # 3: control tokens
+    control = [3, 3, 3] + [1] * (vocab - 3 - len(extra_tokens)) + [3] * len(extra_tokens)  # 3: control
+    w.add_token_types(control)
     w.add_token_merges(["Ġ t", "h e"])
     w.add_bos_token_id(1)
-    w.add_eos_token_id(2)
+    w.add_eos_token_id(eos)
+    if eot is not None:
+        w.add_eot_token_id(eot)
     w.add_pad_token_id(0)
-    w.add_chat_template(
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
-    )
+    if add_bos is not None:
+        w.add_add_bos_token(add_bos)
+    w.add_chat_template(chat_template)
     types = types or {}
 
     def add(name: str, rows: int, cols: int) -> None:
@@ -263,15 +446,26 @@ def write_tiny_gguf(
         data = gguf_blocks(values, qtype, rng)
         w.add_tensor(name, data, raw_dtype=None if qtype == "F32" else gguf.GGMLQuantizationType[qtype])
 
+    def norm(name: str, size: int) -> None:
+        w.add_tensor(name, (1 + 0.1 * rng.standard_normal(size)).astype(np.float32))
+
     add("token_embd.weight", vocab, hidden)
     if not tied:
         add("output.weight", vocab, hidden)
-    w.add_tensor("output_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+    norm("output_norm.weight", hidden)
+    if rope_freqs is not None:
+        w.add_tensor("rope_freqs.weight", np.asarray(rope_freqs, dtype=np.float32))
+    if longrope is not None:
+        w.add_tensor("rope_factors_long.weight", np.asarray(longrope["long"], dtype=np.float32))
+        w.add_tensor("rope_factors_short.weight", np.asarray(longrope["short"], dtype=np.float32))
     for i in range(layers):
-        w.add_tensor(f"blk.{i}.attn_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
-        w.add_tensor(f"blk.{i}.ffn_norm.weight", (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
-        for name, (rows, cols) in _layer_tensors(i, hidden, ff, heads, kv_heads).items():
+        norm(f"blk.{i}.attn_norm.weight", hidden)
+        norm(f"blk.{i}.ffn_norm.weight", hidden)
+        for name, (rows, cols) in _layer_tensors(i, hidden, ff, heads, kv_heads, head_dim, arch).items():
             add(name, rows, cols)
+        if arch == "qwen3":
+            norm(f"blk.{i}.attn_q_norm.weight", d)
+            norm(f"blk.{i}.attn_k_norm.weight", d)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

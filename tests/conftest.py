@@ -14,6 +14,8 @@ from builders import (
     tiny_gemma3_config,
     tiny_gpt2_config,
     tiny_llama_config,
+    tiny_phi4_mini_config,
+    tiny_qwen3_config,
 )
 
 TEST_CACHE = Path(os.environ.get("ORCA_TEST_CACHE", Path.home() / ".cache" / "orca-serve" / "tests"))
@@ -54,14 +56,8 @@ def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
 def tiny_gguf_llama_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     """A tiny Llama whose weights went through GGUF quantization like the default model's: Q4_1
     projections and a Q8_0 (tied) embedding, stored dequantized as float32 safetensors."""
-    import shutil
-
     model = gguf_structured(build_hf_model(tiny_llama_config()))
-    out = tmp_path_factory.mktemp("tiny-gguf-llama")
-    model.save_pretrained(out, safe_serialization=True)
-    for f in smollm2_tokenizer_dir.iterdir():
-        shutil.copy(f, out / f.name)
-    return out
+    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-gguf-llama"), smollm2_tokenizer_dir)
 
 
 def _save_with_tokenizer(model, out: Path, tokenizer_dir: Path) -> Path:
@@ -92,6 +88,22 @@ def tiny_mistral_window_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     return _save_with_tokenizer(
         build_hf_model(config), tmp_path_factory.mktemp("tiny-mistral-window"), smollm2_tokenizer_dir
     )
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    """A tiny random Qwen3 (q/k norms, head_dim apart from hidden / heads) as an HF directory."""
+    model = build_hf_model(tiny_qwen3_config())
+    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-qwen3"), smollm2_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    """A tiny random Phi-4-mini-like model (fused qkv/gate_up, partial rotary, LongRoPE) as an HF
+    directory. Its original context (64) holds every test sequence: transformers recomputes a
+    sequence that outgrows it with the long factors, which this server does not (rotary.py says why)."""
+    model = build_hf_model(tiny_phi4_mini_config(original=64))
+    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-phi3"), smollm2_tokenizer_dir)
 
 
 @pytest.fixture(scope="session")

@@ -28,7 +28,7 @@ from transformers import PretrainedConfig
 from models.base import CausalLMBase, stage_layers
 from models.errors import ModelLoadError
 from models.families.llama import LLAMA_WEIGHT_NAMES
-from models.family import FULL, SLIDING, GGUFSupport, ModelFamily, text_config
+from models.family import FULL, SLIDING, GGUFMetadata, GGUFSupport, ModelFamily, text_config
 from models.layers.activation import GeluTanhAndMul
 from models.layers.attention import Attention, AttentionStep
 from models.layers.linear import (
@@ -40,7 +40,7 @@ from models.layers.linear import (
 )
 from models.layers.metadata import AttentionMetadata, KVCache
 from models.layers.native_decode import DecodeLayerParts
-from models.layers.norm import RMSNorm
+from models.layers.norm import RMSNorm, qk_rms_norm
 from models.layers.parallel import SINGLE, SINGLE_STAGE, PPContext, TPContext
 from models.layers.rotary import RotaryEmbedding, rope_params_from_config
 
@@ -108,16 +108,8 @@ class Gemma3Attention(nn.Module):
         scale = config.query_pre_attn_scalar**-0.5
         self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, scale, sliding_window)
 
-    def norm_heads(self, qkv: torch.Tensor) -> torch.Tensor:
-        """The fused projection with every q and k head RMS-normed (rows of head_dim, as the fused
-        decode call norms them in place); v as it was."""
-        t, d, hq, hkv = qkv.shape[0], self.head_dim, self.num_heads, self.num_kv_heads
-        q = self.q_norm(qkv[:, : hq * d].reshape(t * hq, d)).view(t, hq * d)
-        k = self.k_norm(qkv[:, hq * d : (hq + hkv) * d].reshape(t * hkv, d)).view(t, hkv * d)
-        return torch.cat([q, k, qkv[:, (hq + hkv) * d :]], dim=1)
-
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, step: AttentionStep):
-        qkv = self.norm_heads(self.qkv_proj(x))  # [T, (Hq + 2 Hkv) * D]
+        qkv = qk_rms_norm(self.qkv_proj(x), self.q_norm, self.k_norm, self.num_heads, self.num_kv_heads)
         return self.o_proj(self.attn.forward_rotary_qkv(qkv, positions, self.rotary, kv_cache, step))
 
 
@@ -304,24 +296,30 @@ def gemma3_sliding_window(config: Any) -> int | None:
 GEMMA3_27B_LAYERS = 62
 
 
-def gemma3_config_from_gguf(config: Any, metadata: dict[str, Any]) -> None:
+def gemma3_gguf_config(meta: GGUFMetadata, config: Any) -> dict[str, Any]:
     """What transformers' GGUF reader leaves out of a gemma3 file's config, read as llama.cpp reads it:
     the global layers' linear rope scaling (Gemma 3 4B and up: `rope.scaling.type` / `.factor`; the
     local layers keep none), the attention scale (llama.cpp: 1/sqrt(hidden / heads) for the 27B model,
     else 1/sqrt(head_dim); transformers would take its default of 256 for every size), and a final
     logit soft-cap where the file sets one. The layer pattern (every sixth layer global) and the
-    local rope base (10000) are both readers' defaults."""
-    scaling = metadata.get("rope.scaling.type")
+    local rope base (10000) are both readers' defaults, so `config` (transformers' reading) has them."""
+    out: dict[str, Any] = {}
+    scaling = meta.arch_value("rope.scaling.type")
     if scaling == "linear":
-        config.rope_parameters[FULL].update(rope_type="linear", factor=float(metadata["rope.scaling.factor"]))
+        factor = float(meta.arch_value("rope.scaling.factor"))
+        rope = dict(config.rope_parameters)
+        rope[FULL] = {**rope[FULL], "rope_type": "linear", "factor": factor}
+        out["rope_parameters"] = rope
     elif scaling not in (None, "none"):
         raise ModelLoadError(f"gemma3 GGUF: unsupported rope scaling {scaling!r} (expected linear)")
     if config.num_hidden_layers == GEMMA3_27B_LAYERS:
-        config.query_pre_attn_scalar = config.hidden_size // config.num_attention_heads
+        out["query_pre_attn_scalar"] = config.hidden_size // config.num_attention_heads
     else:
-        config.query_pre_attn_scalar = config.head_dim
-    if metadata.get("final_logit_softcapping"):
-        config.final_logit_softcapping = float(metadata["final_logit_softcapping"])
+        out["query_pre_attn_scalar"] = config.head_dim
+    cap = meta.arch_value("final_logit_softcapping")
+    if cap:
+        out["final_logit_softcapping"] = float(cap)
+    return out
 
 
 FAMILY = ModelFamily(
@@ -333,8 +331,7 @@ FAMILY = ModelFamily(
     gguf=GGUFSupport(
         architectures=("gemma3",),
         norm_offset=-1.0,
-        end_of_turn=("<end_of_turn>",),
-        config_from_metadata=gemma3_config_from_gguf,
+        config=gemma3_gguf_config,
     ),
     native_decode=gemma3_decode_parts,
     sliding_window=gemma3_sliding_window,

@@ -1,4 +1,5 @@
-"""Llama (Llama 2/3, SmolLM) for selective batching; Mistral and Qwen2 reuse its layers (their own files).
+"""Llama (Llama 2/3, SmolLM) for selective batching; Mistral, Qwen2 and Qwen3 reuse its layers (their own
+files), with what differs read off their configs into a `LlamaLayout`.
 
 All linear layers, norms and the MLP run once over the flat [T, hidden] tokens of every request in the
 step; only the attention op splits per request. q/k/v and gate/up are fused into single matmuls.
@@ -7,13 +8,14 @@ step; only the attention op splits per request. q/k/v and gate/up are fused into
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
 from transformers import PretrainedConfig
 
 from models.base import CausalLMBase, stage_layers
-from models.family import GGUFSupport, ModelFamily, WeightNames
+from models.family import GGUFMetadata, GGUFSupport, ModelFamily, WeightNames
 from models.layers.activation import SiluAndMul
 from models.layers.attention import Attention, AttentionStep
 from models.layers.linear import (
@@ -24,7 +26,7 @@ from models.layers.linear import (
 )
 from models.layers.metadata import AttentionMetadata, KVCache
 from models.layers.native_decode import DecodeLayerParts
-from models.layers.norm import RMSNorm
+from models.layers.norm import RMSNorm, qk_rms_norm
 from models.layers.parallel import SINGLE, SINGLE_STAGE, PPContext, TPContext
 from models.layers.rotary import RotaryEmbedding, rope_params_from_config
 
@@ -55,6 +57,7 @@ class LlamaLayout:
     qkv_bias: bool  # biases on q, k and v
     o_bias: bool  # a bias on the attention output projection
     mlp_bias: bool
+    qk_norm: bool = False  # a per-head RMSNorm of q and k before rotary (Qwen3)
 
     @classmethod
     def of(cls, config: PretrainedConfig) -> LlamaLayout:
@@ -103,9 +106,14 @@ class LlamaAttention(nn.Module):
         self.head_dim = head_dim
         self.rotary = rotary  # shared by all layers (one cos/sin table)
         self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5, sliding_window)
+        # Weights [head_dim], the same for every head (and so on every tensor-parallel rank).
+        self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if layout.qk_norm else None
+        self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if layout.qk_norm else None
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, step: AttentionStep):
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
+        if self.q_norm is not None and self.k_norm is not None:
+            qkv = qk_rms_norm(qkv, self.q_norm, self.k_norm, self.num_heads, self.num_kv_heads)
         return self.o_proj(self.attn.forward_rotary_qkv(qkv, positions, self.rotary, kv_cache, step))
 
 
@@ -243,7 +251,31 @@ def llama_decode_parts(layer: nn.Module) -> DecodeLayerParts:
         post_norm=layer.post_attention_layernorm,
         gate_up=mlp.gate_up_proj,
         down=mlp.down_proj,
+        q_norm=attn.q_norm,
+        k_norm=attn.k_norm,
     )
+
+
+def llama_gguf_config(meta: GGUFMetadata, config: Any) -> dict[str, Any]:
+    """Llama 3.1+ files carry their llama3 rope scaling as per-frequency divisors (the rope_freqs
+    tensor llama.cpp's converter computes from factor, low/high_freq_factor and the original context),
+    which transformers' GGUF reader drops. Kept as one LongRoPE set for every position (its original
+    context the whole context, so no long set and an attention factor of 1): the frequencies
+    llama.cpp turns with, inv_freq / factor."""
+    factors = meta.tensor("rope_freqs.weight")
+    if factors is None:
+        return {}
+    per_frequency = [float(f) for f in factors]
+    return {
+        "rope_parameters": {
+            "rope_type": "longrope",
+            "rope_theta": float(meta.arch_value("rope.freq_base", 10000.0)),
+            "short_factor": per_frequency,
+            "long_factor": per_frequency,
+            "original_max_position_embeddings": int(meta.arch_value("context_length")),
+            "attention_factor": 1.0,
+        }
+    }
 
 
 FAMILY = ModelFamily(
@@ -252,6 +284,6 @@ FAMILY = ModelFamily(
     model=LlamaForCausalLM,
     weights=LLAMA_WEIGHT_NAMES,
     # llama.cpp's converter permutes q/k rows for rotary; transformers' GGUF loader undoes it.
-    gguf=GGUFSupport(architectures=("llama",), permute_qk=True),
+    gguf=GGUFSupport(architectures=("llama",), permute_qk=True, config=llama_gguf_config),
     native_decode=llama_decode_parts,
 )

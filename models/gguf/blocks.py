@@ -3,7 +3,7 @@
 Each decoder reads the bytes exactly as gguf-py's dequantizer for that type does (same reshapes, same
 bit positions), so `pack_components(decode_blocks(...))` reconstructs gguf-py's float32 values bit for bit;
 tests/models/test_gguf_native.py checks every type against gguf-py. Types without a decoder here
-(Q2_K, Q3_K, the IQ and TQ families, ...) are dequantized to float by gguf-py instead.
+(the other IQ types, TQ1_0, ...) are dequantized to float by gguf-py instead.
 """
 
 from __future__ import annotations
@@ -36,6 +36,35 @@ def _k_nibbles(qs: np.ndarray) -> np.ndarray:
     """Q4_K / Q5_K: [nb, 128] -> [nb, 8, 32]: 32-byte chunk i holds sub-block 2i (low) and 2i+1 (high)."""
     q = qs.reshape(*qs.shape[:-1], 4, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
     return (q & 0x0F).reshape(*qs.shape[:-1], 8, 32)
+
+
+def _k_crumbs(qs: np.ndarray) -> np.ndarray:
+    """Q2_K / Q3_K: [n, nb, 64] -> [n, nb, 256] 2-bit fields: byte 32c + j holds weights 128c + 32s + j
+    in bits 2s, 2s + 1 (s = 0..3)."""
+    n, nb = qs.shape[:2]
+    q = qs.reshape(n, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+    return (q & 0x03).reshape(n, nb, 256)
+
+
+def _q3_k_scales(scales: np.ndarray) -> np.ndarray:
+    """Q3_K: [n, nb, 12] -> [n, nb, 16] int8 sub-scales (6-bit, stored + 32): the low 4 bits from
+    bytes 0..7 (low nibbles, then high), the top 2 from bytes 8..11 (2 bits each, 4 per byte)."""
+    n, nb = scales.shape[:2]
+    low = scales[..., :8].reshape(n, nb, 1, 8) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
+    high = scales[..., 8:].reshape(n, nb, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
+    sc = (low.reshape(n, nb, 16) & 0x0F) | ((high.reshape(n, nb, 16) & 0x03) << 4)
+    return (sc.astype(np.int16) - 32).astype(np.int8)
+
+
+def _iq4_xs_scales(b: np.ndarray) -> np.ndarray:
+    """IQ4_XS: blocks [n, nb, 136] -> [n, nb, 8] int8 sub-scales (6-bit, stored + 32): the low 4 bits
+    from bytes 4..7 (low nibble, then high), the top 2 from the uint16 at bytes 2..3 (2 bits each)."""
+    n, nb = b.shape[:2]
+    low = b[..., 4:8].reshape(n, nb, 4, 1) >> np.array([0, 4], dtype=np.uint8)
+    high = np.ascontiguousarray(b[..., 2:4]).view(np.uint16)  # [n, nb, 1]
+    high = (high >> np.arange(0, 16, 2, dtype=np.uint16)) & 0x03  # [n, nb, 8]
+    sc = (low.reshape(n, nb, 8) & 0x0F) | (high.astype(np.uint8) << 4)
+    return (sc.astype(np.int16) - 32).astype(np.int8)
 
 
 def decode_blocks(ggml_type: str, raw: np.ndarray, k: int) -> BlockComponents:
@@ -84,6 +113,29 @@ def decode_blocks(ggml_type: str, raw: np.ndarray, k: int) -> BlockComponents:
         q = (ql | (qh << 4)).astype(np.int16) - 32
         sc = torch.from_numpy(np.ascontiguousarray(b[..., 192:208]).view(np.int8).reshape(n, -1).copy())
         return out(q, scale=_f16(b[..., 208:210]), sub_scale=sc)
+    if ggml_type == "Q2_K":
+        # scales (per 16 weights: sc low nibble, m high), 2-bit codes, d, dmin; w = d sc q - dmin m
+        sc, m = b[..., 0:16] & 0x0F, b[..., 0:16] >> 4
+        return out(
+            _k_crumbs(b[..., 16:80]),
+            scale=_f16(b[..., 80:82]),
+            minimum=_f16(b[..., 82:84]),
+            sub_scale=torch.from_numpy(np.ascontiguousarray(sc).reshape(n, -1)),
+            sub_min=torch.from_numpy(np.ascontiguousarray(m).reshape(n, -1)),
+        )
+    if ggml_type == "Q3_K":
+        # hmask (third bit, set where the -4 offset is not taken), 2-bit codes, scales, d:
+        # q = low - 4 (1 - high), stored as q + 4 = low + 4 high
+        nb = b.shape[1]
+        high = b[..., 0:32].reshape(n, nb, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(8, 1)
+        q = _k_crumbs(b[..., 32:96]) | ((high & 1).reshape(n, nb, 256) << 2)
+        sc = torch.from_numpy(_q3_k_scales(b[..., 96:108]).reshape(n, -1))
+        return out(q, scale=_f16(b[..., 108:110]), sub_scale=sc)
+    if ggml_type == "IQ4_XS":
+        # d, scales (high bits), scales (low bits), codebook indices: 32 per sub-block, low nibbles first
+        q = b[..., 8:136].reshape(n, -1, 8, 1, 16) >> np.array([0, 4], dtype=np.uint8).reshape(2, 1)
+        sc = torch.from_numpy(_iq4_xs_scales(b).reshape(n, -1))
+        return out(q & 0x0F, scale=_f16(b[..., 0:2]), sub_scale=sc)
     raise ValueError(f"no block decoder for {ggml_type}")
 
 

@@ -6,6 +6,17 @@ derives from the file, plus a manifest mapping every GGUF tensor to its HF name 
 stay in the GGUF file and are read from it at every load, quantized blocks as they are. Other
 architectures are dequantized to float32 safetensors once, as transformers loads them.
 
+transformers' GGUF reader leaves some of what a file states out of the config (Qwen3's head_dim,
+Phi-3's partial rotary and LongRoPE factors, the window, Gemma 3's rope scaling and attention scale):
+the family's `GGUFSupport.config` reads those from the metadata (metadata.py). Gemma's norms, stored
+as w + 1, are read back as w (`GGUFSupport.norm_offset`, kept in the manifest). The generation config stops on every end-of-turn token the
+file has (its eos, eot and eom ids and the chat formats' end-of-turn spellings, as llama.cpp does),
+not only on `tokenizer.ggml.eos_token_id`. The tokenizer (vocabulary, merges, BOS only where
+`tokenizer.ggml.add_bos_token` says so, `tokenizer.chat_template`) is transformers'.
+
+A bad file fails before anything is written, with one ModelLoadError: not a GGUF file, truncated or
+corrupt, a ggml type nothing here reads, an architecture no family serves.
+
 The result is kept under a key of the file's name, size and mtime (and the cache format). It is
 written to a temporary directory and renamed into place, so a crashed conversion is never mistaken
 for a finished one.
@@ -17,16 +28,21 @@ import hashlib
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from models.errors import ModelLoadError
 from models.options import cache_root
 
 if TYPE_CHECKING:
+    from typing import Any
+
     from models.family import GGUFSupport
+    from models.gguf.metadata import GGUFFile
 
 GGUF_MAGIC = b"GGUF"
-CACHE_FORMAT = 2  # 1: every weight dequantized to float32 safetensors; 2: a manifest where possible
+# 1: every weight dequantized to float32 safetensors; 2: a manifest where possible; 3: configs
+# completed from the metadata, every end-of-turn id in the generation config.
+CACHE_FORMAT = 3
 
 
 def cache_dir_for(gguf: Path) -> Path:
@@ -72,27 +88,67 @@ def convert_gguf(gguf: Path) -> Path:
 
 
 def _convert_into(gguf: Path, out: Path) -> None:
-    from gguf import GGUFReader
-
+    from models.gguf.metadata import GGUFFile
     from models.registry import gguf_support
 
-    fields = GGUFReader(gguf).fields
-    field = fields.get("general.architecture")
-    arch = bytes(field.parts[-1]).decode() if field is not None else ""
-    support = gguf_support(arch)
+    meta = GGUFFile(gguf)  # a corrupt file or an unreadable type fails here
+    support = gguf_support(meta.architecture)
+    config = _read_config(gguf, meta, support)
     if support is not None:
-        metadata = {k[len(arch) + 1 :]: f.contents() for k, f in fields.items() if k.startswith(f"{arch}.")}
-        _write_manifest_dir(gguf, out, arch, support, metadata)
+        _write_manifest_dir(gguf, out, meta, config, support)
     else:
         _write_float_dir(gguf, out)
+    _write_generation_config(out, config, meta)
 
 
-def _write_manifest_dir(
-    gguf: Path, out: Path, arch: str, support: GGUFSupport, metadata: dict[str, Any]
-) -> None:
-    """Config, generation config, tokenizer and the tensor manifest: no weights are read."""
+def _read_config(gguf: Path, meta: GGUFFile, support: GGUFSupport | None) -> Any:
+    """transformers' config of the file, completed by the family, naming the HF architecture; a
+    ModelLoadError if no family here serves it."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    from models.registry import SUPPORTED_ARCHITECTURES, SUPPORTED_GGUF_ARCHITECTURES, family_for
+
+    supported = (
+        f"supported: {', '.join(SUPPORTED_GGUF_ARCHITECTURES)} (read in place), or any that transformers "
+        f"reads as one of {', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+    try:
+        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    except ValueError as e:  # "GGUF model with architecture ... is not supported yet"
+        raise ModelLoadError(
+            f"{gguf}: unsupported GGUF architecture {meta.architecture!r} ({e}); {supported}"
+        ) from None
+    if support is not None and support.config is not None:
+        config = type(config).from_dict({**config.to_dict(), **support.config(meta, config)})
+    architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
+    config.architectures = [architecture] if architecture else []
+    try:
+        family_for(config)
+    except ModelLoadError:
+        raise ModelLoadError(
+            f"{gguf}: unsupported GGUF architecture {meta.architecture!r} "
+            f"(transformers reads it as {architecture or config.model_type}); {supported}"
+        ) from None
+    return config
+
+
+def _write_generation_config(out: Path, config: Any, meta: GGUFFile) -> None:
+    """Generation stops on every end-of-turn id of the file (the engine reads them:
+    engine/model_runner.py read_eos_token_ids), not only on its eos id."""
+    from transformers import GenerationConfig
+
+    generation = GenerationConfig.from_model_config(config)
+    ids = meta.end_of_turn_ids()
+    if ids:
+        generation.eos_token_id = ids if len(ids) > 1 else ids[0]
+    generation.save_pretrained(out)
+
+
+def _write_manifest_dir(gguf: Path, out: Path, meta: GGUFFile, config: Any, support: GGUFSupport) -> None:
+    """Config, tokenizer and the tensor manifest: no weights are read."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
         TensorProcessor,
@@ -101,10 +157,9 @@ def _write_manifest_dir(
 
     from models.gguf.reader import write_manifest
 
-    config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     with torch.device("meta"):  # only the parameter names are needed
         hf = AutoModelForCausalLM.from_config(config)
-    processor = TENSOR_PROCESSORS.get(arch, TensorProcessor)(config=config.to_dict())
+    processor = TENSOR_PROCESSORS.get(meta.architecture, TensorProcessor)(config=config.to_dict())
     mapping = get_gguf_hf_weights_map(hf, processor)
     # transformers' LlamaTensorProcessor un-permutes q (over the heads) and k (over the KV heads).
     permute: dict[str, int] = {}
@@ -118,24 +173,9 @@ def _write_manifest_dir(
                 permute[name] = kv_heads
     # Gemma's norms are stored as w + 1; transformers' tensor processor subtracts the 1 from each.
     offsets = {n: support.norm_offset for n in mapping if support.norm_offset and "norm.weight" in n}
-    if support.config_from_metadata is not None:
-        support.config_from_metadata(config, metadata)
-    config.architectures = [type(hf).__name__]
     config.save_pretrained(out)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    generation = GenerationConfig.from_model_config(config)
-    generation.eos_token_id = _stop_ids(config.eos_token_id, tokenizer, support.end_of_turn)
-    generation.save_pretrained(out)
-    tokenizer.save_pretrained(out)
-    write_manifest(gguf, out, mapping, permute, arch, offsets)
-
-
-def _stop_ids(eos: Any, tokenizer: Any, end_of_turn: tuple[str, ...]) -> Any:
-    """The file's EOS id(s) plus the ids of the family's end-of-turn tokens the vocabulary has."""
-    ids = list(eos) if isinstance(eos, (list, tuple)) else [] if eos is None else [eos]
-    vocab = tokenizer.get_vocab()
-    ids += [vocab[t] for t in end_of_turn if t in vocab and vocab[t] not in ids]
-    return ids[0] if len(ids) == 1 else ids or None
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    write_manifest(gguf, out, mapping, permute, meta.architecture, meta.reader, offsets)
 
 
 def _write_float_dir(gguf: Path, out: Path) -> None:
@@ -151,8 +191,6 @@ def _write_float_dir(gguf: Path, out: Path) -> None:
         del config.quantization_config
     config.architectures = [type(model).__name__]
     config.save_pretrained(out)
-    if model.generation_config is not None:
-        model.generation_config.save_pretrained(out)
     state = model.state_dict()
     if getattr(config, "tie_word_embeddings", False):
         state.pop("lm_head.weight", None)  # the same storage as the embedding; safetensors refuses aliases
@@ -160,4 +198,4 @@ def _write_float_dir(gguf: Path, out: Path) -> None:
         {k: v.contiguous() for k, v in state.items()}, out / "model.safetensors", metadata={"format": "pt"}
     )
     tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    tokenizer.save_pretrained(out)
+    tokenizer.save_pretrained(out)  # the generation config is written after (_write_generation_config)

@@ -88,14 +88,13 @@ def write_manifest(
     mapping: dict[str, str],
     permute: dict[str, int],
     arch: str,
+    reader: Any,
     offsets: dict[str, float] | None = None,
 ) -> None:
     """mapping: GGUF name -> HF name (transformers'); permute: GGUF name -> heads of its reverse
-    permutation; offsets: GGUF name -> what transformers adds to its values (Gemma's stored norms).
-    Tensors the model has no parameter for (rope_freqs, ...) are left out, as transformers leaves
-    them."""
-    from gguf import GGUFReader
-
+    permutation; reader: the file's gguf.GGUFReader; offsets: GGUF name -> what transformers adds to
+    its values (Gemma's stored norms). Tensors the model has no parameter for (rope_freqs, rope
+    factors, ...) are left out, as transformers leaves them."""
     st = gguf.stat()
     tensors = {
         t.name: {
@@ -107,7 +106,7 @@ def write_manifest(
             "permute": permute.get(t.name),
             "offset_add": (offsets or {}).get(t.name),
         }
-        for t in GGUFReader(gguf).tensors
+        for t in reader.tensors
         if t.name in mapping
     }
     manifest = {

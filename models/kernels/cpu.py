@@ -1,10 +1,10 @@
 """The native CPU kernels: build once per ISA variant, load the one this CPU runs, call.
 
-    quant_linear.c            y = x @ W^T for block-quantized weights (GGUF's Q4_0 ... Q6_K, tiled as
-                              quant_tiles.h describes): int8 activations or float32
+    quant_linear.c            y = x @ W^T for block-quantized weights (GGUF's Q4_0 ... Q6_K, Q2_K, Q3_K,
+                              IQ4_XS, tiled as quant_tiles.h describes): int8 activations or float32
     paged_decode_attention.c  one-token-per-sequence attention read in place from the paged KV cache
-    elementwise.c             RMSNorm (with the residual add fused in), SiLU-and-mul, GELU(tanh)-and-mul,
-                              and rotary + KV cache write, one call each
+    elementwise.c             RMSNorm (with the residual add fused in), per-head q/k RMSNorm, SiLU-and-mul,
+                              GELU(tanh)-and-mul, and rotary + KV cache write, one call each
     decode_layers.c           a decode step's decoder layers in one call, out of the kernels above
                               (models/layers/native_decode.py)
     variant.c                 what a build was compiled for; the AMX permission request
@@ -144,12 +144,14 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.orca_paged_decode_attention.argtypes = [ptr] * 5 + [i64] * 6 + [ctypes.c_float, i64, ptr]
     lib.orca_rms_norm.restype = None
     lib.orca_rms_norm.argtypes = [ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr]
+    lib.orca_qk_norm.restype = None
+    lib.orca_qk_norm.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ctypes.c_float]
     lib.orca_silu_and_mul.restype = None
     lib.orca_silu_and_mul.argtypes = [ptr, i64, i64, ptr]
     lib.orca_gelu_tanh_and_mul.restype = None
     lib.orca_gelu_tanh_and_mul.argtypes = [ptr, i64, i64, ptr]
     lib.orca_rope_and_cache.restype = None
-    lib.orca_rope_and_cache.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr]
+    lib.orca_rope_and_cache.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr]
     lib.orca_decode_layers.restype = ctypes.c_int
     lib.orca_decode_layers.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64]
 
@@ -348,6 +350,27 @@ class Kernels:
             self.lib.orca_rms_norm(x.data_ptr(), res_ptr, weight.data_ptr(), eps, rows, h, out.data_ptr())
         return out
 
+    def qk_norm(
+        self,
+        qkv: torch.Tensor,
+        q_weight: torch.Tensor,
+        k_weight: torch.Tensor,
+        eps: float,
+        num_heads: int,
+        num_kv_heads: int,
+    ) -> None:
+        d = q_weight.shape[0]
+        t = qkv.shape[0]
+        _require_f32("qkv", qkv, (t, (num_heads + 2 * num_kv_heads) * d))
+        _require_f32("q_weight", q_weight, (d,))
+        _require_f32("k_weight", k_weight, (d,))
+        if d % 8:
+            raise ValueError(f"qk_norm: head_dim {d} is not a multiple of 8")
+        if t:
+            self.lib.orca_qk_norm(
+                qkv.data_ptr(), t, num_heads, num_kv_heads, d, q_weight.data_ptr(), k_weight.data_ptr(), eps
+            )
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         return self._gated(x, self.lib.orca_silu_and_mul, "silu_and_mul")
 
@@ -383,7 +406,8 @@ class Kernels:
         _require_f32("cos_sin", cos_sin)
         _require_f32("k_cache", k_cache)
         _require_f32("v_cache", v_cache, tuple(k_cache.shape))
-        if cos_sin.shape[-1] != d or d % 16 or tuple(positions.shape) != (t,) or tuple(slots.shape) != (t,):
+        r = cos_sin.shape[-1]  # the rotary dims (partial rotary: fewer than head_dim)
+        if r > d or r % 16 or d % 16 or tuple(positions.shape) != (t,) or tuple(slots.shape) != (t,):
             raise ValueError("rope_and_cache: head_dim, cos_sin, positions or slots do not match qkv")
         if not t:
             return
@@ -395,6 +419,7 @@ class Kernels:
             num_heads,
             hkv,
             d,
+            r,
             pos.data_ptr(),
             cos_sin.data_ptr(),
             slot.data_ptr(),
@@ -465,6 +490,18 @@ def rms_norm(
     return _checked().rms_norm(x, weight, eps, residual)
 
 
+def qk_norm(
+    qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D], normalised in place
+    q_weight: torch.Tensor,  # [D]
+    k_weight: torch.Tensor,  # [D]
+    eps: float,
+    num_heads: int,
+    num_kv_heads: int,
+) -> None:
+    """RMSNorm of every q head (with q_weight) and k head (with k_weight) of a fused qkv, in place."""
+    _checked().qk_norm(qkv, q_weight, k_weight, eps, num_heads, num_kv_heads)
+
+
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """[..., 2d] (gate | up) -> [..., d] = silu(gate) * up."""
     return _checked().silu_and_mul(x)
@@ -480,6 +517,8 @@ def fits_rope_and_cache(qkv: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch
     return (
         fits_rowwise(qkv, head_dim)
         and head_dim % 16 == 0
+        and cos_sin.shape[-1] % 16 == 0
+        and cos_sin.shape[-1] <= head_dim
         and cos_sin.dtype == k_cache.dtype == torch.float32
         and cos_sin.is_contiguous()
         and k_cache.is_contiguous()
@@ -489,7 +528,7 @@ def fits_rope_and_cache(qkv: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch
 def rope_and_cache(
     qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D], rotated in place
     positions: torch.Tensor,  # [T] int64
-    cos_sin: torch.Tensor,  # [max_pos, D]: cos | sin
+    cos_sin: torch.Tensor,  # [max_pos, R]: cos | sin of the R <= D rotated dims
     slots: torch.Tensor,  # [T] int64
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,
@@ -504,6 +543,7 @@ NATIVE_OPS = (
     "dequant_rows",
     "paged_decode_attention",
     "rms_norm",
+    "qk_norm",
     "silu_and_mul",
     "gelu_tanh_and_mul",
     "rope_and_cache",

@@ -2,7 +2,8 @@
  *
  *   normed = rms_norm(hidden)                    qkv = normed W_qkv^T [+ b]
  *   [q, k = rms_norm per head (q_norm, k_norm)]
- *   rope on q and k, k and v into the paged cache; attn = paged decode attention of q [in a window]
+ *   rope on q and k (their first R dims), k and v into the paged cache
+ *   attn = paged decode attention of q [in a window]
  *   o = attn W_o^T                               [o = rms_norm(o) (attn_out_norm)]
  *   normed, hidden = rms_norm(o, residual = hidden)
  *   m = down(act(gate) * up),                    gate | up = normed W_gate_up^T, act SiLU or GELU-tanh
@@ -14,8 +15,11 @@
  * at batch 1 on a 2-core CPU a decode step makes ~300 small calls, and each one's Python (module
  * call, checks, a fresh output tensor, ctypes) cost more than its arithmetic (issue #12).
  *
- * The bracketed steps are Gemma 3's (its "sandwich" norms around attention and MLP, q/k norms, local
- * layers' windows and rotary tables, GELU); a layer without them leaves their pointers NULL.
+ * The bracketed steps are what some families add: per-head q/k norms (Qwen3's, and Gemma 3's with
+ * their (1 + w) folded into the weight), Gemma 3's "sandwich" norms around attention and MLP, GELU
+ * and local layers' windows; a layer without them leaves their pointers NULL (window 0). Each layer
+ * names its rotary table (Gemma 3's local and global layers turn differently); R < D is partial
+ * rotary (Phi-4-mini), the same for every layer.
  *
  * Still selective batching: every linear, norm and activation runs once over the flat [T, hidden]
  * tokens; only attention is per sequence. Tensor parallelism is not handled here (no all-reduce):
@@ -33,8 +37,11 @@ int orca_qlinear(const float *x, int64_t M, int64_t K, const uint8_t *w, int fmt
 void orca_rms_norm(float *x, float *residual, const float *w, float eps, int64_t T, int64_t H, float *out);
 void orca_silu_and_mul(const float *x, int64_t T, int64_t d, float *out);
 void orca_gelu_tanh_and_mul(const float *x, int64_t T, int64_t d, float *out);
-void orca_rope_and_cache(float *qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const int64_t *positions,
-                         const float *cos_sin, const int64_t *slots, float *k_cache, float *v_cache);
+void orca_qk_norm(float *qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float *q_w, const float *k_w,
+                  float eps);
+void orca_rope_and_cache(float *qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t R,
+                         const int64_t *positions, const float *cos_sin, const int64_t *slots, float *k_cache,
+                         float *v_cache);
 int orca_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
                                 const int32_t *block_tables, const int32_t *seq_lens, int64_t n, int64_t Hq,
                                 int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, float scale,
@@ -57,8 +64,8 @@ typedef struct {
     const float *input_norm, *post_norm; /* [H] */
     orca_qweight qkv, o, gate_up, down;
     float *k_cache, *v_cache;
+    const float *cos_sin; /* [max_pos, R]: this layer's rotary table, cos | sin */
     /* What not every family has (NULL / 0: none). */
-    const float *cos_sin;                     /* this layer's rotary table; NULL: the shape's */
     int64_t window;                           /* sliding window; 0: full attention */
     const float *q_norm, *k_norm;             /* [D], on every q / k head before rotary */
     const float *attn_out_norm, *mlp_out_norm; /* [H], on the attention / MLP output before its residual add */
@@ -69,8 +76,8 @@ typedef struct {
 typedef struct {
     int64_t hidden, num_heads, num_kv_heads, head_dim, intermediate;
     float eps, scale;
-    const float *cos_sin; /* [max_pos, D]: cos | sin */
     int64_t block_size;
+    int64_t rotary_dim; /* R: the leading dims of a head that rotary turns (R <= D; every layer's table) */
 } orca_decode_shape;
 
 static int linear(const orca_qweight *w, const float *x, int64_t T, float *y) {
@@ -104,14 +111,9 @@ int orca_decode_layers(const orca_decode_layer *layers, int64_t num_layers, cons
         const orca_decode_layer *L = layers + l;
         orca_rms_norm(hidden, NULL, L->input_norm, shape->eps, T, H, normed);
         if ((rc = linear(&L->qkv, normed, T, qkv))) break;
-        /* Per-head norms, in place: each token's q heads, then its k heads, are rows of D. */
-        for (int64_t t = 0; L->q_norm && t < T; t++) {
-            float *row = qkv + t * qkv_width;
-            orca_rms_norm(row, NULL, L->q_norm, shape->eps, Hq, D, row);
-            orca_rms_norm(row + q_width, NULL, L->k_norm, shape->eps, Hkv, D, row + q_width);
-        }
-        orca_rope_and_cache(qkv, T, Hq, Hkv, D, positions, L->cos_sin ? L->cos_sin : shape->cos_sin, slots,
-                            L->k_cache, L->v_cache);
+        if (L->q_norm) orca_qk_norm(qkv, T, Hq, Hkv, D, L->q_norm, L->k_norm, shape->eps);
+        orca_rope_and_cache(qkv, T, Hq, Hkv, D, shape->rotary_dim, positions, L->cos_sin, slots, L->k_cache,
+                            L->v_cache);
         /* Attention reads q as [T, Hq, D]: one token's q heads already are; more are gathered. */
         if (T > 1)
             for (int64_t t = 0; t < T; t++)

@@ -9,30 +9,44 @@
 /* Rows per thread below which OpenMP's fork costs more than it saves. */
 #define PARALLEL_MIN_ROWS 16
 
+/* One row: out = src / sqrt(mean(src^2) + eps) * w, with src = x, or, with rr != NULL, x + rr (also
+ * written to rr). out may be x itself. H must be a multiple of 8. */
+static inline void rms_row(const float *xr, float *rr, const float *w, float eps, int64_t H, float *orow) {
+    __m256 ss = _mm256_setzero_ps();
+    for (int64_t i = 0; i < H; i += 8) {
+        __m256 v = _mm256_loadu_ps(xr + i);
+        if (rr) {
+            v = _mm256_add_ps(v, _mm256_loadu_ps(rr + i));
+            _mm256_storeu_ps(rr + i, v);
+        }
+        ss = _mm256_fmadd_ps(v, v, ss);
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum8(ss) / (float)H + eps));
+    const float *src = rr ? rr : xr;
+    for (int64_t i = 0; i < H; i += 8)
+        _mm256_storeu_ps(orow + i, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(src + i), inv), _mm256_loadu_ps(w + i)));
+}
+
 /* out[t] = x[t] / sqrt(mean(x[t]^2) + eps) * w. With residual != NULL, x[t] is first replaced by
  * x[t] + residual[t], and that sum is also written to residual (vLLM's fused_add_rms_norm).
  * H must be a multiple of 8. */
 void orca_rms_norm(float *x, float *residual, const float *w, float eps, int64_t T, int64_t H, float *out) {
 #pragma omp parallel for schedule(static) if (T >= PARALLEL_MIN_ROWS)
-    for (int64_t t = 0; t < T; t++) {
-        float *xr = x + t * H;
-        float *rr = residual ? residual + t * H : 0;
-        float *orow = out + t * H;
-        __m256 ss = _mm256_setzero_ps();
-        for (int64_t i = 0; i < H; i += 8) {
-            __m256 v = _mm256_loadu_ps(xr + i);
-            if (rr) {
-                v = _mm256_add_ps(v, _mm256_loadu_ps(rr + i));
-                _mm256_storeu_ps(rr + i, v);
-            }
-            ss = _mm256_fmadd_ps(v, v, ss);
+    for (int64_t t = 0; t < T; t++) rms_row(x + t * H, residual ? residual + t * H : 0, w, eps, H, out + t * H);
+}
+
+/* Per-head RMSNorm of the q and k heads of a fused qkv projection [T, (Hq + 2 Hkv) * D], in place:
+ * every q head with q_w [D], every k head with k_w [D] (Qwen3's q_norm / k_norm, before rotary); v
+ * is left alone. Each head is one rms_row, as orca_rms_norm computes it. D a multiple of 8. */
+void orca_qk_norm(float *qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float *q_w, const float *k_w,
+                  float eps) {
+    const int64_t width = (Hq + 2 * Hkv) * D;
+#pragma omp parallel for schedule(static) if (T >= PARALLEL_MIN_ROWS)
+    for (int64_t t = 0; t < T; t++)
+        for (int64_t h = 0; h < Hq + Hkv; h++) {
+            float *x = qkv + t * width + h * D;
+            rms_row(x, 0, h < Hq ? q_w : k_w, eps, D, x);
         }
-        const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(hsum8(ss) / (float)H + eps));
-        const float *src = rr ? rr : xr;
-        for (int64_t i = 0; i < H; i += 8)
-            _mm256_storeu_ps(orow + i,
-                             _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(src + i), inv), _mm256_loadu_ps(w + i)));
-    }
 }
 
 /* out[t] = silu(x[t, :d]) * x[t, d:] for x [T, 2d] (gate | up), d a multiple of 8. */
@@ -51,16 +65,18 @@ void orca_silu_and_mul(const float *x, int64_t T, int64_t d, float *out) {
 }
 
 /* The attention prologue of a rotary model in one call: rotate the q and k heads of the fused qkv
- * projection in place (neox layout: pairs (i, i + D/2); cos_sin[pos] = [cos | sin], D/2 each), then
- * copy each token's k and v heads into the paged cache at its slot. qkv is [T, (Hq + 2 Hkv) * D],
- * caches [num_slots, Hkv, D]. D must be a multiple of 16. */
-void orca_rope_and_cache(float *qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const int64_t *positions,
-                         const float *cos_sin, const int64_t *slots, float *k_cache, float *v_cache) {
-    const int64_t width = (Hq + 2 * Hkv) * D, half = D / 2;
+ * projection in place (neox layout over the first R dims of each head: pairs (i, i + R/2);
+ * cos_sin[pos] = [cos | sin], R/2 each; dims R..D-1 pass unchanged: partial rotary), then copy each
+ * token's k and v heads into the paged cache at its slot. qkv is [T, (Hq + 2 Hkv) * D], caches
+ * [num_slots, Hkv, D]. D and R must be multiples of 16, R <= D. */
+void orca_rope_and_cache(float *qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t R,
+                         const int64_t *positions, const float *cos_sin, const int64_t *slots, float *k_cache,
+                         float *v_cache) {
+    const int64_t width = (Hq + 2 * Hkv) * D, half = R / 2;
 #pragma omp parallel for schedule(static) if (T >= PARALLEL_MIN_ROWS)
     for (int64_t t = 0; t < T; t++) {
         float *row = qkv + t * width;
-        const float *cs = cos_sin + positions[t] * D;
+        const float *cs = cos_sin + positions[t] * R;
         for (int64_t h = 0; h < Hq + Hkv; h++) {
             float *x = row + h * D;
             for (int64_t i = 0; i < half; i += 8) {

@@ -95,52 +95,66 @@ static int quantize_x(const float *x, int64_t M, int64_t K, qx_t *out) {
 }
 
 /* ------------------------------------------------------------------------------------------------
- * Scales of one block of a tile, for half h of its 16 rows: a (a1 for the second 16 k of K16), z. */
+ * Scales of one block of a tile, for half h of its 16 rows: a and z of its first 16 k (a0, z0) and of
+ * its last 16 (a1, z1); the same for formats with one scale per block. */
 
 typedef struct {
-    vf a0, a1, z;
+    vf a0, a1, z0, z1;
 } bscale;
+
+static inline __attribute__((always_inline)) vf sub_scale_f(const uint8_t *sub, const int fmt, int h) {
+    return qf_sub_signed(fmt) ? load_s8f(sub, h) : load_u8f(sub, h);
+}
 
 static inline __attribute__((always_inline)) bscale block_scales(const uint8_t *hdr, const uint8_t *sub, const int fmt,
                                                                  int h) {
     bscale r;
-    const int kind = qf_kind(fmt);
+    const int kind = qf_kind(fmt), has_min = qf_has_min(fmt);
     if (kind == KIND_F16) {
-        r.a0 = load_f16(hdr, h);
-        r.a1 = r.a0;
-        r.z = qf_has_min(fmt) ? load_f16(hdr + 32, h) : vf_zero();
+        r.a0 = r.a1 = load_f16(hdr, h);
+        r.z0 = r.z1 = has_min ? load_f16(hdr + 32, h) : vf_zero();
     } else if (kind == KIND_K) {
-        r.a0 = vf_mul(load_f16(hdr, h), load_u8f(sub, h));
-        r.a1 = r.a0;
-        r.z = qf_has_min(fmt) ? vf_neg(vf_mul(load_f16(hdr + 32, h), load_u8f(sub + 16, h))) : vf_zero();
+        r.a0 = r.a1 = vf_mul(load_f16(hdr, h), sub_scale_f(sub, fmt, h));
+        r.z0 = r.z1 = has_min ? vf_neg(vf_mul(load_f16(hdr + 32, h), load_u8f(sub + 16, h))) : vf_zero();
     } else {
         const vf d = load_f16(hdr, h);
-        r.a0 = vf_mul(d, load_s8f(sub, h));
-        r.a1 = vf_mul(d, load_s8f(sub + 16, h));
-        r.z = vf_zero();
+        r.a0 = vf_mul(d, sub_scale_f(sub, fmt, h));
+        r.a1 = vf_mul(d, sub_scale_f(sub + 16, fmt, h));
+        if (has_min) { /* Q2_K: a minimum per 16 k too */
+            const vf dmin = load_f16(hdr + 32, h);
+            r.z0 = vf_neg(vf_mul(dmin, load_u8f(sub + 32, h)));
+            r.z1 = vf_neg(vf_mul(dmin, load_u8f(sub + 48, h)));
+        } else
+            r.z0 = r.z1 = vf_zero();
     }
     return r;
 }
 
-/* Unit u (k = 4u..4u+3) of half h of a block's codes, as bytes (4-bit codes unpacked to 0..15). */
+/* Unit u (k = 4u..4u+3) of half h of a block's codes, as bytes: 4-bit codes unpacked to 0..15, or,
+ * for a codebook format, to the codebook's int8 values. */
 static inline __attribute__((always_inline)) vi code_unit(const uint8_t *codes, const int fmt, int u, int h) {
     if (qf_bits(fmt) == 8) return vi_loadu(codes + 64 * u + UNIT_BYTES * h);
     const vi p = vi_loadu(codes + 64 * (u & 3) + UNIT_BYTES * h);
-    return vi_and(u < 4 ? p : vi_srli16(p, 4), vi_set1_8(0x0f));
+    const vi n = vi_and(u < 4 ? p : vi_srli16(p, 4), vi_set1_8(0x0f));
+    return qf_codebook(fmt) ? vi_table16(n, IQ4_NL_VALUES) : n;
 }
 
 /* ------------------------------------------------------------------------------------------------
  * int8 path: one 16-row tile against mr rows of x. */
 
-/* The float steps of block g for half h, row r of x, from the block's integer dot products `is`: the
- * integer corrections (Q4_0's offset, VNNI's bias, over the sum of x's codes), then y += is * a * dx
- * [+ z * dx * sum(xq)]. Every path of the int8 kernels ends a block with exactly these operations. */
-static inline __attribute__((always_inline)) vf block_epilogue(vf acc, vi is, const bscale *sc, const int fmt,
-                                                               const qx_t *x, int64_t r, int64_t g,
-                                                               int32_t per_sum, int32_t n_sum) {
+/* The float steps of one scale group of block g for row r of x (part 0 / 1: the first / last 16 k of a
+ * K16 block; -1: the whole block), from the group's integer dot products `is`: the integer
+ * correction (Q4_0's and Q3_K's offsets, VNNI's bias, over the sum of x's codes), then
+ * y += is * a * dx [+ z * dx * sum(xq)]. Every path of the int8 kernels (and AMX's) ends a scale
+ * group with exactly these operations. */
+static inline __attribute__((always_inline)) vf group_epilogue(vf acc, vi is, vf a, vf z, const int fmt, const qx_t *x,
+                                                               int64_t r, int64_t g, int part, int32_t per_sum) {
+    const int32_t *s = x->sum + 2 * (r * x->G + g);
+    const int32_t n_sum = part < 0 ? s[0] + s[1] : s[part];
+    const float dx = x->d[r * x->G + g];
     const vi t = per_sum ? vi_add(is, vi_set1(per_sum * n_sum)) : is;
-    acc = vf_fma(vi_to_f(t), vf_mul(sc->a1, vf_set1(x->d[r * x->G + g])), acc);
-    if (qf_has_min(fmt)) acc = vf_fma(sc->z, vf_set1(x->s[r * x->G + g]), acc);
+    acc = vf_fma(vi_to_f(t), vf_mul(a, vf_set1(dx)), acc);
+    if (qf_has_min(fmt)) acc = vf_fma(z, vf_set1(part < 0 ? x->s[r * x->G + g] : dx * (float)n_sum), acc);
     return acc;
 }
 
@@ -148,9 +162,9 @@ static inline __attribute__((always_inline)) void int_tile(const uint8_t *tile, 
                                                            int64_t m0, const int mr, float *y, int64_t ldy,
                                                            int nvalid) {
     const int64_t K = x->K, G = x->G;
-    const int k16 = qf_kind(fmt) == KIND_K16, is8 = qf_bits(fmt) == 8;
-    /* Integer corrections per block: Q4_0's offset of -8, VNNI's +128 bias of signed codes. */
-    const int32_t per_sum = is8 ? -SIGNED_BIAS : qf_offset(fmt);
+    const int k16 = qf_kind(fmt) == KIND_K16, sgn = qf_signed_units(fmt);
+    /* Integer corrections per scale group: Q4_0's / Q3_K's offsets, VNNI's +128 bias of signed codes. */
+    const int32_t per_sum = sgn ? -SIGNED_BIAS : qf_offset(fmt);
     vf acc[MR_INT][HALVES];
     for (int m = 0; m < mr; m++)
         for (int h = 0; h < HALVES; h++) acc[m][h] = vf_zero();
@@ -162,24 +176,24 @@ static inline __attribute__((always_inline)) void int_tile(const uint8_t *tile, 
             _mm_prefetch((const char *)pf, _MM_HINT_T0);
 #endif
 #if DOT_US16 && HALVES == 2
-        if (!is8) { /* 4-bit codes: one broadcast of x feeds both halves; sums in 16 bits (vec.h) */
-            vi s16[MR_INT][2];
-            for (int m = 0; m < mr; m++) s16[m][0] = s16[m][1] = vi_zero();
-            for (int u = 0; u < 8; u++) {
-                const vi w0 = code_unit(codes, fmt, u, 0), w1 = code_unit(codes, fmt, u, 1);
-                for (int m = 0; m < mr; m++) {
-                    const vi xb = vi_set1(load_i32(x->q + (m0 + m) * K + g * QBLOCK + 4 * u));
-                    s16[m][0] = dot_us16(s16[m][0], w0, xb);
-                    s16[m][1] = dot_us16(s16[m][1], w1, xb);
+        if (!sgn) { /* 4-bit codes: one broadcast of x feeds both halves; sums in 16 bits (vec.h) */
+            const bscale sc[2] = {block_scales(hdr, sub, fmt, 0), block_scales(hdr, sub, fmt, 1)};
+            const int parts = k16 ? 2 : 1, units = 8 / parts;
+            for (int p = 0; p < parts; p++) {
+                vi s16[MR_INT][2];
+                for (int m = 0; m < mr; m++) s16[m][0] = s16[m][1] = vi_zero();
+                for (int u = p * units; u < (p + 1) * units; u++) {
+                    const vi w0 = code_unit(codes, fmt, u, 0), w1 = code_unit(codes, fmt, u, 1);
+                    for (int m = 0; m < mr; m++) {
+                        const vi xb = vi_set1(load_i32(x->q + (m0 + m) * K + g * QBLOCK + 4 * u));
+                        s16[m][0] = dot_us16(s16[m][0], w0, xb);
+                        s16[m][1] = dot_us16(s16[m][1], w1, xb);
+                    }
                 }
-            }
-            for (int h = 0; h < 2; h++) {
-                const bscale sc = block_scales(hdr, sub, fmt, h);
-                for (int m = 0; m < mr; m++) {
-                    const int64_t r = m0 + m;
-                    const int32_t n_sum = x->sum[2 * (r * G + g)] + x->sum[2 * (r * G + g) + 1];
-                    acc[m][h] = block_epilogue(acc[m][h], widen_us16(s16[m][h]), &sc, fmt, x, r, g, per_sum, n_sum);
-                }
+                for (int h = 0; h < 2; h++)
+                    for (int m = 0; m < mr; m++)
+                        acc[m][h] = group_epilogue(acc[m][h], widen_us16(s16[m][h]), p ? sc[h].a1 : sc[h].a0,
+                                                   p ? sc[h].z1 : sc[h].z0, fmt, x, m0 + m, g, k16 ? p : -1, per_sum);
             }
             continue;
         }
@@ -190,7 +204,7 @@ static inline __attribute__((always_inline)) void int_tile(const uint8_t *tile, 
             for (int m = 0; m < mr; m++) is[m] = vi_zero();
             for (int u = 0; u < 8; u++) {
                 const vi w = code_unit(codes, fmt, u, h);
-                if (is8) {
+                if (sgn) {
                     const sunit su = prep_signed(w);
                     for (int m = 0; m < mr; m++)
                         is[m] = dot_ss(is[m], su, vi_set1(load_i32(x->q + (m0 + m) * K + g * QBLOCK + 4 * u)));
@@ -198,21 +212,15 @@ static inline __attribute__((always_inline)) void int_tile(const uint8_t *tile, 
                     for (int m = 0; m < mr; m++)
                         is[m] = dot_us(is[m], w, vi_set1(load_i32(x->q + (m0 + m) * K + g * QBLOCK + 4 * u)));
                 }
-                if (k16 && u == 3) { /* Q6_K: the first 16 k have their own scale */
+                if (k16 && u == 3) { /* the first 16 k have their own scale (and minimum) */
                     for (int m = 0; m < mr; m++) {
-                        const int64_t r = m0 + m;
-                        const vi t = vi_add(is[m], vi_set1(per_sum * x->sum[2 * (r * G + g)]));
-                        acc[m][h] = vf_fma(vi_to_f(t), vf_mul(sc.a0, vf_set1(x->d[r * G + g])), acc[m][h]);
+                        acc[m][h] = group_epilogue(acc[m][h], is[m], sc.a0, sc.z0, fmt, x, m0 + m, g, 0, per_sum);
                         is[m] = vi_zero();
                     }
                 }
             }
-            for (int m = 0; m < mr; m++) {
-                const int64_t r = m0 + m;
-                const int32_t n_sum =
-                    k16 ? x->sum[2 * (r * G + g) + 1] : x->sum[2 * (r * G + g)] + x->sum[2 * (r * G + g) + 1];
-                acc[m][h] = block_epilogue(acc[m][h], is[m], &sc, fmt, x, r, g, per_sum, n_sum);
-            }
+            for (int m = 0; m < mr; m++)
+                acc[m][h] = group_epilogue(acc[m][h], is[m], sc.a1, sc.z1, fmt, x, m0 + m, g, k16 ? 1 : -1, per_sum);
         }
     }
     for (int m = 0; m < mr; m++)
@@ -231,7 +239,7 @@ static inline __attribute__((always_inline)) void int_tile(const uint8_t *tile, 
 
 static inline __attribute__((always_inline)) void dequant_chunk(const uint8_t *tile, const int fmt, int64_t g_begin,
                                                                 int64_t g_end, float *wbuf) {
-    const int is8 = qf_bits(fmt) == 8;
+    const int sgn = qf_signed_units(fmt);
     const vi offset = vi_set1(qf_offset(fmt));
     for (int64_t g = g_begin; g < g_end; g++) {
         const qblock blk = qf_block(tile, fmt, g);
@@ -240,11 +248,11 @@ static inline __attribute__((always_inline)) void dequant_chunk(const uint8_t *t
             const bscale sc = block_scales(hdr, sub, fmt, h);
             for (int u = 0; u < 8; u++) {
                 vi q[4];
-                unit_by_k(code_unit(codes, fmt, u, h), is8, q);
-                const vf a = u < 4 ? sc.a0 : sc.a1;
+                unit_by_k(code_unit(codes, fmt, u, h), sgn, q);
+                const vf a = u < 4 ? sc.a0 : sc.a1, z = u < 4 ? sc.z0 : sc.z1;
                 for (int t = 0; t < 4; t++) {
                     const vf qf = vi_to_f(qf_offset(fmt) ? vi_add(q[t], offset) : q[t]);
-                    const vf w = qf_has_min(fmt) ? vf_fma(a, qf, sc.z) : vf_mul(a, qf);
+                    const vf w = qf_has_min(fmt) ? vf_fma(a, qf, z) : vf_mul(a, qf);
                     vf_store(wbuf + ((g - g_begin) * QBLOCK + 4 * u + t) * TILE_ROWS + h * LANES, w);
                 }
             }
@@ -308,14 +316,15 @@ typedef void (*ftile_fn)(const float *, int64_t, const float *, int64_t, float *
         float_tile(x, K, w, kc, R, y, ldy, f, nv);                                                            \
     }
 
-INT_FNS(0) INT_FNS(1) INT_FNS(2) INT_FNS(3) INT_FNS(4) INT_FNS(5) INT_FNS(6) INT_FNS(7)
-DQ_FN(0) DQ_FN(1) DQ_FN(2) DQ_FN(3) DQ_FN(4) DQ_FN(5) DQ_FN(6) DQ_FN(7)
+INT_FNS(0) INT_FNS(1) INT_FNS(2) INT_FNS(3) INT_FNS(4) INT_FNS(5) INT_FNS(6) INT_FNS(7) INT_FNS(8) INT_FNS(9) INT_FNS(10)
+DQ_FN(0) DQ_FN(1) DQ_FN(2) DQ_FN(3) DQ_FN(4) DQ_FN(5) DQ_FN(6) DQ_FN(7) DQ_FN(8) DQ_FN(9) DQ_FN(10)
 FT_FN(MR_FLT) FT_FN(4) FT_FN(2) FT_FN(1)
 
 #define INT_ROW(F) {int_##F##_##MR_INT, int_##F##_4, int_##F##_2, int_##F##_1}
 static const int_fn INT_FNS_TABLE[QF_COUNT][4] = {INT_ROW(0), INT_ROW(1), INT_ROW(2), INT_ROW(3),
-                                                  INT_ROW(4), INT_ROW(5), INT_ROW(6), INT_ROW(7)};
-static const flt_fn DQ_TABLE[QF_COUNT] = {dq_0, dq_1, dq_2, dq_3, dq_4, dq_5, dq_6, dq_7};
+                                                  INT_ROW(4), INT_ROW(5), INT_ROW(6), INT_ROW(7),
+                                                  INT_ROW(8), INT_ROW(9), INT_ROW(10)};
+static const flt_fn DQ_TABLE[QF_COUNT] = {dq_0, dq_1, dq_2, dq_3, dq_4, dq_5, dq_6, dq_7, dq_8, dq_9, dq_10};
 static const ftile_fn FT_TABLE[4] = {ft_MR_FLT, ft_4, ft_2, ft_1};
 
 /* The largest specialization for r remaining rows: its index in the tables (MR, 4, 2, 1) and rows. */
@@ -338,7 +347,8 @@ static inline int tile_rows(int64_t N, int64_t t) {
  * int8 path's, lane for lane: the results are bit-identical to int_tile's.
  *
  * Per block: C = A B in tmm0/tmm1 alternately, stored to L1 and folded into 16 accumulators while
- * the next block's multiply runs. Q6_K's 16-k scales take two multiplies of K = 16. */
+ * the next block's multiply runs. The K16 formats' 16-k scales take two multiplies of K = 16; 4-bit
+ * codes are unpacked to bytes (codebook values for IQ4_XS) once per tile. */
 
 #define AMX_ROWS 16
 
@@ -361,8 +371,8 @@ static void amx_configure(int gs) {
     _tile_loadconfig(&c);
 }
 
-/* One tile's scales (a per sub-group, z per block) and, for 4-bit codes, its codes unpacked to bytes
- * (8-bit codes are used in place). */
+/* One tile's scales (a and z per scale group: per block, or per 16 k for K16 formats) and, for 4-bit
+ * codes, its codes unpacked to bytes (8-bit codes are used in place). */
 static inline __attribute__((always_inline)) void amx_prepare(const uint8_t *tile, const int fmt, int64_t G,
                                                               float *abuf, float *zbuf, uint8_t *bbuf) {
     const int k16 = qf_kind(fmt) == KIND_K16;
@@ -373,40 +383,36 @@ static inline __attribute__((always_inline)) void amx_prepare(const uint8_t *til
         if (k16) {
             vf_storeu(abuf + 2 * g * 16, sc.a0);
             vf_storeu(abuf + (2 * g + 1) * 16, sc.a1);
-        } else
+            vf_storeu(zbuf + 2 * g * 16, sc.z0);
+            vf_storeu(zbuf + (2 * g + 1) * 16, sc.z1);
+        } else {
             vf_storeu(abuf + g * 16, sc.a0);
-        vf_storeu(zbuf + g * 16, sc.z);
+            vf_storeu(zbuf + g * 16, sc.z0);
+        }
         if (qf_bits(fmt) == 4)
             for (int u = 0; u < 8; u++) _mm512_storeu_si512(bbuf + g * 512 + 64 * u, code_unit(codes, fmt, u, 0));
     }
 }
 
-/* Pointer to sub-group j's B operand (8-bit codes: in the tile stream; 4-bit: the unpacked copy). */
+/* Pointer to scale group j's B operand (8-bit codes: in the tile stream; 4-bit: the unpacked copy). */
 static inline const uint8_t *amx_b(const uint8_t *tile, const uint8_t *bbuf, const int fmt, int64_t j) {
     const int k16 = qf_kind(fmt) == KIND_K16;
     const int64_t g = k16 ? j / 2 : j, half = k16 ? j % 2 : 0;
-    return qf_bits(fmt) == 4 ? bbuf + g * 512 : qf_block(tile, fmt, g).codes + half * 256;
+    return qf_bits(fmt) == 4 ? bbuf + g * 512 + half * 256 : qf_block(tile, fmt, g).codes + half * 256;
 }
 
-/* acc[i] += the float steps of sub-group j for rows m0 + i, from its int32 products c [16][16]. */
+/* acc[i] += the float steps of scale group j for rows m0 + i, from its int32 products c [16][16]. */
 static inline __attribute__((always_inline)) void amx_fold(vf acc[AMX_ROWS], const int32_t *c, const int fmt,
                                                            const qx_t *x, int64_t m0, int64_t j, const float *abuf,
                                                            const float *zbuf) {
     const int k16 = qf_kind(fmt) == KIND_K16;
-    const int64_t G = x->G, g = k16 ? j / 2 : j;
-    const int32_t per_sum = qf_bits(fmt) == 8 ? 0 : qf_offset(fmt);
-    const vf a = vf_loadu(abuf + j * 16);
-    const int last = !k16 || j % 2 == 1; /* the min term closes a block */
-    for (int i = 0; i < AMX_ROWS; i++) {
-        const int64_t r = m0 + i;
-        vi t = vi_loadu(c + i * 16);
-        if (per_sum) {
-            const int32_t *s = x->sum + 2 * (r * G + g);
-            t = vi_add(t, vi_set1(per_sum * (k16 ? s[j % 2] : s[0] + s[1])));
-        }
-        acc[i] = vf_fma(vi_to_f(t), vf_mul(a, vf_set1(x->d[r * G + g])), acc[i]);
-        if (qf_has_min(fmt) && last) acc[i] = vf_fma(vf_loadu(zbuf + g * 16), vf_set1(x->s[r * G + g]), acc[i]);
-    }
+    const int64_t g = k16 ? j / 2 : j;
+    /* Signed units multiply signed x directly (tdpbssd): no bias to take back. */
+    const int32_t per_sum = qf_signed_units(fmt) ? 0 : qf_offset(fmt);
+    const vf a = vf_loadu(abuf + j * 16), z = vf_loadu(zbuf + j * 16);
+    const int part = k16 ? (int)(j % 2) : -1;
+    for (int i = 0; i < AMX_ROWS; i++)
+        acc[i] = group_epilogue(acc[i], vi_loadu(c + i * 16), a, z, fmt, x, m0 + i, g, part, per_sum);
 }
 
 #define AMX_DP(C, A, B, SIGNED)             \
@@ -424,7 +430,7 @@ static inline __attribute__((always_inline)) void amx_tile(const uint8_t *tile, 
                                                            const qx_t *x, int64_t m0, const float *abuf,
                                                            const float *zbuf, int32_t *cbuf, float *y, int64_t ldy,
                                                            int nvalid) {
-    const int k16 = qf_kind(fmt) == KIND_K16, is8 = qf_bits(fmt) == 8;
+    const int k16 = qf_kind(fmt) == KIND_K16, sgn = qf_signed_units(fmt);
     const int64_t K = x->K, J = k16 ? 2 * x->G : x->G, gs = k16 ? 16 : 32;
     const int8_t *xa = x->q + m0 * K;
     int64_t j = 0;
@@ -435,8 +441,8 @@ static inline __attribute__((always_inline)) void amx_tile(const uint8_t *tile, 
         _tile_loadd(3, amx_b(tile, bbuf, fmt, j), 64);
         _tile_loadd(4, xa + (j + 1) * gs, K);
         _tile_loadd(5, amx_b(tile, bbuf, fmt, j + 1), 64);
-        AMX_DP(0, 2, 3, is8);
-        AMX_DP(1, 4, 5, is8);
+        AMX_DP(0, 2, 3, sgn);
+        AMX_DP(1, 4, 5, sgn);
         _tile_stored(0, cbuf + j * 256, 64);
         _tile_stored(1, cbuf + (j + 1) * 256, 64);
     }
@@ -444,7 +450,7 @@ static inline __attribute__((always_inline)) void amx_tile(const uint8_t *tile, 
         _tile_zero(0);
         _tile_loadd(2, xa + j * gs, K);
         _tile_loadd(3, amx_b(tile, bbuf, fmt, j), 64);
-        AMX_DP(0, 2, 3, is8);
+        AMX_DP(0, 2, 3, sgn);
         _tile_stored(0, cbuf + j * 256, 64);
     }
     vf acc[AMX_ROWS];
@@ -469,10 +475,12 @@ typedef void (*amx_prep_fn)(const uint8_t *, int64_t, float *, float *, uint8_t 
     static void amx_prep_##F(const uint8_t *t, int64_t G, float *a, float *z, uint8_t *b) {                   \
         amx_prepare(t, F, G, a, z, b);                                                                        \
     }
-AMX_FN(0) AMX_FN(1) AMX_FN(2) AMX_FN(3) AMX_FN(4) AMX_FN(5) AMX_FN(6) AMX_FN(7)
-static const amx_fn AMX_TABLE[QF_COUNT] = {amx_0, amx_1, amx_2, amx_3, amx_4, amx_5, amx_6, amx_7};
+AMX_FN(0) AMX_FN(1) AMX_FN(2) AMX_FN(3) AMX_FN(4) AMX_FN(5) AMX_FN(6) AMX_FN(7) AMX_FN(8) AMX_FN(9) AMX_FN(10)
+static const amx_fn AMX_TABLE[QF_COUNT] = {amx_0, amx_1, amx_2, amx_3, amx_4, amx_5,
+                                           amx_6, amx_7, amx_8, amx_9, amx_10};
 static const amx_prep_fn AMX_PREP_TABLE[QF_COUNT] = {amx_prep_0, amx_prep_1, amx_prep_2, amx_prep_3,
-                                                     amx_prep_4, amx_prep_5, amx_prep_6, amx_prep_7};
+                                                     amx_prep_4, amx_prep_5, amx_prep_6, amx_prep_7,
+                                                     amx_prep_8, amx_prep_9, amx_prep_10};
 
 /* Rows of x from which the AMX path runs (below, the vpdpbusd micro-kernels are as fast). */
 #define AMX_MIN_ROWS 16
@@ -483,7 +491,7 @@ static void amx_gemm(const uint8_t *w, int fmt, int64_t N, const qx_t *x, int64_
     const int gs = qf_kind(fmt) == KIND_K16 ? 16 : 32;
 #pragma omp parallel
     {
-        float *abuf = malloc((size_t)(2 * G * 16 + G * 16) * sizeof(float));
+        float *abuf = malloc((size_t)(2 * G * 16 + 2 * G * 16) * sizeof(float)); /* a, z per scale group */
         uint8_t *bbuf = qf_bits(fmt) == 4 ? aligned_alloc(64, (size_t)G * 512) : NULL;
         int32_t *cbuf = aligned_alloc(64, (size_t)(2 * G) * 256 * sizeof(int32_t)); /* one 16 x 16 product per sub-group */
         float *zbuf = abuf + 2 * G * 16;
@@ -618,7 +626,7 @@ int orca_qdequant_rows(const uint8_t *w, int fmt, int64_t K, int64_t N, const in
     for (int64_t i = 0; i < n; i++)
         if (rows[i] < 0 || rows[i] >= N) return 2;
     const int64_t tb = qf_tile_bytes(fmt, K), G = K / QBLOCK;
-    const int kind = qf_kind(fmt), has_min = qf_has_min(fmt);
+    const int kind = qf_kind(fmt), has_min = qf_has_min(fmt), sub_signed = qf_sub_signed(fmt);
 #pragma omp parallel for schedule(static) if (n * K >= PARALLEL_MIN_WORK)
     for (int64_t i = 0; i < n; i++) {
         const int64_t r = rows[i];
@@ -629,23 +637,24 @@ int orca_qdequant_rows(const uint8_t *w, int fmt, int64_t K, int64_t N, const in
             const qblock blk = qf_block(tile, fmt, g);
             const uint8_t *hdr = blk.hdr, *codes = blk.codes, *sub = blk.sub;
             for (int k = 0; k < QBLOCK; k++) {
-                const int u = k / 4, t = k % 4;
+                const int u = k / 4, t = k % 4, part = k < 16 ? 0 : 1;
                 int c;
                 if (qf_bits(fmt) == 8)
                     c = (int8_t)codes[64 * u + 4 * l + t];
                 else {
                     const uint8_t byte = codes[64 * (u & 3) + 4 * l + t];
-                    c = (u < 4 ? byte & 15 : byte >> 4) + qf_offset(fmt);
+                    const int nibble = u < 4 ? byte & 15 : byte >> 4;
+                    c = qf_codebook(fmt) ? IQ4_NL_VALUES[nibble] : nibble + qf_offset(fmt);
                 }
                 float a, z = 0.0f;
                 if (kind == KIND_F16) {
                     a = f16_at(hdr + 2 * l);
                     if (has_min) z = f16_at(hdr + 32 + 2 * l);
-                } else if (kind == KIND_K) {
-                    a = f16_at(hdr + 2 * l) * (float)sub[l];
-                    if (has_min) z = -(f16_at(hdr + 32 + 2 * l) * (float)sub[16 + l]);
                 } else {
-                    a = f16_at(hdr + 2 * l) * (float)(int8_t)sub[(k < 16 ? 0 : 16) + l];
+                    /* K: one sub-scale (and minimum) per block; K16: per 16 k */
+                    const int at = kind == KIND_K ? l : 16 * part + l, mins = kind == KIND_K ? 16 : 32;
+                    a = f16_at(hdr + 2 * l) * (sub_signed ? (float)(int8_t)sub[at] : (float)sub[at]);
+                    if (has_min) z = -(f16_at(hdr + 32 + 2 * l) * (float)sub[mins + at]);
                 }
                 o[g * QBLOCK + k] = has_min ? fmaf(a, (float)c, z) : a * (float)c;
             }

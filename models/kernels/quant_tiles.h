@@ -16,34 +16,57 @@
  * rounds once, as gguf-py's (a * q) + z does) and:
  *   kind F16 (Q4_0 Q4_1 Q8_0 Q5_0 Q5_1): header = a as 16 x f16 [+ z as 16 x f16]; no sub-scales;
  *                                        one block per super
- *   kind K   (Q4_K Q5_K): header = d [, dmin] as 16 x f16; sub-scales per block: sc [, m] 16 x u8;
- *                         a = d * sc, z = -(dmin * m); 8 blocks per super (GGUF's 256)
- *   kind K16 (Q6_K):      header = d as 16 x f16; sub-scales per block: 2 x 16 x s8 (k 0..15, 16..31);
- *                         a = d * sc per 16 k; 8 blocks per super
- * Q4_0's codes are stored unsigned (0..15) and offset by -8; the 5- and 6-bit formats are kept as
- * 8-bit codes (Q5_0 as q - 16, Q6_K as q - 32, Q5_1 and Q5_K as 0..31).
+ *   kind K   (Q4_K Q5_K IQ4_XS): header = d [, dmin] as 16 x f16; sub-scales per block: sc [, m]
+ *                         16 x u8 (IQ4_XS: sc s8); a = d * sc, z = -(dmin * m); 8 blocks per super
+ *                         (GGUF's 256)
+ *   kind K16 (Q6_K Q3_K Q2_K): header = d [, dmin] as 16 x f16; sub-scales per block: 2 x 16 x s8
+ *                         (Q2_K: u8) sc for k 0..15 and 16..31 [+ 2 x 16 x u8 m]; a = d * sc and
+ *                         z = -(dmin * m) per 16 k; 8 blocks per super
+ * Q4_0's codes are stored unsigned (0..15) and offset by -8, Q3_K's (-4..3) by -4; Q2_K's 2-bit codes
+ * are 4-bit codes 0..3. The 5- and 6-bit formats are kept as 8-bit codes (Q5_0 as q - 16, Q6_K as
+ * q - 32, Q5_1 and Q5_K as 0..31). IQ4_XS's 4-bit codes index a 16-entry codebook of int8 values
+ * (IQ4_NL_VALUES: llama.cpp's kvalues_iq4nl); the kernels turn a unit of them into those int8 values
+ * with one byte shuffle, and from there on treat them as 8-bit signed codes (llama.cpp's route).
  */
 #ifndef ORCA_QUANT_TILES_H
 #define ORCA_QUANT_TILES_H
 
 #include <stdint.h>
 
-enum { QF_Q4_0 = 0, QF_Q4_1, QF_Q8_0, QF_Q5_0, QF_Q5_1, QF_Q4_K, QF_Q5_K, QF_Q6_K, QF_COUNT };
+enum { QF_Q4_0 = 0, QF_Q4_1, QF_Q8_0, QF_Q5_0, QF_Q5_1, QF_Q4_K, QF_Q5_K, QF_Q6_K, QF_Q2_K, QF_Q3_K, QF_IQ4_XS, QF_COUNT };
 enum { KIND_F16 = 0, KIND_K, KIND_K16 };
 
 #define TILE_ROWS 16
 #define QBLOCK 32
 
-static inline int qf_bits(int f) { return f == QF_Q4_0 || f == QF_Q4_1 || f == QF_Q4_K ? 4 : 8; }
-static inline int qf_kind(int f) { return f == QF_Q4_K || f == QF_Q5_K ? KIND_K : f == QF_Q6_K ? KIND_K16 : KIND_F16; }
-static inline int qf_has_min(int f) { return f == QF_Q4_1 || f == QF_Q5_1 || f == QF_Q4_K || f == QF_Q5_K; }
-static inline int qf_offset(int f) { return f == QF_Q4_0 ? -8 : 0; }
+/* IQ4_NL / IQ4_XS's codebook (ggml's kvalues_iq4nl), in the order of the 4-bit codes. */
+static const int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+
+static inline int qf_bits(int f) {
+    return f == QF_Q4_0 || f == QF_Q4_1 || f == QF_Q4_K || f == QF_Q2_K || f == QF_Q3_K || f == QF_IQ4_XS ? 4 : 8;
+}
+static inline int qf_kind(int f) {
+    return f == QF_Q4_K || f == QF_Q5_K || f == QF_IQ4_XS             ? KIND_K
+           : f == QF_Q6_K || f == QF_Q3_K || f == QF_Q2_K ? KIND_K16
+                                                          : KIND_F16;
+}
+static inline int qf_has_min(int f) {
+    return f == QF_Q4_1 || f == QF_Q5_1 || f == QF_Q4_K || f == QF_Q5_K || f == QF_Q2_K;
+}
+static inline int qf_offset(int f) { return f == QF_Q4_0 ? -8 : f == QF_Q3_K ? -4 : 0; }
+/* The 4-bit codes index IQ4_NL_VALUES. */
+static inline int qf_codebook(int f) { return f == QF_IQ4_XS; }
+/* Sub-scales stored signed (s8) rather than unsigned (u8). */
+static inline int qf_sub_signed(int f) { return f == QF_Q6_K || f == QF_Q3_K || f == QF_IQ4_XS; }
+/* A unit of codes, as the kernels use it, holds signed int8 values (8-bit codes, codebook values)
+ * rather than unsigned 4-bit codes. */
+static inline int qf_signed_units(int f) { return qf_bits(f) == 8 || qf_codebook(f); }
 static inline int qf_blocks_per_super(int f) { return qf_kind(f) == KIND_F16 ? 1 : 8; }
 static inline int64_t qf_code_bytes(int f) { return (int64_t)qf_bits(f) * 64; }
 static inline int64_t qf_sub_bytes(int f) {
-    return qf_kind(f) == KIND_K ? 16 * (1 + qf_has_min(f)) : qf_kind(f) == KIND_K16 ? 32 : 0;
+    return qf_kind(f) == KIND_K ? 16 * (1 + qf_has_min(f)) : qf_kind(f) == KIND_K16 ? 32 * (1 + qf_has_min(f)) : 0;
 }
-static inline int64_t qf_header_bytes(int f) { return 32 * (1 + (qf_kind(f) != KIND_K16 && qf_has_min(f))); }
+static inline int64_t qf_header_bytes(int f) { return 32 * (1 + qf_has_min(f)); }
 static inline int64_t qf_super_bytes(int f) {
     return qf_header_bytes(f) + qf_blocks_per_super(f) * (qf_code_bytes(f) + qf_sub_bytes(f));
 }

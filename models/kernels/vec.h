@@ -61,6 +61,11 @@ static inline void vf_store_n(float *p, vf v, int n) { _mm512_mask_storeu_ps(p, 
 /* LANES floats -> LANES int8 (values already in [-127, 127]). */
 static inline void vi_store_i8(int8_t *p, vi v) { _mm_storeu_si128((__m128i *)p, _mm512_cvtepi32_epi8(v)); }
 
+/* Each byte (0..15) replaced by table[byte]: a 16-entry codebook in one shuffle (IQ4_XS's values). */
+static inline vi vi_table16(vi idx, const int8_t *table) {
+    return _mm512_shuffle_epi8(_mm512_broadcast_i32x4(_mm_loadu_si128((const __m128i *)table)), idx);
+}
+
 /* acc + for each 32-bit lane the dot product of its 4 unsigned bytes of w with the 4 signed of x. */
 static inline vi dot_us(vi acc, vi w, vi x) {
 #if defined(__AVX512VNNI__)
@@ -156,6 +161,10 @@ static inline void vi_store_i8(int8_t *p, vi v) {
     const __m256i b = _mm256_packs_epi16(w, w);                    /* int8 */
     const __m256i o = _mm256_permutevar8x32_epi32(b, _mm256_setr_epi32(0, 4, 0, 0, 0, 0, 0, 0));
     _mm_storel_epi64((__m128i *)p, _mm256_castsi256_si128(o));
+}
+
+static inline vi vi_table16(vi idx, const int8_t *table) {
+    return _mm256_shuffle_epi8(_mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)table)), idx);
 }
 
 static inline vi dot_us(vi acc, vi w, vi x) {

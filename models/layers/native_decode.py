@@ -78,8 +78,8 @@ class _Shape(ctypes.Structure):
         ("intermediate", _i64),
         ("eps", _f),
         ("scale", _f),
-        ("cos_sin", _p),
         ("block_size", _i64),
+        ("rotary_dim", _i64),
     ]
 
 
@@ -110,13 +110,15 @@ ACTIVATIONS = ("silu", "gelu_tanh")
 @dataclass(frozen=True)
 class DecodeLayerParts:
     """One pre-norm decoder layer as decode_layers.c runs it (Llama's layout): input norm, fused qkv,
-    rotary and the cache write, paged attention, o, the residual add fused into the post-attention
-    norm, fused gate/up, SiLU-and-mul, down, residual add. A family declares how its layer maps onto
-    this (`ModelFamily.native_decode`); a layer that does not fit returns None from that function.
+    rotary (partial where the table is narrower than a head) and the cache write, paged attention, o,
+    the residual add fused into the post-attention norm, fused gate/up, SiLU-and-mul, down, residual
+    add. A family declares how its layer maps onto this (`ModelFamily.native_decode`); a layer that
+    does not fit returns None from that function.
 
-    The optional parts are Gemma 3's: per-head q/k norms before rotary, a norm on the attention output
-    and one on the MLP output before their residual adds (`post_norm` is then its pre-feedforward
-    norm), GELU-tanh, and per layer its own rotary table and window (`attention.sliding_window`)."""
+    The optional parts: per-head q/k norms before rotary (Qwen3's, Gemma 3's), and Gemma 3's norm on
+    the attention output and on the MLP output before their residual adds (`post_norm` is then its
+    pre-feedforward norm), GELU-tanh, and per layer its own rotary table and window
+    (`attention.sliding_window`)."""
 
     input_norm: RMSNorm
     qkv: PackableLinear
@@ -126,6 +128,7 @@ class DecodeLayerParts:
     post_norm: RMSNorm
     gate_up: PackableLinear
     down: PackableLinear
+    # Per-head RMSNorm of q and k after the qkv projection (weights [head_dim]); both or neither.
     q_norm: RMSNorm | None = None
     k_norm: RMSNorm | None = None
     attn_out_norm: RMSNorm | None = None
@@ -159,17 +162,25 @@ class NativeDecodeLayers:
         attn = first.attention
         d, hq, hkv = attn.head_dim, attn.num_heads, attn.num_kv_heads
         cos_sin = first.rotary.cos_sin_cache
-        if not (d % 16 == 0 and cpu_kernels.supports_decode_attention(d, hq, hkv)):
+        rotary = cos_sin.shape[-1]  # the rotated dims of a head (partial rotary: fewer than d)
+        if not (
+            rotary <= d
+            and rotary % 16 == 0
+            and d % 16 == 0
+            and cpu_kernels.supports_decode_attention(d, hq, hkv)
+        ):
             return None
         hidden = first.input_norm.weight.shape[0]
         for i, layer in enumerate(layers):
             table = layer.rotary.cos_sin_cache
             a = layer.attention
+            head_norms = [n for n in (layer.q_norm, layer.k_norm) if n is not None]
             if (
-                not (_is_f32(table) and tuple(table.shape) == tuple(cos_sin.shape) and table.shape[-1] == d)
+                not (_is_f32(table) and tuple(table.shape) == tuple(cos_sin.shape))
                 or (a.scale, a.head_dim, a.num_heads, a.num_kv_heads) != (attn.scale, d, hq, hkv)
                 or any(n.eps != first.input_norm.eps or not _is_f32(n.weight) for n in layer.norms())
-                or (layer.q_norm is None) != (layer.k_norm is None)
+                or len(head_norms) == 1
+                or any(tuple(n.weight.shape) != (d,) for n in head_norms)
                 or layer.activation not in ACTIVATIONS
             ):
                 return None
@@ -194,7 +205,7 @@ class NativeDecodeLayers:
             intermediate=first.down.packed.shape[1],
             eps=first.input_norm.eps,
             scale=attn.scale,
-            cos_sin=cos_sin.data_ptr(),
+            rotary_dim=rotary,
         )
         return cls(layers, shape, structs)
 

@@ -41,6 +41,23 @@ class RMSNorm(nn.Module):
         return normed * self.weight
 
 
+def qk_rms_norm(
+    qkv: torch.Tensor, q_norm: RMSNorm, k_norm: RMSNorm, num_heads: int, num_kv_heads: int
+) -> torch.Tensor:
+    """Per-head RMSNorm of the q and k heads of a fused qkv projection [T, (Hq + 2 Hkv) * D] (Qwen3's
+    q_norm / k_norm, before rotary); v passes. In place in float32 on a CPU (one native call, the
+    same one the fused decode layers make), else a new tensor from torch's ops."""
+    d = q_norm.weight.shape[0]
+    if cpu_kernels.fits_rowwise(qkv, d) and qkv.dim() == 2 and q_norm.eps == k_norm.eps:
+        cpu_kernels.qk_norm(qkv, q_norm.weight, k_norm.weight, q_norm.eps, num_heads, num_kv_heads)
+        return qkv
+    t = qkv.shape[0]
+    q, k, v = qkv.split([num_heads * d, num_kv_heads * d, num_kv_heads * d], dim=-1)
+    q = q_norm(q.reshape(t, num_heads, d)).reshape(t, -1)
+    k = k_norm(k.reshape(t, num_kv_heads, d)).reshape(t, -1)
+    return torch.cat([q, k, v], dim=-1)
+
+
 class LayerNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-5, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()

@@ -18,6 +18,14 @@ The formats (`FORMATS`, ids shared with the C code):
     Q4_K  4-bit           d, dmin: f16 per 256; sc, m: u8 per 32; a = d sc, z = -dmin m   4.5 (4.63)
     Q5_K  8-bit           as Q4_K                                                     5.5 (kept in 8.6)
     Q6_K  8-bit, q - 32   d: f16 per 256; sc: s8 per 16; a = d sc                     6.56 (kept in 8.6)
+    Q2_K  4-bit, 0..3     d, dmin: f16 per 256; sc, m: u8 per 16; a = d sc, z = -dmin m   2.63 (kept in 5.13)
+    Q3_K  4-bit, q - 4    d: f16 per 256; sc: s8 per 16; a = d sc                     3.44 (kept in 4.56)
+    IQ4_XS 4-bit index    d: f16 per 256; sc: s8 per 32; a = d sc; q = IQ4_NL_VALUES[code]  4.25 (4.31)
+
+Q2_K's and Q3_K's 2- and 3-bit codes take a nibble each: the 4-bit kernels run them unchanged, where
+packing them tighter would need kernels of their own for 1 to 2 bits a weight. IQ4_XS's codes index
+a 16-entry int8 codebook; the kernels look a unit of them up with one byte shuffle (llama.cpp's route)
+and multiply the int8 values exactly as 8-bit codes.
 
 Two ways in: `pack_components` from a format's codes and scales (models/gguf/blocks.py decodes them from a
 GGUF file's raw blocks), and `pack_exact`, which recognises Q4_0 / Q4_1 / Q8_0 structure in float32
@@ -34,6 +42,8 @@ import torch
 
 GROUP_SIZE = 32  # weights along K per block (GGUF's QK4_0 ... QK8_0; K-quants: 8 blocks per 256)
 TILE_ROWS = 16  # rows of W per tile (quant_tiles.h)
+# IQ4_NL / IQ4_XS's codebook (ggml's kvalues_iq4nl; quant_tiles.h's IQ4_NL_VALUES).
+IQ4_NL_VALUES = (-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113)
 
 
 @dataclass(frozen=True)
@@ -43,10 +53,12 @@ class BlockFormat:
     name: str
     id: int  # QF_* in quant_tiles.h
     bits: int  # 4 or 8 bits a code
-    kind: str  # "f16": scale (and min) f16 per 32; "k": K-quant super-blocks; "k16": Q6_K's
+    kind: str  # "f16": scale (and min) f16 per 32; "k": K-quant super-blocks; "k16": scales per 16
     has_min: bool
-    offset: int = 0  # added to the stored (unsigned 4-bit) code: Q4_0's -8
+    offset: int = 0  # added to the stored (unsigned 4-bit) code: Q4_0's -8, Q3_K's -4
     file_bits: float = 0.0  # bits per weight in a GGUF file
+    sub_signed: bool = False  # sub-scales stored s8 (else u8)
+    codebook: tuple[int, ...] | None = None  # 4-bit codes index these int8 values (IQ4_XS)
 
     @property
     def blocks_per_super(self) -> int:
@@ -62,11 +74,16 @@ class BlockFormat:
 
     @property
     def sub_bytes(self) -> int:
-        return {"f16": 0, "k": 16 * (1 + self.has_min), "k16": 32}[self.kind]
+        return {"f16": 0, "k": 16, "k16": 32}[self.kind] * (1 + self.has_min)
 
     @property
     def header_bytes(self) -> int:
-        return 32 * (1 + (self.kind != "k16" and self.has_min))
+        return 32 * (1 + self.has_min)
+
+    @property
+    def sub_group(self) -> int:
+        """Weights along K per sub-scale (K-quant kinds)."""
+        return 16 if self.kind == "k16" else GROUP_SIZE
 
     @property
     def super_bytes(self) -> int:
@@ -86,7 +103,10 @@ FORMATS: dict[str, BlockFormat] = {
         BlockFormat("Q5_1", 4, 8, "f16", True, 0, 6.0),
         BlockFormat("Q4_K", 5, 4, "k", True, 0, 4.5),
         BlockFormat("Q5_K", 6, 8, "k", True, 0, 5.5),
-        BlockFormat("Q6_K", 7, 8, "k16", False, 0, 6.5625),
+        BlockFormat("Q6_K", 7, 8, "k16", False, 0, 6.5625, sub_signed=True),
+        BlockFormat("Q2_K", 8, 4, "k16", True, 0, 2.625),
+        BlockFormat("Q3_K", 9, 4, "k16", False, -4, 3.4375, sub_signed=True),
+        BlockFormat("IQ4_XS", 10, 4, "k", False, 0, 4.25, sub_signed=True, codebook=IQ4_NL_VALUES),
     )
 }
 
@@ -95,11 +115,13 @@ FORMATS: dict[str, BlockFormat] = {
 class BlockComponents:
     """One format's codes and scales for rows of a weight, before tiling.
 
-    codes [N, K]: uint8 0..15 for 4-bit formats (stored code, before Q4_0's offset), int8 otherwise.
+    codes [N, K]: uint8 0..15 for 4-bit formats (stored code, before Q4_0's / Q3_K's offset; IQ4_XS:
+        the codebook index), int8 otherwise.
     scale [N, K / super_k] float16: "f16" kind: a per block; "k"/"k16": d per super-block.
-    minimum [N, K / super_k] float16: "f16": z per block; "k": dmin per super-block; else None.
-    sub_scale: "k": sc [N, K / 32] uint8; "k16": sc [N, K / 16] int8; else None.
-    sub_min: "k": m [N, K / 32] uint8; else None.
+    minimum [N, K / super_k] float16: "f16": z per block; "k"/"k16": dmin per super-block; else None.
+    sub_scale: "k": sc [N, K / 32]; "k16": sc [N, K / 16]; int8 where the format's are signed, else
+        uint8; None for "f16".
+    sub_min: m [N, K / sub_group] uint8 for the K-quant kinds with a minimum; else None.
     """
 
     fmt: BlockFormat
@@ -244,6 +266,11 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8).reshape(*t.shape[:-1], -1)
 
 
+def _byte_values(x: torch.Tensor) -> torch.Tensor:
+    """Sub-scales as their stored bytes: int8 reinterpreted (two's complement), others as uint8."""
+    return x.contiguous().view(torch.uint8) if x.dtype == torch.int8 else x.to(torch.uint8)
+
+
 def pack_components(c: BlockComponents, row_start: int = 0) -> PackedSegment:
     """Lay one format's codes and scales out as 16-row tiles (quant_tiles.h)."""
     f = c.fmt
@@ -264,18 +291,21 @@ def pack_components(c: BlockComponents, row_start: int = 0) -> PackedSegment:
         return _tiled(x, t).permute(0, 2, 1)
 
     header = [_bytes(per_tile(c.scale.half()))]  # [T, S, 32]
-    if f.has_min and f.kind != "k16":
+    if f.has_min:
         if c.minimum is None:
             raise ValueError(f"{f.name} needs its minimum")
         header.append(_bytes(per_tile(c.minimum.half())))
-    if f.kind == "k":
-        sub = [_bytes(per_tile(c.sub_scale.to(torch.uint8)))]
+    if f.kind != "f16":
+        per_block = GROUP_SIZE // f.sub_group  # sub-scales per 32-weight block
+
+        def sub_bytes(x: torch.Tensor) -> torch.Tensor:  # [N, G * per_block] -> [T, G, 16 * per_block]
+            x = _tiled(_byte_values(x), t).reshape(t, TILE_ROWS, g, per_block).permute(0, 2, 3, 1)
+            return x.reshape(t, g, per_block * TILE_ROWS)
+
+        subs = [sub_bytes(c.sub_scale)]
         if f.has_min:
-            sub.append(_bytes(per_tile(c.sub_min.to(torch.uint8))))
-        blocks = torch.cat([blocks, *sub], dim=-1)
-    elif f.kind == "k16":
-        sc = _tiled(c.sub_scale.to(torch.int8), t).reshape(t, TILE_ROWS, g, 2).permute(0, 2, 3, 1)
-        blocks = torch.cat([blocks, _bytes(sc.reshape(t, g, 2, TILE_ROWS)).reshape(t, g, 32)], dim=-1)
+            subs.append(sub_bytes(c.sub_min))
+        blocks = torch.cat([blocks, *subs], dim=-1)
     supers = torch.cat([torch.cat(header, dim=-1), blocks.reshape(t, s, -1)], dim=-1)
     return PackedSegment(f, row_start, n, k, supers.reshape(t, -1).contiguous())
 
@@ -290,6 +320,9 @@ CODE_RANGE = {
     "Q4_K": (0, 15),
     "Q5_K": (0, 31),
     "Q6_K": (-32, 31),
+    "Q2_K": (0, 3),
+    "Q3_K": (0, 7),
+    "IQ4_XS": (0, 15),
 }
 
 
@@ -303,12 +336,17 @@ def random_components(fmt: BlockFormat, n: int, k: int, seed: int = 0) -> BlockC
     scale = (torch.rand(n, per, generator=g) * 0.02 + 1e-3).half()
     minimum = (-torch.rand(n, per, generator=g) * 0.1).half() if fmt.has_min else None
     sub_scale = sub_min = None
-    if fmt.kind == "k":
-        sub_scale = torch.randint(0, 64, (n, k // GROUP_SIZE), generator=g).to(torch.uint8)
-        sub_min = torch.randint(0, 64, (n, k // GROUP_SIZE), generator=g).to(torch.uint8)
-        minimum = (torch.rand(n, per, generator=g) * 0.002).half()
-    elif fmt.kind == "k16":
-        sub_scale = torch.randint(-64, 64, (n, k // 16), generator=g).to(torch.int8)
+    if fmt.kind != "f16":
+        subs = k // fmt.sub_group
+        if fmt.sub_signed:  # Q6_K's 8-bit sub-scales, Q3_K's and IQ4_XS's 6-bit ones
+            bound = 64 if fmt.name == "Q6_K" else 32
+            sub_scale = torch.randint(-bound, bound, (n, subs), generator=g).to(torch.int8)
+        else:  # Q4_K / Q5_K: 6-bit; Q2_K: 4-bit
+            bound = 16 if fmt.name == "Q2_K" else 64
+            sub_scale = torch.randint(0, bound, (n, subs), generator=g).to(torch.uint8)
+        if fmt.has_min:
+            sub_min = torch.randint(0, bound, (n, subs), generator=g).to(torch.uint8)
+            minimum = (torch.rand(n, per, generator=g) * 0.002).half()
     return BlockComponents(fmt, codes, scale, minimum, sub_scale, sub_min)
 
 

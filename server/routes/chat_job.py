@@ -118,8 +118,9 @@ async def encode_chat(
     messages: list[ChatMessage],
     add_generation_prompt: bool = True,
     plan: ToolPlan | None = None,
+    kwargs: dict[str, Any] | None = None,
 ) -> list[int]:
-    return (await render_prompt(tokenizer, messages, add_generation_prompt, plan))[1]
+    return (await render_prompt(tokenizer, messages, add_generation_prompt, plan, kwargs))[1]
 
 
 def request_thinking(state: ServerState, prompt_text: str) -> Thinking | None:

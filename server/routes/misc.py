@@ -92,7 +92,9 @@ async def tokenize(request: Request, payload: dict[str, Any] = Body(...)) -> Res
     if "messages" in payload:
         chat = _parse(TokenizeChatRequest, payload)
         check_model(state, chat.model)
-        ids = await encode_chat(tokenizer, chat.messages, chat.add_generation_prompt)
+        ids = await encode_chat(
+            tokenizer, chat.messages, chat.add_generation_prompt, kwargs=chat.chat_template_kwargs
+        )
     else:
         plain = _parse(TokenizeCompletionRequest, payload)
         check_model(state, plain.model)

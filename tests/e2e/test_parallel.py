@@ -20,7 +20,15 @@ from typing import Any
 import httpx
 import pytest
 import torch
-from builders import build_hf_model, cpu_engine_config, gguf_structured, tiny_gpt2_config, tiny_llama_config
+from builders import (
+    GGUF_MIXES,
+    build_hf_model,
+    cpu_engine_config,
+    gguf_structured,
+    tiny_gpt2_config,
+    tiny_llama_config,
+    write_tiny_gguf,
+)
 from fakes import greedy_through_loop, live_server, metric, server_config
 from kernel_marks import needs_native_kernels
 from waiting import wait_until
@@ -353,6 +361,41 @@ async def test_dead_worker_without_restarts_makes_server_unhealthy(uneven_llama_
             assert (await http.get("/health")).status_code == 503
             refused = await http.post("/v1/completions", json=short)
             assert refused.status_code == 503 and "exited" in refused.json()["error"]["message"]
+    finally:
+        runner.close()
+
+
+@needs_native_kernels
+@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+async def test_new_families_from_gguf_tp2_equal_one_process(arch: str, tmp_path: Path, monkeypatch) -> None:
+    """Qwen3 (q/k norms on each rank's heads) and Phi-3 (fused qkv and gate/up cut into q/k/v and
+    gate/up first, then by rank) GGUF files under TP=2: every rank packs its shards of the decoder
+    layers' blocks (8 heads of 64: o_proj's 256 input columns per rank are whole super-blocks), and
+    greedy tokens equal one process's."""
+    from models.loader import resolve_model
+
+    monkeypatch.setenv("ORCA_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / f"{arch}.gguf"
+    shape = dict(hidden=256, head_dim=64) if arch == "qwen3" else dict(hidden=512)
+    write_tiny_gguf(
+        gguf,
+        arch=arch,
+        ff=512,
+        heads=8,
+        kv_heads=2,
+        layers=2,
+        types=GGUF_MIXES["Q4_K_M"],
+        tied=False,
+        **shape,
+    )
+    path = resolve_model(str(gguf))
+    reference = await greedy_through_loop(LocalExecutor(engine_config(path)), PROMPTS, MAX_TOKENS, SCHED)
+    runner = DistributedExecutor(engine_config(path, tp=2))
+    try:
+        # (The 261-token vocabulary pads to 2 x 131 rows: the embedding and head shards stay float.)
+        decoder = [m for layer in runner.runner.model.decoder_layers() for m in packable_layers(layer)]
+        assert len(decoder) == 8 and all(m.packed is not None for m in decoder)
+        assert await greedy_through_loop(runner, PROMPTS, MAX_TOKENS, SCHED) == reference
     finally:
         runner.close()
 

@@ -151,3 +151,19 @@ async def test_sliding_window_model_from_the_cache_and_after_preemption(tiny_gem
     async with Run(tight, caching=True, max_num_seqs=3) as run:
         assert await run.together(distinct, max_tokens=30) == want
         assert run.engine.stats().num_preemptions > 0
+
+
+@pytest.mark.parametrize("family", ["qwen3", "phi3"])
+async def test_new_families_from_the_cache_equal_cold_runs(family: str, request: pytest.FixtureRequest):
+    """Qwen3 (q/k norms) and Phi-4-mini-like (partial rotary, LongRoPE) models: prompts that start
+    from cached blocks, alone and batched together, give a cold run's greedy tokens."""
+    model_dir = request.getfixturevalue(f"tiny_{family}_dir")
+    runner = LocalExecutor(cpu_engine_config(model_dir, block_size=BLOCK_SIZE, num_kv_blocks=256))
+    system = prompt(37, seed=1)
+    a, b, c = ([*system, *prompt(n, seed=s)] for n, s in ((9, 2), (14, 3), (5, 4)))
+    async with Run(runner, caching=True) as run:
+        first = await run.generate(a)
+        again = await run.generate(a)
+        batched = await run.together([b, c])
+    assert run.cached["r1"] == 44 and run.cached["r2"] == run.cached["r3"] == 36
+    assert [first, again, *batched] == await cold(runner, [a, a, b, c])

@@ -199,11 +199,13 @@ def test_rms_norm_module_paths_agree() -> None:
 
 @pytest.mark.parametrize("variant", EVERY_VARIANT)
 @pytest.mark.parametrize("tokens", [1, 4, 40])
-def test_rope_and_cache_matches_rotary_and_index_copy(variant: str, tokens: int) -> None:
+@pytest.mark.parametrize("partial", [1.0, 0.5])  # 0.5: the first 16 of 32 dims turn (Phi-4-mini's kind)
+def test_rope_and_cache_matches_rotary_and_index_copy(variant: str, tokens: int, partial: float) -> None:
     from models.layers.rotary import RopeParams, RotaryEmbedding
 
     hq, hkv, d, block_size, num_blocks = 6, 2, 32, 4, 16
-    rotary = RotaryEmbedding(d, 256, RopeParams(theta=10000.0))
+    rotary = RotaryEmbedding(d, 256, RopeParams(theta=10000.0, partial_rotary_factor=partial))
+    assert rotary.cos_sin_cache.shape == (256, int(d * partial))
     g = torch.Generator().manual_seed(tokens)
     qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=g)
     positions = torch.randint(0, 256, (tokens,), generator=g)
@@ -218,6 +220,26 @@ def test_rope_and_cache_matches_rotary_and_index_copy(variant: str, tokens: int)
     torch.testing.assert_close(qkv[:, : hq * d].view(tokens, hq, d), qk[:, :hq], atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(k_cache, k_ref, atol=1e-6, rtol=1e-6)
     torch.testing.assert_close(v_cache, v_ref, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("variant", EVERY_VARIANT)
+@pytest.mark.parametrize("tokens", [1, 3, 40])
+def test_qk_norm_matches_per_head_rms_norm(variant: str, tokens: int) -> None:
+    hq, hkv, d = 4, 2, 32
+    g = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=g) * 3
+    qw, kw = torch.rand(d, generator=g) + 0.5, torch.rand(d, generator=g) + 0.5
+    q, k, v = (t.clone() for t in qkv.split([hq * d, hkv * d, hkv * d], dim=-1))
+    kernels_for(variant).qk_norm(qkv, qw, kw, 1e-6, hq, hkv)
+    got_q, got_k, got_v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+    ref_q = F.rms_norm(q.view(tokens, hq, d), (d,), qw, 1e-6).view(tokens, -1)
+    ref_k = F.rms_norm(k.view(tokens, hkv, d), (d,), kw, 1e-6).view(tokens, -1)
+    torch.testing.assert_close(got_q, ref_q, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(got_k, ref_k, atol=1e-6, rtol=1e-5)
+    assert torch.equal(got_v, v)
+    # Each head is normalised exactly as the row-wise RMSNorm kernel normalises a row.
+    rows = kernels_for(variant).rms_norm(q.view(-1, d).contiguous(), qw, 1e-6)
+    assert torch.equal(got_q, rows.view(tokens, -1))
 
 
 @pytest.mark.parametrize("variant", EVERY_VARIANT)

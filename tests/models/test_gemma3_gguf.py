@@ -11,10 +11,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import write_tiny_gemma3_gguf
+from builders import cpu_engine_config, write_tiny_gemma3_gguf
 from fakes import greedy_through_loop
 
-from engine.config import EngineConfig
 from engine.executor import LocalExecutor
 from engine.model_runner import read_eos_token_ids
 from models.gguf.reader import has_manifest
@@ -78,14 +77,7 @@ def test_greedy_tokens_equal_transformers_past_the_window(gemma3_dir: Path) -> N
     generations that run past the window, through the engine (native decode layers, packed weights,
     float32 activations) against transformers' generate on the same file."""
     runner = LocalExecutor(
-        EngineConfig(
-            model=str(gemma3_dir),
-            dtype="float32",
-            device="cpu",
-            block_size=4,
-            num_kv_blocks=128,
-            weight_packing="float32",
-        )
+        cpu_engine_config(gemma3_dir, block_size=4, num_kv_blocks=128, weight_packing="float32")
     )
     hf = load_hf_model(gemma3_dir)
     prompts = [[7 + (i * 37 + 11 * j) % 290 for j in range(n)] for i, n in enumerate((13, 3, 30, 9))]
@@ -134,8 +126,13 @@ def test_metadata_transformers_drops(tmp_path: Path) -> None:
     # The 27B shape (62 layers), its config as transformers reads it from the file: the hook alone.
     from builders import tiny_gemma3_config
 
-    from models.families.gemma3 import gemma3_config_from_gguf
+    from models.families.gemma3 import gemma3_gguf_config
+
+    class NoMetadata:  # a file that states nothing transformers' reader leaves out
+        architecture = "gemma3"
+
+        def arch_value(self, name: str, default: object = None) -> object:
+            return default
 
     big = tiny_gemma3_config(num_hidden_layers=62, hidden_size=64, num_attention_heads=4, head_dim=32)
-    gemma3_config_from_gguf(big, {})
-    assert big.query_pre_attn_scalar == 64 // 4
+    assert gemma3_gguf_config(NoMetadata(), big) == {"query_pre_attn_scalar": 64 // 4}

@@ -221,7 +221,7 @@ def test_corrupt_gguf(tmp_path: Path, monkeypatch) -> None:
     _expect_error(bad, "bad.gguf", "not a GGUF file")
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(b"GGUF" + b"\x03\x00\x00\x00" + b"\xff" * 20)
-    _expect_error(truncated, "truncated.gguf", "cannot convert")
+    _expect_error(truncated, "truncated.gguf", "truncated or corrupt")
     # A failed conversion leaves nothing behind in the cache.
     assert list((tmp_path / "cache" / "models").iterdir()) == []
 

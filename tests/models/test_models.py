@@ -17,6 +17,9 @@ from builders import (
     tiny_gemma3_config,
     tiny_gpt2_config,
     tiny_llama_config,
+    tiny_phi3_config,
+    tiny_phi4_mini_config,
+    tiny_qwen3_config,
 )
 from paged_cache import PagedCacheHarness, reference_attention
 
@@ -58,6 +61,13 @@ CONFIGS = {
         },
     ),
     "qwen2-qkv-bias": lambda: _qwen2_config(),
+    "qwen3-qk-norm": lambda: tiny_qwen3_config(vocab_size=SMALL_VOCAB),
+    "qwen3-tied-attn-bias": lambda: tiny_qwen3_config(
+        vocab_size=SMALL_VOCAB, tie_word_embeddings=True, attention_bias=True
+    ),
+    "phi3-fused-qkv-gqa": lambda: tiny_phi3_config(vocab_size=SMALL_VOCAB),
+    # Sequences here stay within the original context (64): transformers' short factors throughout.
+    "phi4-mini-partial-longrope": lambda: tiny_phi4_mini_config(vocab_size=SMALL_VOCAB),
     "mistral": lambda: _mistral_config(),
     # Windows shorter than the prompts below: every attention path must drop the older keys.
     "mistral-window-5": lambda: _mistral_config(sliding_window=5),
@@ -320,6 +330,8 @@ def _tp_worker(rank: int, world: int, port: int, name: str) -> None:
 TP_CONFIGS = {
     "llama": lambda: tiny_llama_config(vocab_size=SMALL_VOCAB, tie_word_embeddings=False),
     "gemma3-window": lambda: tiny_gemma3_config(vocab_size=SMALL_VOCAB, sliding_window=4),
+    "qwen3": lambda: tiny_qwen3_config(vocab_size=SMALL_VOCAB),
+    "phi4-mini": lambda: tiny_phi4_mini_config(vocab_size=SMALL_VOCAB, tie_word_embeddings=False),
     "gpt2-odd-vocab": lambda: tiny_gpt2_config(vocab_size=SMALL_VOCAB - 3),  # padded vocab shards
 }
 
@@ -353,6 +365,28 @@ def test_llama3_inverse_frequencies_match_transformers() -> None:
     expected, _ = ROPE_INIT_FUNCTIONS["llama3"](config, "cpu")
     ours = inverse_frequencies(params, 16, config.max_position_embeddings)
     torch.testing.assert_close(ours, expected.float(), atol=0, rtol=1e-6)
+
+
+def test_longrope_table_matches_transformers_on_both_sides_of_the_original_context() -> None:
+    """Positions below the original context get transformers' short-factor cos/sin, positions from it
+    on the long-factor ones (what transformers computes for a forward whose longest position is past
+    it), both times the attention factor; only the first rotary_dim dims turn."""
+    from transformers.models.phi3.modeling_phi3 import Phi3RotaryEmbedding
+
+    from models.layers.rotary import RotaryEmbedding, longrope_attention_factor, rope_params_from_config
+
+    config = tiny_phi4_mini_config(original=64, max_position_embeddings=512)
+    params = rope_params_from_config(config)
+    assert params.rope_type == "longrope" and params.partial_rotary_factor == 0.5
+    ours = RotaryEmbedding(64, config.max_position_embeddings, params)
+    assert ours.rotary_dim == 32 and ours.cos_sin_cache.shape == (512, 32)
+    hf = Phi3RotaryEmbedding(config)
+    assert longrope_attention_factor(params, 512) == pytest.approx(hf.attention_scaling)
+    x = torch.zeros(1, 1, 64)
+    for positions in (torch.arange(0, 64), torch.arange(64, 512)):
+        cos, sin = hf(x, positions.unsqueeze(0))  # [1, n, 32]: the halves repeated
+        expect = torch.cat([cos[0, :, :16], sin[0, :, :16]], dim=-1)
+        torch.testing.assert_close(ours.cos_sin_cache[positions], expect, atol=1e-6, rtol=1e-6)
 
 
 @pytest.mark.parametrize(

@@ -100,7 +100,7 @@ def test_models_it_does_not_fit(
     assert load_model(tiny_gguf_llama_dir, torch.float32, "cpu", weight_packing="off").native_decode is None
     monkeypatch.setenv("ORCA_CACHE_DIR", str(tmp_path / "cache"))
     gguf_file = tmp_path / "fallback.gguf"
-    types = {"attn": "Q4_K", "ffn_gate": "Q4_K", "ffn_up": "Q3_K", "ffn_down": "Q6_K", "token_embd": "Q8_0"}
+    types = {"attn": "Q4_K", "ffn_gate": "Q4_K", "ffn_up": "IQ4_NL", "ffn_down": "Q6_K", "token_embd": "Q8_0"}
     write_tiny_gguf(gguf_file, hidden=256, ff=512, heads=4, kv_heads=2, layers=2, types=types)
     assert load_model(resolve_model(str(gguf_file)), torch.float32, "cpu").native_decode is None
     # Tensor parallelism needs an all-reduce inside the layer: never native.
@@ -131,3 +131,45 @@ def test_k_quant_segments(tmp_path: Path, monkeypatch) -> None:
     fast, _ = _run(model, steps, native=True)
     slow, _ = _run(model, steps, native=False)
     assert all(torch.equal(a, b) for a, b in zip(fast, slow, strict=True))
+
+
+@pytest.mark.parametrize("precision", ["int8", "float32"])
+@pytest.mark.parametrize("arch", ["qwen3", "phi3"])
+def test_new_families_native_layers_equal_the_modules(
+    tmp_path: Path, monkeypatch, arch: str, precision: str
+) -> None:
+    """Qwen3's per-head q/k norms and Phi-4-mini's partial rotary (32 of 64 dims) run inside the fused
+    call, bit-identical to the modules; the low-bit K-quants and IQ4_XS are in the fused weights."""
+    monkeypatch.setenv("ORCA_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_file = tmp_path / f"{arch}.gguf"
+    types = {"attn": "Q3_K", "attn_v": "IQ4_XS", "ffn": "Q2_K", "ffn_down": "Q4_K", "token_embd": "Q8_0"}
+    shape = (
+        dict(heads=4, kv_heads=2, head_dim=64)
+        if arch == "qwen3"
+        else dict(heads=4, kv_heads=2, rotary_dim=32)
+    )
+    write_tiny_gguf(gguf_file, hidden=256, ff=512, layers=2, types=types, arch=arch, **shape)
+    model = load_model(resolve_model(str(gguf_file)), torch.float32, "cpu", weight_packing=precision)
+    native = model.native_decode
+    assert native is not None
+    if arch == "qwen3":
+        assert all(s.q_norm and s.k_norm for s in native.structs)
+    else:
+        assert native.shape.rotary_dim == 32 and native.shape.head_dim == 64
+    taken = []
+    forward = NativeDecodeLayers.forward
+
+    def spy(self, *args):
+        out = forward(self, *args)
+        taken.append(out is not None)
+        return out
+
+    monkeypatch.setattr(NativeDecodeLayers, "forward", spy)
+    steps = _decode_steps([[5, 9, 12, 40, 41], [3] * 11, [77, 78]], 7)
+    fast, fast_cache = _run(model, steps, native=True)
+    assert taken == [False] + [True] * 7  # the prompt step runs the modules, every decode step is native
+    slow, slow_cache = _run(model, steps, native=False)
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.equal(a, b)
+    for (k1, v1), (k2, v2) in zip(fast_cache.kv_caches, slow_cache.kv_caches, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)

@@ -24,44 +24,46 @@ from models.layers.packed_weight import (
 ROW_COUNTS = [1, 2, 3, 5, 8, 9, 13, 16, 17, 33, 100, 300]
 
 
+def _codes(c: BlockComponents) -> torch.Tensor:
+    """The integer each code stands for: offset 4-bit codes, codebook values, or 8-bit codes."""
+    f = c.fmt
+    if f.codebook is not None:
+        return torch.tensor(f.codebook, dtype=torch.float32)[c.codes.long()]
+    return c.codes.float() if f.bits == 8 else (c.codes.int() + f.offset).float()
+
+
+def _group_scales(c: BlockComponents) -> tuple[int, torch.Tensor, torch.Tensor | None]:
+    """(weights per scale group, a [N, K / group], z [N, K / group] or None), in float32 as the
+    kernel computes them: a = d * sc, z = -(dmin * m) for the K-quant kinds."""
+    f = c.fmt
+    if f.kind == "f16":
+        return 32, c.scale.float(), c.minimum.float() if f.has_min else None
+    gs = f.sub_group
+    per = f.super_k // gs
+    a = c.scale.float().repeat_interleave(per, 1) * c.sub_scale.float()
+    z = -(c.minimum.float().repeat_interleave(per, 1) * c.sub_min.float()) if f.has_min else None
+    return gs, a, z
+
+
 def reference_weight(c: BlockComponents) -> torch.Tensor:
     """w = a * q + z from the components, in torch (independent of the C tile decoder)."""
-    f = c.fmt
-    q = c.codes.float() if f.bits == 8 else (c.codes.int() + f.offset).float()
-    if f.kind == "f16":
-        a = c.scale.float().repeat_interleave(32, 1)
-        z = c.minimum.float().repeat_interleave(32, 1) if f.has_min else None
-    elif f.kind == "k":
-        a = (c.scale.float().repeat_interleave(8, 1) * c.sub_scale.float()).repeat_interleave(32, 1)
-        z = -(c.minimum.float().repeat_interleave(8, 1) * c.sub_min.float()).repeat_interleave(32, 1)
-    else:
-        a = (c.scale.float().repeat_interleave(16, 1) * c.sub_scale.float()).repeat_interleave(16, 1)
-        z = None
-    return a * q if z is None else a * q + z
+    gs, a, z = _group_scales(c)
+    q = _codes(c)
+    a = a.repeat_interleave(gs, 1)
+    return a * q if z is None else a * q + z.repeat_interleave(gs, 1)
 
 
 def int8_reference(x: torch.Tensor, c: BlockComponents) -> torch.Tensor:
     """The int8 path's arithmetic in float64: x quantized per 32 exactly as the kernel does (float32
     ops, round half to even), exact integer dot products per scale group, then the scale products."""
-    f = c.fmt
     m, k = x.shape
     xb = x.view(m, k // 32, 32)
     d = xb.abs().amax(dim=-1) / 127.0
     inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
     xq = torch.round(xb * inv.unsqueeze(-1))  # [M, G, 32]
-    q = c.codes.float() if f.bits == 8 else (c.codes.int() + f.offset).float()
+    q = _codes(c)
     n = q.shape[0]
-    gs = 16 if f.kind == "k16" else 32
-    # per-group scale a [N, K / gs] and min z [N, K / 32]
-    if f.kind == "f16":
-        a = c.scale.float()
-        z = c.minimum.float() if f.has_min else None
-    elif f.kind == "k":
-        a = c.scale.float().repeat_interleave(8, 1) * c.sub_scale.float()
-        z = -(c.minimum.float().repeat_interleave(8, 1) * c.sub_min.float())
-    else:
-        a = c.scale.float().repeat_interleave(16, 1) * c.sub_scale.float()
-        z = None
+    gs, a, z = _group_scales(c)  # per scale group a [N, K / gs] and z
     qs = q.view(n, k // gs, gs).double()
     xs = xq.reshape(m, k // gs, gs).double()
     isum = torch.einsum("mgk,ngk->mng", xs, qs)  # exact in float64
@@ -69,7 +71,7 @@ def int8_reference(x: torch.Tensor, c: BlockComponents) -> torch.Tensor:
     t = (a.unsqueeze(0) * dx.unsqueeze(1)).double()  # the kernel's float32 product a * dx
     y = (isum * t).sum(-1)
     if z is not None:
-        sx = (d * xq.sum(-1)).double()  # [M, G]
+        sx = (dx * xs.sum(-1).float()).double()  # [M, K/gs]: the kernel's dx * sum(xq), in float32
         y = y + (z.double().unsqueeze(0) * sx.unsqueeze(1)).sum(-1)
     return y
 
@@ -116,7 +118,7 @@ def test_kernel_matches_references(variant: str, fmt: str) -> None:
 
 @pytest.mark.parametrize("variant", EVERY_VARIANT)
 @pytest.mark.parametrize("precision", ["int8", "float32"])
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q4_0", "Q8_0", "Q4_K", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS"])
 def test_batch_invariance(variant: str, precision: str, fmt: str) -> None:
     """One row alone and the same row at different places inside batches of every size give
     bit-identical outputs."""

@@ -56,6 +56,20 @@ async def test_load_failure_reported_by_health():
         assert failures and "/nowhere" in failures[0]
 
 
+async def test_a_bad_model_file_is_logged_without_a_traceback(caplog):
+    from models.errors import ModelLoadError
+
+    def broken_loader() -> LoadedModel:
+        raise ModelLoadError("/m.gguf: unsupported GGUF architecture 'rwkv7'; supported: llama, ...")
+
+    app = create_app(server_config(model="/m.gguf"), broken_loader)
+    async with running_app(app) as client:
+        err = error_of(await client.get("/health"), 503)
+    assert "unsupported GGUF architecture 'rwkv7'" in err["message"]
+    [record] = [r for r in caplog.records if "loading the model failed" in r.getMessage()]
+    assert "rwkv7" in record.getMessage() and record.exc_info is None
+
+
 async def test_the_model_is_built_in_the_thread_its_steps_run_in(tokenizer):
     loaded_in: list[str] = []
     stepped_in: set[str] = set()

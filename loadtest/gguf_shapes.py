@@ -1,0 +1,426 @@
+"""`python -m loadtest.gguf_shapes SHAPE`: a GGUF file at a published model's shape, with random
+weights in llama.cpp's Q4_K_M mix, for comparing servers on it without the checkpoint:
+
+    make bench-peers GGUF=$(python -m loadtest.gguf_shapes qwen3-0.6b)
+
+What a decode step costs depends on a model's shapes and its tensors' types, not on their values, so
+orca-serve and llama-server measured on such a file run what they would on the real one. The file
+is what llama.cpp's converter and `llama-quantize ... Q4_K_M` write for the model: its metadata
+(Qwen3's head_dim, Phi-4-mini's partial rotary, LongRoPE keys and factor tensors), its tensors under
+their GGUF names and its Q4_K_M types (Q6_K for the output (or the tied embedding) and for attn_v and
+ffn_down in the layers llama.cpp's use_more_bits picks, Q5_K for a fused attn_qkv, Q4_K elsewhere,
+norms F32). The weights are random K-quant blocks (random codes and sub-scales, small super-block
+scales) written by models/gguf/encode.py. The tokenizer is the default model's byte-level BPE
+vocabulary (SmolLM2's 49152 tokens and merges, so prompts tokenize as real text), padded with unused
+tokens to the shape's vocabulary size (the embedding and LM head keep their real cost) and given the
+model's chat tokens; the LongRoPE factors are synthetic.
+
+Shapes are data (`SHAPES`: one `GGUFShape` each) and tensor layouts one function per GGUF
+architecture (`LAYER_TENSORS`), so a family's shape is one entry in each. Files go to
+$ORCA_CACHE_DIR/bench-gguf/ (written atomically; an existing file is reused) unless --out says where.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+CHATML_TEMPLATE = (
+    "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+)
+PHI_TEMPLATE = (
+    "{%- for m in messages %}{{- '<|' + m.role + '|>' + m.content + '<|end|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}"
+)
+MOSTLY_Q4_K_M = 15  # general.file_type (llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_M)
+ROWS_PER_CHUNK = 4096  # rows of a tensor encoded at a time (bounds the codes' memory)
+
+
+@dataclass(frozen=True)
+class GGUFShape:
+    """A model's shape as its GGUF file states it."""
+
+    arch: str  # general.architecture (a key of LAYER_TENSORS)
+    hidden: int
+    ff: int
+    layers: int
+    heads: int
+    kv_heads: int
+    vocab: int
+    context: int
+    head_dim: int | None = None  # written as attention.key_length where it is not hidden / heads
+    rotary_dim: int | None = None  # rope.dimension_count (default: the head)
+    rope_theta: float = 10000.0
+    rms_eps: float = 1e-6
+    tied: bool = True
+    chat_template: str = CHATML_TEMPLATE
+    chat_tokens: tuple[str, ...] = ()  # control tokens added after the base vocabulary
+    eos: str = "<|im_end|>"
+    eot: str | None = None
+    longrope_original: int | None = None  # LongRoPE: the original context; factors are synthetic
+    base_vocab: int | None = None  # only the base vocabulary's first tokens (toy shapes: fast to convert)
+    metadata: dict[str, Any] = field(default_factory=dict)  # more "<arch>.<key>" values
+
+    @property
+    def d(self) -> int:
+        return self.head_dim or self.hidden // self.heads
+
+
+SHAPES: dict[str, GGUFShape] = {
+    # Qwen/Qwen3-0.6B's config.json: head_dim 128 where hidden / heads is 64; tied embeddings.
+    "qwen3-0.6b": GGUFShape(
+        arch="qwen3",
+        hidden=1024,
+        ff=3072,
+        layers=28,
+        heads=16,
+        kv_heads=8,
+        head_dim=128,
+        vocab=151936,
+        context=40960,
+        rope_theta=1000000.0,
+        rms_eps=1e-6,
+        tied=True,
+        eos="<|im_end|>",
+    ),
+    # microsoft/Phi-4-mini-instruct's: 96 of 128 head dims turn (partial_rotary_factor 0.75), LongRoPE
+    # from 4096 to 131072 tokens, tied embeddings, no window (llama.cpp writes 0).
+    "phi-4-mini": GGUFShape(
+        arch="phi3",
+        hidden=3072,
+        ff=8192,
+        layers=32,
+        heads=24,
+        kv_heads=8,
+        vocab=200064,
+        context=131072,
+        rotary_dim=96,
+        rope_theta=10000.0,
+        rms_eps=1e-5,
+        tied=True,
+        chat_template=PHI_TEMPLATE,
+        chat_tokens=("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
+        eos="<|endoftext|>",
+        eot="<|end|>",
+        longrope_original=4096,
+        metadata={"attention.sliding_window": 0},
+    ),
+}
+
+# One layer's tensors: (name, shape in HF orientation: (rows, cols) for a linear, (size,) for a norm).
+Tensors = list[tuple[str, tuple[int, ...]]]
+
+
+def _attention(s: GGUFShape, i: int, fused: bool) -> Tensors:
+    q, kv = s.heads * s.d, s.kv_heads * s.d
+    if fused:
+        qkv: Tensors = [(f"blk.{i}.attn_qkv.weight", (q + 2 * kv, s.hidden))]
+    else:
+        qkv = [(f"blk.{i}.attn_{n}.weight", (rows, s.hidden)) for n, rows in (("q", q), ("k", kv), ("v", kv))]
+    return [(f"blk.{i}.attn_norm.weight", (s.hidden,)), *qkv, (f"blk.{i}.attn_output.weight", (s.hidden, q))]
+
+
+def _mlp(s: GGUFShape, i: int, fused: bool) -> Tensors:
+    up: Tensors = (
+        [(f"blk.{i}.ffn_up.weight", (2 * s.ff, s.hidden))]  # gate | up
+        if fused
+        else [(f"blk.{i}.ffn_gate.weight", (s.ff, s.hidden)), (f"blk.{i}.ffn_up.weight", (s.ff, s.hidden))]
+    )
+    return [(f"blk.{i}.ffn_norm.weight", (s.hidden,)), *up, (f"blk.{i}.ffn_down.weight", (s.hidden, s.ff))]
+
+
+def _llama_layer(s: GGUFShape, i: int) -> Tensors:
+    return [*_attention(s, i, fused=False), *_mlp(s, i, fused=False)]
+
+
+def _qwen3_layer(s: GGUFShape, i: int) -> Tensors:
+    norms = [(f"blk.{i}.attn_q_norm.weight", (s.d,)), (f"blk.{i}.attn_k_norm.weight", (s.d,))]
+    return [*_attention(s, i, fused=False), *norms, *_mlp(s, i, fused=False)]
+
+
+def _phi3_layer(s: GGUFShape, i: int) -> Tensors:
+    return [*_attention(s, i, fused=True), *_mlp(s, i, fused=True)]
+
+
+LAYER_TENSORS: dict[str, Callable[[GGUFShape, int], Tensors]] = {
+    "llama": _llama_layer,
+    "qwen3": _qwen3_layer,
+    "phi3": _phi3_layer,
+}
+
+
+def use_more_bits(layer: int, layers: int) -> bool:
+    """llama.cpp's choice of the layers whose attn_v and ffn_down get more bits in the _M mixes."""
+    return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
+
+
+def q4_k_m_type(name: str, dims: tuple[int, ...], shape: GGUFShape) -> str:
+    """The type llama.cpp's Q4_K_M gives a tensor (llama_tensor_get_type, for these architectures)."""
+    if len(dims) == 1:
+        return "F32"
+    if name == "output.weight" or (shape.tied and name == "token_embd.weight"):
+        return "Q6_K"
+    if ".attn_qkv." in name:
+        return "Q5_K"
+    if ".attn_v." in name or ".ffn_down." in name:
+        return "Q6_K" if use_more_bits(int(name.split(".")[1]), shape.layers) else "Q4_K"
+    return "Q4_K"
+
+
+def tensors(shape: GGUFShape) -> list[tuple[str, tuple[int, ...], str]]:
+    """Every tensor of the file, in its order: (name, HF-orientation shape, ggml type)."""
+    names: Tensors = [("token_embd.weight", (shape.vocab, shape.hidden))]
+    if not shape.tied:
+        names.append(("output.weight", (shape.vocab, shape.hidden)))
+    names.append(("output_norm.weight", (shape.hidden,)))
+    if shape.longrope_original:
+        half = (shape.rotary_dim or shape.d) // 2
+        names += [("rope_factors_long.weight", (half,)), ("rope_factors_short.weight", (half,))]
+    for i in range(shape.layers):
+        names += LAYER_TENSORS[shape.arch](shape, i)
+    return [(name, dims, q4_k_m_type(name, dims, shape)) for name, dims in names]
+
+
+# ---------------------------------------------------------------------------------- the tokenizer
+
+
+@dataclass
+class Vocabulary:
+    tokens: list[str]
+    types: list[int]  # 1 normal, 3 control, 5 unused (llama.cpp's token types)
+    merges: list[str]
+    pre: str
+
+    def id_of(self, token: str) -> int:
+        return self.tokens.index(token)
+
+
+def vocabulary(shape: GGUFShape) -> Vocabulary:
+    """The default model's vocabulary and merges, the shape's chat tokens, unused tokens up to its size."""
+    from gguf import GGUFReader
+
+    from models.options import default_gguf_path  # torch-free: the package's file only
+
+    fields = GGUFReader(default_gguf_path()).fields
+    tokens = list(fields["tokenizer.ggml.tokens"].contents())
+    types = [int(t) for t in fields["tokenizer.ggml.token_type"].contents()]
+    merges = list(fields["tokenizer.ggml.merges"].contents())
+    pre = fields["tokenizer.ggml.pre"].contents()
+    if shape.base_vocab is not None:  # the first tokens, and the merges among them: still a BPE
+        tokens, types = tokens[: shape.base_vocab], types[: shape.base_vocab]
+        kept = set(tokens)
+        merges = [m for m in merges if set(m.split(" ")) <= kept and m.replace(" ", "") in kept]
+    for token in shape.chat_tokens:
+        if token not in tokens:
+            tokens.append(token)
+            types.append(3)
+    if len(tokens) > shape.vocab:
+        raise ValueError(
+            f"the shape's vocabulary ({shape.vocab}) is smaller than the base one ({len(tokens)})"
+        )
+    pad = shape.vocab - len(tokens)
+    tokens += [f"<|unused_{i}|>" for i in range(pad)]
+    types += [5] * pad
+    return Vocabulary(tokens, types, merges, pre)
+
+
+# ------------------------------------------------------------------------------------- the weights
+
+
+def random_blocks(ggml_type: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
+    """uint8 [rows, row bytes]: random codes and sub-scales with small super-block scales (weights of
+    about 0.02, so activations stay finite through the layers), packed as the type's blocks."""
+    import torch
+
+    from models.gguf.encode import encode
+    from models.layers.packed_weight import FORMATS, BlockComponents
+
+    fmt = FORMATS[ggml_type]
+    supers = cols // 256
+    out = []
+    for start in range(0, rows, ROWS_PER_CHUNK):
+        n = min(ROWS_PER_CHUNK, rows - start)
+        lo, hi = (-32, 31) if ggml_type == "Q6_K" else (0, 31 if ggml_type == "Q5_K" else 15)
+        codes = rng.integers(lo, hi + 1, (n, cols), dtype=np.int16)
+        d = (rng.random((n, supers)) * 2e-4 + 1e-5).astype(np.float16)
+        if ggml_type == "Q6_K":
+            sc = rng.integers(-64, 64, (n, cols // 16), dtype=np.int8)
+            c = BlockComponents(
+                fmt, torch.from_numpy(codes.astype(np.int8)), torch.from_numpy(d), None, torch.from_numpy(sc)
+            )
+        else:
+            sc = rng.integers(16, 64, (n, cols // 32), dtype=np.uint8)
+            m = rng.integers(0, 64, (n, cols // 32), dtype=np.uint8)
+            dmin = (d.astype(np.float32) * (hi / 2) * 0.6).astype(np.float16)  # centres the weights near 0
+            dtype = np.uint8 if fmt.bits == 4 else np.int8
+            c = BlockComponents(
+                fmt,
+                torch.from_numpy(codes.astype(dtype)),
+                torch.from_numpy(d),
+                torch.from_numpy(dmin),
+                torch.from_numpy(sc),
+                torch.from_numpy(m),
+            )
+        out.append(encode(ggml_type, c))
+    return np.concatenate(out)
+
+
+def rope_factors(shape: GGUFShape, long: bool) -> np.ndarray:
+    """Synthetic LongRoPE factors: 1 for the short set, a ramp up to 64 for the long one."""
+    half = (shape.rotary_dim or shape.d) // 2
+    if not long:
+        return np.ones(half, dtype=np.float32)
+    return np.linspace(1.0, 64.0, half, dtype=np.float32)
+
+
+def tensor_data(
+    name: str, dims: tuple[int, ...], ggml_type: str, shape: GGUFShape, rng: np.random.Generator
+) -> np.ndarray:
+    if name.startswith("rope_factors_"):
+        return rope_factors(shape, long="long" in name)
+    if len(dims) == 1:
+        return (1.0 + 0.05 * rng.standard_normal(dims[0])).astype(np.float32)
+    return random_blocks(ggml_type, dims[0], dims[1], rng)
+
+
+# --------------------------------------------------------------------------------------- the file
+
+
+def _metadata(w: Any, shape: GGUFShape, vocab: Vocabulary, name: str) -> None:
+    w.add_name(name)
+    w.add_file_type(MOSTLY_Q4_K_M)
+    w.add_block_count(shape.layers)
+    w.add_context_length(shape.context)
+    w.add_embedding_length(shape.hidden)
+    w.add_feed_forward_length(shape.ff)
+    w.add_head_count(shape.heads)
+    w.add_head_count_kv(shape.kv_heads)
+    w.add_rope_freq_base(shape.rope_theta)
+    w.add_layer_norm_rms_eps(shape.rms_eps)
+    w.add_vocab_size(shape.vocab)
+    w.add_rope_dimension_count(shape.rotary_dim or shape.d)
+    if shape.head_dim is not None:
+        w.add_key_length(shape.head_dim)
+        w.add_value_length(shape.head_dim)
+    if shape.longrope_original:
+        scale = shape.context / shape.longrope_original
+        w.add_rope_scaling_orig_ctx_len(shape.longrope_original)
+        w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(scale) / np.log(shape.longrope_original))))
+    for key, value in shape.metadata.items():
+        if isinstance(value, bool):
+            w.add_bool(f"{shape.arch}.{key}", value)
+        elif isinstance(value, int):
+            w.add_uint32(f"{shape.arch}.{key}", value)
+        else:
+            w.add_float32(f"{shape.arch}.{key}", float(value))
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre(vocab.pre)
+    w.add_token_list(vocab.tokens)
+    w.add_token_types(vocab.types)
+    w.add_token_merges(vocab.merges)
+    w.add_bos_token_id(vocab.id_of("<|endoftext|>") if "<|endoftext|>" in vocab.tokens else 0)
+    w.add_eos_token_id(vocab.id_of(shape.eos))
+    if shape.eot is not None:
+        w.add_eot_token_id(vocab.id_of(shape.eot))
+    w.add_pad_token_id(vocab.id_of("<|endoftext|>") if "<|endoftext|>" in vocab.tokens else 0)
+    w.add_add_bos_token(False)
+    w.add_chat_template(shape.chat_template)
+
+
+def write_gguf(shape: GGUFShape, path: Path, name: str = "bench", seed: int = 0) -> Path:
+    """The file, written to a temporary name and renamed into place (a crash leaves no half file)."""
+    import gguf
+
+    vocab = vocabulary(shape)
+    plan = tensors(shape)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        w = gguf.GGUFWriter(tmp, shape.arch)
+        _metadata(w, shape, vocab, name)
+        for tensor_name, dims, ggml_type in plan:
+            if ggml_type == "F32":
+                w.add_tensor_info(tensor_name, dims, np.dtype(np.float32), 4 * int(np.prod(dims)))
+            else:
+                qtype = gguf.GGMLQuantizationType[ggml_type]
+                block, size = gguf.GGML_QUANT_SIZES[qtype]
+                row_bytes = dims[1] // block * size
+                w.add_tensor_info(
+                    tensor_name, (dims[0], row_bytes), np.dtype(np.uint8), dims[0] * row_bytes, qtype
+                )
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_ti_data_to_file()
+        rng = np.random.default_rng(seed)
+        for tensor_name, dims, ggml_type in plan:
+            w.write_tensor_data(tensor_data(tensor_name, dims, ggml_type, shape, rng))
+        w.close()
+        os.chmod(tmp, 0o644)  # mkstemp's 0600 would keep the file from another user's server
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return path
+
+
+def tiny(shape: GGUFShape) -> GGUFShape:
+    """The shape's family, GQA ratio, head layout and tokenizer at toy sizes (2 layers, heads of 64,
+    every matrix a whole number of 256-weight super-blocks), to check the whole path in seconds:
+    tests, and a dry run of the benchmark."""
+    heads = 4 * (shape.heads // shape.kv_heads)
+    d = 64
+    rotary = None if shape.rotary_dim is None else d * shape.rotary_dim // shape.d
+    return replace(
+        shape,
+        # A head_dim the file states is free of hidden / heads; otherwise it is that quotient.
+        hidden=256 if shape.head_dim is not None else heads * d,
+        ff=512,
+        layers=2,
+        heads=heads,
+        kv_heads=4,
+        head_dim=d if shape.head_dim is not None else None,
+        rotary_dim=rotary,
+        context=min(shape.context, 4096),
+        vocab=4096 + len(shape.chat_tokens),
+        base_vocab=4096,
+        longrope_original=None if shape.longrope_original is None else 1024,
+    )
+
+
+def default_path(name: str, is_tiny: bool) -> Path:
+    from models.options import cache_root
+
+    return cache_root() / "bench-gguf" / f"{name}{'-tiny' if is_tiny else ''}-Q4_K_M.gguf"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.gguf_shapes",
+        description="Write a random-weight Q4_K_M GGUF at a published model's shape; print its path.",
+    )
+    parser.add_argument("shape", choices=sorted(SHAPES))
+    parser.add_argument("--out", type=Path, default=None, help="the file (default: in the orca-serve cache)")
+    parser.add_argument("--tiny", action="store_true", help="the shape's layout at toy sizes (a dry run)")
+    parser.add_argument("--force", action="store_true", help="write it again even if the file exists")
+    a = parser.parse_args(argv)
+    shape = tiny(SHAPES[a.shape]) if a.tiny else SHAPES[a.shape]
+    path = a.out or default_path(a.shape, a.tiny)
+    if a.force or not path.is_file():
+        print(f"writing {path} ...", file=sys.stderr)
+        write_gguf(shape, path, name=a.shape)
+    print(path)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Codes and scales -> a K-quant's raw GGUF blocks: the inverse of blocks.decode_blocks, byte for byte as
+ggml lays them out (its quantize_row_q*_K_ref's packing, without the search for the best scales).
+
+gguf-py quantizes only the legacy types (Q4_0 ... Q8_0); this writes Q4_K, Q5_K and Q6_K, the types of
+llama.cpp's Q4_K_M and Q5_K_M mixes, from codes and scales that are given (random ones for files at a
+model's shape: loadtest/gguf_shapes.py). `decode_blocks(t, encode(t, c), k)` gives back `c`
+(tests/models/test_gguf_native.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from models.layers.packed_weight import BlockComponents
+
+ENCODABLE = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def _f16_bytes(x: np.ndarray) -> np.ndarray:
+    """float16 [n, nb] -> bytes [n, nb, 2]."""
+    return np.ascontiguousarray(x.astype(np.float16)).view(np.uint8).reshape(*x.shape, 2)
+
+
+def _k_scales(sc: np.ndarray, m: np.ndarray) -> np.ndarray:
+    """Q4_K / Q5_K: 6-bit sc and m [n, nb, 8] -> the 12 packed bytes (get_scale_min_k4's layout):
+    bytes 0..3 hold sc 0..3 and 4..7 m 0..3 in their low 6 bits; sub-blocks 4..7 keep their low 4 bits
+    in bytes 8..11 (sc low nibble, m high) and their top 2 bits in the top bits of bytes 0..7."""
+    sc, m = sc.astype(np.uint8), m.astype(np.uint8)
+    out = np.zeros((*sc.shape[:-1], 12), dtype=np.uint8)
+    out[..., 0:4] = sc[..., 0:4] | ((sc[..., 4:8] >> 4) << 6)
+    out[..., 4:8] = m[..., 0:4] | ((m[..., 4:8] >> 4) << 6)
+    out[..., 8:12] = (sc[..., 4:8] & 0x0F) | ((m[..., 4:8] & 0x0F) << 4)
+    return out
+
+
+def _k_nibbles(q: np.ndarray) -> np.ndarray:
+    """[n, nb, 8, 32] codes 0..15 -> [n, nb, 128]: sub-block 2i in the low nibbles of bytes 32i..32i+31,
+    2i + 1 in their high nibbles."""
+    pairs = q.reshape(*q.shape[:2], 4, 2, 32)
+    return (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(*q.shape[:2], 128)
+
+
+def encode(ggml_type: str, c: BlockComponents) -> np.ndarray:
+    """uint8 [N, row bytes] blocks of one tensor from its codes and scales (the components
+    blocks.decode_blocks would return for them)."""
+    if ggml_type not in ENCODABLE or c.fmt.name != ggml_type:
+        raise ValueError(f"cannot encode {c.fmt.name} components as {ggml_type}; encodable: {ENCODABLE}")
+    n, k = c.shape
+    nb = k // 256
+    codes = c.codes.numpy().astype(np.int16).reshape(n, nb, 8, 32)
+    d = _f16_bytes(c.scale.numpy())  # [n, nb, 2]
+    if ggml_type == "Q6_K":
+        q = (codes + 32).astype(np.uint8).reshape(n, nb, 2, 2, 64)  # (128-chunk, nibble shift, l)
+        ql = (q[:, :, :, 0] & 0x0F) | ((q[:, :, :, 1] & 0x0F) << 4)  # [n, nb, 2, 64]
+        high = (q >> 4).reshape(n, nb, 2, 4, 32)  # (128-chunk, 2-bit shift, l)
+        qh = high[:, :, :, 0] | (high[:, :, :, 1] << 2) | (high[:, :, :, 2] << 4) | (high[:, :, :, 3] << 6)
+        sc = c.sub_scale.numpy().astype(np.int8).view(np.uint8).reshape(n, nb, 16)
+        parts = [ql.reshape(n, nb, 128), qh.reshape(n, nb, 64), sc, d]
+    else:
+        q = codes.astype(np.uint8)
+        scales = _k_scales(c.sub_scale.numpy().reshape(n, nb, 8), c.sub_min.numpy().reshape(n, nb, 8))
+        parts = [d, _f16_bytes(c.minimum.numpy()), scales]
+        if ggml_type == "Q5_K":
+            fifth = (q >> 4) & 1  # [n, nb, 8, 32]: bit s of byte l is sub-block s's fifth bit
+            qh = np.zeros((n, nb, 32), dtype=np.uint8)
+            for s in range(8):
+                qh |= fifth[:, :, s] << s
+            parts.append(qh)
+        parts.append(_k_nibbles(q & 0x0F))
+    return np.concatenate(parts, axis=-1).reshape(n, -1)

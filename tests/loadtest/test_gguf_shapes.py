@@ -1,0 +1,76 @@
+"""Random-weight Q4_K_M GGUF files at published shapes (loadtest/gguf_shapes.py), for `make
+bench-peers GGUF=...`: the shapes' sizes are the checkpoints', the files carry llama.cpp's Q4_K_M
+types and the metadata our converter completes the config from, and our server code loads them (at
+toy sizes here) onto the native kernels."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from builders import single_seq_logits
+
+from loadtest.gguf_shapes import SHAPES, main, tensors, tiny, use_more_bits, write_gguf
+
+
+@pytest.mark.parametrize(
+    ("name", "params", "non_embedding"),
+    # The model cards say 0.6B (0.44B without the embedding) and 3.8B.
+    [("qwen3-0.6b", 0.596e9, 0.4405e9), ("phi-4-mini", 3.836e9, 3.2214e9)],
+)
+def test_full_shapes_have_the_checkpoints_sizes(name: str, params: float, non_embedding: float) -> None:
+    shape = SHAPES[name]
+    total = sum(int(np.prod(dims)) for _, dims, _ in tensors(shape))
+    assert total == pytest.approx(params, rel=1e-3)
+    assert total - shape.vocab * shape.hidden == pytest.approx(non_embedding, rel=1e-3)
+
+
+def test_q4_k_m_types_follow_llama_cpp() -> None:
+    types = {name: t for name, _, t in tensors(SHAPES["qwen3-0.6b"])}
+    assert types["token_embd.weight"] == "Q6_K"  # tied: the embedding is the output
+    assert types["blk.0.attn_q_norm.weight"] == "F32" and types["blk.5.attn_q.weight"] == "Q4_K"
+    more = [i for i in range(28) if use_more_bits(i, 28)]
+    assert more[:6] == [0, 1, 2, 5, 8, 11] and more[-4:] == [24, 25, 26, 27]
+    assert {types[f"blk.{i}.ffn_down.weight"] for i in more} == {"Q6_K"}
+    assert types["blk.3.attn_v.weight"] == types["blk.3.ffn_down.weight"] == "Q4_K"
+    phi = {name: t for name, _, t in tensors(SHAPES["phi-4-mini"])}
+    assert phi["blk.7.attn_qkv.weight"] == "Q5_K" and phi["blk.7.ffn_up.weight"] == "Q4_K"
+    assert phi["rope_factors_long.weight"] == "F32"
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "phi-4-mini"])
+def test_tiny_files_load_on_the_native_kernels(name: str, tmp_path: Path, monkeypatch) -> None:
+    from gguf import GGUFReader
+
+    from models.loader import load_config, load_model, resolve_model
+
+    monkeypatch.setenv("ORCA_CACHE_DIR", str(tmp_path / "cache"))
+    shape = tiny(SHAPES[name])
+    path = write_gguf(shape, tmp_path / f"{name}.gguf", name=name)
+    written = {t.name: t.tensor_type.name for t in GGUFReader(path).tensors}
+    assert written == {n: t for n, _, t in tensors(shape)}
+    model_dir = resolve_model(str(path))
+    config = load_config(model_dir)
+    if name == "qwen3-0.6b":
+        assert config.head_dim == 64 and config.tie_word_embeddings
+    else:  # 48 of 64 head dims turn, as Phi-4-mini's 96 of 128; LongRoPE from 1024 tokens
+        rope = config.rope_parameters
+        assert rope["partial_rotary_factor"] == 0.75 and rope["rope_type"] == "longrope"
+        assert rope["original_max_position_embeddings"] == 1024 and config.sliding_window is None
+    model = load_model(model_dir, torch.float32, "cpu")
+    formats = {f for m in model.modules() if getattr(m, "packed", None) is not None for f in m.packed.formats}
+    assert formats == {t for _, _, t in tensors(shape) if t != "F32"}
+    assert model.native_decode is not None
+    logits = single_seq_logits(model, [1, 5, 400, 2000, 3000])
+    assert torch.isfinite(logits).all() and logits.std() > 0.1
+
+
+def test_cli_writes_once_and_prints_the_path(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.setenv("ORCA_CACHE_DIR", str(tmp_path / "cache"))
+    assert main(["qwen3-0.6b", "--tiny"]) == 0
+    path = Path(capsys.readouterr().out.strip())
+    assert path == tmp_path / "cache" / "bench-gguf" / "qwen3-0.6b-tiny-Q4_K_M.gguf" and path.is_file()
+    mtime = path.stat().st_mtime_ns
+    assert main(["qwen3-0.6b", "--tiny"]) == 0 and path.stat().st_mtime_ns == mtime  # reused
