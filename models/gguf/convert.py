@@ -9,10 +9,11 @@ architectures are dequantized to float32 safetensors once, as transformers loads
 transformers' GGUF reader leaves some of what a file states out of the config (Qwen3's head_dim,
 Phi-3's partial rotary and LongRoPE factors, the window, Gemma 3's rope scaling and attention scale):
 the family's `GGUFSupport.config` reads those from the metadata (metadata.py). Gemma's norms, stored
-as w + 1, are read back as w (`GGUFSupport.norm_offset`, kept in the manifest). The generation config stops on every end-of-turn token the
-file has (its eos, eot and eom ids and the chat formats' end-of-turn spellings, as llama.cpp does),
-not only on `tokenizer.ggml.eos_token_id`. The tokenizer (vocabulary, merges, BOS only where
-`tokenizer.ggml.add_bos_token` says so, `tokenizer.chat_template`) is transformers'.
+as w + 1, are read back as w (`GGUFSupport.norm_offset`, kept in the manifest). The generation
+config stops on every end-of-turn token the file has (its eos, eot and eom ids and the chat formats'
+end-of-turn spellings, as llama.cpp does), not only on `tokenizer.ggml.eos_token_id`. The tokenizer
+(vocabulary, merges, BOS only where `tokenizer.ggml.add_bos_token` says so, `tokenizer.chat_template`)
+is transformers'.
 
 A bad file fails before anything is written, with one ModelLoadError: not a GGUF file, truncated or
 corrupt, a ggml type nothing here reads, an architecture no family serves.
