@@ -11,79 +11,60 @@ if TYPE_CHECKING:
     import torch
 
 
-def tiny_llama_config(**overrides):
-    from transformers import LlamaConfig
+# Every tiny decoder's sizes: the SmolLM2 tokenizer's vocabulary (so tests can use a real tokenizer),
+# 64 wide, 2 layers, GQA (4 query heads over 2 KV heads), float32.
+TINY_DECODER = dict(
+    vocab_size=49152,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    torch_dtype="float32",
+)
 
-    kwargs = dict(
-        vocab_size=49152,  # the SmolLM2 tokenizer's, so tests can use a real tokenizer
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,  # GQA
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=True,
-        bos_token_id=1,
-        eos_token_id=2,
-        architectures=["LlamaForCausalLM"],
-        torch_dtype="float32",
+
+def tiny_config(config_class: str, architecture: str, family: dict, overrides: dict):
+    """A transformers config at TINY_DECODER's sizes with the family's own settings, then the test's."""
+    import transformers
+
+    return getattr(transformers, config_class)(
+        **{**TINY_DECODER, "architectures": [architecture], **family, **overrides}
     )
-    kwargs.update(overrides)
-    return LlamaConfig(**kwargs)
+
+
+def tiny_llama_config(**overrides):
+    family = dict(rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=True)
+    return tiny_config("LlamaConfig", "LlamaForCausalLM", family, overrides)
+
+
+def tiny_qwen2_config(**overrides):
+    """Qwen2's q/k/v biases, an untied head."""
+    return tiny_config("Qwen2Config", "Qwen2ForCausalLM", dict(tie_word_embeddings=False), overrides)
+
+
+def tiny_mistral_config(**overrides):
+    """MQA with head_dim 16, a window (4096: none at these lengths unless a test sets one)."""
+    family = dict(num_key_value_heads=1, head_dim=16, sliding_window=4096)
+    return tiny_config("MistralConfig", "MistralForCausalLM", family, overrides)
 
 
 def tiny_qwen3_config(**overrides):
     """Qwen3's layout at toy sizes: head_dim (32) set apart from hidden / heads (16), as in Qwen3-0.6B
     (128 against 64), GQA, q/k norms, an untied head."""
-    from transformers import Qwen3Config
-
-    kwargs = dict(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=32,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        architectures=["Qwen3ForCausalLM"],
-        torch_dtype="float32",
-    )
-    kwargs.update(overrides)
-    return Qwen3Config(**kwargs)
+    family = dict(head_dim=32, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=False)
+    return tiny_config("Qwen3Config", "Qwen3ForCausalLM", family, overrides)
 
 
 def tiny_phi3_config(**overrides):
     """Phi-3's layout at toy sizes: fused qkv (GQA: q, k and v of different sizes) and gate/up."""
-    from transformers import Phi3Config
-
-    kwargs = dict(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        rms_norm_eps=1e-5,
-        rope_theta=10000.0,
-        tie_word_embeddings=False,
-        bos_token_id=1,
-        eos_token_id=2,
-        pad_token_id=0,
-        sliding_window=None,
-        architectures=["Phi3ForCausalLM"],
-        torch_dtype="float32",
+    family = dict(
+        rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=False, pad_token_id=0, sliding_window=None
     )
-    kwargs.update(overrides)
-    return Phi3Config(**kwargs)
+    return tiny_config("Phi3Config", "Phi3ForCausalLM", family, overrides)
 
 
 def tiny_phi4_mini_config(original: int = 64, **overrides):
@@ -132,19 +113,11 @@ def tiny_gemma3_config(**overrides):
     """A tiny Gemma 3 text model: local layers (window 8) and global ones (every second layer), each
     with its own rotary base, GQA, q/k norms, head_dim 16 (hidden 64 is not heads x head_dim: 4 x 16
     happens to be)."""
-    from transformers import Gemma3TextConfig
-
-    kwargs = dict(
-        vocab_size=49152,
-        hidden_size=64,
-        intermediate_size=128,
+    family = dict(
         num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
         head_dim=16,
         sliding_window=8,
         sliding_window_pattern=2,  # local, global, local, global
-        max_position_embeddings=512,
         rope_theta=1_000_000.0,
         rope_local_base_freq=10_000.0,
         query_pre_attn_scalar=16,
@@ -152,11 +125,8 @@ def tiny_gemma3_config(**overrides):
         bos_token_id=2,
         eos_token_id=1,
         pad_token_id=0,
-        architectures=["Gemma3ForCausalLM"],
-        torch_dtype="float32",
     )
-    kwargs.update(overrides)
-    return Gemma3TextConfig(**kwargs)
+    return tiny_config("Gemma3TextConfig", "Gemma3ForCausalLM", family, overrides)
 
 
 def cpu_engine_config(model: Path | str, **overrides):

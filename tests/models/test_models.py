@@ -17,8 +17,10 @@ from builders import (
     tiny_gemma3_config,
     tiny_gpt2_config,
     tiny_llama_config,
+    tiny_mistral_config,
     tiny_phi3_config,
     tiny_phi4_mini_config,
+    tiny_qwen2_config,
     tiny_qwen3_config,
 )
 from paged_cache import PagedCacheHarness, reference_attention
@@ -60,7 +62,7 @@ CONFIGS = {
             "original_max_position_embeddings": 64,
         },
     ),
-    "qwen2-qkv-bias": lambda: _qwen2_config(),
+    "qwen2-qkv-bias": lambda: tiny_qwen2_config(vocab_size=SMALL_VOCAB),
     "qwen3-qk-norm": lambda: tiny_qwen3_config(vocab_size=SMALL_VOCAB),
     "qwen3-tied-attn-bias": lambda: tiny_qwen3_config(
         vocab_size=SMALL_VOCAB, tie_word_embeddings=True, attention_bias=True
@@ -68,11 +70,15 @@ CONFIGS = {
     "phi3-fused-qkv-gqa": lambda: tiny_phi3_config(vocab_size=SMALL_VOCAB),
     # Sequences here stay within the original context (64): transformers' short factors throughout.
     "phi4-mini-partial-longrope": lambda: tiny_phi4_mini_config(vocab_size=SMALL_VOCAB),
-    "mistral": lambda: _mistral_config(),
+    "mistral": lambda: tiny_mistral_config(vocab_size=SMALL_VOCAB),
     # Windows shorter than the prompts below: every attention path must drop the older keys.
-    "mistral-window-5": lambda: _mistral_config(sliding_window=5),
-    "qwen2-window-6-from-layer-1": lambda: _qwen2_config(
-        use_sliding_window=True, sliding_window=6, max_window_layers=1, num_hidden_layers=3
+    "mistral-window-5": lambda: tiny_mistral_config(vocab_size=SMALL_VOCAB, sliding_window=5),
+    "qwen2-window-6-from-layer-1": lambda: tiny_qwen2_config(
+        vocab_size=SMALL_VOCAB,
+        use_sliding_window=True,
+        sliding_window=6,
+        max_window_layers=1,
+        num_hidden_layers=3,
     ),
     "gpt2": lambda: tiny_gpt2_config(vocab_size=SMALL_VOCAB),
     # Local layers with a window of 5 (prompts below run to 14 tokens) and global ones.
@@ -91,40 +97,6 @@ CONFIGS = {
         sliding_window_pattern=3,
     ),
 }
-
-
-def _qwen2_config(**overrides):
-    from transformers import Qwen2Config
-
-    kwargs = dict(
-        vocab_size=SMALL_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=512,
-        tie_word_embeddings=False,
-        architectures=["Qwen2ForCausalLM"],
-    )
-    return Qwen2Config(**{**kwargs, **overrides})
-
-
-def _mistral_config(sliding_window: int = 4096):
-    from transformers import MistralConfig
-
-    return MistralConfig(
-        vocab_size=SMALL_VOCAB,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=1,
-        head_dim=16,
-        max_position_embeddings=512,
-        sliding_window=sliding_window,
-        architectures=["MistralForCausalLM"],
-    )
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
