@@ -11,10 +11,10 @@ from torch import nn
 
 from models.errors import MissingWeightsError, ModelLoadError
 from models.family import ModelFamily, text_config
-from models.layers.attention import AttentionStep, select_attention_backend
+from models.layers.attention import Attention, AttentionStep, select_attention_backend
 from models.layers.attention_backends import AttentionBackend
 from models.layers.linear import ParallelLMHead, VocabParallelEmbedding
-from models.layers.metadata import AttentionMetadata
+from models.layers.metadata import AttentionMetadata, KVCache
 from models.layers.native_decode import NativeDecodeLayers
 from models.layers.parallel import PPContext, TPContext
 from models.weight_names import WeightItem, absent_prefixes, map_weight_names
@@ -32,33 +32,82 @@ def stage_layers(num_layers: int, pp: PPContext, build: Callable[[int], nn.Modul
 
 
 class CausalLMBase(nn.Module):
-    """Subclasses set: config, tp, pp, stage_layers (the global indices this pipeline stage holds),
-    num_layers (their count), num_kv_heads (per TP rank), head_dim, hidden_size, vocab_size,
-    tie_word_embeddings, lm_head (None except on the last pipeline stage), and implement
-    `decoder_layers()`. Their family (models/family.py) declares the rest."""
+    """What every family's model class shares: the engine-facing sizes, the attention backend, the
+    forward pass over a step's flat tokens, logits and weight loading.
+
+    A family's class calls `super().__init__(config, tp, pp, num_hidden_layers)`, builds its modules
+    (the embedding on the first pipeline stage, this stage's layers, the final norm and `lm_head` on the
+    last), calls `set_sizes`, and supplies `embed`, `all_layers` and `final_norm`. Every decoder layer
+    is called as `layer(positions, hidden, kv_cache, step)`. Its family (models/family.py) declares
+    the rest: weight names, GGUF support, the native decode layout."""
 
     family: ClassVar[ModelFamily]  # set by the family's declaration (ModelFamily.__post_init__)
-    config: Any
-    tp: TPContext
-    pp: PPContext
-    stage_layers: range
-    num_layers: int
-    num_kv_heads: int
+    num_kv_heads: int  # this tensor rank's
     head_dim: int
     hidden_size: int
     vocab_size: int
     tie_word_embeddings: bool
     lm_head: ParallelLMHead | None
 
-    def __init__(self) -> None:
+    def __init__(self, config: Any, tp: TPContext, pp: PPContext, num_hidden_layers: int) -> None:
         super().__init__()
+        self.config = config
+        self.tp = tp
+        self.pp = pp
+        self.stage_layers = pp.layer_range(num_hidden_layers)  # the global indices this stage holds
+        self.num_layers = len(self.stage_layers)  # this stage's: one KV cache per layer held here
         self.attn_backend: AttentionBackend | None = None
         # Decode steps' layers in one native call (prepare_native_decode); None: the modules run them.
         self.native_decode: NativeDecodeLayers | None = None
 
+    def set_sizes(self, hidden_size: int, vocab_size: int, attention: Attention) -> None:
+        """The sizes the engine reads off the model (the KV cache's shape is this stage's first layer's
+        attention op's: this rank's KV heads and their head_dim)."""
+        self.hidden_size = hidden_size
+        self.vocab_size = vocab_size
+        self.num_kv_heads = attention.num_kv_heads
+        self.head_dim = attention.head_dim
+
+    # ---- what a family supplies -------------------------------------------------------------------
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, hidden]: the first pipeline stage's input."""
+        raise NotImplementedError
+
+    def all_layers(self) -> nn.ModuleList:
+        """Every decoder layer slot (other stages' as PPMissingLayer)."""
+        raise NotImplementedError
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last pipeline stage's norm before the LM head."""
+        raise NotImplementedError
+
+    # ---- shared ---------------------------------------------------------------------------------
+
     def decoder_layers(self) -> list[nn.Module]:
         """This pipeline stage's decoder layers, in order."""
-        raise NotImplementedError
+        return list(self.all_layers()[self.stage_layers.start : self.stage_layers.stop])
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T]
+        positions: torch.Tensor,  # [T]
+        kv_caches: list[KVCache],  # this stage's layers only
+        attn_metadata: AttentionMetadata,
+        hidden_states: torch.Tensor | None = None,  # [T, hidden]: the previous stage's output
+    ) -> torch.Tensor:  # [T, hidden]: normed on the last stage, the raw residual stream on the others
+        step = self.begin_step(input_ids, attn_metadata)
+        embedded = self.embed(input_ids, positions) if self.pp.is_first else None
+        hidden = self.stage_input(embedded, hidden_states)  # [T, hidden]
+        native = (
+            self.native_decode.forward(positions, hidden, kv_caches, step) if self.native_decode else None
+        )
+        if native is not None:
+            hidden = native
+        else:
+            for layer, kv_cache in zip(self.decoder_layers(), kv_caches, strict=True):
+                hidden = layer(positions, hidden, kv_cache, step)
+        return self.final_norm(hidden) if self.pp.is_last else hidden
 
     @property
     def absent_prefixes(self) -> tuple[str, ...]:

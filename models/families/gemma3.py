@@ -32,13 +32,13 @@ from models.family import FULL, SLIDING, GGUFMetadata, GGUFSupport, ModelFamily,
 from models.layers.activation import GeluTanhAndMul
 from models.layers.attention import Attention, AttentionStep
 from models.layers.linear import (
-    MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
     default_weight_loader,
 )
-from models.layers.metadata import AttentionMetadata, KVCache
+from models.layers.metadata import KVCache
+from models.layers.mlp import GatedMLP
 from models.layers.native_decode import DecodeLayerParts
 from models.layers.norm import RMSNorm, qk_rms_norm
 from models.layers.parallel import SINGLE, SINGLE_STAGE, PPContext, TPContext
@@ -113,21 +113,11 @@ class Gemma3Attention(nn.Module):
         return self.o_proj(self.attn.forward_rotary_qkv(qkv, positions, self.rotary, kv_cache, step))
 
 
-class Gemma3MLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, dtype: torch.dtype, tp: TPContext):
-        super().__init__()
-        act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
-        if act not in ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast"):
-            raise ValueError(
-                f"unsupported hidden_activation {act!r} for Gemma 3 (expected gelu_pytorch_tanh)"
-            )
-        inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], False, dtype, tp)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, False, dtype, tp)
-        self.act = GeluTanhAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+def gemma3_mlp(config: PretrainedConfig, dtype: torch.dtype, tp: TPContext) -> GatedMLP:
+    act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast"):
+        raise ValueError(f"unsupported hidden_activation {act!r} for Gemma 3 (expected gelu_pytorch_tanh)")
+    return GatedMLP(config.hidden_size, config.intermediate_size, False, GeluTanhAndMul(), dtype, tp)
 
 
 class Gemma3DecoderLayer(nn.Module):
@@ -145,7 +135,7 @@ class Gemma3DecoderLayer(nn.Module):
         self.self_attn = Gemma3Attention(config, rotary, dtype, tp, sliding_window)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
-        self.mlp = Gemma3MLP(config, dtype, tp)
+        self.mlp = gemma3_mlp(config, dtype, tp)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
     def forward(self, positions, hidden, kv_cache: KVCache, step: AttentionStep) -> torch.Tensor:
@@ -217,53 +207,30 @@ class Gemma3ForCausalLM(CausalLMBase):
         tp: TPContext = SINGLE,
         pp: PPContext = SINGLE_STAGE,
     ):
-        super().__init__()
         text = text_config(config)
         _check_supported(text)
-        self.config = config
-        self.tp = tp
-        self.pp = pp
+        super().__init__(config, tp, pp, text.num_hidden_layers)
         self.model = Gemma3Model(text, self.family.layer_windows(config), dtype, tp, pp)
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
         tie_to = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = self.build_lm_head(text.hidden_size, dtype, tp, pp, tie_to=tie_to)
         self.final_logit_softcapping: float | None = getattr(text, "final_logit_softcapping", None)
-        self.stage_layers = pp.layer_range(text.num_hidden_layers)
-        attn = self.model.layers[self.stage_layers.start].self_attn
-        self.num_layers = len(self.stage_layers)  # this stage's: one KV cache per layer held here
-        self.num_kv_heads = attn.num_kv_heads
-        self.head_dim = attn.head_dim
-        self.hidden_size = text.hidden_size
-        self.vocab_size = text.vocab_size
+        first = self.model.layers[self.stage_layers.start]
+        self.set_sizes(text.hidden_size, text.vocab_size, first.self_attn.attn)
 
-    def decoder_layers(self) -> list[nn.Module]:
-        return list(self.model.layers[self.stage_layers.start : self.stage_layers.stop])
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
+
+    def all_layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(hidden)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
         cap = self.final_logit_softcapping
         return logits if cap is None else torch.tanh(logits / cap) * cap
-
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        kv_caches: list[KVCache],  # this stage's layers only
-        attn_metadata: AttentionMetadata,
-        hidden_states: torch.Tensor | None = None,  # [T, hidden]: the previous stage's output
-    ) -> torch.Tensor:  # [T, hidden]: normed on the last stage, raw residual stream on the others
-        step = self.begin_step(input_ids, attn_metadata)
-        embed = self.model.embed_tokens
-        hidden = self.stage_input(embed(input_ids) if embed is not None else None, hidden_states)
-        native = (
-            self.native_decode.forward(positions, hidden, kv_caches, step) if self.native_decode else None
-        )
-        if native is not None:
-            hidden = native
-        else:
-            for layer, kv_cache in zip(self.decoder_layers(), kv_caches, strict=True):
-                hidden = layer(positions, hidden, kv_cache, step)
-        return hidden if self.model.norm is None else self.model.norm(hidden)
 
 
 def gemma3_decode_parts(layer: nn.Module) -> DecodeLayerParts:

@@ -22,7 +22,7 @@ from models.layers.linear import (
     VocabParallelEmbedding,
     default_weight_loader,
 )
-from models.layers.metadata import AttentionMetadata, KVCache
+from models.layers.metadata import KVCache
 from models.layers.norm import LayerNorm
 from models.layers.parallel import SINGLE, SINGLE_STAGE, PPContext, TPContext
 
@@ -95,7 +95,9 @@ class GPT2Block(nn.Module):
         self.ln_2 = LayerNorm(config.n_embd, eps, dtype)
         self.mlp = GPT2MLP(config, dtype, tp)
 
-    def forward(self, hidden: torch.Tensor, kv_cache: KVCache, step: AttentionStep) -> torch.Tensor:
+    def forward(
+        self, positions: torch.Tensor, hidden: torch.Tensor, kv_cache: KVCache, step: AttentionStep
+    ) -> torch.Tensor:  # positions: the learned ones were added at the embedding
         hidden = hidden + self.attn(self.ln_1(hidden), kv_cache, step)
         return hidden + self.mlp(self.ln_2(hidden))
 
@@ -122,41 +124,23 @@ class GPT2LMHeadModel(CausalLMBase):
         tp: TPContext = SINGLE,
         pp: PPContext = SINGLE_STAGE,
     ):
-        super().__init__()
-        self.config = config
-        self.tp = tp
-        self.pp = pp
+        super().__init__(config, tp, pp, config.n_layer)
         self.transformer = GPT2Model(config, dtype, tp, pp)
         # GPT-2 always ties its head to the token embedding (a last stage without the embedding loads
         # its own copy of wte into the head).
         self.lm_head = self.build_lm_head(config.n_embd, dtype, tp, pp, tie_to=self.transformer.wte)
-        self.stage_layers = pp.layer_range(config.n_layer)
-        self.num_layers = len(self.stage_layers)  # this stage's: one KV cache per layer held here
-        # No GQA: one KV head per query head.
-        self.num_kv_heads = self.transformer.h[self.stage_layers.start].attn.num_heads
-        self.head_dim = config.n_embd // config.n_head
-        self.hidden_size = config.n_embd
-        self.vocab_size = config.vocab_size
         self.tie_word_embeddings = True
+        first = self.transformer.h[self.stage_layers.start]
+        self.set_sizes(config.n_embd, config.vocab_size, first.attn.attn)  # no GQA: a KV head per head
 
-    def decoder_layers(self) -> list[nn.Module]:
-        return list(self.transformer.h[self.stage_layers.start : self.stage_layers.stop])
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.transformer.wte(input_ids) + self.transformer.wpe(positions)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        kv_caches: list[KVCache],  # this stage's layers only
-        attn_metadata: AttentionMetadata,
-        hidden_states: torch.Tensor | None = None,  # [T, hidden]: the previous stage's output
-    ) -> torch.Tensor:  # [T, hidden]: after ln_f on the last stage, the residual stream on the others
-        step = self.begin_step(input_ids, attn_metadata)
-        t = self.transformer
-        embedded = t.wte(input_ids) + t.wpe(positions) if t.wte is not None and t.wpe is not None else None
-        hidden = self.stage_input(embedded, hidden_states)  # [T, hidden]
-        for block, kv_cache in zip(self.decoder_layers(), kv_caches, strict=True):
-            hidden = block(hidden, kv_cache, step)
-        return hidden if t.ln_f is None else t.ln_f(hidden)
+    def all_layers(self) -> nn.ModuleList:
+        return self.transformer.h
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.transformer.ln_f(hidden)
 
 
 # GPT-2 GGUF files are converted to float safetensors by transformers (its tensors are transposed and

@@ -19,12 +19,12 @@ from models.family import GGUFMetadata, GGUFSupport, ModelFamily, WeightNames
 from models.layers.activation import SiluAndMul
 from models.layers.attention import Attention, AttentionStep
 from models.layers.linear import (
-    MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from models.layers.metadata import AttentionMetadata, KVCache
+from models.layers.metadata import KVCache
+from models.layers.mlp import GatedMLP
 from models.layers.native_decode import DecodeLayerParts
 from models.layers.norm import RMSNorm, qk_rms_norm
 from models.layers.parallel import SINGLE, SINGLE_STAGE, PPContext, TPContext
@@ -117,19 +117,10 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn.forward_rotary_qkv(qkv, positions, self.rotary, kv_cache, step))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, config: PretrainedConfig, layout: LlamaLayout, dtype: torch.dtype, tp: TPContext):
-        super().__init__()
-        if getattr(config, "hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {config.hidden_act!r} for a Llama-family model")
-        bias = layout.mlp_bias
-        inter = config.intermediate_size
-        self.gate_up_proj = MergedColumnParallelLinear(config.hidden_size, [inter, inter], bias, dtype, tp)
-        self.down_proj = RowParallelLinear(inter, config.hidden_size, bias, dtype, tp)
-        self.act = SiluAndMul()
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
+def llama_mlp(config: PretrainedConfig, layout: LlamaLayout, dtype: torch.dtype, tp: TPContext) -> GatedMLP:
+    if getattr(config, "hidden_act", "silu") != "silu":
+        raise ValueError(f"unsupported hidden_act {config.hidden_act!r} for a Llama-family model")
+    return GatedMLP(config.hidden_size, config.intermediate_size, layout.mlp_bias, SiluAndMul(), dtype, tp)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -146,7 +137,7 @@ class LlamaDecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
         self.self_attn = LlamaAttention(config, layout, rotary, dtype, tp, sliding_window)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = LlamaMLP(config, layout, dtype, tp)
+        self.mlp = llama_mlp(config, layout, dtype, tp)
 
     def forward(self, positions, hidden, kv_cache: KVCache, step: AttentionStep) -> torch.Tensor:
         attn_out = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, step)
@@ -196,47 +187,22 @@ class LlamaForCausalLM(CausalLMBase):
         tp: TPContext = SINGLE,
         pp: PPContext = SINGLE_STAGE,
     ):
-        super().__init__()
-        self.config = config
-        self.tp = tp
-        self.pp = pp
+        super().__init__(config, tp, pp, config.num_hidden_layers)
         self.model = LlamaModel(config, self.layout(config), dtype, tp, pp, self.family.layer_windows(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         tie_to = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = self.build_lm_head(config.hidden_size, dtype, tp, pp, tie_to=tie_to)
-        self.stage_layers = pp.layer_range(config.num_hidden_layers)
-        attn = self.model.layers[self.stage_layers.start].self_attn
-        self.num_layers = len(self.stage_layers)  # this stage's: one KV cache per layer held here
-        self.num_kv_heads = attn.num_kv_heads
-        self.head_dim = attn.head_dim
-        self.hidden_size = config.hidden_size
-        self.vocab_size = config.vocab_size
+        first = self.model.layers[self.stage_layers.start]
+        self.set_sizes(config.hidden_size, config.vocab_size, first.self_attn.attn)
 
-    def decoder_layers(self) -> list[nn.Module]:
-        return list(self.model.layers[self.stage_layers.start : self.stage_layers.stop])
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)
 
-    def forward(
-        self,
-        input_ids: torch.Tensor,  # [T]
-        positions: torch.Tensor,  # [T]
-        kv_caches: list[KVCache],  # this stage's layers only
-        attn_metadata: AttentionMetadata,
-        hidden_states: torch.Tensor | None = None,  # [T, hidden]: the previous stage's output
-    ) -> torch.Tensor:  # [T, hidden]: normed on the last stage, raw residual stream on the others
-        step = self.begin_step(input_ids, attn_metadata)
-        embed = self.model.embed_tokens
-        hidden = self.stage_input(
-            embed(input_ids) if embed is not None else None, hidden_states
-        )  # [T, hidden]
-        native = (
-            self.native_decode.forward(positions, hidden, kv_caches, step) if self.native_decode else None
-        )
-        if native is not None:
-            hidden = native
-        else:
-            for layer, kv_cache in zip(self.decoder_layers(), kv_caches, strict=True):
-                hidden = layer(positions, hidden, kv_cache, step)
-        return hidden if self.model.norm is None else self.model.norm(hidden)
+    def all_layers(self) -> nn.ModuleList:
+        return self.model.layers
+
+    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.norm(hidden)
 
 
 def llama_decode_parts(layer: nn.Module) -> DecodeLayerParts:
