@@ -4,6 +4,7 @@ weight-loading loop (HF names -> our, possibly fused and sharded, parameters).""
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
@@ -16,8 +17,20 @@ from models.layers.attention_backends import AttentionBackend
 from models.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from models.layers.metadata import AttentionMetadata, KVCache
 from models.layers.native_decode import NativeDecodeLayers
-from models.layers.parallel import PPContext, TPContext
+from models.layers.parallel import SINGLE, SINGLE_STAGE, PPContext, TPContext
+from models.layers.rotary import RotaryEmbedding
 from models.weight_names import WeightItem, absent_prefixes, map_weight_names
+
+
+@dataclass(frozen=True)
+class LayerSpec:
+    """What one decoder layer, its attention and its MLP are built from."""
+
+    config: Any  # the language model's config
+    rotary: RotaryEmbedding | None  # the cos/sin table its kind of layer shares
+    dtype: torch.dtype
+    tp: TPContext
+    window: int | None = None  # its sliding window (None: full attention)
 
 
 class PPMissingLayer(nn.Identity):
@@ -35,11 +48,11 @@ class CausalLMBase(nn.Module):
     """What every family's model class shares: the engine-facing sizes, the attention backend, the
     forward pass over a step's flat tokens, logits and weight loading.
 
-    A family's class calls `super().__init__(config, tp, pp, num_hidden_layers)`, builds its modules
-    (the embedding on the first pipeline stage, this stage's layers, the final norm and `lm_head` on the
-    last), calls `set_sizes`, and supplies `embed`, `all_layers` and `final_norm`. Every decoder layer
-    is called as `layer(positions, hidden, kv_cache, step)`. Its family (models/family.py) declares
-    the rest: weight names, GGUF support, the native decode layout."""
+    Every family's class is built as `cls(config, dtype, tp, pp)`; it writes `build`, which makes its
+    modules (the embedding on the first pipeline stage, this stage's layers, the final norm and
+    `lm_head` on the last) and calls `set_sizes`, and supplies `embed`, `all_layers` and `final_norm`.
+    Every decoder layer is called as `layer(positions, hidden, kv_cache, step)`. Its family
+    (models/family.py) declares the rest: weight names, GGUF support, the native decode layout."""
 
     family: ClassVar[ModelFamily]  # set by the family's declaration (ModelFamily.__post_init__)
     num_kv_heads: int  # this tensor rank's
@@ -49,16 +62,24 @@ class CausalLMBase(nn.Module):
     tie_word_embeddings: bool
     lm_head: ParallelLMHead | None
 
-    def __init__(self, config: Any, tp: TPContext, pp: PPContext, num_hidden_layers: int) -> None:
+    def __init__(
+        self,
+        config: Any,
+        dtype: torch.dtype = torch.float32,
+        tp: TPContext = SINGLE,
+        pp: PPContext = SINGLE_STAGE,
+    ) -> None:
         super().__init__()
-        self.config = config
+        self.config = config  # as given: a multimodal config's language model is its text_config
         self.tp = tp
         self.pp = pp
-        self.stage_layers = pp.layer_range(num_hidden_layers)  # the global indices this stage holds
+        text = text_config(config)
+        self.stage_layers = pp.layer_range(text.num_hidden_layers)  # the global indices this stage holds
         self.num_layers = len(self.stage_layers)  # this stage's: one KV cache per layer held here
         self.attn_backend: AttentionBackend | None = None
         # Decode steps' layers in one native call (prepare_native_decode); None: the modules run them.
         self.native_decode: NativeDecodeLayers | None = None
+        self.build(text, dtype)
 
     def set_sizes(self, hidden_size: int, vocab_size: int, attention: Attention) -> None:
         """The sizes the engine reads off the model (the KV cache's shape is this stage's first layer's
@@ -69,6 +90,10 @@ class CausalLMBase(nn.Module):
         self.head_dim = attention.head_dim
 
     # ---- what a family supplies -------------------------------------------------------------------
+
+    def build(self, config: Any, dtype: torch.dtype) -> None:
+        """This stage's modules for `config` (the language model's config); ends with set_sizes."""
+        raise NotImplementedError
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden]: the first pipeline stage's input."""

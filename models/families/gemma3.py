@@ -25,10 +25,10 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import PretrainedConfig
 
-from models.base import CausalLMBase, stage_layers
+from models.base import CausalLMBase, LayerSpec, stage_layers
 from models.errors import ModelLoadError
 from models.families.llama import LLAMA_WEIGHT_NAMES
-from models.family import FULL, SLIDING, GGUFMetadata, GGUFSupport, ModelFamily, text_config
+from models.family import FULL, SLIDING, GGUFMetadata, GGUFSupport, ModelFamily
 from models.layers.activation import GeluTanhAndMul
 from models.layers.attention import Attention, AttentionStep
 from models.layers.linear import (
@@ -41,7 +41,7 @@ from models.layers.metadata import KVCache
 from models.layers.mlp import GatedMLP
 from models.layers.native_decode import DecodeLayerParts
 from models.layers.norm import RMSNorm, qk_rms_norm
-from models.layers.parallel import SINGLE, SINGLE_STAGE, PPContext, TPContext
+from models.layers.parallel import SINGLE_STAGE, PPContext, TPContext
 from models.layers.rotary import RotaryEmbedding, rope_params_from_config
 
 # Llama's names; a multimodal checkpoint keeps its language model under its own prefix (hub files:
@@ -82,15 +82,9 @@ class GemmaRMSNorm(RMSNorm):
 
 
 class Gemma3Attention(nn.Module):
-    def __init__(
-        self,
-        config: PretrainedConfig,
-        rotary: RotaryEmbedding,
-        dtype: torch.dtype,
-        tp: TPContext,
-        sliding_window: int | None,
-    ):
+    def __init__(self, spec: LayerSpec):
         super().__init__()
+        config, dtype, tp = spec.config, spec.dtype, spec.tp
         hidden, heads, head_dim = config.hidden_size, config.num_attention_heads, config.head_dim
         bias = bool(getattr(config, "attention_bias", False))
         self.qkv_proj = QKVParallelLinear(
@@ -104,38 +98,34 @@ class Gemma3Attention(nn.Module):
         self.head_dim = head_dim
         self.q_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
         self.k_norm = GemmaRMSNorm(head_dim, config.rms_norm_eps)
-        self.rotary = rotary  # this layer type's table, shared by the layers of its type
+        self.rotary = spec.rotary  # this layer type's table, shared by the layers of its type
         scale = config.query_pre_attn_scalar**-0.5
-        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, scale, sliding_window)
+        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, scale, spec.window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, step: AttentionStep):
         qkv = qk_rms_norm(self.qkv_proj(x), self.q_norm, self.k_norm, self.num_heads, self.num_kv_heads)
         return self.o_proj(self.attn.forward_rotary_qkv(qkv, positions, self.rotary, kv_cache, step))
 
 
-def gemma3_mlp(config: PretrainedConfig, dtype: torch.dtype, tp: TPContext) -> GatedMLP:
+def gemma3_mlp(spec: LayerSpec) -> GatedMLP:
+    config = spec.config
     act = getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", None)
     if act not in ("gelu_pytorch_tanh", "gelu_tanh", "gelu_new", "gelu_fast"):
         raise ValueError(f"unsupported hidden_activation {act!r} for Gemma 3 (expected gelu_pytorch_tanh)")
-    return GatedMLP(config.hidden_size, config.intermediate_size, False, GeluTanhAndMul(), dtype, tp)
+    return GatedMLP(
+        config.hidden_size, config.intermediate_size, False, GeluTanhAndMul(), spec.dtype, spec.tp
+    )
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(
-        self,
-        config: PretrainedConfig,
-        rotary: RotaryEmbedding,
-        dtype: torch.dtype,
-        tp: TPContext,
-        sliding_window: int | None,
-    ):
+    def __init__(self, spec: LayerSpec):
         super().__init__()
-        hidden, eps = config.hidden_size, config.rms_norm_eps
+        hidden, eps = spec.config.hidden_size, spec.config.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(hidden, eps)
-        self.self_attn = Gemma3Attention(config, rotary, dtype, tp, sliding_window)
+        self.self_attn = Gemma3Attention(spec)
         self.post_attention_layernorm = GemmaRMSNorm(hidden, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
-        self.mlp = gemma3_mlp(config, dtype, tp)
+        self.mlp = gemma3_mlp(spec)
         self.post_feedforward_layernorm = GemmaRMSNorm(hidden, eps)
 
     def forward(self, positions, hidden, kv_cache: KVCache, step: AttentionStep) -> torch.Tensor:
@@ -187,7 +177,7 @@ class Gemma3Model(nn.Module):
         self.layers = stage_layers(
             config.num_hidden_layers,
             pp,
-            lambda i: Gemma3DecoderLayer(config, rotary[types[i]], dtype, tp, windows[i]),
+            lambda i: Gemma3DecoderLayer(LayerSpec(config, rotary[types[i]], dtype, tp, windows[i])),
         )
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps) if pp.is_last else None
 
@@ -200,23 +190,18 @@ def _check_supported(text: PretrainedConfig) -> None:
 
 
 class Gemma3ForCausalLM(CausalLMBase):
-    def __init__(
-        self,
-        config: PretrainedConfig,  # a Gemma3TextConfig, or a Gemma3Config (its text_config is read)
-        dtype: torch.dtype = torch.float32,
-        tp: TPContext = SINGLE,
-        pp: PPContext = SINGLE_STAGE,
-    ):
-        text = text_config(config)
-        _check_supported(text)
-        super().__init__(config, tp, pp, text.num_hidden_layers)
-        self.model = Gemma3Model(text, self.family.layer_windows(config), dtype, tp, pp)
-        self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", True))
+    """Built from a Gemma3TextConfig, or a Gemma3Config (its text_config: the language model)."""
+
+    def build(self, config: PretrainedConfig, dtype: torch.dtype) -> None:
+        _check_supported(config)
+        tp, pp = self.tp, self.pp
+        self.model = Gemma3Model(config, self.family.layer_windows(self.config), dtype, tp, pp)
+        self.tie_word_embeddings = bool(getattr(self.config, "tie_word_embeddings", True))
         tie_to = self.model.embed_tokens if self.tie_word_embeddings else None
-        self.lm_head = self.build_lm_head(text.hidden_size, dtype, tp, pp, tie_to=tie_to)
-        self.final_logit_softcapping: float | None = getattr(text, "final_logit_softcapping", None)
+        self.lm_head = self.build_lm_head(config.hidden_size, dtype, tp, pp, tie_to=tie_to)
+        self.final_logit_softcapping: float | None = getattr(config, "final_logit_softcapping", None)
         first = self.model.layers[self.stage_layers.start]
-        self.set_sizes(text.hidden_size, text.vocab_size, first.self_attn.attn)
+        self.set_sizes(config.hidden_size, config.vocab_size, first.self_attn.attn)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)

@@ -24,7 +24,7 @@ from models.layers.linear import (
 )
 from models.layers.metadata import KVCache
 from models.layers.norm import LayerNorm
-from models.layers.parallel import SINGLE, SINGLE_STAGE, PPContext, TPContext
+from models.layers.parallel import SINGLE_STAGE, PPContext, TPContext
 
 GPT2_WEIGHT_NAMES = WeightNames(
     layers="transformer.h.",
@@ -117,14 +117,8 @@ class GPT2Model(nn.Module):
 
 
 class GPT2LMHeadModel(CausalLMBase):
-    def __init__(
-        self,
-        config: PretrainedConfig,
-        dtype: torch.dtype = torch.float32,
-        tp: TPContext = SINGLE,
-        pp: PPContext = SINGLE_STAGE,
-    ):
-        super().__init__(config, tp, pp, config.n_layer)
+    def build(self, config: PretrainedConfig, dtype: torch.dtype) -> None:
+        tp, pp = self.tp, self.pp
         self.transformer = GPT2Model(config, dtype, tp, pp)
         # GPT-2 always ties its head to the token embedding (a last stage without the embedding loads
         # its own copy of wte into the head).

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from transformers import PretrainedConfig
 
-from models.base import CausalLMBase, stage_layers
+from models.base import CausalLMBase, LayerSpec, stage_layers
 from models.family import GGUFMetadata, GGUFSupport, ModelFamily, WeightNames
 from models.layers.activation import SiluAndMul
 from models.layers.attention import Attention, AttentionStep
@@ -27,7 +27,7 @@ from models.layers.metadata import KVCache
 from models.layers.mlp import GatedMLP
 from models.layers.native_decode import DecodeLayerParts
 from models.layers.norm import RMSNorm, qk_rms_norm
-from models.layers.parallel import SINGLE, SINGLE_STAGE, PPContext, TPContext
+from models.layers.parallel import SINGLE_STAGE, PPContext, TPContext
 from models.layers.rotary import RotaryEmbedding, rope_params_from_config
 
 # The checkpoint names of a Llama-layout model (Mistral and Qwen2 share them).
@@ -73,16 +73,9 @@ class LlamaLayout:
 
 
 class LlamaAttention(nn.Module):
-    def __init__(
-        self,
-        config: PretrainedConfig,
-        layout: LlamaLayout,
-        rotary: RotaryEmbedding,
-        dtype: torch.dtype,
-        tp: TPContext,
-        sliding_window: int | None = None,
-    ):
+    def __init__(self, spec: LayerSpec, layout: LlamaLayout):
         super().__init__()
+        config, dtype, tp = spec.config, spec.dtype, spec.tp
         head_dim = layout.head_dim
         self.qkv_proj = QKVParallelLinear(
             config.hidden_size,
@@ -104,8 +97,8 @@ class LlamaAttention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads  # per rank
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.head_dim = head_dim
-        self.rotary = rotary  # shared by all layers (one cos/sin table)
-        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5, sliding_window)
+        self.rotary = spec.rotary  # shared by all layers (one cos/sin table)
+        self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, head_dim**-0.5, spec.window)
         # Weights [head_dim], the same for every head (and so on every tensor-parallel rank).
         self.q_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if layout.qk_norm else None
         self.k_norm = RMSNorm(head_dim, config.rms_norm_eps, dtype) if layout.qk_norm else None
@@ -117,27 +110,23 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn.forward_rotary_qkv(qkv, positions, self.rotary, kv_cache, step))
 
 
-def llama_mlp(config: PretrainedConfig, layout: LlamaLayout, dtype: torch.dtype, tp: TPContext) -> GatedMLP:
+def llama_mlp(spec: LayerSpec, layout: LlamaLayout) -> GatedMLP:
+    config = spec.config
     if getattr(config, "hidden_act", "silu") != "silu":
         raise ValueError(f"unsupported hidden_act {config.hidden_act!r} for a Llama-family model")
-    return GatedMLP(config.hidden_size, config.intermediate_size, layout.mlp_bias, SiluAndMul(), dtype, tp)
+    return GatedMLP(
+        config.hidden_size, config.intermediate_size, layout.mlp_bias, SiluAndMul(), spec.dtype, spec.tp
+    )
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(
-        self,
-        config: PretrainedConfig,
-        layout: LlamaLayout,
-        rotary: RotaryEmbedding,
-        dtype: torch.dtype,
-        tp: TPContext,
-        sliding_window: int | None = None,
-    ):
+    def __init__(self, spec: LayerSpec, layout: LlamaLayout):
         super().__init__()
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.self_attn = LlamaAttention(config, layout, rotary, dtype, tp, sliding_window)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype)
-        self.mlp = llama_mlp(config, layout, dtype, tp)
+        config = spec.config
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, spec.dtype)
+        self.self_attn = LlamaAttention(spec, layout)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, spec.dtype)
+        self.mlp = llama_mlp(spec, layout)
 
     def forward(self, positions, hidden, kv_cache: KVCache, step: AttentionStep) -> torch.Tensor:
         attn_out = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, step)
@@ -169,7 +158,7 @@ class LlamaModel(nn.Module):
         self.layers = stage_layers(
             config.num_hidden_layers,
             pp,
-            lambda i: LlamaDecoderLayer(config, layout, rotary, dtype, tp, windows[i]),
+            lambda i: LlamaDecoderLayer(LayerSpec(config, rotary, dtype, tp, windows[i]), layout),
         )
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if pp.is_last else None
 
@@ -180,14 +169,8 @@ class LlamaForCausalLM(CausalLMBase):
 
     layout = staticmethod(LlamaLayout.of)
 
-    def __init__(
-        self,
-        config: PretrainedConfig,
-        dtype: torch.dtype = torch.float32,
-        tp: TPContext = SINGLE,
-        pp: PPContext = SINGLE_STAGE,
-    ):
-        super().__init__(config, tp, pp, config.num_hidden_layers)
+    def build(self, config: PretrainedConfig, dtype: torch.dtype) -> None:
+        tp, pp = self.tp, self.pp
         self.model = LlamaModel(config, self.layout(config), dtype, tp, pp, self.family.layer_windows(config))
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         tie_to = self.model.embed_tokens if self.tie_word_embeddings else None
