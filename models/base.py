@@ -95,17 +95,20 @@ class CausalLMBase(nn.Module):
         """This stage's modules for `config` (the language model's config); ends with set_sizes."""
         raise NotImplementedError
 
+    # The defaults read the usual layout, a body `self.model` with `embed_tokens`, `layers` and `norm`
+    # (Llama's and most families'); a family laid out otherwise (GPT-2) overrides them.
+
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """[T] -> [T, hidden]: the first pipeline stage's input."""
-        raise NotImplementedError
+        return self.model.embed_tokens(input_ids)
 
     def all_layers(self) -> nn.ModuleList:
         """Every decoder layer slot (other stages' as PPMissingLayer)."""
-        raise NotImplementedError
+        return self.model.layers
 
     def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
         """The last pipeline stage's norm before the LM head."""
-        raise NotImplementedError
+        return self.model.norm(hidden)
 
     # ---- shared ---------------------------------------------------------------------------------
 

@@ -14,6 +14,7 @@ from builders import (
     tiny_gemma3_config,
     tiny_gpt2_config,
     tiny_llama_config,
+    tiny_mistral_config,
     tiny_phi4_mini_config,
     tiny_qwen3_config,
 )
@@ -43,13 +44,8 @@ def smollm2_tokenizer_dir() -> Path:
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     """A tiny random Llama saved as an HF directory (config.json + safetensors + tokenizer)."""
-    import shutil
-
-    out = tmp_path_factory.mktemp("tiny-llama")
-    build_hf_model(tiny_llama_config()).save_pretrained(out, safe_serialization=True)
-    for f in smollm2_tokenizer_dir.iterdir():
-        shutil.copy(f, out / f.name)
-    return out
+    model = build_hf_model(tiny_llama_config())
+    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-llama"), smollm2_tokenizer_dir)
 
 
 @pytest.fixture(scope="session")
@@ -80,11 +76,7 @@ def tiny_gemma3_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
 @pytest.fixture(scope="session")
 def tiny_mistral_window_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     """A tiny random Mistral whose sliding window (6 tokens) every test prompt outgrows."""
-    from transformers import MistralConfig
-
-    config = MistralConfig(
-        **{**tiny_llama_config().to_dict(), "sliding_window": 6, "architectures": ["MistralForCausalLM"]}
-    )
+    config = tiny_mistral_config(sliding_window=6)
     return _save_with_tokenizer(
         build_hf_model(config), tmp_path_factory.mktemp("tiny-mistral-window"), smollm2_tokenizer_dir
     )
@@ -108,13 +100,8 @@ def tiny_phi3_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_gpt2_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
-    import shutil
-
-    out = tmp_path_factory.mktemp("tiny-gpt2")
-    build_hf_model(tiny_gpt2_config()).save_pretrained(out, safe_serialization=True)
-    for f in smollm2_tokenizer_dir.iterdir():
-        shutil.copy(f, out / f.name)
-    return out
+    model = build_hf_model(tiny_gpt2_config())
+    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-gpt2"), smollm2_tokenizer_dir)
 
 
 @pytest.fixture(scope="session")

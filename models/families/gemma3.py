@@ -203,15 +203,6 @@ class Gemma3ForCausalLM(CausalLMBase):
         first = self.model.layers[self.stage_layers.start]
         self.set_sizes(config.hidden_size, config.vocab_size, first.self_attn.attn)
 
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def all_layers(self) -> nn.ModuleList:
-        return self.model.layers
-
-    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.norm(hidden)
-
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = super().compute_logits(hidden)
         cap = self.final_logit_softcapping

@@ -178,15 +178,6 @@ class LlamaForCausalLM(CausalLMBase):
         first = self.model.layers[self.stage_layers.start]
         self.set_sizes(config.hidden_size, config.vocab_size, first.self_attn.attn)
 
-    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)
-
-    def all_layers(self) -> nn.ModuleList:
-        return self.model.layers
-
-    def final_norm(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.model.norm(hidden)
-
 
 def llama_decode_parts(layer: nn.Module) -> DecodeLayerParts:
     """A Llama decoder layer as the native decode call runs it."""

@@ -11,6 +11,8 @@
 #include <stdint.h>
 #include <string.h>
 
+#include "simd.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__)
 #define LANES 16
 typedef __m512 vf;
@@ -131,12 +133,7 @@ typedef __m256i vi;
 static inline vi vi_loadu(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
 static inline vf vf_neg(vf v) { return _mm256_xor_ps(v, _mm256_set1_ps(-0.0f)); }
 static inline vf vf_abs(vf v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
-static inline float vf_hmax(vf v) {
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_movehdup_ps(m));
-    return _mm_cvtss_f32(m);
-}
+static inline float vf_hmax(vf v) { return hmax8(v); }
 static inline int32_t vi_hsum(vi v) {
     __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
     s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
