@@ -296,6 +296,8 @@ def tensor_data(
 
 
 def _metadata(w: Any, shape: GGUFShape, vocab: Vocabulary, name: str) -> None:
+    from models.gguf.encode import add_arch_metadata
+
     w.add_name(name)
     w.add_file_type(MOSTLY_Q4_K_M)
     w.add_block_count(shape.layers)
@@ -315,13 +317,7 @@ def _metadata(w: Any, shape: GGUFShape, vocab: Vocabulary, name: str) -> None:
         scale = shape.context / shape.longrope_original
         w.add_rope_scaling_orig_ctx_len(shape.longrope_original)
         w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(scale) / np.log(shape.longrope_original))))
-    for key, value in shape.metadata.items():
-        if isinstance(value, bool):
-            w.add_bool(f"{shape.arch}.{key}", value)
-        elif isinstance(value, int):
-            w.add_uint32(f"{shape.arch}.{key}", value)
-        else:
-            w.add_float32(f"{shape.arch}.{key}", float(value))
+    add_arch_metadata(w, shape.arch, shape.metadata)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(vocab.pre)
     w.add_token_list(vocab.tokens)

@@ -476,6 +476,8 @@ def write_tiny_gemma3_gguf(
     import gguf
     import numpy as np
 
+    from models.gguf.encode import add_arch_metadata
+
     rng = np.random.default_rng(seed)
     bytes_ = [f"<0x{b:02X}>" for b in range(256)]
     tokens = [*GEMMA_SPECIALS, *bytes_, *GEMMA_PIECES]
@@ -496,15 +498,7 @@ def write_tiny_gemma3_gguf(
     w.add_layer_norm_rms_eps(1e-6)
     w.add_sliding_window(window)
     w.add_file_type(0)
-    for key, value in (metadata or {}).items():
-        if isinstance(value, str):
-            w.add_string(f"gemma3.{key}", value)
-        elif isinstance(value, float):
-            w.add_float32(f"gemma3.{key}", value)
-        elif isinstance(value, list):
-            w.add_array(f"gemma3.{key}", value)
-        else:
-            w.add_uint32(f"gemma3.{key}", int(value))
+    add_arch_metadata(w, "gemma3", metadata or {})
     w.add_tokenizer_model("llama")
     w.add_tokenizer_pre("default")
     w.add_token_list(tokens)

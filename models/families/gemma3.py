@@ -27,7 +27,7 @@ from transformers import PretrainedConfig
 
 from models.base import CausalLMBase, LayerSpec, stage_layers
 from models.errors import ModelLoadError
-from models.families.llama import LLAMA_WEIGHT_NAMES
+from models.families.llama import LLAMA_WEIGHT_NAMES, llama_decode_parts
 from models.family import FULL, SLIDING, GGUFMetadata, GGUFSupport, ModelFamily
 from models.layers.activation import GeluTanhAndMul
 from models.layers.attention import Attention, AttentionStep
@@ -210,21 +210,12 @@ class Gemma3ForCausalLM(CausalLMBase):
 
 
 def gemma3_decode_parts(layer: nn.Module) -> DecodeLayerParts:
-    """A Gemma 3 decoder layer as the native decode call runs it: its pre-feedforward norm is the
-    fused add + norm before the MLP; the post-attention and post-feedforward norms apply to each
-    branch's output before its residual add."""
-    attn, mlp = layer.self_attn, layer.mlp
-    return DecodeLayerParts(
-        input_norm=layer.input_layernorm,
-        qkv=attn.qkv_proj,
-        rotary=attn.rotary,
-        attention=attn.attn,
-        o=attn.o_proj,
+    """A Gemma 3 decoder layer as the native decode call runs it: Llama's parts, but its pre-feedforward
+    norm is the fused add + norm before the MLP, and the post-attention and post-feedforward norms
+    apply to each branch's output before its residual add."""
+    return dataclasses.replace(
+        llama_decode_parts(layer),
         post_norm=layer.pre_feedforward_layernorm,
-        gate_up=mlp.gate_up_proj,
-        down=mlp.down_proj,
-        q_norm=attn.q_norm,
-        k_norm=attn.k_norm,
         attn_out_norm=layer.post_attention_layernorm,
         mlp_out_norm=layer.post_feedforward_layernorm,
         activation="gelu_tanh",

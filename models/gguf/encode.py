@@ -9,6 +9,8 @@ model's shape: loadtest/gguf_shapes.py). `decode_blocks(t, encode(t, c), k)` giv
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from models.layers.packed_weight import BlockComponents
@@ -68,3 +70,20 @@ def encode(ggml_type: str, c: BlockComponents) -> np.ndarray:
             parts.append(qh)
         parts.append(_k_nibbles(q & 0x0F))
     return np.concatenate(parts, axis=-1).reshape(n, -1)
+
+
+def add_arch_metadata(writer: Any, arch: str, values: dict[str, Any]) -> None:
+    """`{arch}.{key}` entries of a gguf.GGUFWriter, typed by value: bool, uint32, float32, string or
+    array (what writers of synthetic files, the benchmarks' and the tests', set beyond the standard keys)."""
+    for key, value in values.items():
+        name = f"{arch}.{key}"
+        if isinstance(value, bool):
+            writer.add_bool(name, value)
+        elif isinstance(value, int):
+            writer.add_uint32(name, value)
+        elif isinstance(value, float):
+            writer.add_float32(name, value)
+        elif isinstance(value, str):
+            writer.add_string(name, value)
+        else:
+            writer.add_array(name, list(value))

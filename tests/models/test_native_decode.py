@@ -17,6 +17,20 @@ from models.loader import load_model, resolve_model
 pytestmark = needs_native_kernels
 
 
+def native_calls(monkeypatch) -> list[bool]:
+    """Whether each forward from now on ran its layers in the native call (True) or the modules."""
+    calls: list[bool] = []
+    forward = NativeDecodeLayers.forward
+
+    def spy(self, *args):
+        out = forward(self, *args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(NativeDecodeLayers, "forward", spy)
+    return calls
+
+
 def _run(model, steps: list[list[list[int]]], native: bool) -> tuple[list[torch.Tensor], PagedCacheHarness]:
     """Hidden states of every step (prompts first, then decode tokens) with or without the native call."""
     saved = model.native_decode
@@ -74,15 +88,7 @@ def test_native_layers_are_batch_invariant(packed_dir: Path) -> None:
 
 def test_a_step_with_a_prompt_runs_the_modules(tiny_gguf_llama_dir: Path, monkeypatch) -> None:
     model = load_model(tiny_gguf_llama_dir, torch.float32, "cpu")
-    calls = []
-    forward = NativeDecodeLayers.forward
-
-    def spy(self, *args):
-        out = forward(self, *args)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(NativeDecodeLayers, "forward", spy)
+    calls = native_calls(monkeypatch)
     harness = PagedCacheHarness(model, num_seqs=2)
     with torch.no_grad():
         for tokens in ([[1, 2, 3], [4, 5]], [[6], [7]], [[8], [9, 10, 11]]):
@@ -156,15 +162,7 @@ def test_new_families_native_layers_equal_the_modules(
         assert all(s.q_norm and s.k_norm for s in native.structs)
     else:
         assert native.shape.rotary_dim == 32 and native.shape.head_dim == 64
-    taken = []
-    forward = NativeDecodeLayers.forward
-
-    def spy(self, *args):
-        out = forward(self, *args)
-        taken.append(out is not None)
-        return out
-
-    monkeypatch.setattr(NativeDecodeLayers, "forward", spy)
+    taken = native_calls(monkeypatch)
     steps = _decode_steps([[5, 9, 12, 40, 41], [3] * 11, [77, 78]], 7)
     fast, fast_cache = _run(model, steps, native=True)
     assert taken == [False] + [True] * 7  # the prompt step runs the modules, every decode step is native
