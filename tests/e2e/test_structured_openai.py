@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -74,6 +75,13 @@ def _client(url: str) -> openai.OpenAI:
     return openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
 
 
+def _tool_call(client: openai.OpenAI, msgs: list, choice: Any, **sampling: Any) -> Any:
+    """A chat completion offered TOOLS with this tool_choice (max_tokens 150)."""
+    return client.chat.completions.create(
+        model=MODEL, messages=msgs, tools=TOOLS, tool_choice=choice, max_tokens=150, **sampling
+    )
+
+
 def _check_call(call, tools=TOOLS) -> dict:
     """A call to an offered tool whose arguments satisfy that tool's schema (as the grammar promises)."""
     import llguidance as llg
@@ -116,15 +124,7 @@ def test_tiny_named_and_required_tool_choices(tiny_url):
     msgs = [{"role": "user", "content": "Weather in Paris?"}]
     named = {"type": "function", "function": {"name": "get_time"}}
     for choice in (named, "required"):
-        r = client.chat.completions.create(
-            model=MODEL,
-            messages=msgs,
-            tools=TOOLS,
-            tool_choice=choice,
-            max_tokens=150,
-            temperature=1.0,
-            seed=3,
-        )
+        r = _tool_call(client, msgs, choice, temperature=1.0, seed=3)
         c = r.choices[0]
         assert c.finish_reason == "tool_calls" and c.message.content is None
         assert c.message.tool_calls, c
@@ -132,9 +132,7 @@ def test_tiny_named_and_required_tool_choices(tiny_url):
             _check_call(call)
         if choice is named:
             assert [call.function.name for call in c.message.tool_calls] == ["get_time"]
-        stream = client.chat.completions.create(
-            model=MODEL, messages=msgs, tools=TOOLS, tool_choice=choice, max_tokens=150, stream=True, seed=3
-        )
+        stream = _tool_call(client, msgs, choice, stream=True, seed=3)
         calls, finish, content = _streamed_calls(stream)
         assert finish == "tool_calls" and content == "" and calls
         for call in calls.values():
@@ -231,24 +229,12 @@ def test_named_and_required_tool_choices_on_the_default_model(default_url):
     client = _client(default_url)
     msgs = [{"role": "user", "content": "What is the weather in Paris, in celsius?"}]
     for choice in ("required", {"type": "function", "function": {"name": "get_weather"}}):
-        r = client.chat.completions.create(
-            model=MODEL, messages=msgs, tools=TOOLS, tool_choice=choice, max_tokens=150, temperature=0
-        )
+        r = _tool_call(client, msgs, choice, temperature=0)
         c = r.choices[0]
         assert c.finish_reason == "tool_calls" and c.message.tool_calls
         for call in c.message.tool_calls:
             _check_call(call)
-        calls, finish, _ = _streamed_calls(
-            client.chat.completions.create(
-                model=MODEL,
-                messages=msgs,
-                tools=TOOLS,
-                tool_choice=choice,
-                max_tokens=150,
-                temperature=0,
-                stream=True,
-            )
-        )
+        calls, finish, _ = _streamed_calls(_tool_call(client, msgs, choice, temperature=0, stream=True))
         assert finish == "tool_calls"
         assert [(x["name"], x["arguments"]) for x in calls.values()] == [
             (t.function.name, t.function.arguments) for t in c.message.tool_calls
