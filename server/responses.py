@@ -153,13 +153,15 @@ def completion_response(
     return {**meta.header("text_completion"), "choices": choices, "usage": use}
 
 
-def completion_chunk(
+def stream_chunk(
     meta: ResponseMeta,
+    object_type: str,  # "text_completion" or "chat.completion.chunk"
     choices: list[dict[str, Any]],
     use: dict[str, Any] | None = None,
     with_usage: bool = False,
 ) -> dict[str, Any]:
-    chunk = {**meta.header("text_completion"), "choices": choices}
+    """One streamed chunk of a completion or a chat completion."""
+    chunk = {**meta.header(object_type), "choices": choices}
     if with_usage:  # OpenAI sends "usage": null on every chunk once include_usage is on
         chunk["usage"] = use
     return chunk
@@ -211,15 +213,3 @@ def chat_chunk_choice(
     finish_reason: str | None = None,
 ) -> dict[str, Any]:
     return {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
-
-
-def chat_chunk(
-    meta: ResponseMeta,
-    choices: list[dict[str, Any]],
-    use: dict[str, Any] | None = None,
-    with_usage: bool = False,
-) -> dict[str, Any]:
-    chunk = {**meta.header("chat.completion.chunk"), "choices": choices}
-    if with_usage:
-        chunk["usage"] = use
-    return chunk

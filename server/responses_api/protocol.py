@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Discriminator, Field, Tag, field_validator
+from pydantic import BeforeValidator, Discriminator, Field, Tag, ValidationInfo, field_validator
 
 from server.protocol import FunctionName, OpenAIModel, ReasoningEffort, Temperature, TopP
 
@@ -29,7 +29,8 @@ class TextPart(OpenAIModel):
         return (self.refusal if self.type == "refusal" else self.text) or ""
 
 
-def _check_parts(parts: Any, where: str) -> Any:
+def _check_parts(parts: Any, info: ValidationInfo) -> Any:
+    where = info.field_name
     if isinstance(parts, list):
         for i, part in enumerate(parts):
             kind = part.get("type") if isinstance(part, dict) else None
@@ -41,20 +42,23 @@ def _check_parts(parts: Any, where: str) -> Any:
     return parts
 
 
+# A message's content or a tool output: a string, or text parts (other kinds of part are refused).
+TextContent = Annotated[str | list[TextPart], BeforeValidator(_check_parts)]
+
+
+def joined_text(content: str | list[TextPart]) -> str:
+    return content if isinstance(content, str) else "".join(p.value() for p in content)
+
+
 class MessageItem(OpenAIModel):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
-    content: str | list[TextPart]
+    content: TextContent
     id: str | None = None
     status: str | None = None
 
-    @field_validator("content", mode="before")
-    @classmethod
-    def _text_only(cls, v: Any) -> Any:
-        return _check_parts(v, "content")
-
     def text(self) -> str:
-        return self.content if isinstance(self.content, str) else "".join(p.value() for p in self.content)
+        return joined_text(self.content)
 
 
 class FunctionCallItem(OpenAIModel):
@@ -69,17 +73,12 @@ class FunctionCallItem(OpenAIModel):
 class FunctionCallOutputItem(OpenAIModel):
     type: Literal["function_call_output"]
     call_id: str
-    output: str | list[TextPart]
+    output: TextContent
     id: str | None = None
     status: str | None = None
 
-    @field_validator("output", mode="before")
-    @classmethod
-    def _text_only(cls, v: Any) -> Any:
-        return _check_parts(v, "output")
-
     def text(self) -> str:
-        return self.output if isinstance(self.output, str) else "".join(p.value() for p in self.output)
+        return joined_text(self.output)
 
 
 class ReasoningText(OpenAIModel):

@@ -16,10 +16,10 @@ from server.reply import ReplyEvent, ReplyParser, TextPiece
 from server.responses import (
     ResponseMeta,
     chat_choice,
-    chat_chunk,
     chat_chunk_choice,
     chat_logprobs,
     chat_response,
+    stream_chunk,
     tool_call,
     tool_call_delta,
 )
@@ -103,5 +103,5 @@ def _stream(state: ServerState, job: ChatJob, meta: ResponseMeta) -> AsyncIterat
             events += parser.finish(d.finish_reason)
         return chat_chunk_choice(d.index, _delta(events), lp, _finish(d.finish_reason, parser.num_calls > 0))
 
-    chunk = partial(chat_chunk, meta, with_usage=body.include_usage)
+    chunk = partial(stream_chunk, meta, "chat.completion.chunk", with_usage=body.include_usage)
     return stream_chunks(run, roles, choice, chunk, body.include_usage)

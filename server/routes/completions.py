@@ -17,11 +17,11 @@ from server.protocol import CompletionRequest
 from server.responses import (
     ResponseMeta,
     completion_choice,
-    completion_chunk,
     completion_logprobs,
     completion_response,
     echo_logprobs,
     join_logprobs,
+    stream_chunk,
     usage,
     vllm_prompt_logprobs,
 )
@@ -235,5 +235,5 @@ def _stream(
         started.add(d.index)
         return shape.choice(d.index, d.text, d.logprobs, d.finish_reason, d.prompt_logprobs, starts)
 
-    chunk = partial(completion_chunk, meta, with_usage=body.include_usage)
+    chunk = partial(stream_chunk, meta, "text_completion", with_usage=body.include_usage)
     return stream_chunks(run, first, choice, chunk, body.include_usage)

@@ -44,7 +44,7 @@ from server.tokenizer import ServerTokenizer
 
 T = TypeVar("T")
 
-# (choices, usage or None) -> one response chunk; a partial of responses.chat_chunk / completion_chunk.
+# (choices, usage or None) -> one response chunk; a partial of responses.stream_chunk.
 ChunkBuilder = Callable[[list[dict[str, Any]], dict[str, Any] | None], dict[str, Any]]
 
 
