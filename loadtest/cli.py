@@ -218,8 +218,15 @@ def auto_labels(commands: Sequence[str]) -> list[str]:
     return labels
 
 
-def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+def parse_server_args(parser: argparse.ArgumentParser, argv: Sequence[str] | None) -> argparse.Namespace:
+    """A load generator's flags, the server's base URL normalised and the server flags checked."""
+    args = parser.parse_args(argv)
+    args.base_url = normalize_base_url(args.base_url)
     validate_servers(args, parser)
+    return args
+
+
+def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     # Workload mistakes are caught here, before any server is started for them.
     try:
         if args.workload == "file":
@@ -275,8 +282,7 @@ def _jsonable(value: Any) -> Any:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    args.base_url = normalize_base_url(args.base_url)
+    args = parse_server_args(parser, argv)
     validate(args, parser)
     console = make_console()
     started = dt.datetime.now(dt.timezone.utc)

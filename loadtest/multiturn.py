@@ -26,7 +26,7 @@ from typing import Any
 from rich.console import Console
 from rich.table import Table
 
-from loadtest.cli import auto_labels, normalize_base_url, server_parser, validate_servers
+from loadtest.cli import auto_labels, parse_server_args, server_parser
 from loadtest.client import Target, send_request
 from loadtest.conversation import (
     ConversationShape,
@@ -263,9 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
-    args.base_url = normalize_base_url(args.base_url)
-    validate_servers(args, parser)
+    args = parse_server_args(parser, argv)
     if args.num_conversations < 1:
         parser.error("--num-conversations must be >= 1")
     try:

@@ -113,16 +113,6 @@ async def render_prompt(
     return text, await offload(tokenizer.encode_rendered, text, size=size)
 
 
-async def encode_chat(
-    tokenizer: ServerTokenizer,
-    messages: list[ChatMessage],
-    add_generation_prompt: bool = True,
-    plan: ToolPlan | None = None,
-    kwargs: dict[str, Any] | None = None,
-) -> list[int]:
-    return (await render_prompt(tokenizer, messages, add_generation_prompt, plan, kwargs))[1]
-
-
 def request_thinking(state: ServerState, prompt_text: str) -> Thinking | None:
     name = state.config.reasoning_parser
     if name is None:

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 from server.errors import APIError, draining, not_ready
 from server.metrics import CONTENT_TYPE
 from server.protocol import DetokenizeRequest, TokenizeChatRequest, TokenizeCompletionRequest
-from server.routes.chat_job import encode_chat
+from server.routes.chat_job import render_prompt
 from server.routes.common import check_model, check_token_ids, get_state, offload
 from server.state import ServerState
 
@@ -92,7 +92,7 @@ async def tokenize(request: Request, payload: dict[str, Any] = Body(...)) -> Res
     if "messages" in payload:
         chat = _parse(TokenizeChatRequest, payload)
         check_model(state, chat.model)
-        ids = await encode_chat(
+        _, ids = await render_prompt(
             tokenizer, chat.messages, chat.add_generation_prompt, kwargs=chat.chat_template_kwargs
         )
     else:
