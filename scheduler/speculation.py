@@ -1,0 +1,227 @@
+"""Speculative decoding, the scheduler's half: which decoding requests propose tokens this step, how
+many, and (for n-gram prompt lookup) which. Torch-free; the engine verifies what is proposed here
+(engine/speculative.py) or, for a draft model, proposes the tokens itself (engine/draft_proposer.py).
+
+The policy is a cost model. A decode step of B requests yields at least B tokens; a proposal adds j
+tokens to verify and, if the target accepts each with probability alpha (the request's acceptance
+history), alpha + alpha^2 + ... + alpha^j tokens in expectation. Its price is what j more tokens add
+to the step: `token_cost` of a one-token step each (a CPU decode step at batch 1 streams the weights
+once whatever its few rows, so a verification row costs a fraction of a step; at large batch every
+row costs real multiply-adds). Proposal tokens are added, best first (the highest alpha^j of any
+request), while they raise the step's expected tokens per unit of cost, so speculation turns itself
+down as the batch grows and as acceptance falls, and `max_batch` turns it off past a batch size
+(decode there is compute-bound: verifying costs what it saves).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+from engine.contract import SamplingParams
+
+SpeculativeMethod = Literal["auto", "ngram", "draft", "off"]
+SPECULATIVE_METHODS: tuple[str, ...] = ("auto", "ngram", "draft", "off")
+
+# Prompt lookup: the longest suffix of the request's tokens, of NGRAM_MAX down to NGRAM_MIN tokens, that
+# occurred before proposes what followed its latest occurrence. One token alone matches too often to
+# mean anything; four already pin a quote down.
+NGRAM_MIN = 2
+NGRAM_MAX = 4
+
+# The acceptance a request starts from (and drifts back to while it does not speculate, so a request
+# whose proposals were poor once tries again later: its text may have turned to quoting).
+PRIOR_ACCEPTANCE = 0.6
+PRIOR_WEIGHT = 2.0  # the prior counts as this many verified proposals
+HISTORY_DECAY = 0.8  # per verification: recent proposals weigh more than old ones
+IDLE_DECAY = 0.97  # per step without one
+
+
+class NgramIndex:
+    """Where each n-gram (NGRAM_MIN..NGRAM_MAX tokens) of a sequence last occurred, for prompt lookup.
+
+    Append-only, like a request's prompt + accepted outputs. An n-gram is filed under the position
+    after it only when the token at that position arrives, so the lookup of the sequence's own suffix
+    finds an earlier occurrence with a continuation. O(NGRAM_MAX) per token to extend and per lookup."""
+
+    def __init__(self, min_n: int = NGRAM_MIN, max_n: int = NGRAM_MAX) -> None:
+        if not 1 <= min_n <= max_n:
+            raise ValueError(f"need 1 <= min_n <= max_n, got {min_n}, {max_n}")
+        self.min_n = min_n
+        self.max_n = max_n
+        self.tokens: list[int] = []
+        self._after: dict[tuple[int, ...], int] = {}  # n-gram -> the index after its latest occurrence
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def extend(self, tokens: Sequence[int]) -> None:
+        seq = self.tokens
+        for t in tokens:
+            i = len(seq)
+            for n in range(self.min_n, min(self.max_n, i) + 1):
+                self._after[tuple(seq[i - n : i])] = i
+            seq.append(t)
+
+    def propose(self, k: int) -> list[int]:
+        """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix
+        (none without a match). A continuation that runs into the suffix itself repeats with the
+        period it implies (a loop of the text continues as a loop)."""
+        seq = self.tokens
+        end = len(seq)
+        for n in range(min(self.max_n, end), self.min_n - 1, -1):
+            start = self._after.get(tuple(seq[end - n :]))
+            if start is None:
+                continue
+            out: list[int] = []
+            for m in range(k):
+                i = start + m
+                out.append(seq[i] if i < end else out[i - end])
+            return out
+        return []
+
+
+@dataclass
+class Acceptance:
+    """A request's acceptance history: the chance that the target accepts its next proposed token,
+    given that it accepted the ones before (a discounted count of verified proposal tokens)."""
+
+    accepted: float = 0.0
+    trials: float = 0.0
+
+    @property
+    def rate(self) -> float:
+        return (self.accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (self.trials + PRIOR_WEIGHT)
+
+    def record(self, proposed: int, accepted: int) -> None:
+        """A verification: the first `accepted` of `proposed` tokens were accepted. Each accepted token
+        is a success; the first rejected one (if any) a failure; those after it were never tried."""
+        self.accepted = self.accepted * HISTORY_DECAY + accepted
+        self.trials = self.trials * HISTORY_DECAY + accepted + (1 if accepted < proposed else 0)
+
+    def idle(self) -> None:
+        self.accepted *= IDLE_DECAY
+        self.trials *= IDLE_DECAY
+
+
+@dataclass
+class Proposal:
+    """What one request proposes this step: the tokens (n-gram), or only how many (the executor's draft
+    model proposes them)."""
+
+    count: int
+    token_ids: list[int] = field(default_factory=list)
+
+
+class Proposing(Protocol):
+    """What the policy reads and keeps of a request (scheduler.request.Request has it)."""
+
+    prompt_token_ids: Sequence[int]
+    output_token_ids: list[int]
+    sampling: SamplingParams
+    acceptance: Acceptance
+    ngram: NgramIndex | None
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+def ngram_index(req: Proposing) -> NgramIndex:
+    """The request's index over its prompt + outputs, built on first use and kept up to date."""
+    index = req.ngram
+    if index is None:
+        index = req.ngram = NgramIndex()
+        index.extend(req.prompt_token_ids)
+    have = len(index) - len(req.prompt_token_ids)
+    if have < len(req.output_token_ids):
+        index.extend(req.output_token_ids[have:])
+    return index
+
+
+def max_proposal(req: Proposing, limit: int, max_model_len: int) -> int:
+    """Tokens a request may propose: a step yields up to proposals + 1 tokens, and none may pass
+    max_tokens or the maximum length (their positions must exist)."""
+    room = req.sampling.max_tokens - len(req.output_token_ids) - 1
+    return max(0, min(limit, room, max_model_len - req.num_tokens))
+
+
+class SpeculationPolicy:
+    """Decides each step's proposals (see the module docstring for the cost model)."""
+
+    def __init__(
+        self,
+        method: Literal["ngram", "draft"],
+        max_tokens: int,
+        max_batch: int,
+        token_cost: float,
+        draft_cost: float = 0.0,
+    ) -> None:
+        if max_tokens < 1 or max_batch < 1 or not token_cost > 0 or draft_cost < 0:
+            raise ValueError(
+                "speculation needs max_tokens >= 1, max_batch >= 1, token_cost > 0, draft_cost >= 0"
+            )
+        self.method = method
+        self.max_tokens = max_tokens
+        self.max_batch = max_batch
+        # A draft model's forward for each proposed token costs on top of its verification.
+        self.token_cost = token_cost + (draft_cost if method == "draft" else 0.0)
+
+    def plan(self, decodes: Sequence[Proposing], budget: int, max_model_len: int) -> dict[int, Proposal]:
+        """Proposals for this step's decoding requests (by index into `decodes`), within a step budget of
+        `budget` tokens, their own included."""
+        b = len(decodes)
+        if not b or b > self.max_batch:
+            for req in decodes:
+                req.acceptance.idle()
+            return {}
+        budget -= b
+        candidates: dict[int, list[int] | int] = {}  # index -> n-gram tokens, or a count for drafts
+        for i, req in enumerate(decodes):
+            k = max_proposal(req, self.max_tokens, max_model_len)
+            if k == 0:
+                continue
+            if self.method == "ngram":
+                tokens = ngram_index(req).propose(k)
+                if tokens:
+                    candidates[i] = tokens
+            else:
+                candidates[i] = k
+        chosen = self._allocate(decodes, candidates, budget)
+        for i, req in enumerate(decodes):
+            if i not in chosen:
+                req.acceptance.idle()
+        out: dict[int, Proposal] = {}
+        for i, k in chosen.items():
+            c = candidates[i]
+            out[i] = Proposal(k, c[:k]) if isinstance(c, list) else Proposal(k)
+        return out
+
+    def _allocate(
+        self, decodes: Sequence[Proposing], candidates: dict[int, list[int] | int], budget: int
+    ) -> dict[int, int]:
+        """Proposal lengths, best token first, while each raises expected tokens per unit of cost."""
+        cost = self.token_cost
+        gain_total = float(len(decodes))  # every request yields at least its own token
+        cost_total = 1.0 + cost * (len(decodes) - 1)
+        rates = {i: decodes[i].acceptance.rate for i in candidates}
+        # Max-heap of each request's next token: its expected gain alpha^(j+1).
+        heap = [(-rates[i], i) for i in candidates]
+        heapq.heapify(heap)
+        chosen: dict[int, int] = {}
+        while heap and budget > 0:
+            neg_gain, i = heapq.heappop(heap)
+            gain = -neg_gain
+            # (G + g) / (C + c) > G / C: later tokens gain less and G / C only grows, so stop here.
+            if gain * cost_total <= cost * gain_total:
+                break
+            k = chosen.get(i, 0) + 1
+            chosen[i] = k
+            gain_total += gain
+            cost_total += cost
+            budget -= 1
+            c = candidates[i]
+            if k < (len(c) if isinstance(c, list) else c):
+                heapq.heappush(heap, (-(gain * rates[i]), i))
+        return chosen
