@@ -219,8 +219,6 @@ class Scheduler:
         ready = [r for r in self.running if r.request_id not in in_flight] if in_flight else self.running
         decodes = [r for r in ready if r.num_uncomputed_tokens == 1]
         prefills = [r for r in ready if r.num_uncomputed_tokens > 1]
-        proposals = self._plan_proposals(decodes if max_seqs is None else decodes[:max_seqs], budget)
-        spec: dict[Request, Proposal] = {}  # the proposals that got their blocks
         for req in decodes + prefills:
             if max_seqs is not None and len(chosen) >= max_seqs:
                 break
@@ -233,13 +231,7 @@ class Scheduler:
             n = self._prompt_share(req.num_uncomputed_tokens, budget, alone=not chosen)
             if n == 0:
                 continue
-            # Proposals take blocks only where they are free: they never preempt anybody.
-            proposal = proposals.get(req)
-            if proposal is not None and (
-                n + proposal.count > budget or not self.kv.grow(req, n + proposal.count)
-            ):
-                proposal = None
-            while proposal is None and not self.kv.grow(req, n):
+            while not self.kv.grow(req, n):
                 if not self.kv.preempts or len(self.running) == 1:
                     # Cannot happen when max_model_len fits the cache (IterationLoop ensures it); fail
                     # the request rather than loop forever.
@@ -255,15 +247,15 @@ class Scheduler:
             if req.status is RequestStatus.RUNNING:
                 chosen[req] = n
                 budget -= n
-                if proposal is not None:
-                    spec[req] = proposal
-                    budget -= proposal.count
                 self._claim(req)
 
         # No admission in a step that preempted: the blocks just freed would otherwise go to the next
         # waiting request and the victim would be preempted again at once (thrashing).
         if not step.preempted and self.batching.may_admit():
-            self._admit(step, chosen, budget, max_seqs)
+            budget = self._admit(step, chosen, budget, max_seqs)
+        # Proposals last, from what is left of the budget and the free blocks: they never preempt nor
+        # hold back anybody's own tokens.
+        spec = self._propose([r for r in decodes if chosen.get(r) == 1], budget)
 
         now = time.monotonic()
         for req, n in chosen.items():
@@ -296,12 +288,21 @@ class Scheduler:
                 req.first_scheduled_time = now
         return step
 
-    def _plan_proposals(self, decodes: list[Request], budget: int) -> dict[Request, Proposal]:
-        """This step's proposals for the decoding requests (speculative decoding; none when it is off)."""
+    def _propose(self, decodes: list[Request], spare: int) -> dict[Request, Proposal]:
+        """This step's proposals for its decoding requests (none with speculation off), within `spare`
+        tokens of budget, each with the blocks for its positions if they are free (else none)."""
         if self.speculation is None or not decodes:
             return {}
-        plan = self.speculation.plan(decodes, budget, self.max_model_len)
-        return {decodes[i]: p for i, p in plan.items()}
+        out: dict[Request, Proposal] = {}
+        bs = self.allocator.block_size
+        for i, proposal in self.speculation.plan(decodes, spare, self.max_model_len).items():
+            req = decodes[i]
+            # Cut to the positions its blocks and the free ones hold.
+            room = (len(req.block_ids) + self.allocator.num_free) * bs - req.num_computed_tokens - 1
+            k = min(proposal.count, room)
+            if k > 0 and self.kv.grow(req, 1 + k):
+                out[req] = Proposal(k, proposal.token_ids[:k])
+        return out
 
     def _prompt_share(self, num_uncomputed: int, budget: int, alone: bool) -> int:
         """Tokens of a prompt (or of a recompute) to run this step: 0 if it must wait."""
@@ -314,9 +315,10 @@ class Scheduler:
 
     def _admit(
         self, step: ScheduledStep, chosen: dict[Request, int], budget: int, max_seqs: int | None = None
-    ) -> None:
+    ) -> int:
         """Move waiting requests to running, first come first served; stop at the first that does not
-        fit (ORCA's Select(): never skip ahead, so a long request cannot starve)."""
+        fit (ORCA's Select(): never skip ahead, so a long request cannot starve). Returns the budget
+        left."""
         uses_budget = self.batching.admission_uses_token_budget
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             if max_seqs is not None and len(chosen) >= max_seqs:
@@ -348,6 +350,7 @@ class Scheduler:
                 chosen[req] = n
                 budget -= n
                 self._claim(req)
+        return budget
 
     def _preempt(self, req: Request, step: ScheduledStep) -> None:
         """Free the request's blocks and put it at the front of the queue, to be recomputed from its

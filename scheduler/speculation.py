@@ -168,15 +168,13 @@ class SpeculationPolicy:
         # A draft model's forward for each proposed token costs on top of its verification.
         self.token_cost = token_cost + (draft_cost if method == "draft" else 0.0)
 
-    def plan(self, decodes: Sequence[Proposing], budget: int, max_model_len: int) -> dict[int, Proposal]:
-        """Proposals for this step's decoding requests (by index into `decodes`), within a step budget of
-        `budget` tokens, their own included."""
+    def plan(self, decodes: Sequence[Proposing], spare: int, max_model_len: int) -> dict[int, Proposal]:
+        """Proposals for this step's decoding requests (by index into `decodes`), `spare` tokens at most."""
         b = len(decodes)
         if not b or b > self.max_batch:
             for req in decodes:
                 req.acceptance.idle()
             return {}
-        budget -= b
         candidates: dict[int, list[int] | int] = {}  # index -> n-gram tokens, or a count for drafts
         for i, req in enumerate(decodes):
             k = max_proposal(req, self.max_tokens, max_model_len)
@@ -188,7 +186,7 @@ class SpeculationPolicy:
                     candidates[i] = tokens
             else:
                 candidates[i] = k
-        chosen = self._allocate(decodes, candidates, budget)
+        chosen = self._allocate(decodes, candidates, spare)
         for i, req in enumerate(decodes):
             if i not in chosen:
                 req.acceptance.idle()
