@@ -52,7 +52,9 @@ _DRAFT_SEED_SALT = 0x5EED_D4AF
 @dataclass
 class _Seen:
     positions: int  # positions 0..positions-1 of the draft cache hold this request's K/V
-    prompt: Sequence[int]  # the request's prompt (by identity: a request id may be reused)
+    # The request's list of outputs, by identity: one object per request for its whole life (ids may be
+    # reused, prompts shared), so a record never passes for another request's.
+    outputs: Sequence[int]
     round: int  # when it was last proposed for
 
 
@@ -100,7 +102,7 @@ class DraftProposer:
         self._round += 1
         for seq in batch:  # a step that starts before what the draft holds rolls it back
             seen = self._seen.get(seq.request_id)
-            if seen is not None and seen.prompt is not seq.prompt_token_ids:
+            if seen is not None and seen.outputs is not seq.output_token_ids:
                 del self._seen[seq.request_id]
             elif seen is not None and seq.start_position < seen.positions:
                 seen.positions = seq.start_position
@@ -123,7 +125,7 @@ class DraftProposer:
             out[i] = replace(seq, spec_token_ids=proposals[i])
             # Proposals 1..k-1 were run; the last one was not (a later step catches it up if accepted).
             end = seq.start_position + seq.num_tokens + seq.num_spec_tokens - 1
-            self._seen[seq.request_id] = _Seen(end, seq.prompt_token_ids, self._round)
+            self._seen[seq.request_id] = _Seen(end, seq.output_token_ids, self._round)
         if self._round % 256 == 0:
             self._forget()
         return out, {i: torch.stack(qs) for i, qs in probs.items()}
