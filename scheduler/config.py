@@ -59,15 +59,15 @@ class SchedulerConfig:
         choices=SPECULATIVE_METHODS,
         type=str,
     )
-    num_speculative_tokens: int = flag(4, "most tokens a request proposes in one step")
+    num_speculative_tokens: int = flag(8, "most tokens a request proposes in one step")
     # Past this many decoding requests in a step, nobody proposes: decode is compute-bound there and
     # verifying costs what it saves (below it the cost model decides, request by request).
     speculative_max_batch: int = flag(8, "no speculation in steps that decode more requests than this")
     # What one more token adds to a decode step, as a fraction of a one-token step: the cost model's
-    # price of a proposal token (scheduler/speculation.py). Measured for the default model on a 2-core
-    # CPU (docs/architecture.md, "Speculative decoding").
+    # price of a proposal token (scheduler/speculation.py). 0.07-0.2 for the default model on a 2-core
+    # CPU, by context length and load (docs/architecture.md, "Speculative decoding").
     speculative_token_cost: float = flag(
-        0.1, "cost of one more token in a decode step, as a fraction of a one-token step"
+        0.12, "cost of one more token in a decode step, as a fraction of a one-token step"
     )
 
     def __post_init__(self) -> None:

@@ -448,7 +448,8 @@ class Scheduler:
                 computed += min(tok.num_accepted, kept)
                 if seq.num_spec_tokens:
                     self._spec_stats.record(seq.num_spec_tokens, tok.num_accepted)
-                    req.acceptance.record(seq.num_spec_tokens, tok.num_accepted)
+                    if self.speculation is not None:
+                        self.speculation.record(req, seq.num_spec_tokens, tok.num_accepted)
                 if req.first_token_time is None:
                     req.first_token_time = now
             req.num_computed_tokens += computed

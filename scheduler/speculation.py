@@ -3,14 +3,19 @@ many, and (for n-gram prompt lookup) which. Torch-free; the engine verifies what
 (engine/speculative.py) or, for a draft model, proposes the tokens itself (engine/draft_proposer.py).
 
 The policy is a cost model. A decode step of B requests yields at least B tokens; a proposal adds j
-tokens to verify and, if the target accepts each with probability alpha (the request's acceptance
-history), alpha + alpha^2 + ... + alpha^j tokens in expectation. Its price is what j more tokens add
-to the step: `token_cost` of a one-token step each (a CPU decode step at batch 1 streams the weights
-once whatever its few rows, so a verification row costs a fraction of a step; at large batch every
-row costs real multiply-adds). Proposal tokens are added, best first (the highest alpha^j of any
-request), while they raise the step's expected tokens per unit of cost, so speculation turns itself
-down as the batch grows and as acceptance falls, and `max_batch` turns it off past a batch size
-(decode there is compute-bound: verifying costs what it saves).
+tokens to verify and, if the model accepts each with probability alpha, alpha + alpha^2 + ... +
+alpha^j tokens in expectation. Its price is what j more tokens add to the step: `token_cost` of a
+one-token step each (a CPU decode step at batch 1 streams the weights once whatever its few rows, so a
+verification row costs a fraction of a step; at large batch every row costs real multiply-adds).
+Proposal tokens are added, best first (the highest alpha^j of any request), while they raise the
+step's expected tokens per unit of cost, so speculation turns itself down as the batch grows and as
+acceptance falls, and `max_batch` turns it off past a batch size (decode there is compute-bound:
+verifying costs what it saves).
+
+alpha comes from the history of every verification, kept apart by what predicts it (`AcceptanceTable`):
+how long the suffix was that n-gram lookup matched (one token is weak evidence, four pin a quote down)
+and how the request's previous verification went (a request that is copying goes on copying; one
+whose last proposal was rejected at once has probably stopped).
 """
 
 from __future__ import annotations
@@ -25,18 +30,23 @@ from engine.contract import SamplingParams
 SpeculativeMethod = Literal["auto", "ngram", "draft", "off"]
 SPECULATIVE_METHODS: tuple[str, ...] = ("auto", "ngram", "draft", "off")
 
-# Prompt lookup: the longest suffix of the request's tokens, of NGRAM_MAX down to NGRAM_MIN tokens, that
-# occurred before proposes what followed its latest occurrence. One token alone matches too often to
-# mean anything; four already pin a quote down.
-NGRAM_MIN = 2
+# Prompt lookup: the longest suffix of the request's tokens, of NGRAM_MAX down to NGRAM_MIN tokens,
+# that occurred before proposes what followed its latest occurrence. A one-token match is right often
+# enough to try (a copy that was interrupted by an edit resumes with it), at the acceptance its own
+# history gives it.
+NGRAM_MIN = 1
 NGRAM_MAX = 4
 
-# The acceptance a request starts from (and drifts back to while it does not speculate, so a request
-# whose proposals were poor once tries again later: its text may have turned to quoting).
+# Before any verification, a kind of proposal is assumed accepted this often, with this much weight
+# (in verified tokens); history is discounted by DECAY per verification of that kind, so the table
+# follows a workload that changes.
 PRIOR_ACCEPTANCE = 0.6
-PRIOR_WEIGHT = 2.0  # the prior counts as this many verified proposals
-HISTORY_DECAY = 0.8  # per verification: recent proposals weigh more than old ones
-IDLE_DECAY = 0.97  # per step without one
+PRIOR_WEIGHT = 2.0
+DECAY = 0.98
+
+# How a request's previous verification went: every proposal accepted, some, none (or no verification
+# yet).
+Outcome = Literal["full", "part", "zero", "none"]
 
 
 class NgramIndex:
@@ -65,10 +75,10 @@ class NgramIndex:
                 self._after[tuple(seq[i - n : i])] = i
             seq.append(t)
 
-    def propose(self, k: int) -> list[int]:
-        """Up to k tokens that followed the latest earlier occurrence of the longest matching suffix
-        (none without a match). A continuation that runs into the suffix itself repeats with the
-        period it implies (a loop of the text continues as a loop)."""
+    def propose(self, k: int) -> tuple[int, list[int]]:
+        """The length of the longest suffix that occurred before, and up to k tokens that followed its
+        latest earlier occurrence ((0, []) without a match). A continuation that runs into the suffix
+        itself repeats with the period it implies (a loop of the text continues as a loop)."""
         seq = self.tokens
         end = len(seq)
         for n in range(min(self.max_n, end), self.min_n - 1, -1):
@@ -79,31 +89,37 @@ class NgramIndex:
             for m in range(k):
                 i = start + m
                 out.append(seq[i] if i < end else out[i - end])
-            return out
-        return []
+            return n, out
+        return 0, []
 
 
 @dataclass
-class Acceptance:
-    """A request's acceptance history: the chance that the target accepts its next proposed token,
-    given that it accepted the ones before (a discounted count of verified proposal tokens)."""
+class SpecState:
+    """A request's speculative decoding state: how its last verification went, and the kind of its
+    proposal in flight (what the AcceptanceTable files the verification under)."""
 
-    accepted: float = 0.0
-    trials: float = 0.0
+    last: Outcome = "none"
+    pending: tuple[int, Outcome] | None = None
 
-    @property
-    def rate(self) -> float:
-        return (self.accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (self.trials + PRIOR_WEIGHT)
 
-    def record(self, proposed: int, accepted: int) -> None:
-        """A verification: the first `accepted` of `proposed` tokens were accepted. Each accepted token
-        is a success; the first rejected one (if any) a failure; those after it were never tried."""
-        self.accepted = self.accepted * HISTORY_DECAY + accepted
-        self.trials = self.trials * HISTORY_DECAY + accepted + (1 if accepted < proposed else 0)
+class AcceptanceTable:
+    """The chance that the model accepts a proposed token given that it accepted the ones before it,
+    by the kind of proposal: (matched n-gram length, 0 for a draft model's; the request's last outcome).
+    A discounted count of verified tokens per kind, starting from the prior."""
 
-    def idle(self) -> None:
-        self.accepted *= IDLE_DECAY
-        self.trials *= IDLE_DECAY
+    def __init__(self) -> None:
+        self._counts: dict[tuple[int, Outcome], list[float]] = {}
+
+    def rate(self, kind: tuple[int, Outcome]) -> float:
+        accepted, trials = self._counts.get(kind, (0.0, 0.0))
+        return (accepted + PRIOR_ACCEPTANCE * PRIOR_WEIGHT) / (trials + PRIOR_WEIGHT)
+
+    def record(self, kind: tuple[int, Outcome], proposed: int, accepted: int) -> None:
+        """The first `accepted` of `proposed` tokens were accepted: each a success, the first rejected one
+        (if any) a failure; those after it were never tried."""
+        counts = self._counts.setdefault(kind, [0.0, 0.0])
+        counts[0] = counts[0] * DECAY + accepted
+        counts[1] = counts[1] * DECAY + accepted + (1 if accepted < proposed else 0)
 
 
 @dataclass
@@ -121,7 +137,7 @@ class Proposing(Protocol):
     prompt_token_ids: Sequence[int]
     output_token_ids: list[int]
     sampling: SamplingParams
-    acceptance: Acceptance
+    spec: SpecState
     ngram: NgramIndex | None
 
     @property
@@ -148,7 +164,7 @@ def max_proposal(req: Proposing, limit: int, max_model_len: int) -> int:
 
 
 class SpeculationPolicy:
-    """Decides each step's proposals (see the module docstring for the cost model)."""
+    """Decides each step's proposals and learns from their verifications (see the module docstring)."""
 
     def __init__(
         self,
@@ -167,43 +183,50 @@ class SpeculationPolicy:
         self.max_batch = max_batch
         # A draft model's forward for each proposed token costs on top of its verification.
         self.token_cost = token_cost + (draft_cost if method == "draft" else 0.0)
+        self.acceptance = AcceptanceTable()
 
     def plan(self, decodes: Sequence[Proposing], spare: int, max_model_len: int) -> dict[int, Proposal]:
         """Proposals for this step's decoding requests (by index into `decodes`), `spare` tokens at most."""
         b = len(decodes)
         if not b or b > self.max_batch:
-            for req in decodes:
-                req.acceptance.idle()
             return {}
         candidates: dict[int, list[int] | int] = {}  # index -> n-gram tokens, or a count for drafts
+        rates: dict[int, float] = {}
         for i, req in enumerate(decodes):
             k = max_proposal(req, self.max_tokens, max_model_len)
             if k == 0:
                 continue
             if self.method == "ngram":
-                tokens = ngram_index(req).propose(k)
-                if tokens:
-                    candidates[i] = tokens
+                n, tokens = ngram_index(req).propose(k)
+                if not tokens:
+                    continue
+                candidates[i] = tokens
             else:
-                candidates[i] = k
-        chosen = self._allocate(decodes, candidates, spare)
-        for i, req in enumerate(decodes):
-            if i not in chosen:
-                req.acceptance.idle()
+                n, candidates[i] = 0, k
+            req.spec.pending = (n, req.spec.last)
+            rates[i] = self.acceptance.rate(req.spec.pending)
+        chosen = self._allocate(b, candidates, rates, spare)
         out: dict[int, Proposal] = {}
         for i, k in chosen.items():
             c = candidates[i]
             out[i] = Proposal(k, c[:k]) if isinstance(c, list) else Proposal(k)
         return out
 
+    def record(self, req: Proposing, proposed: int, accepted: int) -> None:
+        """A verification of the request's proposal: the model accepted `accepted` of `proposed` tokens."""
+        kind = req.spec.pending
+        if kind is not None:
+            self.acceptance.record(kind, proposed, accepted)
+        req.spec.pending = None
+        req.spec.last = "full" if accepted == proposed else "part" if accepted else "zero"
+
     def _allocate(
-        self, decodes: Sequence[Proposing], candidates: dict[int, list[int] | int], budget: int
+        self, batch: int, candidates: dict[int, list[int] | int], rates: dict[int, float], budget: int
     ) -> dict[int, int]:
         """Proposal lengths, best token first, while each raises expected tokens per unit of cost."""
         cost = self.token_cost
-        gain_total = float(len(decodes))  # every request yields at least its own token
-        cost_total = 1.0 + cost * (len(decodes) - 1)
-        rates = {i: decodes[i].acceptance.rate for i in candidates}
+        gain_total = float(batch)  # every request yields at least its own token
+        cost_total = 1.0 + cost * (batch - 1)
         # Max-heap of each request's next token: its expected gain alpha^(j+1).
         heap = [(-rates[i], i) for i in candidates]
         heapq.heapify(heap)

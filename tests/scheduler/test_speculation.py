@@ -23,7 +23,7 @@ from scheduler.outputs import StepReport
 from scheduler.request import Request, RequestStatus
 from scheduler.speculation import (
     PRIOR_ACCEPTANCE,
-    Acceptance,
+    AcceptanceTable,
     NgramIndex,
     Proposal,
     SpeculationPolicy,
@@ -83,27 +83,31 @@ def test_ngram_index_proposes_what_followed_the_latest_match():
     index = NgramIndex(2, 4)
     index.extend([1, 2, 3, 4, 9, 1, 2, 3, 5, 6, 7, 1, 2, 3])
     # Suffix [1, 2, 3] occurred twice before; the latest one was followed by 5, 6, 7.
-    assert index.propose(3) == [5, 6, 7]
-    assert index.propose(1) == [5]
-    index.extend([4])  # now [2, 3, 4]'s only earlier occurrence is followed by 9
-    assert index.propose(2) == [9, 1]
+    assert index.propose(3) == (3, [5, 6, 7])
+    assert index.propose(1) == (3, [5])
+    index.extend([4])  # now [1, 2, 3, 4]'s only earlier occurrence is followed by 9
+    assert index.propose(2) == (4, [9, 1])
 
 
 def test_ngram_index_prefers_the_longest_match_and_needs_min_n():
     index = NgramIndex(2, 3)
     index.extend([7, 8, 1, 5, 8, 1, 6, 9, 8, 1])
     # [9, 8, 1] never occurred; [8, 1] did, latest before 6.
-    assert index.propose(2) == [6, 9]
+    assert index.propose(2) == (2, [6, 9])
     lone = NgramIndex(2, 3)
     lone.extend([4, 5, 6, 4])  # only the single token 4 repeats: below min_n
-    assert lone.propose(3) == []
+    assert lone.propose(3) == (0, [])
+    assert NgramIndex(1, 3).propose(3) == (0, [])
+    one = NgramIndex(1, 3)
+    one.extend([4, 5, 6, 4])
+    assert one.propose(3) == (1, [5, 6, 4])
 
 
 def test_ngram_index_continues_a_loop_past_its_own_end():
     index = NgramIndex(2, 4)
     index.extend([3, 1, 2, 1, 2])
     # [1, 2] last occurred at 1..2, followed by [1, 2]: the loop goes on with period 2.
-    assert index.propose(5) == [1, 2, 1, 2, 1]
+    assert index.propose(5) == (2, [1, 2, 1, 2, 1])
 
 
 # ---- the policy ----------------------------------------------------------------------------------
@@ -115,28 +119,26 @@ def decoding(prompt: Sequence[int], outputs: Sequence[int] = (), **params) -> Re
     return r
 
 
-def test_acceptance_history_weighs_recent_verifications_and_drifts_back_when_idle():
-    a = Acceptance()
-    assert a.rate == pytest.approx(PRIOR_ACCEPTANCE)
-    for _ in range(10):
-        a.record(4, 0)
-    low = a.rate
-    assert low < 0.2
-    for _ in range(100):
-        a.idle()
-    assert low < a.rate <= PRIOR_ACCEPTANCE
-    for _ in range(10):
-        a.record(4, 4)
-    assert a.rate > 0.9
+def test_acceptance_is_learnt_by_kind_of_proposal_and_follows_recent_verifications():
+    table = AcceptanceTable()
+    short, long = (1, "zero"), (4, "full")
+    assert table.rate(short) == table.rate(long) == pytest.approx(PRIOR_ACCEPTANCE)
+    for _ in range(20):
+        table.record(short, 4, 0)
+        table.record(long, 4, 4)
+    assert table.rate(short) < 0.1 and table.rate(long) > 0.95
+    for _ in range(200):  # the workload changes: a short match is now as good as any
+        table.record(short, 4, 4)
+    assert table.rate(short) > 0.9
 
 
 def test_policy_turns_speculation_down_as_the_batch_grows_and_off_past_max_batch():
-    policy = SpeculationPolicy("draft", max_tokens=4, max_batch=8, token_cost=0.1)
     per_request = []
     for b in (1, 2, 4, 8, 9):
+        policy = SpeculationPolicy("draft", max_tokens=4, max_batch=8, token_cost=0.1)
+        for _ in range(10):
+            policy.acceptance.record((0, "none"), 4, 3)
         reqs = [decoding([1, 2, 3]) for _ in range(b)]
-        for r in reqs:
-            r.acceptance.record(4, 3)
         plan = policy.plan(reqs, spare=1000, max_model_len=100)
         per_request.append(sum(p.count for p in plan.values()) / b)
     assert per_request[0] > 0 and per_request[-1] == 0
@@ -144,11 +146,15 @@ def test_policy_turns_speculation_down_as_the_batch_grows_and_off_past_max_batch
 
 
 def test_policy_follows_acceptance_and_stays_within_the_budget():
+    """A request whose last proposal was all accepted proposes more than one whose last was rejected at
+    once, as the table has learnt; and the budget caps them together."""
     policy = SpeculationPolicy("draft", max_tokens=8, max_batch=8, token_cost=0.1)
     good, poor = decoding([1, 2, 3]), decoding([1, 2, 3])
-    for _ in range(5):
-        good.acceptance.record(4, 4)
-        poor.acceptance.record(4, 0)
+    for _ in range(10):
+        policy.plan([good, poor], spare=1000, max_model_len=100)
+        policy.record(good, 4, 4)
+        policy.record(poor, 4, 0)
+    assert (good.spec.last, poor.spec.last) == ("full", "zero")
     plan = policy.plan([good, poor], spare=1000, max_model_len=100)
     assert plan[0].count > plan.get(1, Proposal(0)).count
     assert sum(p.count for p in policy.plan([good, poor], spare=3, max_model_len=100).values()) == 3
@@ -170,6 +176,7 @@ def test_ngram_policy_proposes_only_what_the_index_finds():
     fresh = decoding([9, 8, 7, 6])
     plan = policy.plan([quoting, fresh], 1000, 100)
     assert plan == {0: Proposal(4, [3, 4, 5, 6])}
+    assert quoting.spec.pending == (2, "none")  # filed under a 2-token match, for its verification
 
 
 def test_scheduler_refuses_draft_speculation_without_a_draft_model():
@@ -298,7 +305,8 @@ def test_proposals_take_only_blocks_nobody_else_needs():
     sched.add(b)
     step = sched.schedule()  # both 8-token prompts: 2 blocks of 4 each
     sched.update(step, runner.step(step.seqs))
-    a.acceptance.record(4, 4)  # make proposals look worth their cost
+    for _ in range(10):  # make proposals look worth their cost
+        sched.speculation.acceptance.record((0, "none"), 4, 4)
     step = sched.schedule()
     assert not step.preempted and sched.allocator.num_free == 0
     # a's 4 proposals cut to the 3 its new block holds; b's (fewer: it has no history yet) fit too
