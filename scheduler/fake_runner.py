@@ -60,7 +60,6 @@ class StepRecord:
     sample: bool
     num_blocks: int
     num_spec_tokens: int = 0
-    num_accepted: int = 0  # of those proposals (set once the step has run)
 
 
 def mostly_right_draft(context: Sequence[int]) -> int:
@@ -267,10 +266,8 @@ class FakeRunner:
             tokens.append(tok)
             if j == len(drafts) or tok.token_id != drafts[j]:
                 break
-        accepted = len(tokens) - 1
-        self._computed[seq.request_id] = seq.start_position + seq.num_tokens + accepted
-        record = next(r for r in reversed(self.history[-1]) if r.request_id == seq.request_id)
-        self.history[-1][self.history[-1].index(record)] = replace(record, num_accepted=accepted)
+        # The next batch continues after the accepted ones (submit checks it).
+        self._computed[seq.request_id] = seq.start_position + seq.num_tokens + len(tokens) - 1
         first = tokens[0]
         first.following = tokens[1:]
         first.num_verified = len(drafts)
