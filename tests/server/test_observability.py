@@ -20,7 +20,6 @@ from fakes import (
 
 from server.middleware import RequestIdFilter
 
-
 VLLM_NAMES = [
     "vllm:num_requests_running",
     "vllm:num_requests_waiting",
