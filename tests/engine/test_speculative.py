@@ -172,6 +172,23 @@ def test_a_draft_that_is_the_target_is_always_right(self_drafted):
     assert sched.num_preemptions > 0
 
 
+def test_sampled_requests_verify_a_draft_distribution(self_drafted, small_drafted):
+    """Sampling with a draft model: proposals drawn from the draft's distribution and kept with
+    probability min(1, p/q). The target as its own draft has q = p (up to rounding): nearly all kept; a
+    1-layer random draft's distribution is far from the target's: its proposals are rejected (and soon
+    no longer made), and the requests run to their end either way."""
+    requests = [
+        (p, SamplingParams(temperature=0.8, top_k=40, max_tokens=30, ignore_eos=True)) for p in PROMPTS
+    ]
+    _, sched = run(self_drafted, requests, "draft")
+    stats = sched.stats().speculation
+    assert stats.proposed_tokens > 20 and stats.accepted_tokens >= 0.9 * stats.proposed_tokens
+    reqs, sched = run(small_drafted, requests, "draft")
+    stats = sched.stats().speculation
+    assert stats.proposed_tokens > 0 and stats.accepted_tokens < stats.proposed_tokens
+    assert all(len(r.output_token_ids) == 30 for r in reqs)
+
+
 def test_a_poor_draft_is_rejected_and_turned_down(small_drafted):
     requests = [(p, greedy(40)) for p in PROMPTS[:2]]
     _, sched = run(small_drafted, requests, "draft")
