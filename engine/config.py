@@ -74,6 +74,13 @@ class EngineConfig:
         "sequences)",
         action="store_true",
     )
+    # Speculative decoding: a smaller model with the same tokenizer that proposes tokens for the target
+    # to verify (engine/draft_proposer.py; the scheduler's --speculative picks it when it is given).
+    draft_model: str | None = flag(
+        None,
+        "draft model for speculative decoding (an HF directory or .gguf file with the model's tokenizer); "
+        "one process only",
+    )
     # The most sequences one step holds: the scheduler's max_num_seqs, which has the one flag and the one
     # default (ServerConfig passes it down; from_cli_args reads it where a parser has the scheduler's
     # flags). It bounds the batch sizes decode graphs are captured for; None (the engine used without a

@@ -86,15 +86,29 @@ class ScheduledSequence:
     # their positions give the logprob of the prompt token that follows each (positions
     # start_position .. start_position + num_prompt_scored - 1 score prompt tokens one further on).
     num_prompt_scored: int = 0
+    # Speculative decoding (a decoding request: token_ids is its one uncomputed token). Proposed tokens
+    # to verify after token_ids, at the positions that follow: the scheduler's own (n-gram proposals),
+    # or none, and then the executor's draft model proposes `num_spec_tokens` itself. The block table
+    # covers them and their K/V are written like a prompt chunk's; the result is a SampledToken with
+    # every proposal the target accepted, then one token more. Only with sample=True.
+    spec_token_ids: Sequence[int] = ()
+    num_spec_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
+        """Tokens of the request itself this step runs (proposals not counted)."""
         return len(self.token_ids)
 
     @property
+    def spec_index(self) -> int:
+        """Proposals before this entry's sampled position: 0 (engine.speculative.VerifyRow's differ)."""
+        return 0
+
+    @property
     def context_len(self) -> int:
-        """Tokens in the KV cache once this step has run."""
-        return self.start_position + len(self.token_ids)
+        """Positions whose K/V this step writes, up to the last (proposals included: a rejected one's
+        slot is rewritten by a later step)."""
+        return self.start_position + len(self.token_ids) + self.num_spec_tokens
 
 
 class SamplingRow(Protocol):
@@ -108,6 +122,13 @@ class SamplingRow(Protocol):
     def prompt_token_ids(self) -> Sequence[int]: ...
     @property
     def output_token_ids(self) -> Sequence[int]: ...
+    # Speculative decoding (engine/speculative.py): a verification's row j has spec_index j and outputs
+    # that end with the j proposals before it; its row 0 has the proposals, along which the grammar
+    # masker computes every row's mask. 0 and () for any other row.
+    @property
+    def spec_index(self) -> int: ...
+    @property
+    def spec_token_ids(self) -> Sequence[int]: ...
 
 
 @dataclass
@@ -126,6 +147,24 @@ class SampledToken:
     logprob: float | None = None  # of the chosen token (log-softmax of the processed logits)
     top_logprobs: list[tuple[int, float]] | None = None  # best first, len == SamplingParams.logprobs
     prompt_logprobs: PromptLogprobs | None = None  # the last prompt chunk's, when it scored any
+    # Speculative decoding: the tokens after this one that the step produced too (accepted proposals,
+    # then the token after the last of them), each with its own logprobs; and how many proposals the
+    # step verified. token_id is the first proposal when it was accepted, else the target's own token.
+    following: list[SampledToken] = field(default_factory=list)
+    num_verified: int = 0
+
+    @property
+    def tokens(self) -> list[SampledToken]:
+        """This token and those that follow it, in order (one entry each, `following` left empty)."""
+        if not self.following:
+            return [self]
+        first = SampledToken(self.token_id, self.logprob, self.top_logprobs, self.prompt_logprobs)
+        return [first, *self.following]
+
+    @property
+    def num_accepted(self) -> int:
+        """Proposals the target accepted: every token but the last when proposals were verified."""
+        return len(self.following) if self.num_verified else 0
 
 
 # One result per batch entry: the sampled token, PromptLogprobs for a prompt chunk that scored tokens
@@ -158,6 +197,9 @@ class Executor(Protocol):
     vocab_size: int  # token ids are in [0, vocab_size)
     eos_token_ids: frozenset[int]
     pipeline_depth: int  # batches the loop may keep in flight (ORCA: one per pipeline stage)
+    # Speculative decoding with a draft model: None without one, else what one draft forward costs as a
+    # fraction of the target's (the scheduler's cost model prices proposals with it).
+    draft_model_cost: float | None
 
     @property
     def dead_reason(self) -> str | None:

@@ -188,6 +188,8 @@ class DistributedExecutor(ExecutorBase):
             raise ValueError(
                 "this process already belongs to a process group: one parallel engine per process"
             )
+        if config.draft_model is not None:
+            raise ValueError("--draft-model runs in one process only (n-gram speculation works in parallel)")
         self.topology = Topology(config.tensor_parallel_size, config.pipeline_parallel_size)
         model_path = resolve_model_path(
             config.model, config.load_format
@@ -325,9 +327,9 @@ class DistributedExecutor(ExecutorBase):
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)  # per thread: the step thread is not the one that started
         g, runner = self._groups, self.runner
-        host = runner.prepare_host(batch)
-        msg = encode_batch(batch)
-        pending = self._begin_step(batch, host)
+        pending, host = self._begin_step(batch)
+        assert pending.rows is not None
+        msg = encode_batch(pending.rows.rows)  # the workers run the same rows
         try:
             with torch.inference_mode():
                 if g.stage0_control is not None:

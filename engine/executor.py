@@ -5,9 +5,11 @@ ModelRunner (rank 0), the grammar masker and the sampler; they differ only in wh
     DistributedExecutor  tensor x pipeline parallel ranks (engine/distributed_executor.py)
 
 `engine.executor_factory.create_executor(config)` picks one. A step is `collect(submit(batch))` in both:
-`submit` prepares the inputs, calls `ExecutorBase._begin_step` (which rows sample and score, the grammar
-masks started) and runs (or, with pipeline stages, starts) the step through `ModelRunner.run_step`;
-`collect` waits for the logits rows, scores prompt tokens and samples, here on the driver.
+`submit` calls `ExecutorBase._begin_step` (the draft model's proposals where entries ask for them,
+verifications spread over rows, the inputs prepared, which rows sample and score, the grammar masks
+started) and runs (or, with pipeline stages, starts) the step through `ModelRunner.run_step`;
+`collect` waits for the logits rows, scores prompt tokens, samples and reads back what each
+verification accepted, here on the driver.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -26,7 +28,11 @@ from engine.contract import FatalRunnerError, PromptLogprobs, ScheduledSequence,
 from engine.inputs import HostStepInputs
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler, score_prompt_tokens
+from engine.speculative import StepRows, accept, spread
 from engine.token_mask import PendingMask, TokenMasker
+
+if TYPE_CHECKING:
+    from engine.draft_proposer import DraftProposer
 
 logger = logging.getLogger(__name__)
 
@@ -36,7 +42,9 @@ class PendingStep:
     """A batch between submit() and collect()."""
 
     batch: Sequence[ScheduledSequence]
-    sample_rows: list[int] = field(default_factory=list)  # indices into batch of the entries that sample
+    # The rows the model runs (verifications spread out: engine/speculative.py); None for an empty batch.
+    rows: StepRows | None = None
+    sample_rows: list[int] = field(default_factory=list)  # indices into rows.rows of the rows that sample
     logits: torch.Tensor | None = None  # [R, vocab] float32 (still arriving while `recv` is pending)
     # Prompt logprobs (engine.inputs.HostStepInputs): which logits rows score prompts, which sample.
     scored: list[tuple[int, int, int]] = field(default_factory=list)
@@ -68,6 +76,12 @@ class ExecutorBase(ABC):
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, self.device, config.seed)
         # Grammar masks (structured outputs): only the driver samples, so only it holds matchers.
         self.masker = TokenMasker()
+        # Speculative decoding with a draft model (engine/draft_proposer.py): None without one.
+        self.proposer: DraftProposer | None = None
+
+    @property
+    def draft_model_cost(self) -> float | None:
+        return self.proposer.cost if self.proposer is not None else None
 
     @property
     def dead_reason(self) -> str | None:
@@ -90,35 +104,51 @@ class ExecutorBase(ABC):
     def collect(self, pending: PendingStep) -> list[StepResult]:
         self._wait(pending)
         out: list[StepResult] = [None] * len(pending.batch)
-        if pending.logits is None:
+        rows = pending.rows
+        if pending.logits is None or rows is None:
             return out
         logits = pending.logits
         with torch.inference_mode():
             if pending.scored:  # before sampling, which changes its rows in place
-                for i, scored in score_prompt_tokens(logits, pending.batch, pending.scored):
-                    out[i] = scored
+                for r, scored in score_prompt_tokens(logits, rows.rows, pending.scored):
+                    out[rows.entry_of_row[r]] = scored
                 logits = logits[pending.sample_logit_rows]
             if not pending.sample_rows:
                 return out
-            sampled = self.sampler(logits, [pending.batch[i] for i in pending.sample_rows], pending.mask)
-        for i, tok in zip(pending.sample_rows, sampled, strict=True):
+            sampled = self.sampler(
+                logits, rows.sampling, pending.mask, rows.drafts if rows.has_drafts else None
+            )
+        for i, tok in enumerate(accept(rows, sampled)):
+            if tok is None:
+                continue
             prompt = out[i]
             if isinstance(prompt, PromptLogprobs):  # the last prompt chunk both scores and samples
                 tok.prompt_logprobs = prompt
             out[i] = tok
         return out
 
-    def _begin_step(self, batch: Sequence[ScheduledSequence], host: HostStepInputs) -> PendingStep:
-        """The PendingStep of a prepared batch, the same for every executor: which logits rows sample and
-        which score prompt tokens (what collect() reads), and the grammar masks of the sampling rows
-        started. Call it before the forward pass: the masks are computed while it runs (None, and no
-        work, for a batch without a grammar). The masker is given exactly the rows collect() hands the
-        sampler, in the same order, since a mask's row indices are positions among them."""
+    def _begin_step(self, batch: Sequence[ScheduledSequence]) -> tuple[PendingStep, HostStepInputs]:
+        """A batch's PendingStep and host inputs, the same for every executor: the draft model's
+        proposals for the entries that ask for them, verifications spread over one-token rows
+        (engine/speculative.py), the inputs of those rows, which logits rows sample and which score
+        prompt tokens (what collect() reads), and the grammar masks of the sampling rows started. Call
+        it before the forward pass: the masks are computed while it runs (None, and no work, for a
+        batch without a grammar). The masker is given exactly the rows collect() hands the sampler, in
+        the same order, since a mask's row indices are positions among them."""
+        draft_probs = None
+        if self.proposer is not None and any(s.num_spec_tokens and not s.spec_token_ids for s in batch):
+            batch, draft_probs = self.proposer.propose(batch)
+        rows = spread(batch, draft_probs)
+        host = self.runner.prepare_host(rows.rows)
         pending = PendingStep(
-            batch, sample_rows=host.sample_rows, scored=host.scored, sample_logit_rows=host.sample_logit_rows
+            batch,
+            rows,
+            sample_rows=host.sample_rows,
+            scored=host.scored,
+            sample_logit_rows=host.sample_logit_rows,
         )
-        pending.mask = self.masker.start([batch[i] for i in host.sample_rows])
-        return pending
+        pending.mask = self.masker.start(rows.sampling)
+        return pending, host
 
     def step(self, batch: Sequence[ScheduledSequence]) -> list[StepResult]:
         """One whole step: the batch's tokens, None for entries that do not sample."""
@@ -154,6 +184,10 @@ class LocalExecutor(ExecutorBase):
         model_path = resolve_model_path(config.model, config.load_format)
         runner = ModelRunner(config, model_path, resolve_device(config.device))
         super().__init__(config, model_path, runner, pipeline_depth=1)
+        if config.draft_model is not None:
+            from engine.draft_proposer import DraftProposer
+
+            self.proposer = DraftProposer(config, runner)
         off = cuda_graphs_off_reason(config, runner)
         if off is None:
             assert config.max_num_seqs is not None
@@ -164,7 +198,6 @@ class LocalExecutor(ExecutorBase):
     def submit(self, batch: Sequence[ScheduledSequence]) -> PendingStep:
         if not batch:
             return PendingStep(batch)
-        host = self.runner.prepare_host(batch)
-        pending = self._begin_step(batch, host)
+        pending, host = self._begin_step(batch)
         pending.logits = self.runner.run_step(host).logits  # [R, vocab]; None without logits rows
         return pending

@@ -22,6 +22,9 @@ Order of processing, per row (each step only for the rows that ask for it):
      sampling from probs). Rows with a seed draw E from their own generator seeded from
      (seed, number of output tokens so far), so the same request gives the same tokens whatever else
      shares the batch or where it sits; unseeded rows share the engine's generator.
+     A row that verifies a draft model's proposal d drawn from q (speculative decoding,
+     engine/speculative.py) instead keeps d with probability min(1, p(d) / q(d)) and otherwise draws
+     from max(0, p - q), renormalised (Leviathan et al.).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import torch
 
 from engine.contract import PromptLogprobs, SampledToken, SamplingParams, SamplingRow, ScheduledSequence
 from engine.inputs import to_device
+from engine.speculative import DraftChoice
 
 if TYPE_CHECKING:
     from engine.token_mask import PendingMask
@@ -185,10 +189,16 @@ class Sampler:
         self.generator.manual_seed(seed)
 
     def __call__(
-        self, logits: torch.Tensor, rows: Sequence[SamplingRow], mask: PendingMask | None = None
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        mask: PendingMask | None = None,
+        drafts: Sequence[DraftChoice | None] | None = None,
     ) -> list[SampledToken]:
         """Pick one token per row. `logits` is [B, vocab] float32 and is modified in place. `mask`: the
-        grammar masks of the constrained rows (TokenMasker.start on the same rows), None without any."""
+        grammar masks of the constrained rows (TokenMasker.start on the same rows), None without any.
+        `drafts[i]`: the proposal row i verifies and the draft distribution it came from; only a
+        sampled row with a distribution draws differently (module docstring, step 8)."""
         if mask is not None:
             mask.apply(logits)
         params = [r.sampling for r in rows]
@@ -234,8 +244,11 @@ class Sampler:
         if sampled_rows:
             assert s is not None
             sub = logits[s]  # [S, V]
-            sub = self._truncate(sub, [params[i] for i in sampled_rows])
-            tokens[s] = self._draw(sub, [params[i] for i in sampled_rows], [num_out[i] for i in sampled_rows])
+            sub = self.truncate(sub, [params[i] for i in sampled_rows])
+            against = [drafts[i] if drafts is not None else None for i in sampled_rows]
+            tokens[s] = self._draw(
+                sub, [params[i] for i in sampled_rows], [num_out[i] for i in sampled_rows], against
+            )
 
         if logprobs is None:
             return [SampledToken(t) for t in tokens.tolist()]
@@ -339,7 +352,7 @@ class Sampler:
 
     # --- truncation and drawing -----------------------------------------------------------------
 
-    def _truncate(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    def truncate(self, logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
         """top-k, top-p, min-p over temperature-scaled logits [S, V]; dropped tokens become -inf."""
         dev = logits.device
         vocab = logits.shape[-1]
@@ -362,10 +375,29 @@ class Sampler:
             logits = logits.masked_fill(logits < threshold, float("-inf"))
         return logits
 
-    def _draw(self, logits: torch.Tensor, params: list[SamplingParams], num_out: list[int]) -> torch.Tensor:
+    def _draw(
+        self,
+        logits: torch.Tensor,
+        params: list[SamplingParams],
+        num_out: list[int],
+        drafts: Sequence[DraftChoice | None] = (),
+    ) -> torch.Tensor:
         """One token per row of [S, V] logits by the exponential race; returns [S] int64. On a CPU, rows
         cut by top-k / top-p race over their kept tokens only (a -inf token cannot win): drawing Exp(1)
-        noise costs ~27 ns a token there, 1.3 ms a row over 49,152 tokens, against ~10-1,000 kept."""
+        noise costs ~27 ns a token there, 1.3 ms a row over 49,152 tokens, against ~10-1,000 kept.
+        Rows that verify a draft model's proposal are drawn by `_draw_against_draft`."""
+        against = {i: d for i, d in enumerate(drafts) if d is not None and d[1] is not None}
+        if against:
+            tokens = torch.empty(len(params), dtype=torch.int64, device=logits.device)
+            rest = [i for i in range(len(params)) if i not in against]
+            if rest:
+                r = _tensor(rest, logits.device)
+                tokens[r] = self._draw(logits[r], [params[i] for i in rest], [num_out[i] for i in rest])
+            for i, (token, q) in against.items():
+                assert q is not None
+                gen = self._row_generator(params[i], num_out[i])
+                tokens[i] = self._draw_against_draft(logits[i], token, q, gen)
+            return tokens
         vocab = logits.shape[-1]
         if logits.device.type == "cpu":
             kept = torch.isfinite(logits)  # [S, V]
@@ -390,6 +422,23 @@ class Sampler:
             if p.seed is not None:
                 noise[i].exponential_(generator=self._row_generator(p, num_out[i]))
         return row_argmax(probs / noise)
+
+    @staticmethod
+    def _draw_against_draft(logits: torch.Tensor, token: int, q: torch.Tensor, gen: torch.Generator) -> int:
+        """Leviathan et al.'s rejection step for one row: keep the draft's `token` with probability
+        min(1, p(token) / q(token)), else draw from max(0, p - q) renormalised, where p = softmax of
+        the row's (truncated) logits [V] and q [V] the draft's distribution `token` was drawn from."""
+        p = logits.softmax(dim=-1)
+        q = q.to(p.device, p.dtype)
+        u = float(torch.rand(1, generator=gen, device=gen.device))
+        p_tok, q_tok = float(p[token]), float(q[token])
+        if q_tok > 0 and u * q_tok < p_tok:
+            return token
+        residual = (p - q).clamp_(min=0.0)
+        if not float(residual.sum()) > 0:  # p == q (to rounding): the rejection never happens exactly
+            residual = p
+        noise = torch.empty_like(residual).exponential_(generator=gen)
+        return int((residual / noise).argmax())
 
     def _row_generator(self, p: SamplingParams, num_out: int) -> torch.Generator:
         """A seeded row's own generator for this step (see the module docstring); else the engine's."""

@@ -89,28 +89,52 @@ class TokenMasker:
 
             self._executor = llg.LLExecutor(self._num_threads)
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="orca-grammar")
-        work = [(rows[i].sampling.grammar, rows[i].output_token_ids) for i in constrained]
-        future = self._pool.submit(self._compute, work)
+        # A verification's later rows get their masks with its row 0, along the proposals (their
+        # outputs end with proposals, which must not be committed to the matcher).
+        work = [
+            (rows[i].sampling.grammar, rows[i].output_token_ids, list(rows[i].spec_token_ids), j)
+            for j, i in enumerate(constrained)
+            if rows[i].spec_index == 0
+        ]
+        future = self._pool.submit(self._compute, work, len(constrained))
         return PendingMask(constrained, future, self.stats)
 
-    def _compute(self, work: list[tuple[GrammarMatcher | None, Sequence[int]]]) -> torch.Tensor:
+    def _compute(
+        self, work: list[tuple[GrammarMatcher | None, Sequence[int], list[int], int]], num_rows: int
+    ) -> torch.Tensor:
         import llguidance.numpy as llg_np
 
         t0 = time.perf_counter()
-        matchers = []
-        for grammar, outputs in work:
+        plain: list[tuple[Any, int]] = []
+        along: list[tuple[Any, int, list[int]]] = []
+        vocab = 0
+        for grammar, outputs, proposals, row in work:
             assert grammar is not None
             grammar.advance(outputs)
-            matchers.append(grammar)
-        vocab = matchers[0].vocab_size
-        bitmask = llg_np.allocate_token_bitmask(len(matchers), vocab)  # [C, ceil(V/32)] int32
-        llg_np.fill_next_token_bitmask_par(
-            self._executor, [(m.matcher, j) for j, m in enumerate(matchers)], bitmask
-        )
+            vocab = grammar.vocab_size
+            if proposals:
+                along.append((grammar.matcher, row, proposals))
+            else:
+                plain.append((grammar.matcher, row))
+        bitmask = llg_np.allocate_token_bitmask(num_rows, vocab)  # [C, ceil(V/32)] int32
+        if along:
+            bitmask[:] = 0  # allocated all-allowed; zero marks the rows llguidance leaves unwritten
+            llg_np.fill_next_token_bitmask_par_with_draft_tokens(self._executor, along, bitmask)
+            # llguidance stops at the first proposal the grammar refuses (or that a matcher that has
+            # ended cannot take): the rows after it are left unwritten, still zero, which no mask it
+            # writes is (it allows EOS at least). They repeat the last written row: after a refused
+            # proposal their draws are never used (it is rejected at that row), and a matcher that has
+            # ended allows only EOS from then on, as it does without speculation.
+            for _, row, proposals in along:
+                for r in range(row + 1, row + len(proposals) + 1):
+                    if not bitmask[r].any():
+                        bitmask[r] = bitmask[r - 1]
+        if plain:
+            llg_np.fill_next_token_bitmask_par(self._executor, plain, bitmask)
         allowed = np.unpackbits(bitmask.view(np.uint8), axis=1, count=vocab, bitorder="little")  # [C, V]
         banned = torch.from_numpy(np.logical_not(allowed))
         self.stats.steps += 1
-        self.stats.rows += len(matchers)
+        self.stats.rows += num_rows
         self.stats.fill_s += time.perf_counter() - t0
         return banned
 

@@ -23,6 +23,7 @@ from urllib.parse import urlparse
 
 from loadtest.metrics import SLO
 from loadtest.prompts import PromptBuilder
+from loadtest.quoting import quoting_tasks
 from loadtest.report import make_console, print_report
 from loadtest.results import BenchmarkResults, RunResult, machine_info
 from loadtest.runner import RunConfig
@@ -101,7 +102,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
 
     g = p.add_argument_group("workload")
-    g.add_argument("--workload", choices=("orca", "random", "file"), default="orca")
+    g.add_argument(
+        "--workload",
+        choices=("orca", "random", "file", "quote"),
+        default="orca",
+        help="quote: answers that quote their prompts (code edits, fixed texts, quoted passages: "
+        "loadtest/quoting.py), for speculative decoding",
+    )
     g.add_argument("--input-len-min", type=int, default=32, help="orca: shortest prompt (tokens)")
     g.add_argument("--input-len-max", type=int, default=512, help="orca: longest prompt (tokens)")
     g.add_argument("--output-len-min", type=int, default=1, help="orca: shortest output (tokens)")
@@ -265,6 +272,8 @@ def make_workload(args: argparse.Namespace, tokenizer: PromptTokenizer, as_text:
         return Workload(
             "file", builder, args.seed, as_text, entries=entries, default_output_len=args.file_output_len
         )
+    if args.workload == "quote":
+        return Workload("quote", builder, args.seed, as_text, entries=quoting_tasks(tokenizer, args.seed))
     return Workload(args.workload, builder, args.seed, as_text, lengths=make_lengths(args))
 
 

@@ -20,6 +20,8 @@ WATCHED: dict[str, str] = {
     "prefix_cache_queries": "vllm:prefix_cache_queries",
     "prefix_cache_hits": "vllm:prefix_cache_hits",
     "prompt_tokens_computed": "orca:prompt_tokens_computed",
+    "spec_proposed_tokens": "orca:spec_proposed_tokens",
+    "spec_accepted_tokens": "orca:spec_accepted_tokens",
 }
 
 
@@ -60,4 +62,7 @@ def counter_deltas(before: dict[str, float] | None, after: dict[str, float] | No
     if steps > 0 and tokens > 0:
         out["tokens_per_step"] = tokens / steps
         out["generation_tokens_per_step"] = out.get("generation_tokens", 0.0) / steps
+    proposed = out.get("spec_proposed_tokens", 0.0)
+    if proposed > 0:
+        out["spec_acceptance_rate"] = out.get("spec_accepted_tokens", 0.0) / proposed
     return out

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from engine.cli_args import add_flags, flag, from_flags
+from scheduler.speculation import SPECULATIVE_METHODS, SpeculativeMethod
 
 Scheduling = Literal["iteration", "request"]
 KVPolicyName = Literal["lazy", "reserve"]
@@ -48,6 +49,26 @@ class SchedulerConfig:
         "server gives up (0: never restart)",
     )
     worker_restart_window_s: float = flag(600.0, name="--worker-restart-window", metavar="SECONDS")
+    # Speculative decoding (scheduler/speculation.py, docs/architecture.md "Speculative decoding"):
+    # decoding requests propose tokens that one forward pass verifies, losslessly. auto: the draft
+    # model where the engine has one (--draft-model), else n-gram prompt lookup.
+    speculative: SpeculativeMethod = flag(
+        "auto",
+        "speculative decoding: ngram (proposals from the request's own prompt and output), draft (the "
+        "engine's --draft-model), off; auto: draft with a draft model, else ngram",
+        choices=SPECULATIVE_METHODS,
+        type=str,
+    )
+    num_speculative_tokens: int = flag(8, "most tokens a request proposes in one step")
+    # Past this many decoding requests in a step, nobody proposes: decode is compute-bound there and
+    # verifying costs what it saves (below it the cost model decides, request by request).
+    speculative_max_batch: int = flag(8, "no speculation in steps that decode more requests than this")
+    # What one more token adds to a decode step, as a fraction of a one-token step: the cost model's
+    # price of a proposal token (scheduler/speculation.py). 0.07-0.2 for the default model on a 2-core
+    # CPU, by context length and load (docs/architecture.md, "Speculative decoding").
+    speculative_token_cost: float = flag(
+        0.12, "cost of one more token in a decode step, as a fraction of a one-token step"
+    )
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -64,6 +85,12 @@ class SchedulerConfig:
             raise ValueError(f"kv_policy must be 'lazy' or 'reserve', got {self.kv_policy!r}")
         if self.max_worker_restarts < 0 or self.worker_restart_window_s < 0:
             raise ValueError("max_worker_restarts and worker_restart_window_s must not be negative")
+        if self.speculative not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative must be one of {SPECULATIVE_METHODS}, got {self.speculative!r}")
+        if self.num_speculative_tokens < 1 or self.speculative_max_batch < 1:
+            raise ValueError("num_speculative_tokens and speculative_max_batch must be >= 1")
+        if not self.speculative_token_cost > 0:
+            raise ValueError(f"speculative_token_cost must be positive, got {self.speculative_token_cost}")
 
     @staticmethod
     def add_cli_args(p: argparse.ArgumentParser) -> None:

@@ -9,14 +9,15 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Sequence, Set
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from engine.contract import Executor, PromptLogprobs, SampledToken, ScheduledSequence, StepResult
 from scheduler.block_allocator import BlockAllocator, BlockHash, blocks_for_tokens
 from scheduler.config import SchedulerConfig
-from scheduler.outputs import FinishReason, PrefixCacheStats, SchedulerStats
+from scheduler.outputs import FinishReason, PrefixCacheStats, SchedulerStats, SpecStats
 from scheduler.policy import make_batching_policy, make_kv_policy
 from scheduler.request import Request, RequestStatus
+from scheduler.speculation import Proposal, SpeculationPolicy
 from scheduler.stop import check_stop
 
 # The status a stop rule's reason puts a request in.
@@ -34,6 +35,7 @@ class ScheduledStep:
     requests: list[Request] = field(default_factory=list)  # requests[i] runs seqs[i]
     num_prompt_tokens: int = 0  # prompt tokens, and outputs recomputed after a preemption
     num_decode_tokens: int = 0
+    num_spec_tokens: int = 0  # proposed tokens to verify (speculative decoding)
     preempted: list[Request] = field(default_factory=list)
     # Requests finished while scheduling (they can never fit) or handed back by the batching policy;
     # the caller sends their final delta.
@@ -41,7 +43,7 @@ class ScheduledStep:
 
     @property
     def num_tokens(self) -> int:
-        return self.num_prompt_tokens + self.num_decode_tokens
+        return self.num_prompt_tokens + self.num_decode_tokens + self.num_spec_tokens
 
     @property
     def num_seqs(self) -> int:
@@ -58,7 +60,14 @@ class Scheduler:
         (reserve) or would preempt itself forever (lazy), so the cache's capacity caps the length as
         the model's limit does."""
         max_len = min(executor.max_model_len, executor.num_kv_blocks * executor.block_size)
-        return cls(config, executor.num_kv_blocks, executor.block_size, max_len, executor.eos_token_ids)
+        return cls(
+            config,
+            executor.num_kv_blocks,
+            executor.block_size,
+            max_len,
+            executor.eos_token_ids,
+            draft_model_cost=executor.draft_model_cost,
+        )
 
     def __init__(
         self,
@@ -67,7 +76,10 @@ class Scheduler:
         block_size: int,
         max_model_len: int,
         eos_token_ids: Set[int],
+        draft_model_cost: float | None = None,
     ) -> None:
+        """`draft_model_cost`: the executor's (Executor.draft_model_cost): None when it has no draft
+        model, which `speculative="draft"` needs."""
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
@@ -84,6 +96,8 @@ class Scheduler:
         self._claimed: dict[BlockHash, Request] = {}
         self._claims: dict[Request, tuple[list[BlockHash], int]] = {}  # names, and tokens when done
         self._cache_stats = PrefixCacheStats()
+        self.speculation = make_speculation_policy(config, draft_model_cost)
+        self._spec_stats = SpecStats()
 
     # ---- requests in and out ----------------------------------------------------------------------
 
@@ -128,6 +142,7 @@ class Scheduler:
             num_preemptions=self.num_preemptions,
             num_steps=0,
             prefix_cache=self.prefix_cache_stats(),
+            speculation=replace(self._spec_stats),
         )
 
     def abort_all(self) -> list[Request]:
@@ -237,23 +252,30 @@ class Scheduler:
         # No admission in a step that preempted: the blocks just freed would otherwise go to the next
         # waiting request and the victim would be preempted again at once (thrashing).
         if not step.preempted and self.batching.may_admit():
-            self._admit(step, chosen, budget, max_seqs)
+            budget = self._admit(step, chosen, budget, max_seqs)
+        # Proposals last, from what is left of the budget and the free blocks: they never preempt nor
+        # hold back anybody's own tokens.
+        spec = self._propose([r for r in decodes if chosen.get(r) == 1], budget)
 
         now = time.monotonic()
         for req, n in chosen.items():
             start = req.num_computed_tokens
             end = start + n
+            proposal = spec.get(req)
+            k = proposal.count if proposal is not None else 0
             step.seqs.append(
                 ScheduledSequence(
                     request_id=req.request_id,
                     token_ids=req.token_slice(start, end),
                     start_position=start,
-                    block_table=req.block_ids[: blocks_for_tokens(end, self.allocator.block_size)],
+                    block_table=req.block_ids[: blocks_for_tokens(end + k, self.allocator.block_size)],
                     sample=end == req.num_tokens,
                     sampling=req.sampling,
                     prompt_token_ids=req.prompt_token_ids,
                     output_token_ids=req.output_token_ids,
                     num_prompt_scored=req.prompt_tokens_to_score(start, end),
+                    spec_token_ids=proposal.token_ids if proposal is not None else (),
+                    num_spec_tokens=k,
                 )
             )
             step.requests.append(req)
@@ -261,9 +283,26 @@ class Scheduler:
                 step.num_decode_tokens += 1
             else:
                 step.num_prompt_tokens += n
+            step.num_spec_tokens += k
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
         return step
+
+    def _propose(self, decodes: list[Request], spare: int) -> dict[Request, Proposal]:
+        """This step's proposals for its decoding requests (none with speculation off), within `spare`
+        tokens of budget, each with the blocks for its positions if they are free (else none)."""
+        if self.speculation is None or not decodes:
+            return {}
+        out: dict[Request, Proposal] = {}
+        bs = self.allocator.block_size
+        for i, proposal in self.speculation.plan(decodes, spare, self.max_model_len).items():
+            req = decodes[i]
+            # Cut to the positions its blocks and the free ones hold.
+            room = (len(req.block_ids) + self.allocator.num_free) * bs - req.num_computed_tokens - 1
+            k = min(proposal.count, room)
+            if k > 0 and self.kv.grow(req, 1 + k):
+                out[req] = Proposal(k, proposal.token_ids[:k])
+        return out
 
     def _prompt_share(self, num_uncomputed: int, budget: int, alone: bool) -> int:
         """Tokens of a prompt (or of a recompute) to run this step: 0 if it must wait."""
@@ -276,9 +315,10 @@ class Scheduler:
 
     def _admit(
         self, step: ScheduledStep, chosen: dict[Request, int], budget: int, max_seqs: int | None = None
-    ) -> None:
+    ) -> int:
         """Move waiting requests to running, first come first served; stop at the first that does not
-        fit (ORCA's Select(): never skip ahead, so a long request cannot starve)."""
+        fit (ORCA's Select(): never skip ahead, so a long request cannot starve). Returns the budget
+        left."""
         uses_budget = self.batching.admission_uses_token_budget
         while self.waiting and len(self.running) < self.config.max_num_seqs:
             if max_seqs is not None and len(chosen) >= max_seqs:
@@ -310,6 +350,7 @@ class Scheduler:
                 chosen[req] = n
                 budget -= n
                 self._claim(req)
+        return budget
 
     def _preempt(self, req: Request, step: ScheduledStep) -> None:
         """Free the request's blocks and put it at the front of the queue, to be recomputed from its
@@ -384,27 +425,44 @@ class Scheduler:
         for req, seq, tok in zip(step.requests, step.seqs, sampled, strict=True):
             if req.status is not RequestStatus.RUNNING:
                 continue
-            req.num_computed_tokens += seq.num_tokens
+            scored = _scored(tok)
+            if scored is not None:
+                req.add_prompt_logprobs(seq.start_position, scored)
+            reason: FinishReason | None = None
+            computed = seq.num_tokens
+            if isinstance(tok, SampledToken):  # else a prompt chunk that is not the last
+                # Token by token, so that a stop rule drops whatever the step produced after it.
+                kept = 0
+                for t in tok.tokens:
+                    req.output_token_ids.append(t.token_id)
+                    if req.sampling.logprobs is not None:  # then t.logprob is set (_check_sampled)
+                        req.output_text.add(t.token_id, t.logprob, t.top_logprobs)
+                    else:
+                        req.output_text.add(t.token_id)
+                    kept += 1
+                    reason = check_stop(req, self.eos_token_ids, self.max_model_len)
+                    if reason is not None:
+                        break
+                # The accepted proposals' K/V are computed too (rolled back to them: the slots of
+                # rejected ones are rewritten by later steps, and no block holding them is cached).
+                computed += min(tok.num_accepted, kept)
+                if seq.num_spec_tokens:
+                    self._spec_stats.record(seq.num_spec_tokens, tok.num_accepted)
+                    if self.speculation is not None:
+                        self.speculation.record(req, seq.num_spec_tokens, tok.num_accepted)
+                if req.first_token_time is None:
+                    req.first_token_time = now
+            req.num_computed_tokens += computed
             self.kv.offer_computed(req)
             claim = self._claims.get(req)
             if claim is not None and req.num_computed_tokens >= claim[1]:
                 self._unclaim(req)
-            scored = _scored(tok)
-            if scored is not None:
-                req.add_prompt_logprobs(seq.start_position, scored)
-            if not isinstance(tok, SampledToken):  # a prompt chunk that is not the last
-                continue
-            req.output_token_ids.append(tok.token_id)
-            if req.sampling.logprobs is not None:  # then tok.logprob is set (_check_sampled)
-                req.output_text.add(tok.token_id, tok.logprob, tok.top_logprobs)
-            else:
-                req.output_text.add(tok.token_id)
-            if req.first_token_time is None:
-                req.first_token_time = now
-            reason = check_stop(req, self.eos_token_ids, self.max_model_len)
             if reason is not None:
                 out += self._finish(req, _STOPPED[reason], hold=True)
-            elif self.batching.streams:
+                continue
+            if seq.num_spec_tokens:
+                self.kv.trim(req)
+            if isinstance(tok, SampledToken) and self.batching.streams:
                 out.append(req)
         return out
 
@@ -420,7 +478,9 @@ class Scheduler:
                 raise ValueError(f"the runner scored the wrong prompt tokens for {seq.request_id!r}")
             if not isinstance(tok, SampledToken):
                 continue
-            if seq.sampling.logprobs is not None and tok.logprob is None:
+            if tok.num_verified != seq.num_spec_tokens or len(tok.following) > seq.num_spec_tokens:
+                raise ValueError(f"the runner verified the wrong proposals for {seq.request_id!r}")
+            if seq.sampling.logprobs is not None and any(t.logprob is None for t in tok.tokens):
                 raise ValueError(f"the runner returned no logprob for {seq.request_id!r}")
 
 
@@ -429,3 +489,25 @@ def _scored(result: StepResult) -> PromptLogprobs | None:
     if isinstance(result, PromptLogprobs):
         return result
     return result.prompt_logprobs if result is not None else None
+
+
+def make_speculation_policy(
+    config: SchedulerConfig, draft_model_cost: float | None
+) -> SpeculationPolicy | None:
+    """The policy for config.speculative ("auto": the draft model where there is one, else n-gram)."""
+    method = config.speculative
+    if method == "off":
+        return None
+    if method == "auto":
+        method = "draft" if draft_model_cost is not None else "ngram"
+    if method == "draft" and draft_model_cost is None:
+        raise ValueError(
+            "speculative decoding with a draft model needs one: start the engine with --draft-model"
+        )
+    return SpeculationPolicy(
+        method,
+        max_tokens=config.num_speculative_tokens,
+        max_batch=config.speculative_max_batch,
+        token_cost=config.speculative_token_cost,
+        draft_cost=draft_model_cost or 0.0,
+    )

@@ -16,6 +16,14 @@ Output is a function of the request's own context (and seed, when sampling with 
 what shares the batch, like a real model's greedy output; unseeded sampling gives the greedy tokens. A `script` replaces that with fixed tokens, so stop-string and
 multi-byte tests know exactly what comes out.
 
+Speculative decoding is simulated the same way: an entry's proposals are written to its slots like any
+token (with the digest of the context they would make), the "target" token at each proposed position
+is computed from the context read back from the cache, and the proposals are accepted while they match
+it, then one more token follows. So a scheduler that rolls back wrongly (a computed count past the
+accepted tokens, a rejected proposal's slot read as if it held an accepted token) raises or changes
+the tokens. With `draft_fn` the runner also has a "draft model" (Executor.draft_model_cost is set)
+that proposes tokens for entries that ask it to.
+
 `FakeDetokenizer` gives its tokens text without a tokenizer (the loop's detokenizer in scheduler tests).
 """
 
@@ -26,7 +34,7 @@ import time
 import zlib
 from array import array
 from collections.abc import Callable, Mapping, Sequence, Set
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from engine.contract import FatalRunnerError, PromptLogprobs, SampledToken, ScheduledSequence, StepResult
 
@@ -51,6 +59,13 @@ class StepRecord:
     num_tokens: int
     sample: bool
     num_blocks: int
+    num_spec_tokens: int = 0
+
+
+def mostly_right_draft(context: Sequence[int]) -> int:
+    """A draft "model" for hash_next_token that guesses right three times in four, deterministically."""
+    tok = hash_next_token(context)
+    return tok if zlib.crc32(array("q", context).tobytes()) % 4 else tok + 1
 
 
 class FakeRunner:
@@ -71,6 +86,7 @@ class FakeRunner:
         per_token_delay_s: float = 0.0,
         simulate_kv: bool = True,
         can_restart: bool = False,
+        draft_fn: Callable[[Sequence[int]], int] | None = None,
     ) -> None:
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
@@ -98,6 +114,9 @@ class FakeRunner:
         self.can_restart = can_restart
         self.num_restarts = 0
         self.fail_restart = False  # restart() raises instead
+        # The "draft model": the token it proposes after a context (None: no draft model).
+        self.draft_fn = draft_fn
+        self.draft_model_cost: float | None = 0.05 if draft_fn is not None else None
         # slot -> (token, digest of the context through it) of the last write
         self._slots: list[tuple[int, int] | None] = [None] * (
             num_kv_blocks * block_size if simulate_kv else 0
@@ -145,15 +164,20 @@ class FakeRunner:
         }
         for seq in batch:
             assert seq.request_id not in busy, f"{seq.request_id} in two in-flight batches"
-            # Each batch continues where the last ended, except a preempted request (from 0) and one
-            # starting from cached blocks (at a block boundary).
+            # Each batch continues where the last ended (its accepted tokens), except a preempted
+            # request (from 0) and one starting from cached blocks (at a block boundary).
             start = seq.start_position
             assert start == self._computed.get(seq.request_id, 0) or start % bs == 0, seq.request_id
             # Blocks it reads without writing hold K/V that exist: no batch in flight is writing them.
             assert not set(seq.block_table[: start // bs]) & writing, (
                 f"{seq.request_id} reads a block in flight"
             )
-            self._computed[seq.request_id] = seq.context_len
+            assert not seq.num_spec_tokens or (seq.sample and seq.num_tokens == 1), seq.request_id
+            assert len(seq.spec_token_ids) in (0, seq.num_spec_tokens), seq.request_id
+            assert seq.spec_token_ids or self.draft_fn is not None or not seq.num_spec_tokens, (
+                f"{seq.request_id} asks for drafts and there is no draft model"
+            )
+            self._computed[seq.request_id] = start + seq.num_tokens
         self.in_flight.append(list(batch))
         self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
         assert len(self.in_flight) <= self.pipeline_depth, "more batches in flight than pipeline_depth"
@@ -170,12 +194,22 @@ class FakeRunner:
     def step(self, batch: Sequence[ScheduledSequence]) -> list[StepResult]:
         self.step_started.set()
         self.gate.wait()
-        delay = self.step_delay_s + self.per_token_delay_s * sum(s.num_tokens for s in batch)
+        batch = [self._with_drafts(seq) for seq in batch]
+        delay = self.step_delay_s + self.per_token_delay_s * sum(
+            s.num_tokens + s.num_spec_tokens for s in batch
+        )
         if delay:
             time.sleep(delay)
         self.history.append(
             [
-                StepRecord(s.request_id, s.start_position, s.num_tokens, s.sample, len(s.block_table))
+                StepRecord(
+                    s.request_id,
+                    s.start_position,
+                    s.num_tokens,
+                    s.sample,
+                    len(s.block_table),
+                    s.num_spec_tokens,
+                )
                 for s in batch
             ]
         )
@@ -191,10 +225,22 @@ class FakeRunner:
         digests = [self._digests(seq) for seq in batch]
         # Every write of the step lands before any read, as in a real forward pass (per layer).
         for seq, digest in zip(batch, digests, strict=True):
-            for i, tok in enumerate(seq.token_ids):
+            for i, tok in enumerate([*seq.token_ids, *seq.spec_token_ids]):
                 pos = seq.start_position + i
                 self._slots[seq.block_table[pos // bs] * bs + pos % bs] = (tok, digest[pos])
         return self._results(batch, digests)
+
+    def _with_drafts(self, seq: ScheduledSequence) -> ScheduledSequence:
+        """The entry with its proposals, made by the draft model when it asked for them: each the
+        draft's token after the context with the proposals before it."""
+        if not seq.num_spec_tokens or seq.spec_token_ids:
+            return seq
+        assert self.draft_fn is not None
+        context = [*seq.prompt_token_ids, *seq.output_token_ids]
+        drafts: list[int] = []
+        for _ in range(seq.num_spec_tokens):
+            drafts.append(self.draft_fn([*context, *drafts]))
+        return replace(seq, spec_token_ids=drafts)
 
     def _results(
         self, batch: Sequence[ScheduledSequence], digests: Sequence[list[int] | None]
@@ -203,12 +249,29 @@ class FakeRunner:
         for seq, digest in zip(batch, digests, strict=True):
             scored = self._score(seq) if seq.num_prompt_scored else None
             if seq.sample:
-                tok = self._sample(seq, digest)
+                tok = self._verify(seq, digest) if seq.num_spec_tokens else self._sample(seq, digest)
                 tok.prompt_logprobs = scored
                 out.append(tok)
             else:
                 out.append(scored)
         return out
+
+    def _verify(self, seq: ScheduledSequence, digest: list[int] | None) -> SampledToken:
+        """The target's token at each proposed position, the proposals accepted while they match it,
+        and one token more (as engine/speculative.py does for greedy rows)."""
+        drafts = list(seq.spec_token_ids)
+        tokens: list[SampledToken] = []
+        for j in range(len(drafts) + 1):
+            tok = self._sample(seq, digest, j)
+            tokens.append(tok)
+            if j == len(drafts) or tok.token_id != drafts[j]:
+                break
+        # The next batch continues after the accepted ones (submit checks it).
+        self._computed[seq.request_id] = seq.start_position + seq.num_tokens + len(tokens) - 1
+        first = tokens[0]
+        first.following = tokens[1:]
+        first.num_verified = len(drafts)
+        return first
 
     @staticmethod
     def _score(seq: ScheduledSequence) -> PromptLogprobs:
@@ -226,14 +289,16 @@ class FakeRunner:
             ],
         )
 
-    def _sample(self, seq: ScheduledSequence, digest: list[int] | None) -> SampledToken:
+    def _sample(self, seq: ScheduledSequence, digest: list[int] | None, spec_index: int = 0) -> SampledToken:
+        """The token after the entry's own tokens and its first `spec_index` proposals."""
         params = seq.sampling
+        end = seq.start_position + seq.num_tokens + spec_index
         if digest is not None:
-            context = [self._read(seq, pos, digest[pos]) for pos in range(seq.context_len)]
+            context = [self._read(seq, pos, digest[pos]) for pos in range(end)]
         else:
-            context = [*seq.prompt_token_ids, *seq.output_token_ids]
+            context = [*seq.prompt_token_ids, *seq.output_token_ids, *seq.spec_token_ids[:spec_index]]
         if self.script is not None:
-            tok = self.script[len(seq.output_token_ids) % len(self.script)]
+            tok = self.script[(len(seq.output_token_ids) + spec_index) % len(self.script)]
         elif params.seed is not None and not params.greedy:
             tok = self.token_fn([params.seed, *context])
         else:  # greedy, and unseeded sampling too: the same request always gives the same tokens
@@ -249,10 +314,14 @@ class FakeRunner:
 
     @staticmethod
     def _digests(seq: ScheduledSequence) -> list[int]:
-        """Digest of the request's context through each position of this step's context."""
-        context = [*seq.prompt_token_ids, *seq.output_token_ids][: seq.context_len]
-        if len(context) < seq.context_len or list(seq.token_ids) != context[seq.start_position :]:
+        """Digest of the request's context through each position of this step's context (proposals
+        included: the digest of the context a proposal makes, which a rejected one's later rewrite
+        replaces)."""
+        own = seq.start_position + seq.num_tokens
+        context = [*seq.prompt_token_ids, *seq.output_token_ids][:own]
+        if len(context) < own or list(seq.token_ids) != context[seq.start_position :]:
             raise AssertionError(f"{seq.request_id}: the step's tokens are not its prompt + outputs")
+        context += seq.spec_token_ids
         digests = []
         crc = 0
         for tok in context:

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engine.contract import Executor, FatalRunnerError, SamplingParams, StepResult
+from engine.contract import Executor, FatalRunnerError, SampledToken, SamplingParams, StepResult
 from scheduler.config import SchedulerConfig
 from scheduler.core import ScheduledStep, Scheduler
 from scheduler.output_text import Detokenizer, start_output
@@ -432,7 +432,8 @@ class IterationLoop:
         self._num_steps += 1
         self._emit_all(updated)
         if self._listeners:
-            self._report(step, updated, time.perf_counter() - done.started, exc is not None)
+            results = done.sampled if exc is None else None
+            self._report(step, updated, results, time.perf_counter() - done.started, exc is not None)
         if isinstance(exc, FatalRunnerError) and self._down is None:
             self._down = exc
 
@@ -440,12 +441,23 @@ class IterationLoop:
         while self._aborts:
             self._emit_all(self._scheduler.abort(self._aborts.popleft()))
 
-    def _report(self, step: ScheduledStep, updated: list[Request], duration: float, failed: bool) -> None:
+    def _report(
+        self,
+        step: ScheduledStep,
+        updated: list[Request],
+        results: Sequence[StepResult] | None,
+        duration: float,
+        failed: bool,
+    ) -> None:
         # Plain lists of ids and ints, built only when someone listens: a few hundred ns per request.
         finished = [r.request_id for r in step.released]
         finished += [r.request_id for r in updated if r.is_finished]
         starts = [seq.start_position for seq in step.seqs]
         stats = self._scheduler.stats()
+        proposed = [seq.num_spec_tokens for seq in step.seqs]
+        accepted = [0] * len(proposed)
+        if results is not None and step.num_spec_tokens:
+            accepted = [r.num_accepted if isinstance(r, SampledToken) else 0 for r in results]
         report = StepReport(
             num_seqs=step.num_seqs,
             num_tokens=step.num_tokens,
@@ -469,6 +481,10 @@ class IterationLoop:
             num_waiting=stats.waiting,
             kv_blocks_used=stats.kv_blocks_used,
             kv_blocks_total=stats.kv_blocks_total,
+            num_spec_proposed=step.num_spec_tokens,
+            num_spec_accepted=sum(accepted),
+            request_num_proposed=proposed,
+            request_num_accepted=accepted,
         )
         for cb in self._listeners:
             try:

@@ -65,6 +65,24 @@ class PrefixCacheStats:
 
 
 @dataclass
+class SpecStats:
+    """Running totals of speculative decoding (vLLM's spec_decode counters)."""
+
+    num_verifications: int = 0  # entries whose proposals a step verified (vLLM's num_drafts)
+    proposed_tokens: int = 0  # vLLM's num_draft_tokens
+    accepted_tokens: int = 0
+
+    def record(self, proposed: int, accepted: int) -> None:
+        self.num_verifications += 1
+        self.proposed_tokens += proposed
+        self.accepted_tokens += accepted
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.accepted_tokens / self.proposed_tokens if self.proposed_tokens else 0.0
+
+
+@dataclass
 class SchedulerStats:
     running: int
     waiting: int
@@ -74,6 +92,7 @@ class SchedulerStats:
     num_steps: int
     prefix_cache: PrefixCacheStats = field(default_factory=PrefixCacheStats)
     num_restarts: int = 0  # of the executor (its workers died), by the loop
+    speculation: SpecStats = field(default_factory=SpecStats)
 
     @property
     def kv_usage(self) -> float:
@@ -87,7 +106,7 @@ class StepReport:
     num_seqs: int
     num_tokens: int
     num_prompt_tokens: int  # prompt tokens, and outputs recomputed after a preemption
-    num_decode_tokens: int
+    num_decode_tokens: int  # decoding requests (one token of their own each; proposals not counted)
     duration_s: float  # time in runner.step
     num_preempted: int = 0
     num_finished: int = 0
@@ -107,3 +126,10 @@ class StepReport:
     num_waiting: int = 0  # after the step
     kv_blocks_used: int = 0
     kv_blocks_total: int = 0
+    # Speculative decoding: proposed tokens the step verified and how many the target accepted, in all
+    # and per request (request_num_proposed[i] of request_ids[i]'s, 0 where it proposed none). The
+    # generated tokens are num_decode_tokens + num_spec_accepted.
+    num_spec_proposed: int = 0
+    num_spec_accepted: int = 0
+    request_num_proposed: list[int] = field(default_factory=list)
+    request_num_accepted: list[int] = field(default_factory=list)

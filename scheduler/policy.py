@@ -50,6 +50,11 @@ class KVPolicy(ABC):
         """Take the blocks a running request needs to run num_new_tokens more. False if not free."""
         return self.allocator.ensure_capacity(req.block_ids, req.num_computed_tokens + num_new_tokens)
 
+    def trim(self, req: Request) -> None:
+        """After a verification rolled back rejected proposals: give back the blocks that held only
+        those (past the request's tokens). Only a policy that takes blocks as tokens need them does."""
+        return None
+
     def release(self, req: Request) -> None:
         self.allocator.free(reversed(req.block_ids))  # the tail first: it is evicted first
         req.block_ids.clear()
@@ -129,6 +134,14 @@ class LazyKV(KVPolicy):
 
     def _tokens_to_hold(self, req: Request, num_tokens_after: int) -> int:
         return num_tokens_after
+
+    def trim(self, req: Request) -> None:
+        # Rejected proposals wrote K/V past the request's tokens; blocks holding nothing else carry no
+        # name (only blocks full of computed tokens are cached), so they go back to the free list.
+        keep = blocks_for_tokens(req.num_tokens, self.block_size)
+        if len(req.block_ids) > keep:
+            self.allocator.free(reversed(req.block_ids[keep:]))
+            del req.block_ids[keep:]
 
 
 class ReserveKV(KVPolicy):

@@ -11,6 +11,7 @@ from engine.contract import PromptLogprobs, SamplingParams
 from scheduler.block_allocator import BlockHash
 from scheduler.output_text import OutputText
 from scheduler.outputs import FinishReason, TokenLogprob
+from scheduler.speculation import NgramIndex, SpecState
 
 
 class RequestStatus(enum.Enum):
@@ -64,6 +65,10 @@ class Request:
     # Output tokens already handed to the client, so a recomputed request never re-emits them.
     num_emitted_tokens: int = 0
     num_preemptions: int = 0
+    # Speculative decoding: how its last verification went, and its n-gram index for prompt lookup
+    # (made on its first lookup; it only grows, like prompt + outputs).
+    spec: SpecState = field(default_factory=SpecState)
+    ngram: NgramIndex | None = field(default=None, repr=False)
     error: str | None = None
     # Timestamps (time.monotonic()) for metrics: TTFT = first_token - arrival, queueing = first
     # scheduled - arrival, end-to-end = finish - arrival.

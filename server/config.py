@@ -131,6 +131,9 @@ class ServerConfig:
                 f"engine max_num_seqs ({self.engine.max_num_seqs}) differs from the scheduler's "
                 f"({self.scheduler.max_num_seqs})"
             )
+        # Checked here, before a model loads: the scheduler would refuse it only once the engine is up.
+        if self.scheduler.speculative == "draft" and self.engine.draft_model is None:
+            raise ValueError("--speculative draft needs a --draft-model")
 
     @property
     def responses_store_path(self) -> Path | str:

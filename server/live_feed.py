@@ -43,8 +43,9 @@ class FeedLimits:
 
 def step_event(r: StepReport) -> dict[str, Any]:
     """One step as the page reads it. The batch is parallel arrays (the report's own lists), which
-    json encodes in C without building an object per request."""
-    return {
+    json encodes in C without building an object per request; a step that verified proposals also
+    has "spec" and "accepted" (per request: proposed tokens, and how many the model accepted)."""
+    event = {
         "step": r.step,
         "duration_ms": round(r.duration_s * 1000, 3),
         "ids": r.request_ids,
@@ -58,6 +59,10 @@ def step_event(r: StepReport) -> dict[str, Any]:
         "kv_total": r.kv_blocks_total,
         "failed": r.failed,
     }
+    if r.num_spec_proposed:
+        event["spec"] = r.request_num_proposed
+        event["accepted"] = r.request_num_accepted
+    return event
 
 
 def encode_message(reports: list[StepReport], max_steps: int, max_entries: int) -> str:

@@ -123,6 +123,32 @@ class _EngineCollector(Collector):
                 "Restarts of the tensor/pipeline worker processes after one died.",
                 stats.num_restarts,
             ),
+            # Speculative decoding: the acceptance rate is accepted over proposed (vLLM's names too).
+            (
+                "orca:spec_proposed_tokens",
+                "Proposed tokens verified (speculative decoding).",
+                stats.speculation.proposed_tokens,
+            ),
+            (
+                "orca:spec_accepted_tokens",
+                "Proposed tokens the model accepted (speculative decoding).",
+                stats.speculation.accepted_tokens,
+            ),
+            (
+                "vllm:spec_decode_num_drafts",
+                "Verifications of proposed tokens (one per request per step that proposed).",
+                stats.speculation.num_verifications,
+            ),
+            (
+                "vllm:spec_decode_num_draft_tokens",
+                "Proposed tokens verified.",
+                stats.speculation.proposed_tokens,
+            ),
+            (
+                "vllm:spec_decode_num_accepted_tokens",
+                "Proposed tokens accepted.",
+                stats.speculation.accepted_tokens,
+            ),
         ):
             c = CounterMetricFamily(name, doc, labels=labels)
             c.add_metric(value, float(v))
@@ -201,7 +227,7 @@ class ServerMetrics:
         self.model_generation_tokens = self.generation_tokens.labels(model_name)
         # Running totals of the loop's own token counts, for the periodic throughput log line.
         self.step_prompt_tokens = 0
-        self.step_decode_tokens = 0
+        self.step_decode_tokens = 0  # generated: each decoding request's own token, and accepted proposals
 
     def tracker(self) -> RequestTracker:
         return RequestTracker(self)
@@ -210,7 +236,7 @@ class ServerMetrics:
         self.model_iteration_tokens.observe(report.num_tokens)
         if not report.failed:
             self.step_prompt_tokens += report.num_prompt_tokens
-            self.step_decode_tokens += report.num_decode_tokens
+            self.step_decode_tokens += report.num_decode_tokens + report.num_spec_accepted
 
     def count_http(self, route: str, method: str, status: int) -> None:
         self.http_requests.labels(self.model_name, route, method, str(status)).inc()

@@ -23,6 +23,8 @@ class _Mark:
     num_steps: int
     cache_queries: int
     cache_hits: int
+    spec_proposed: int
+    spec_accepted: int
 
 
 class StatsLogger:
@@ -43,6 +45,8 @@ class StatsLogger:
             stats.num_steps,
             stats.prefix_cache.queries,
             stats.prefix_cache.hits,
+            stats.speculation.proposed_tokens,
+            stats.speculation.accepted_tokens,
         )
         last, self._last = self._last, now
         if last is None:
@@ -52,12 +56,19 @@ class StatsLogger:
         elapsed = max(now.time - last.time, 1e-9)
         queries = now.cache_queries - last.cache_queries
         hit_rate = (now.cache_hits - last.cache_hits) / queries * 100 if queries else 0.0
+        proposed = now.spec_proposed - last.spec_proposed
+        spec = (
+            f", Speculative acceptance: {(now.spec_accepted - last.spec_accepted) / proposed * 100:.1f}% "
+            f"of {proposed} tokens"
+            if proposed
+            else ""
+        )
         return (
             f"Avg prompt throughput: {(now.prompt_tokens - last.prompt_tokens) / elapsed:.1f} tokens/s, "
             f"Avg generation throughput: {(now.decode_tokens - last.decode_tokens) / elapsed:.1f} tokens/s, "
             f"Running: {stats.running} reqs, Waiting: {stats.waiting} reqs, "
             f"KV cache usage: {stats.kv_usage * 100:.1f}% ({stats.kv_blocks_used}/{stats.kv_blocks_total} "
-            f"blocks), Prefix cache hit rate: {hit_rate:.1f}%, Preemptions: {stats.num_preemptions}"
+            f"blocks), Prefix cache hit rate: {hit_rate:.1f}%, Preemptions: {stats.num_preemptions}{spec}"
         )
 
     async def run(self, interval_s: float) -> None:

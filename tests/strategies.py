@@ -10,7 +10,9 @@ from scheduler.config import SchedulerConfig
 @st.composite
 def scheduler_configs(draw: st.DrawFn, max_extra_budget: int) -> SchedulerConfig:
     """Every batching and KV policy, chunked or not, with a small batch and a token budget just over it
-    (so chunking, preemption and the budget's edges are common)."""
+    (so chunking, preemption and the budget's edges are common), speculative decoding on or off (on:
+    "auto", the fake runner's draft model where it has one, else n-gram; proposals priced low enough
+    that they are common)."""
     max_num_seqs = draw(st.integers(1, 6))
     return SchedulerConfig(
         max_num_seqs=max_num_seqs,
@@ -18,4 +20,7 @@ def scheduler_configs(draw: st.DrawFn, max_extra_budget: int) -> SchedulerConfig
         chunked_prefill=draw(st.booleans()),
         scheduling=draw(st.sampled_from(["iteration", "request"])),
         kv_policy=draw(st.sampled_from(["lazy", "reserve"])),
+        speculative=draw(st.sampled_from(["auto", "off"])),
+        num_speculative_tokens=draw(st.integers(1, 5)),
+        speculative_token_cost=0.02,
     )

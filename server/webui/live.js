@@ -22,6 +22,7 @@ const ui = {
   batch: $("c-batch"),
   tokens: $("c-tokens"),
   time: $("c-time"),
+  spec: $("c-spec"),
   waiting: $("c-waiting"),
   kv: $("c-kv"),
   kvMeter: $("kv-meter"),
@@ -293,6 +294,15 @@ function updateCards() {
   const avg = steps.reduce((a, s) => a + s.duration_ms, 0) / steps.length;
   ui.time.textContent = `${avg.toFixed(avg < 10 ? 2 : 1)} ms`;
   ui.waiting.textContent = String(last.waiting);
+  // Speculative decoding: a step that verified proposals carries spec / accepted per request.
+  let proposed = 0;
+  let accepted = 0;
+  for (const s of steps) {
+    if (!s.spec) continue;
+    proposed += s.spec.reduce((a, b) => a + b, 0);
+    accepted += s.accepted.reduce((a, b) => a + b, 0);
+  }
+  ui.spec.textContent = proposed ? `${Math.round((100 * accepted) / proposed)}% of ${proposed}` : "–";
   ui.kv.textContent = `${last.kv_used} / ${last.kv_total}`;
   ui.kvMeter.style.width = `${last.kv_total ? (100 * last.kv_used) / last.kv_total : 0}%`;
 }
@@ -312,6 +322,13 @@ function td(className, ...children) {
   return cell;
 }
 
+// What a decoding request's proposals came to in a step ("" where it proposed none): short for a chip.
+function specNote(col, i, short) {
+  const k = col.spec ? col.spec[i] : 0;
+  if (!k) return "";
+  return short ? ` ✓${col.accepted[i]}/${k}` : `, ${col.accepted[i]} of ${k} proposed tokens accepted`;
+}
+
 function updateTable() {
   const rows = columns.slice(-TABLE_ROWS).reverse().map((col) => {
     const tr = document.createElement("tr");
@@ -329,7 +346,7 @@ function updateTable() {
     tr.dataset.finished = col.finished.join(" ");
     const batch = col.ids.map((id, i) =>
       col.decode[i]
-        ? chip("decode", shortLabel(id), `${id}: decode at position ${col.starts[i]}`)
+        ? chip("decode", shortLabel(id) + specNote(col, i, true), `${id}: decode at position ${col.starts[i]}${specNote(col, i, false)}`)
         : chip("prefill", `${shortLabel(id)} +${col.tokens[i]}`, `${id}: prompt tokens ${col.starts[i]}–${col.starts[i] + col.tokens[i] - 1}`),
     );
     const admitted = col.ids.filter((_, i) => col.starts[i] === 0).map((id) => chip("admit", shortLabel(id), id));
@@ -368,7 +385,7 @@ function describe(x, y) {
   if (col.preempted.includes(id)) notes.push("preempted");
   if (i < 0) return `step ${col.step} · ${id}: not in this batch${notes.length ? ` (${notes.join(", ")})` : ""}`;
   const what = col.decode[i]
-    ? `decode, position ${col.starts[i]}`
+    ? `decode, position ${col.starts[i]}${specNote(col, i, false)}`
     : `prompt chunk of ${col.tokens[i]} tokens from position ${col.starts[i]}${col.starts[i] === 0 ? " (admitted)" : ""}`;
   return `step ${col.step} · ${id}: ${what}${notes.length ? ` · ${notes.join(", ")}` : ""}`;
 }

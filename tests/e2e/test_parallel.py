@@ -326,6 +326,18 @@ class TestParallelEqualsOneProcess:
             await engine.shutdown()
         assert engine.stats().prefix_cache.hits >= 5 * 32 + 6 * 32
 
+    async def test_speculative_decoding_equals_one_process_without_it(
+        self, parallel_runner: DistributedExecutor, uneven_llama_dir: Path
+    ) -> None:
+        """n-gram proposals are verified in rows the workers run like any others (a pipeline keeps its
+        batches in flight meanwhile): the tokens of one process that does not speculate."""
+        prompts = [p * 3 for p in PROMPTS]  # something to quote
+        plain = dataclasses.replace(SCHED, speculative="off")
+        want = await greedy_through_loop(LocalExecutor(engine_config(uneven_llama_dir)), prompts, 24, plain)
+        engine = IterationLoop(parallel_runner, dataclasses.replace(SCHED, speculative="ngram"))
+        assert await greedy_through_loop(parallel_runner, prompts, 24, engine=engine) == want
+        assert engine.stats().speculation.accepted_tokens > 0
+
     async def test_parallel_server_matches_one_process(
         self, parallel_runner: DistributedExecutor, uneven_llama_dir: Path, reference_texts: list[str]
     ) -> None:

@@ -112,7 +112,8 @@ async def test_late_arrival_gets_its_first_token_before_the_running_one_finishes
 
 
 async def test_early_finisher_returns_while_the_long_one_keeps_running(roomy_runner: LocalExecutor):
-    engine = IterationLoop(roomy_runner, SchedulerConfig())
+    # One token per step, to count steps: speculative decoding (which the tiny model's loops feed) off.
+    engine = IterationLoop(roomy_runner, SchedulerConfig(speculative="off"))
     await engine.start()
     done_at: dict[str, int] = {}  # engine steps when the request's last delta arrived
 
@@ -134,7 +135,9 @@ async def test_early_finisher_returns_while_the_long_one_keeps_running(roomy_run
 async def test_request_level_batching_makes_the_late_arrival_wait_for_the_whole_batch(
     roomy_runner: LocalExecutor,
 ):
-    engine = IterationLoop(roomy_runner, SchedulerConfig(scheduling="request", kv_policy="reserve"))
+    # One token per step, to count steps (speculative decoding off).
+    config = SchedulerConfig(scheduling="request", kv_policy="reserve", speculative="off")
+    engine = IterationLoop(roomy_runner, config)
     await engine.start()
     order: list[tuple[str, int]] = []  # (request, engine steps when its only delta arrived)
 

@@ -15,7 +15,7 @@ from engine.contract import SampledToken, SamplingParams
 from scheduler.block_allocator import BlockAllocator, NoFreeBlocksError, blocks_for_tokens
 from scheduler.config import SchedulerConfig
 from scheduler.core import ScheduledStep, Scheduler
-from scheduler.fake_runner import FakeDetokenizer, FakeRunner, hash_next_token
+from scheduler.fake_runner import FakeDetokenizer, FakeRunner, hash_next_token, mostly_right_draft
 from scheduler.output_text import start_output
 from scheduler.outputs import FinishReason
 from scheduler.request import Request, RequestStatus
@@ -371,7 +371,10 @@ def test_random_workloads_keep_every_invariant(wl, config, block_size, extra_blo
     longest = max(p + m for _, p, m in wl.arrivals)
     num_blocks = blocks_for_tokens(longest, block_size) + extra_blocks  # small: preemption is common
     runner = FakeRunner(
-        num_kv_blocks=num_blocks, block_size=block_size, max_model_len=num_blocks * block_size
+        num_kv_blocks=num_blocks,
+        block_size=block_size,
+        max_model_len=num_blocks * block_size,
+        draft_fn=mostly_right_draft,  # speculative decoding, when the config has it on
     )
     sched = make(runner, config)
     max_num_seqs, budget, chunked = config.max_num_seqs, config.max_num_batched_tokens, config.chunked_prefill

@@ -116,3 +116,20 @@ def test_reasoning_and_responses_store_flags(monkeypatch, tmp_path):
     for bad in (["--reasoning-parser", "nope"], ["--responses-store-max-entries", "-1"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_speculative_decoding_flags(capsys):
+    c = parse_args(
+        "--speculative draft --draft-model small.gguf --num-speculative-tokens 3 --speculative-max-batch 2 "
+        "--speculative-token-cost 0.3".split()
+    )
+    s = c.scheduler
+    assert (s.speculative, s.num_speculative_tokens, s.speculative_max_batch) == ("draft", 3, 2)
+    assert s.speculative_token_cost == 0.3 and c.engine.draft_model == "small.gguf"
+    assert parse_args([]).scheduler.speculative == "auto" and parse_args([]).engine.draft_model is None
+    # A draft model's speculation without one is refused before any model loads.
+    with pytest.raises(SystemExit):
+        parse_args(["--speculative", "draft"])
+    assert "--speculative draft needs a --draft-model" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_args(["--speculative", "eagle"])

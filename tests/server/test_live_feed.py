@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 
 from waiting import wait_until
 
 from scheduler.outputs import StepReport
-from server.live_feed import FeedLimits, IterationFeed
+from server.live_feed import FeedLimits, IterationFeed, step_event
 
 
 def report(step: int, ids: tuple[str, ...] = ("r",), finished: tuple[str, ...] = ()) -> StepReport:
@@ -73,6 +74,19 @@ async def test_a_viewer_gets_the_backlog_then_each_interval_s_steps_in_one_messa
     }
     await stream.aclose()
     await wait_until(lambda: feed._sender is None)  # the last viewer gone: no task left running
+
+
+def test_a_step_that_verified_proposals_says_what_each_request_proposed_and_kept():
+    plain = step_event(report(1, ids=("a", "b")))
+    assert "spec" not in plain and "accepted" not in plain  # no bytes for what did not happen
+    spec = replace(
+        report(2, ids=("a", "b")),
+        num_spec_proposed=4,
+        request_num_proposed=[4, 0],
+        request_num_accepted=[3, 0],
+    )
+    event = step_event(spec)
+    assert event["spec"] == [4, 0] and event["accepted"] == [3, 0]
 
 
 async def test_more_steps_than_a_message_holds_are_sampled_into_a_gap():

@@ -73,6 +73,26 @@ async def test_metrics_use_vllm_names(client):
     assert metric(text, "vllm:generation_tokens_total") == 8
 
 
+async def test_speculative_decoding_counters_and_generated_tokens(tokenizer):
+    """A model that repeats itself: n-gram proposals are verified and accepted, /metrics counts them
+    (ours and vLLM's names), and every token is counted once as generated."""
+    runner = FakeRunner(token_fn=lambda context: 1234)  # the same token, over and over
+    async with running_app(make_app(tokenizer, runner)) as client:
+        r = await client.post(
+            "/v1/completions", json={"prompt": "Hello", "max_tokens": 40, "ignore_eos": True}
+        )
+        assert r.json()["usage"]["completion_tokens"] == 40
+        text = (await client.get("/metrics")).text
+    proposed = metric(text, "orca:spec_proposed_tokens_total", model_name=MODEL)
+    accepted = metric(text, "orca:spec_accepted_tokens_total", model_name=MODEL)
+    assert 0 < accepted == proposed  # the model always says what was proposed
+    assert metric(text, "vllm:spec_decode_num_draft_tokens_total") == proposed
+    assert metric(text, "vllm:spec_decode_num_accepted_tokens_total") == accepted
+    assert 0 < metric(text, "vllm:spec_decode_num_drafts_total") < 40
+    assert metric(text, "vllm:generation_tokens_total") == 40
+    assert metric(text, "orca:engine_steps_total") < 40  # several tokens a step
+
+
 async def test_request_id_in_every_log_line_about_a_request(tokenizer, caplog):
     runner = FakeRunner()
     app = make_app(tokenizer, runner, max_queue_len=1, max_num_seqs=1)

@@ -1,0 +1,162 @@
+"""`python -m loadtest.speculation`: the server with speculative decoding and without it, in one run.
+
+    python -m loadtest.speculation [--duration 60] [--concurrency 1,32] [--output-dir DIR]
+                                   [--server-command "python -m server --model default ..."]
+
+Two servers from the same command, with `--speculative off` and without (the default, auto: n-gram
+prompt lookup, or the draft model where the command gives one), are measured in turn with the same requests
+(`python -m loadtest --interleave`, so drift in a shared machine's load falls on both alike), closed
+loop at each --concurrency, greedy, streamed over the chat endpoint, on two workloads:
+
+- quote: answers that quote their prompts: code edits, fixed texts, quoted passages
+  (loadtest/quoting.py), what speculative decoding is for;
+- chat: loadtest.peers' decode scenario (64-token prompts cut from the corpus, 64-128 output tokens),
+  where proposals are rarely right.
+
+The table gives each scenario's output tok/s off and on, their ratio beside issue #28's target for it
+(quote at concurrency 1: 1.8x; chat at 1: 1.0x; both at 32: 0.97x), TPOT p50, and what the server
+counted: the acceptance rate of proposed tokens and the generated tokens per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from loadtest import cli
+from loadtest.results import BenchmarkResults, isa_flags
+
+REPO = Path(__file__).resolve().parent.parent
+OFF, ON = "speculation off", "speculation on"
+
+
+@dataclass(frozen=True)
+class Scenario:
+    workload: str  # "quote" or "chat"
+    concurrency: int
+
+    @property
+    def name(self) -> str:
+        return f"{self.workload} c={self.concurrency}"
+
+    @property
+    def target(self) -> float:
+        """Issue #28's floor for on / off."""
+        if self.concurrency == 1:
+            return 1.8 if self.workload == "quote" else 1.0
+        return 0.97
+
+
+def loadtest_args(s: Scenario, a: argparse.Namespace, off_cmd: str, on_cmd: str, out: Path) -> list[str]:
+    if s.workload == "quote":
+        workload = ["--workload", "quote"]
+    else:  # loadtest.peers' decode scenario
+        workload = ["--workload", "orca", "--input-len-min", "64", "--input-len-max", "64"]
+        workload += ["--output-len-min", "64", "--output-len-max", "128"]
+    return [
+        "--endpoint", "chat", *workload,
+        "--request-rates", "inf", "--max-concurrency", str(s.concurrency), "--duration", str(a.duration),
+        "--warmup-requests", str(max(2, s.concurrency)), "--seed", str(a.seed), "--temperature", "0",
+        "--interleave", "--launch-timeout", "600", "--no-plot", "--no-progress",
+        "--launch", off_cmd, "--label", OFF, "--launch", on_cmd, "--label", ON,
+        "--output", str(out),
+    ]  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Figures:
+    output_tok_s: float
+    tpot_p50_ms: float | None
+    acceptance: float | None  # accepted / proposed tokens, as the server counted them
+    tokens_per_step: float | None  # generated tokens per engine step
+
+
+def figures(results: BenchmarkResults) -> dict[str, Figures]:
+    out: dict[str, Figures] = {}
+    for run in results.runs:
+        s = run.summary
+        server = s.extras.get("server", {})
+        out[run.label] = Figures(
+            s.output_token_throughput,
+            s.tpot_ms.p50,
+            server.get("spec_acceptance_rate"),
+            server.get("generation_tokens_per_step"),
+        )
+    return out
+
+
+def _num(value: float | None, fmt: str) -> str:
+    return format(value, fmt) if value is not None else "-"
+
+
+def table(rows: list[tuple[Scenario, dict[str, Figures]]]) -> str:
+    lines = [
+        "| scenario | off tok/s | on tok/s | on / off | target | TPOT p50 off vs on (ms) | acceptance | tokens / step off vs on |",
+        "|---|---:|---:|---:|---:|---|---:|---|",
+    ]
+    for s, f in rows:
+        off, on = f.get(OFF), f.get(ON)
+        if off is None or on is None:
+            lines.append(f"| {s.name} | - | - | - | {s.target:.2f}x | - | - | - |")
+            continue
+        ratio = on.output_tok_s / off.output_tok_s if off.output_tok_s else float("nan")
+        mark = "" if ratio >= s.target else " (below)"
+        lines.append(
+            f"| {s.name} | {off.output_tok_s:.1f} | {on.output_tok_s:.1f} | **{ratio:.2f}x**{mark} | "
+            f"{s.target:.2f}x | {_num(off.tpot_p50_ms, '.1f')} vs {_num(on.tpot_p50_ms, '.1f')} | "
+            f"{_num(on.acceptance and on.acceptance * 100, '.0f')}% | "
+            f"{_num(off.tokens_per_step, '.2f')} vs {_num(on.tokens_per_step, '.2f')} |"
+        )
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m loadtest.speculation",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    p.add_argument(
+        "--server-command",
+        default=f"{shlex.quote(sys.executable)} -m server --model default",
+        help="the server both configurations run; `--speculative off` is added for one of them",
+    )
+    p.add_argument("--workloads", default="quote,chat", help="comma-separated: quote, chat")
+    p.add_argument("--concurrency", default="1,32", help="closed-loop concurrencies")
+    p.add_argument("--duration", type=float, default=60.0, help="seconds of traffic per server and scenario")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--output-dir", type=Path, default=REPO / "loadtest-results" / "speculation")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = build_parser().parse_args(argv)
+    base = a.server_command.strip()
+    off_cmd, on_cmd = f"{base} --speculative off", base
+    a.output_dir.mkdir(parents=True, exist_ok=True)
+    scenarios = [
+        Scenario(w.strip(), int(c))
+        for c in a.concurrency.split(",")
+        for w in a.workloads.split(",")
+        if w.strip()
+    ]
+    rows: list[tuple[Scenario, dict[str, Figures]]] = []
+    for s in scenarios:
+        out = a.output_dir / f"{s.workload}-c{s.concurrency}.json"
+        print(f"== {s.name}: {a.duration:g} s per server", flush=True)
+        rc = cli.main(loadtest_args(s, a, off_cmd, on_cmd, out))
+        rows.append((s, figures(BenchmarkResults.load(out)) if rc == 0 and out.is_file() else {}))
+    report = (
+        f"`{base}` with `--speculative off` and without, in one run ({a.duration:g} s per server and "
+        f"scenario). CPU ISA: {' '.join(isa_flags()) or 'unknown'}.\n\n" + table(rows)
+    )
+    (a.output_dir / "speculation.md").write_text(report + "\n")
+    print(report)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
