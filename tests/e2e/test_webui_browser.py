@@ -324,6 +324,9 @@ def test_chat_page_on_the_tiny_llama(browser, tiny_llama_dir):
         # says how many the model accepted (a card, and each decode chip's "✓accepted/proposed").
         assert 1 < len(steps) < 12
         assert all(batch == [reply["requestId"] + "-0"] for batch, _ in steps.values())
+        assert browser.find_element(By.ID, "c-spec").text.endswith(tuple("0123456789"))
+        chips = browser.find_elements(By.CSS_SELECTOR, "#steps .chip.decode")
+        assert any("✓" in chip.text for chip in chips)
 
 
 def test_reasoning_is_shown_folded_above_the_answer(browser, thinking_tokenizer):
@@ -360,7 +363,3 @@ def test_reasoning_is_shown_folded_above_the_answer(browser, thinking_tokenizer)
         send(browser, "again")
         finished_reply(browser, 1)
         assert browser.execute_script("return document.querySelector('details.reasoning').hidden")
-
-        assert browser.find_element(By.ID, "c-spec").text.endswith(tuple("0123456789"))
-        chips = browser.find_elements(By.CSS_SELECTOR, "#steps .chip.decode")
-        assert any("✓" in chip.text for chip in chips)
