@@ -41,6 +41,11 @@ PHI_TEMPLATE = (
     "{%- for m in messages %}{{- '<|' + m.role + '|>' + m.content + '<|end|>' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|assistant|>' }}{%- endif %}"
 )
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{%- for m in messages %}{{- '<start_of_turn>' + ('model' if m.role == 'assistant' else "
+    "'user') + '\n' + m.content + '<end_of_turn>\n' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<start_of_turn>model\n' }}{%- endif %}"
+)
 MOSTLY_Q4_K_M = 15  # general.file_type (llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_M)
 ROWS_PER_CHUNK = 4096  # rows of a tensor encoded at a time (bounds the codes' memory)
 
@@ -68,6 +73,10 @@ class GGUFShape:
     eot: str | None = None
     longrope_original: int | None = None  # LongRoPE: the original context; factors are synthetic
     base_vocab: int | None = None  # only the base vocabulary's first tokens (toy shapes: fast to convert)
+    # "bpe": the default model's byte-level BPE (tokenizer model gpt2); "spm": the same pieces as a
+    # SentencePiece vocabulary with scores and byte fallback (tokenizer model llama: Gemma's kind, the
+    # one transformers' GGUF reader expects of a gemma3 file).
+    tokenizer: str = "bpe"
     metadata: dict[str, Any] = field(default_factory=dict)  # more "<arch>.<key>" values
 
     @property
@@ -114,6 +123,28 @@ SHAPES: dict[str, GGUFShape] = {
         longrope_original=4096,
         metadata={"attention.sliding_window": 0},
     ),
+    # google/gemma-3-1b-it's: head_dim 256, MQA, local layers (window 512, rope base 10000) and every
+    # sixth one global (rope base 1e6), a 262144-token vocabulary, tied embeddings.
+    "gemma-3-1b": GGUFShape(
+        arch="gemma3",
+        hidden=1152,
+        ff=6912,
+        layers=26,
+        heads=4,
+        kv_heads=1,
+        head_dim=256,
+        vocab=262144,
+        context=32768,
+        rope_theta=1000000.0,
+        rms_eps=1e-6,
+        tied=True,
+        chat_template=GEMMA_TEMPLATE,
+        chat_tokens=("<start_of_turn>", "<end_of_turn>"),
+        eos="<eos>",
+        eot="<end_of_turn>",
+        tokenizer="spm",
+        metadata={"attention.sliding_window": 512},
+    ),
 }
 
 # One layer's tensors: (name, shape in HF orientation: (rows, cols) for a linear, (size,) for a norm).
@@ -151,10 +182,21 @@ def _phi3_layer(s: GGUFShape, i: int) -> Tensors:
     return [*_attention(s, i, fused=True), *_mlp(s, i, fused=True)]
 
 
+def _gemma3_layer(s: GGUFShape, i: int) -> Tensors:
+    """Llama's tensors plus q/k norms and the sandwich norms around attention and the MLP."""
+    norms = [(f"blk.{i}.attn_q_norm.weight", (s.d,)), (f"blk.{i}.attn_k_norm.weight", (s.d,))]
+    sandwich = [
+        (f"blk.{i}.post_attention_norm.weight", (s.hidden,)),
+        (f"blk.{i}.post_ffw_norm.weight", (s.hidden,)),
+    ]
+    return [*_attention(s, i, fused=False), *norms, *_mlp(s, i, fused=False), *sandwich]
+
+
 LAYER_TENSORS: dict[str, Callable[[GGUFShape, int], Tensors]] = {
     "llama": _llama_layer,
     "qwen3": _qwen3_layer,
     "phi3": _phi3_layer,
+    "gemma3": _gemma3_layer,
 }
 
 
@@ -196,29 +238,52 @@ def tensors(shape: GGUFShape) -> list[tuple[str, tuple[int, ...], str]]:
 @dataclass
 class Vocabulary:
     tokens: list[str]
-    types: list[int]  # 1 normal, 3 control, 5 unused (llama.cpp's token types)
-    merges: list[str]
+    types: list[int]  # 1 normal, 2 unknown, 3 control, 5 unused, 6 byte (llama.cpp's token types)
+    merges: list[str]  # BPE's; none for a SentencePiece vocabulary
     pre: str
+    scores: list[float] | None = None  # SentencePiece's
 
     def id_of(self, token: str) -> int:
         return self.tokens.index(token)
 
 
+SPM_SPECIALS = ("<pad>", "<eos>", "<bos>", "<unk>")
+
+
+def spm_vocabulary(shape: GGUFShape) -> Vocabulary:
+    """The default model's pieces as a SentencePiece vocabulary (Gemma's layout): the specials, the
+    shape's chat tokens, 256 byte-fallback tokens, then each piece with "▁" for a space, scored by its
+    rank; unused tokens up to the shape's size."""
+    from tokenizers.decoders import ByteLevel
+
+    bpe = default_vocabulary(shape.base_vocab)
+    as_text = ByteLevel()
+
+    tokens = [*SPM_SPECIALS, *shape.chat_tokens, *(f"<0x{b:02X}>" for b in range(256))]
+    types = [3] * len(SPM_SPECIALS) + [3] * len(shape.chat_tokens) + [6] * 256
+    types[SPM_SPECIALS.index("<unk>")] = 2
+    seen = set(tokens)
+    for token, kind in zip(bpe.tokens, bpe.types, strict=True):
+        piece = as_text.decode([token]).replace(" ", "▁")
+        if kind != 1 or not piece or "\ufffd" in piece or piece in seen:
+            continue  # control tokens, and pieces of a multi-byte character (byte fallback spells them)
+        seen.add(piece)
+        tokens.append(piece)
+        types.append(1)
+    scores = [0.0 if kind != 1 else -float(i) for i, kind in enumerate(types)]
+    pad = shape.vocab - len(tokens)
+    tokens += [f"<unused{i}>" for i in range(pad)]
+    types += [1] * pad  # plain text, as vocabulary() says why
+    scores += [-1e9] * pad
+    return Vocabulary(tokens, types, [], "default", scores)
+
+
 def vocabulary(shape: GGUFShape) -> Vocabulary:
     """The default model's vocabulary and merges, the shape's chat tokens, unused tokens up to its size."""
-    from gguf import GGUFReader
-
-    from models.options import default_gguf_path  # torch-free: the package's file only
-
-    fields = GGUFReader(default_gguf_path()).fields
-    tokens = list(fields["tokenizer.ggml.tokens"].contents())
-    types = [int(t) for t in fields["tokenizer.ggml.token_type"].contents()]
-    merges = list(fields["tokenizer.ggml.merges"].contents())
-    pre = fields["tokenizer.ggml.pre"].contents()
-    if shape.base_vocab is not None:  # the first tokens, and the merges among them: still a BPE
-        tokens, types = tokens[: shape.base_vocab], types[: shape.base_vocab]
-        kept = set(tokens)
-        merges = [m for m in merges if set(m.split(" ")) <= kept and m.replace(" ", "") in kept]
+    if shape.tokenizer == "spm":
+        return spm_vocabulary(shape)
+    base = default_vocabulary(shape.base_vocab)
+    tokens, types = base.tokens, base.types
     for token in shape.chat_tokens:
         if token not in tokens:
             tokens.append(token)
@@ -228,8 +293,29 @@ def vocabulary(shape: GGUFShape) -> Vocabulary:
             f"the shape's vocabulary ({shape.vocab}) is smaller than the base one ({len(tokens)})"
         )
     pad = shape.vocab - len(tokens)
+    # Padding tokens are plain text, not llama.cpp's "unused" type: a random-weight model samples them
+    # often, and a server streams an unused token as no text (a client then sees a reply without tokens).
     tokens += [f"<|unused_{i}|>" for i in range(pad)]
-    types += [5] * pad
+    types += [1] * pad
+    return Vocabulary(tokens, types, base.merges, base.pre)
+
+
+def default_vocabulary(first: int | None = None) -> Vocabulary:
+    """The default model's byte-level BPE vocabulary (its first `first` tokens and the merges among
+    them, still a BPE, where given: toy shapes convert fast)."""
+    from gguf import GGUFReader
+
+    from models.options import default_gguf_path  # torch-free: the package's file only
+
+    fields = GGUFReader(default_gguf_path()).fields
+    tokens = list(fields["tokenizer.ggml.tokens"].contents())
+    types = [int(t) for t in fields["tokenizer.ggml.token_type"].contents()]
+    merges = list(fields["tokenizer.ggml.merges"].contents())
+    pre = fields["tokenizer.ggml.pre"].contents()
+    if first is not None:
+        tokens, types = tokens[:first], types[:first]
+        kept = set(tokens)
+        merges = [m for m in merges if set(m.split(" ")) <= kept and m.replace(" ", "") in kept]
     return Vocabulary(tokens, types, merges, pre)
 
 
@@ -318,17 +404,25 @@ def _metadata(w: Any, shape: GGUFShape, vocab: Vocabulary, name: str) -> None:
         w.add_rope_scaling_orig_ctx_len(shape.longrope_original)
         w.add_rope_scaling_attn_factors(float(np.sqrt(1 + np.log(scale) / np.log(shape.longrope_original))))
     add_arch_metadata(w, shape.arch, shape.metadata)
-    w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre(vocab.pre)
     w.add_token_list(vocab.tokens)
     w.add_token_types(vocab.types)
-    w.add_token_merges(vocab.merges)
-    w.add_bos_token_id(vocab.id_of("<|endoftext|>") if "<|endoftext|>" in vocab.tokens else 0)
+    if vocab.scores is not None:  # SentencePiece (Gemma): BOS first in every prompt
+        w.add_tokenizer_model("llama")
+        w.add_token_scores(vocab.scores)
+        w.add_bos_token_id(vocab.id_of("<bos>"))
+        w.add_unk_token_id(vocab.id_of("<unk>"))
+        w.add_pad_token_id(vocab.id_of("<pad>"))
+        w.add_add_bos_token(True)
+    else:
+        w.add_tokenizer_model("gpt2")
+        w.add_token_merges(vocab.merges)
+        w.add_bos_token_id(vocab.id_of("<|endoftext|>") if "<|endoftext|>" in vocab.tokens else 0)
+        w.add_pad_token_id(vocab.id_of("<|endoftext|>") if "<|endoftext|>" in vocab.tokens else 0)
+        w.add_add_bos_token(False)
     w.add_eos_token_id(vocab.id_of(shape.eos))
     if shape.eot is not None:
         w.add_eot_token_id(vocab.id_of(shape.eot))
-    w.add_pad_token_id(vocab.id_of("<|endoftext|>") if "<|endoftext|>" in vocab.tokens else 0)
-    w.add_add_bos_token(False)
     w.add_chat_template(shape.chat_template)
 
 

@@ -17,8 +17,12 @@ from loadtest.gguf_shapes import SHAPES, main, tensors, tiny, use_more_bits, wri
 
 @pytest.mark.parametrize(
     ("name", "params", "non_embedding"),
-    # The model cards say 0.6B (0.44B without the embedding) and 3.8B.
-    [("qwen3-0.6b", 0.596e9, 0.4405e9), ("phi-4-mini", 3.836e9, 3.2214e9)],
+    # The model cards say 0.6B (0.44B without the embedding), 3.8B and 1B (0.7B without it).
+    [
+        ("qwen3-0.6b", 0.596e9, 0.4405e9),
+        ("phi-4-mini", 3.836e9, 3.2214e9),
+        ("gemma-3-1b", 0.9999e9, 0.6979e9),
+    ],
 )
 def test_full_shapes_have_the_checkpoints_sizes(name: str, params: float, non_embedding: float) -> None:
     shape = SHAPES[name]
@@ -40,7 +44,7 @@ def test_q4_k_m_types_follow_llama_cpp() -> None:
     assert phi["rope_factors_long.weight"] == "F32"
 
 
-@pytest.mark.parametrize("name", ["qwen3-0.6b", "phi-4-mini"])
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "phi-4-mini", "gemma-3-1b"])
 def test_tiny_files_load_on_the_native_kernels(name: str, tmp_path: Path, monkeypatch) -> None:
     from gguf import GGUFReader
 
@@ -55,6 +59,9 @@ def test_tiny_files_load_on_the_native_kernels(name: str, tmp_path: Path, monkey
     config = load_config(model_dir)
     if name == "qwen3-0.6b":
         assert config.head_dim == 64 and config.tie_word_embeddings
+    elif name == "gemma-3-1b":  # the 2 layers local (every sixth is global), with their window
+        assert config.sliding_window == 512 and config.layer_types == ["sliding_attention"] * 2
+        assert config.vocab_size == shape.vocab  # the SentencePiece vocabulary, read back whole
     else:  # 48 of 64 head dims turn, as Phi-4-mini's 96 of 128; LongRoPE from 1024 tokens
         rope = config.rope_parameters
         assert rope["partial_rotary_factor"] == 0.75 and rope["rope_type"] == "longrope"
