@@ -205,10 +205,20 @@ def use_more_bits(layer: int, layers: int) -> bool:
     return layer < layers // 8 or layer >= 7 * layers // 8 or (layer - layers // 8) % 3 == 2
 
 
+# llama.cpp's fallback for a tensor whose rows are not whole 256-weight super-blocks (Gemma 3 1B's 1152
+# columns): the legacy type of about the same size.
+K_QUANT_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+
+
 def q4_k_m_type(name: str, dims: tuple[int, ...], shape: GGUFShape) -> str:
     """The type llama.cpp's Q4_K_M gives a tensor (llama_tensor_get_type, for these architectures)."""
     if len(dims) == 1:
         return "F32"
+    chosen = _q4_k_m_choice(name, shape)
+    return chosen if dims[1] % 256 == 0 else K_QUANT_FALLBACK[chosen]
+
+
+def _q4_k_m_choice(name: str, shape: GGUFShape) -> str:
     if name == "output.weight" or (shape.tied and name == "token_embd.weight"):
         return "Q6_K"
     if ".attn_qkv." in name:
@@ -330,6 +340,11 @@ def random_blocks(ggml_type: str, rows: int, cols: int, rng: np.random.Generator
     from models.gguf.encode import encode
     from models.layers.packed_weight import FORMATS, BlockComponents
 
+    if ggml_type not in ("Q4_K", "Q5_K", "Q6_K"):  # a legacy fallback type: gguf-py quantizes those
+        from gguf import GGMLQuantizationType, quants
+
+        values = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
+        return quants.quantize(values, GGMLQuantizationType[ggml_type])
     fmt = FORMATS[ggml_type]
     supers = cols // 256
     out = []
