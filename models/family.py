@@ -94,6 +94,11 @@ def no_sliding_window(config: Any) -> int | None:
     return None
 
 
+def config_sliding_window(config: Any) -> int | None:
+    """The config's `sliding_window`, in force wherever it is set (Mistral, Phi-3, Gemma 3's local layers)."""
+    return getattr(config, "sliding_window", None) or None
+
+
 def text_config(config: Any) -> Any:
     """The language model's config: a multimodal config's text part (transformers' `get_text_config`:
     Gemma 3's `text_config`), otherwise the config itself."""

@@ -28,7 +28,7 @@ from transformers import PretrainedConfig
 from models.base import CausalLMBase, LayerSpec, stage_layers
 from models.errors import ModelLoadError
 from models.families.llama import LLAMA_WEIGHT_NAMES, llama_decode_parts
-from models.family import FULL, SLIDING, GGUFMetadata, GGUFSupport, ModelFamily
+from models.family import FULL, SLIDING, GGUFMetadata, GGUFSupport, ModelFamily, config_sliding_window
 from models.layers.activation import GeluTanhAndMul
 from models.layers.attention import Attention, AttentionStep
 from models.layers.linear import (
@@ -222,10 +222,6 @@ def gemma3_decode_parts(layer: nn.Module) -> DecodeLayerParts:
     )
 
 
-def gemma3_sliding_window(config: Any) -> int | None:
-    return getattr(config, "sliding_window", None) or None
-
-
 # llama.cpp's gemma3 model type for 62 layers, whose attention scale is 1/sqrt(hidden / heads).
 GEMMA3_27B_LAYERS = 62
 
@@ -268,5 +264,5 @@ FAMILY = ModelFamily(
         config=gemma3_gguf_config,
     ),
     native_decode=gemma3_decode_parts,
-    sliding_window=gemma3_sliding_window,
+    sliding_window=config_sliding_window,
 )

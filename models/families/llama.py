@@ -218,12 +218,24 @@ def llama_gguf_config(meta: GGUFMetadata, config: Any) -> dict[str, Any]:
     }
 
 
-FAMILY = ModelFamily(
-    name="llama",
-    architectures=("LlamaForCausalLM",),
-    model=LlamaForCausalLM,
-    weights=LLAMA_WEIGHT_NAMES,
+def llama_like_family(
+    name: str, model: type[LlamaForCausalLM], weights: WeightNames = LLAMA_WEIGHT_NAMES, **declared: Any
+) -> ModelFamily:
+    """A family with Llama's layers, served by `model` (its class name is the HF architecture): Llama's
+    checkpoint names and native decode layout unless it declares otherwise."""
+    return ModelFamily(
+        name=name,
+        architectures=(model.__name__,),
+        model=model,
+        weights=weights,
+        native_decode=llama_decode_parts,
+        **declared,
+    )
+
+
+FAMILY = llama_like_family(
+    "llama",
+    LlamaForCausalLM,
     # llama.cpp's converter permutes q/k rows for rotary; transformers' GGUF loader undoes it.
     gguf=GGUFSupport(architectures=("llama",), permute_qk=True, config=llama_gguf_config),
-    native_decode=llama_decode_parts,
 )

@@ -7,25 +7,12 @@ Mistral GGUF files carry the `llama` architecture, so they load through the Llam
 
 from __future__ import annotations
 
-from typing import Any
-
-from models.families.llama import LLAMA_WEIGHT_NAMES, LlamaForCausalLM, llama_decode_parts
-from models.family import ModelFamily
+from models.families.llama import LlamaForCausalLM, llama_like_family
+from models.family import config_sliding_window
 
 
 class MistralForCausalLM(LlamaForCausalLM):
     """Llama's graph (Mistral's differences are in its config: GQA, rope theta, the window)."""
 
 
-def mistral_sliding_window(config: Any) -> int | None:
-    return getattr(config, "sliding_window", None) or None
-
-
-FAMILY = ModelFamily(
-    name="mistral",
-    architectures=("MistralForCausalLM",),
-    model=MistralForCausalLM,
-    weights=LLAMA_WEIGHT_NAMES,
-    native_decode=llama_decode_parts,
-    sliding_window=mistral_sliding_window,
-)
+FAMILY = llama_like_family("mistral", MistralForCausalLM, sliding_window=config_sliding_window)

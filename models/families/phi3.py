@@ -15,8 +15,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from models.families.llama import LLAMA_WEIGHT_NAMES, LlamaForCausalLM, llama_decode_parts
-from models.family import GGUFMetadata, GGUFSupport, ModelFamily, WeightNames
+from models.families.llama import LLAMA_WEIGHT_NAMES, LlamaForCausalLM, llama_like_family
+from models.family import GGUFMetadata, GGUFSupport, WeightNames, config_sliding_window
 
 PHI3_WEIGHT_NAMES = WeightNames(
     layers="model.layers.",
@@ -30,11 +30,6 @@ PHI3_WEIGHT_NAMES = WeightNames(
 
 class Phi3ForCausalLM(LlamaForCausalLM):
     """Llama's graph: no biases, SiLU-gated MLP; the rotary differences are in the config."""
-
-
-def phi3_sliding_window(config: Any) -> int | None:
-    # Phi-3-mini-4k's is 2047 (transformers masks with it); Phi-4-mini's is past its context.
-    return getattr(config, "sliding_window", None) or None
 
 
 def phi3_gguf_config(meta: GGUFMetadata, config: Any) -> dict[str, Any]:
@@ -68,12 +63,11 @@ def phi3_gguf_config(meta: GGUFMetadata, config: Any) -> dict[str, Any]:
     return out
 
 
-FAMILY = ModelFamily(
-    name="phi3",
-    architectures=("Phi3ForCausalLM",),
-    model=Phi3ForCausalLM,
-    weights=PHI3_WEIGHT_NAMES,
+FAMILY = llama_like_family(
+    "phi3",
+    Phi3ForCausalLM,
+    PHI3_WEIGHT_NAMES,
     gguf=GGUFSupport(architectures=("phi3",), config=phi3_gguf_config),
-    native_decode=llama_decode_parts,
-    sliding_window=phi3_sliding_window,
+    # Phi-3-mini-4k's window is 2047 (transformers masks with it); Phi-4-mini's is past its context.
+    sliding_window=config_sliding_window,
 )

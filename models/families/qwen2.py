@@ -9,8 +9,8 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from models.families.llama import LLAMA_WEIGHT_NAMES, LlamaForCausalLM, LlamaLayout, llama_decode_parts
-from models.family import GGUFSupport, ModelFamily
+from models.families.llama import LlamaForCausalLM, LlamaLayout, llama_like_family
+from models.family import GGUFSupport
 
 
 def qwen2_layout(config: PretrainedConfig) -> LlamaLayout:
@@ -28,12 +28,6 @@ def qwen2_sliding_window(config: Any) -> int | None:
     return getattr(config, "sliding_window", None) or None
 
 
-FAMILY = ModelFamily(
-    name="qwen2",
-    architectures=("Qwen2ForCausalLM",),
-    model=Qwen2ForCausalLM,
-    weights=LLAMA_WEIGHT_NAMES,
-    gguf=GGUFSupport(architectures=("qwen2",)),
-    native_decode=llama_decode_parts,
-    sliding_window=qwen2_sliding_window,
+FAMILY = llama_like_family(
+    "qwen2", Qwen2ForCausalLM, gguf=GGUFSupport(architectures=("qwen2",)), sliding_window=qwen2_sliding_window
 )

@@ -11,9 +11,9 @@ from typing import Any
 
 from transformers import PretrainedConfig
 
-from models.families.llama import LLAMA_WEIGHT_NAMES, LlamaForCausalLM, LlamaLayout, llama_decode_parts
+from models.families.llama import LlamaForCausalLM, LlamaLayout, llama_like_family
 from models.families.qwen2 import qwen2_sliding_window
-from models.family import GGUFMetadata, GGUFSupport, ModelFamily
+from models.family import GGUFMetadata, GGUFSupport
 
 
 def qwen3_gguf_config(meta: GGUFMetadata, config: Any) -> dict[str, Any]:
@@ -31,13 +31,10 @@ class Qwen3ForCausalLM(LlamaForCausalLM):
     layout = staticmethod(qwen3_layout)
 
 
-FAMILY = ModelFamily(
-    name="qwen3",
-    architectures=("Qwen3ForCausalLM",),
-    model=Qwen3ForCausalLM,
-    weights=LLAMA_WEIGHT_NAMES,
+FAMILY = llama_like_family(
+    "qwen3",
+    Qwen3ForCausalLM,
     gguf=GGUFSupport(architectures=("qwen3",), config=qwen3_gguf_config),
-    native_decode=llama_decode_parts,
     # Qwen3's window, like Qwen2's, is in force only where `use_sliding_window` turns it on.
     sliding_window=qwen2_sliding_window,
 )
