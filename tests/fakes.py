@@ -197,6 +197,19 @@ async def drained(app: FastAPI) -> None:
     await wait_until(idle)
 
 
+def run_to_end(sched: Any, executor: Any, requests: Sequence[Any], max_steps: int = 3000) -> None:
+    """Every request through the synchronous Scheduler and a real or fake executor to its end."""
+    for r in requests:
+        sched.add(r)
+    for _ in range(max_steps):
+        if not sched.has_work():
+            return
+        step = sched.schedule()
+        if step.seqs:
+            sched.update(step, executor.step(step.seqs))
+    assert not sched.has_work(), f"requests still running after {max_steps} steps"
+
+
 async def leave_mid_stream(client: httpx.AsyncClient, path: str, body: dict, marker: str) -> None:
     """POST a streamed request and hang up at the first line holding `marker` (a client gone mid-reply)."""
     async with client.stream("POST", path, json=body) as r:

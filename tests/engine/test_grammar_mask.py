@@ -11,6 +11,7 @@ import llguidance as llg
 import pytest
 import torch
 from builders import cpu_engine_config
+from fakes import run_to_end
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -62,15 +63,7 @@ def run(runner, requests: list[tuple[list[int], SamplingParams]], num_kv_blocks:
         eos_token_ids=runner.eos_token_ids,
     )
     reqs = [Request(f"r{i}", p, params) for i, (p, params) in enumerate(requests)]
-    for r in reqs:
-        sched.add(r)
-    for _ in range(2000):
-        if not sched.has_work():
-            break
-        step = sched.schedule()
-        if step.seqs:
-            sched.update(step, runner.step(step.seqs))
-    assert not sched.has_work()
+    run_to_end(sched, runner, reqs)
     return reqs
 
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from builders import build_hf_model, cpu_engine_config, tiny_llama_config
+from fakes import run_to_end
 
 from engine.contract import SamplingParams, ScheduledSequence
 from engine.executor import LocalExecutor
@@ -96,15 +97,7 @@ def run(
         Request(f"r{i}", p, params, output_text=start_output(detokenizer, p, params))
         for i, (p, params) in enumerate(requests)
     ]
-    for r in reqs:
-        sched.add(r)
-    for _ in range(3000):
-        if not sched.has_work():
-            break
-        step = sched.schedule()
-        if step.seqs:
-            sched.update(step, executor.step(step.seqs))
-    assert not sched.has_work()
+    run_to_end(sched, executor, reqs)
     return reqs, sched
 
 
@@ -287,22 +280,21 @@ def chi_square(counts: Counter, probs: torch.Tensor, n: int) -> float:
     return float(sum((counts.get(t, 0) - expected[t]) ** 2 / expected[t] for t in range(VOCAB)))
 
 
+def verifying(
+    params: SamplingParams, prompt: tuple[int, ...], outputs: tuple[int, ...], proposal: tuple[int, ...]
+) -> ScheduledSequence:
+    """One request's decode row at position 10 (token 3), with `proposal` to verify after it."""
+    return ScheduledSequence(
+        "r", (3,), 10, list(range(4)), True, params, prompt, outputs,
+        spec_token_ids=proposal, num_spec_tokens=len(proposal),
+    )  # fmt: skip
+
+
 def verify_once(
     sampler: Sampler, logits: torch.Tensor, params: SamplingParams, draft: int, q: torch.Tensor | None
 ) -> list[int]:
     """One verification of one proposal: the tokens it yields (1 or 2)."""
-    seq = ScheduledSequence(
-        "r",
-        (3,),
-        10,
-        list(range(4)),
-        True,
-        params,
-        (1, 2, 3),
-        (4,),
-        spec_token_ids=(draft,),
-        num_spec_tokens=1,
-    )
+    seq = verifying(params, (1, 2, 3), (4,), (draft,))
     rows = spread([seq], {0: q[None]} if q is not None else None)
     sampled = sampler(logits.clone(), rows.sampling, None, rows.drafts if rows.has_drafts else None)
     (tok,) = accept(rows, sampled)
@@ -345,18 +337,7 @@ def test_verification_keeps_the_target_distribution(proposal):
 
 def test_greedy_verification_accepts_exactly_the_argmax_run():
     logits = torch.tensor([[0.0, 5.0, 1.0, 0, 0, 0], [0, 0, 0, 7.0, 1.0, 0], [2.0, 0, 0, 0, 0, 0]])
-    seq = ScheduledSequence(
-        "r",
-        (3,),
-        10,
-        list(range(4)),
-        True,
-        SamplingParams(temperature=0.0),
-        (1,),
-        (),
-        spec_token_ids=(1, 4),
-        num_spec_tokens=2,
-    )
+    seq = verifying(SamplingParams(temperature=0.0), (1,), (), (1, 4))
     rows = spread([seq])
     (tok,) = accept(rows, Sampler(VOCAB)(logits.clone(), rows.sampling))
     assert tok is not None and [t.token_id for t in tok.tokens] == [1, 3] and tok.num_accepted == 1
