@@ -351,6 +351,7 @@ def write_tiny_gguf(
     add_bos: bool | None = None,
     chat_template: str = CHATML_TEMPLATE,
     rope_freqs: list[float] | None = None,
+    pooling_type: int | None = None,
 ) -> None:
     """A GGUF of a llama, qwen3 or phi3 model with a byte-level BPE tokenizer and a chat template, laid
     out as llama.cpp's converter writes them. `types` maps a tensor-name fragment ("attn_q",
@@ -358,7 +359,8 @@ def write_tiny_gguf(
     attention.key_length and q/k norms are added; phi3: `rotary_dim` as rope.dimension_count, and
     `longrope` = {"original": context, "short": [...], "long": [...], "attn_factor": f} as llama.cpp
     writes LongRoPE (factors as tensors); llama: `rope_freqs`, Llama 3.1's per-frequency divisors.
-    `extra_tokens` are control tokens after the vocabulary."""
+    `extra_tokens` are control tokens after the vocabulary; `pooling_type` (llama.cpp's enum) makes it an
+    embedding model's file."""
     import gguf
     import numpy as np
 
@@ -393,6 +395,8 @@ def write_tiny_gguf(
         w.add_rope_scaling_attn_factors(longrope["attn_factor"])
     if sliding_window is not None:
         w.add_sliding_window(sliding_window)
+    if pooling_type is not None:
+        w.add_pooling_type(gguf.PoolingType(pooling_type))
     w.add_file_type(0)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
