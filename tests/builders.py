@@ -544,3 +544,21 @@ def write_tiny_gemma3_gguf(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def sentence_transformers_dir(root: Path, **modes: bool) -> Path:
+    """sentence-transformers' files in `root` (made if missing): modules.json naming a Pooling module in
+    1_Pooling, whose config sets `modes` (lasttoken=True: Qwen3-Embedding's)."""
+    import json
+
+    root.mkdir(parents=True, exist_ok=True)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    (root / "modules.json").write_text(json.dumps(modules))
+    (root / "1_Pooling").mkdir(exist_ok=True)
+    config = {"word_embedding_dimension": 16, **{f"pooling_mode_{k}": v for k, v in modes.items()}}
+    (root / "1_Pooling" / "config.json").write_text(json.dumps(config))
+    return root

@@ -17,6 +17,7 @@ from engine.inputs import PoolSpan
 from engine.pooling import pool_hidden
 from scheduler.config import SchedulerConfig
 from scheduler.loop import IterationLoop
+from scheduler.outputs import RequestDelta
 
 PROMPT = [7, 99, 3, 250, 18, 41, 5, 300, 12, 77, 6, 150, 9, 2, 64, 33, 21]
 OTHER = [5, 17, 230, 48, 11, 3]
@@ -99,3 +100,26 @@ def test_pool_hidden_per_span() -> None:
     pooled = pool_hidden(hidden, spans)
     assert pooled.dtype == torch.float32
     assert pooled.tolist() == [[6.0, 9.0], [10.0, 11.0], [6.0, 7.0]]
+
+
+def test_last_token_pooling_takes_the_prompt_from_the_prefix_cache(tiny_llama_dir: Path) -> None:
+    """The second time a prompt comes, "last" pooling computes only its last block (the cache holds
+    the rest) and gives the same vector; "mean" and "cls" need every state, so they compute all."""
+
+    async def twice(pooling: Pooling) -> list[RequestDelta]:
+        engine = IterationLoop(make_runner(tiny_llama_dir), SchedulerConfig(max_num_seqs=4))
+        try:
+            out = []
+            for i in range(2):  # one after the other: the second finds the first's blocks cached
+                out.append([d async for d in engine.embed(PROMPT, pooling, f"{pooling}-{i}")][-1])
+            return out
+        finally:
+            await engine.shutdown()
+
+    for pooling in ("last", "mean", "cls"):
+        first, second = asyncio.run(twice(pooling))
+        assert first.num_cached_tokens == 0
+        assert second.num_cached_tokens == (16 if pooling == "last" else 0)
+        torch.testing.assert_close(
+            torch.tensor(second.embedding), torch.tensor(first.embedding), atol=1e-5, rtol=1e-5
+        )

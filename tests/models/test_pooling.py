@@ -4,11 +4,10 @@ the last token's. A pooling no embedding can be made with says why."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 import pytest
-from builders import write_tiny_gguf
+from builders import sentence_transformers_dir, write_tiny_gguf
 
 from models.gguf.convert import convert_gguf
 from models.pooling import DECODER_DEFAULT, model_pooling
@@ -41,21 +40,6 @@ def test_a_gguf_pooling_type_survives_the_conversion(
     assert (problem is None) == (pooling.problem is None)
     if problem is not None:
         assert problem in str(pooling.problem)
-
-
-def sentence_transformers_dir(root: Path, **modes: bool) -> Path:
-    """modules.json naming a Pooling module in 1_Pooling, whose config sets `modes`."""
-    root.mkdir(parents=True, exist_ok=True)
-    modules = [
-        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
-        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
-        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
-    ]
-    (root / "modules.json").write_text(json.dumps(modules))
-    (root / "1_Pooling").mkdir(exist_ok=True)
-    config = {"word_embedding_dimension": 16, **{f"pooling_mode_{k}": v for k, v in modes.items()}}
-    (root / "1_Pooling" / "config.json").write_text(json.dumps(config))
-    return root
 
 
 @pytest.mark.parametrize(
