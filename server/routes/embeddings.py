@@ -172,13 +172,17 @@ async def embed_all(
 
     deadline = Deadline(state, state.config.request_timeout_s)
     try:
-        return await cancel_on_disconnect(request, deadline.run(every()))
+        vectors = await cancel_on_disconnect(request, deadline.run(every()))
     except ClientDisconnected:
+        _abort(loop, ids)
         return None
     except (GenerationError, LoopStoppedError) as exc:
+        _abort(loop, ids)
         raise loop_stopped_error(exc) from None
-    finally:
-        _abort(loop, ids)  # those still queued or running (a failure, a timeout, the client gone)
+    except BaseException:  # a timeout (408), a cancellation: none of its requests may stay queued
+        _abort(loop, ids)
+        raise
+    return vectors
 
 
 def _abort(loop: LoopClient, ids: list[str]) -> None:
