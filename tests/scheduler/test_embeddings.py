@@ -136,3 +136,15 @@ async def test_a_preempted_embedding_is_recomputed_from_its_first_token(make_eng
     assert starts.count(0) >= 2  # it ran from its first token again
     assert delta.embedding == pytest.approx(expected(runner, tokens, "mean"), abs=1e-12)
     assert engine.stats().kv_blocks_used == 0
+
+
+async def test_an_embedding_under_request_level_batching(make_engine) -> None:
+    """The FasterTransformer baseline (scheduling="request", which holds finished requests until their
+    batch ends) serves embeddings too: the vector, the generation's tokens, every block free."""
+    runner = FakeRunner()
+    engine = await make_engine(runner, scheduling="request")
+    generation = asyncio.ensure_future(generate_greedy(engine, prompt(5), 8, "g"))
+    delta = await embed_one(engine, prompt(12), "last", "e")
+    assert (await asyncio.wait_for(generation, GUARD_S)) == expected_outputs(prompt(5), 8)
+    assert delta.embedding == expected(runner, prompt(12), "last")
+    assert engine.stats().kv_blocks_used == 0
