@@ -12,18 +12,12 @@ import threading
 
 import pytest
 from test_loop import GUARD_S, collect, expected_outputs, in_thread_wait, prompt
+from test_scheduler import pooled as expected
 from waiting import wait_until
 
 from engine.contract import Pooling, SamplingParams
 from scheduler.fake_runner import FakeRunner
 from scheduler.outputs import FinishReason, RequestDelta
-
-
-def expected(runner: FakeRunner, tokens: list[int], pooling: Pooling) -> list[float]:
-    states = [runner.hidden_state(tokens[: i + 1]) for i in range(len(tokens))]
-    if pooling == "mean":
-        return [sum(c) / len(tokens) for c in zip(*states, strict=True)]
-    return states[-1] if pooling == "last" else states[0]
 
 
 async def embed_one(engine, tokens: list[int], pooling: Pooling, rid: str) -> RequestDelta:
