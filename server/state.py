@@ -129,6 +129,10 @@ class ServerState:
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.vocab_size
         self.pooling = ModelPooling(cfg.pooling, "--pooling") if cfg.pooling is not None else loaded.pooling
+        if self.pooling.method is None:
+            logger.info("no embeddings: %s (--pooling turns them on)", self.pooling.problem)
+        else:
+            logger.info("embeddings: %s pooling, from %s", self.pooling.method, self.pooling.source)
         if cfg.reasoning_parser is not None:
             problem = special_tag_problem(
                 REASONING_FORMATS[cfg.reasoning_parser], loaded.tokenizer.special_tokens
