@@ -17,7 +17,7 @@ from scheduler.block_allocator import BlockAllocator, NoFreeBlocksError, blocks_
 from scheduler.config import SchedulerConfig
 from scheduler.core import ScheduledStep, Scheduler
 from scheduler.fake_runner import FakeDetokenizer, FakeRunner, hash_next_token
-from scheduler.output_text import start_output
+from scheduler.output_text import OutputText, start_output
 from scheduler.outputs import FinishReason
 from scheduler.request import Request, RequestStatus
 from scheduler.stop import check_stop
@@ -46,6 +46,19 @@ def req(rid: str, prompt_len: int, max_tokens: int = 4, **params) -> Request:
     prompt = prompt_of(rid, prompt_len)
     sampling = SamplingParams(max_tokens=max_tokens, **params)
     return Request(rid, prompt, sampling, output_text=start_output(DETOK, prompt, sampling))
+
+
+def embedding_req(rid: str, prompt_len: int, pooling: str) -> Request:
+    prompt = prompt_of(rid, prompt_len)
+    return Request(rid, prompt, SamplingParams(), output_text=OutputText.without_text(), pooling=pooling)
+
+
+def pooled(runner: FakeRunner, tokens: Sequence[int], pooling: str) -> list[float]:
+    """Reference: the fake model's states over `tokens`, pooled."""
+    states = [runner.hidden_state(tokens[: i + 1]) for i in range(len(tokens))]
+    if pooling == "mean":
+        return [sum(column) / len(tokens) for column in zip(*states, strict=True)]
+    return states[-1] if pooling == "last" else states[0]
 
 
 def run_step(sched: Scheduler, runner: FakeRunner) -> tuple[ScheduledStep, list[Request]]:
@@ -335,6 +348,8 @@ class Workload:
     aborts: dict[int, list[int]] = field(default_factory=dict)  # step -> request indices
     # request index -> the output token whose text is the request's stop string
     stop_at: dict[int, int] = field(default_factory=dict)
+    # request index -> its pooling: an embedding request (prefill only) instead of a generation
+    pooling: dict[int, str] = field(default_factory=dict)
 
 
 @st.composite
@@ -348,7 +363,9 @@ def workloads(draw):
     for i in draw(st.lists(st.integers(0, n - 1), max_size=3)):
         aborts.setdefault(draw(st.integers(0, 60)), []).append(i)
     stop_at = {i: draw(st.integers(1, 16)) for i in draw(st.lists(st.integers(0, n - 1), max_size=3))}
-    return Workload(arrivals, aborts, stop_at)
+    methods = st.sampled_from(["last", "mean", "cls"])
+    pooling = {i: draw(methods) for i in draw(st.lists(st.integers(0, n - 1), max_size=3))}
+    return Workload(arrivals, aborts, {i: k for i, k in stop_at.items() if i not in pooling}, pooling)
 
 
 def stop_point(tokens: Sequence[int], stop: str) -> int | None:
@@ -380,7 +397,9 @@ def test_random_workloads_keep_every_invariant(wl, config, block_size, extra_blo
         for i, k in wl.stop_at.items()
     }
     reqs = [
-        req(f"r{i}", p, max_tokens=m, stop=(stops[i],) if i in stops else ())
+        embedding_req(f"r{i}", p, wl.pooling[i])
+        if i in wl.pooling
+        else req(f"r{i}", p, max_tokens=m, stop=(stops[i],) if i in stops else ())
         for i, (_, p, m) in enumerate(wl.arrivals)
     ]
     index = {r.request_id: i for i, r in enumerate(reqs)}
@@ -430,6 +449,11 @@ def test_random_workloads_keep_every_invariant(wl, config, block_size, extra_blo
     assert sorted(r.request_id for r in released) == sorted(r.request_id for r in reqs)
     for r in reqs:
         assert r.is_finished
+        if r.pooling is not None:  # an embedding: no output, its whole prompt pooled (unless aborted)
+            assert r.output_token_ids == [] and r.status is not RequestStatus.FINISHED_ERROR
+            if r.status is RequestStatus.FINISHED_STOPPED:
+                assert r.embedding == pytest.approx(pooled(runner, r.prompt_token_ids, r.pooling), rel=1e-9)
+            continue
         want = expected_outputs(r.prompt_token_ids, r.num_output_tokens)
         assert r.output_token_ids == want  # the fake model's sequence, preempted or not
         # A stop string ends its request at the token that completes it (the fake model never says EOS).
