@@ -11,7 +11,14 @@ from collections import deque
 from collections.abc import Sequence, Set
 from dataclasses import dataclass, field, replace
 
-from engine.contract import Executor, PromptLogprobs, SampledToken, ScheduledSequence, StepResult
+from engine.contract import (
+    PENDING_TOKEN,
+    Executor,
+    PromptLogprobs,
+    SampledToken,
+    ScheduledSequence,
+    StepResult,
+)
 from scheduler.block_allocator import BlockAllocator, BlockHash, blocks_for_tokens
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import FinishReason, PrefixCacheStats, SchedulerStats, SpecStats
@@ -203,24 +210,40 @@ class Scheduler:
 
     # ---- one iteration ----------------------------------------------------------------------------
 
-    def schedule(self, in_flight: Set[str] = frozenset(), max_seqs: int | None = None) -> ScheduledStep:
+    def schedule(
+        self,
+        in_flight: Set[str] = frozenset(),
+        max_seqs: int | None = None,
+        pending: ScheduledStep | None = None,
+    ) -> ScheduledStep:
         """Pick this iteration's work: running decodes, then prompt chunks in progress, then new
         requests in arrival order, under max_num_seqs, max_num_batched_tokens and the KV blocks.
 
         `in_flight`: ids of requests in batches that are still running (pipeline parallelism keeps
         several batches in flight, as ORCA does). They are neither scheduled again nor preempted until
         their batch's tokens are applied: a request is in at most one in-flight batch. `max_seqs` caps
-        this batch below max_num_seqs (the pipelined loop spreads the requests over its batches)."""
+        this batch below max_num_seqs (the pipelined loop spreads the requests over its batches).
+
+        `pending`: overlapped scheduling (docs/architecture.md, "Overlapped scheduling"): the step that
+        is running while this one is scheduled, its tokens not applied yet. Its requests are in flight
+        as above, except that a plain decode continues in this step as if it had emitted its token:
+        one row at the next position whose token id is PENDING_TOKEN (the loop puts the token the
+        pending step sampled there before the forward; `carried_output_ids`)."""
         step = ScheduledStep()
         # Tokens each scheduled request runs, in batch order (a dict: a victim can be taken out again).
         chosen: dict[Request, int] = {}
         budget = self.config.max_num_batched_tokens
+        carried: dict[Request, int] = {}  # request -> the position of its pending token
+        if pending is not None:
+            in_flight = in_flight | {r.request_id for r in pending.requests}
+            carried = self._carry(pending, max_seqs)
+            budget -= len(carried)
 
         ready = [r for r in self.running if r.request_id not in in_flight] if in_flight else self.running
         decodes = [r for r in ready if r.num_uncomputed_tokens == 1]
         prefills = [r for r in ready if r.num_uncomputed_tokens > 1]
         for req in decodes + prefills:
-            if max_seqs is not None and len(chosen) >= max_seqs:
+            if max_seqs is not None and len(chosen) + len(carried) >= max_seqs:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted as a victim earlier in this loop
                 continue
@@ -232,19 +255,22 @@ class Scheduler:
             if n == 0:
                 continue
             while not self.kv.grow(req, n):
-                if not self.kv.preempts or len(self.running) == 1:
+                # The most recently admitted (that is not in flight: its batch still writes its blocks).
+                victim = next((r for r in reversed(self.running) if r.request_id not in in_flight), None)
+                if victim is None and in_flight:
+                    n = 0  # every other request is in flight: try again once their tokens are applied
+                    break
+                if not self.kv.preempts or len(self.running) == 1 or victim is None:
                     # Cannot happen when max_model_len fits the cache (IterationLoop ensures it); fail
                     # the request rather than loop forever.
                     req.error = "out of KV cache blocks"
                     step.released += self._finish(req, RequestStatus.FINISHED_ERROR, hold=False)
                     break
-                # The most recently admitted (that is not in flight: its batch still writes its blocks).
-                victim = next(r for r in reversed(self.running) if r.request_id not in in_flight)
                 budget += chosen.pop(victim, 0)
                 self._preempt(victim, step)
                 if victim is req:
                     break
-            if req.status is RequestStatus.RUNNING:
+            if req.status is RequestStatus.RUNNING and n:
                 chosen[req] = n
                 budget -= n
                 self._claim(req)
@@ -252,12 +278,29 @@ class Scheduler:
         # No admission in a step that preempted: the blocks just freed would otherwise go to the next
         # waiting request and the victim would be preempted again at once (thrashing).
         if not step.preempted and self.batching.may_admit():
-            budget = self._admit(step, chosen, budget, max_seqs)
+            cap = None if max_seqs is None else max_seqs - len(carried)
+            budget = self._admit(step, chosen, budget, cap)
         # Proposals last, from what is left of the budget and the free blocks: they never preempt nor
         # hold back anybody's own tokens.
         spec = self._propose([r for r in decodes if chosen.get(r) == 1], budget)
 
         now = time.monotonic()
+        bs = self.allocator.block_size
+        for req, pos in carried.items():
+            step.seqs.append(
+                ScheduledSequence(
+                    request_id=req.request_id,
+                    token_ids=(PENDING_TOKEN,),
+                    start_position=pos,
+                    block_table=req.block_ids[: blocks_for_tokens(pos + 1, bs)],
+                    sample=True,
+                    sampling=req.sampling,
+                    prompt_token_ids=req.prompt_token_ids,
+                    output_token_ids=req.output_token_ids,
+                )
+            )
+            step.requests.append(req)
+            step.num_decode_tokens += 1
         for req, n in chosen.items():
             start = req.num_computed_tokens
             end = start + n
@@ -287,6 +330,36 @@ class Scheduler:
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
         return step
+
+    def _carry(self, pending: ScheduledStep, max_seqs: int | None) -> dict[Request, int]:
+        """The pending step's requests that continue in the next step before its tokens are applied
+        (overlapped scheduling), each with the position its pending token goes to. A request is
+        carried only where the pending step certainly leaves it one token further and the next row
+        needs nothing but that token: a plain sampled row (no proposals to verify: how many are
+        accepted is unknown), no grammar (its mask needs the matcher advanced past the token), not
+        ending by length at that token, and not a request speculation would rather propose for. The
+        others wait for the step's tokens, as in a synchronous loop. A carried request whose pending
+        token ends it (EOS, a stop string) has run one row for nothing: the loop discards it."""
+        out: dict[Request, int] = {}
+        limit = max_seqs if max_seqs is not None else self.config.max_num_seqs
+        for req, seq in zip(pending.requests, pending.seqs, strict=True):
+            if len(out) >= limit:
+                break
+            if (
+                req.status is not RequestStatus.RUNNING
+                or not seq.sample
+                or seq.num_spec_tokens
+                or req.sampling.grammar is not None
+                or req.num_output_tokens + 1 >= req.sampling.max_tokens
+                or req.num_tokens + 1 >= self.max_model_len
+                or (self.speculation is not None and self.speculation.worth_waiting(req, len(self.running)))
+            ):
+                continue
+            pos = seq.start_position + seq.num_tokens
+            # Never preempts: every other running request may be in flight; it waits instead.
+            if self.kv.grow(req, pos + 1 - req.num_computed_tokens):
+                out[req] = pos
+        return out
 
     def _propose(self, decodes: list[Request], spare: int) -> dict[Request, Proposal]:
         """This step's proposals for its decoding requests (none with speculation off), within `spare`
