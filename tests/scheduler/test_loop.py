@@ -19,6 +19,9 @@ from scheduler.fake_runner import FakeDetokenizer, FakeRunner, hash_next_token
 from scheduler.loop import IterationLoop, LoopStoppedError, new_step_thread
 from scheduler.outputs import FinishReason, RequestDelta, StepReport
 
+# The loop's tests hold with overlapped scheduling on and off.
+pytestmark = pytest.mark.usefixtures("both_overlap_modes")
+
 GUARD_S = 20  # a hang fails the test instead of stalling the suite
 
 

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from engine.contract import SamplingParams
 from scheduler.config import SchedulerConfig
 from scheduler.fake_runner import FakeRunner
 from scheduler.loop import IterationLoop
 from scheduler.outputs import FinishReason, StepReport
+
+# The loop's tests hold with overlapped scheduling on and off.
+pytestmark = pytest.mark.usefixtures("both_overlap_modes")
 
 GUARD_S = 20  # a hang fails the test instead of stalling the suite
 
