@@ -7,6 +7,7 @@ preemption, shared prefixes), and every KV block back."""
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -98,3 +99,22 @@ async def test_the_same_output_with_overlap_on_and_off(runners, tokenizer, runne
     by_id = dict(zip([s[0] for s in batch()], sync, strict=True))
     assert by_id["plain"][0] == plain and by_id["stop id"][0] == plain[:stop_at] and stop_at < len(plain)
     assert all(r[2] is None for r in sync)
+
+
+def test_the_tpot_tool_prints_the_bare_step_and_both_modes(tiny_llama_dir: Path, tmp_path: Path, capsys):
+    from loadtest import tpot
+
+    out = tmp_path / "rows.json"
+    tpot.main(
+        ["--model", str(tiny_llama_dir), "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64"]
+        + ["--block-size", "4", "--new-tokens", "6", "--prompt-len", "5", "--repeats", "1"]
+        + ["--json", str(out)]
+    )
+    rows = json.loads(out.read_text())
+    assert [r["label"] for r in rows] == [
+        "bare step (engine.bench)",
+        "TPOT, --overlap-schedule off",
+        "TPOT, --overlap-schedule on",
+    ]
+    assert all(r["tpot_ms"] > 0 and r["ratio"] > 0 for r in rows)
+    assert "/ bare" in capsys.readouterr().out
