@@ -402,7 +402,8 @@ class IterationLoop:
             queued = loop.run_in_executor(self._thread, self._run_step, new) if new is not None else None
             assert running is not None
             await running
-            self._step_done(pending)
+            if pending.kept != []:  # else every row was dropped: nothing ran
+                self._step_done(pending)
             pending, running = new, queued
 
     def _run_step(self, flight: _InFlight) -> None:

@@ -23,6 +23,7 @@ from scheduler.loop import IterationLoop
 from scheduler.output_text import start_output
 from scheduler.overlap import CarriedOutputs, last_tokens, resolve
 from scheduler.request import Request
+from scheduler.speculation import SpeculationPolicy
 
 DETOK = FakeDetokenizer()
 GUARD_S = 20
@@ -122,7 +123,9 @@ def test_the_same_tokens_with_overlap_on_and_off(scenario):
     overlapped, sched, carried = run_scenario(scenario, overlap=True)
     assert results(overlapped) == results(sync)
     assert sched.allocator.num_used == 0 and not sched.requests  # every block back, nothing held
-    if "speculation" not in scenario:
+    if "speculation" in scenario:
+        assert sched.stats().speculation.accepted_tokens > 0  # overlap does not starve speculation
+    else:
         assert carried > 0  # the plain path overlaps
     if scenario == "preemption":
         assert sched.num_preemptions > 0
@@ -173,6 +176,18 @@ def test_requests_that_cannot_be_carried_wait_for_their_tokens():
     first = sched.schedule()
     second = sched.schedule(pending=first)
     assert [s.request_id for s in second.seqs] == ["plain"]
+
+
+def test_speculation_keeps_a_request_waiting_only_where_a_proposal_would_pay():
+    policy = SpeculationPolicy("ngram", max_tokens=4, max_batch=8, token_cost=0.12)
+    fresh = make_request("fresh", [5, 6, 7, 8])  # no token repeats: nothing to look up
+    assert not policy.worth_waiting(fresh, 1)
+    copying = make_request("copying", [5, 6, 7, 8, 5, 6])  # "5 6" occurred before: "7" likely follows
+    assert policy.worth_waiting(copying, 1)
+    assert not policy.worth_waiting(copying, 9)  # past max_batch nobody proposes
+    for _ in range(40):  # proposals of its kind are rejected again and again
+        policy.acceptance.record((3, "none"), 4, 0)
+    assert not policy.worth_waiting(copying, 1)
 
 
 def test_a_failed_step_drops_the_carried_rows_of_its_requests():

@@ -66,10 +66,11 @@ def batch(report: StepReport) -> list[tuple[str, int, int, bool]]:
 
 async def test_a_request_joins_the_running_batch_and_leaves_it_the_step_it_finishes():
     runner = FakeRunner(num_kv_blocks=64, block_size=4)
-    # "a": a 12-token prompt in chunks of 8, then decodes; "b" arrives once "a" is decoding.
+    # "a": a 12-token prompt in chunks of 8, then decodes; "b" arrives once "a" is decoding (and "a"
+    # still is when "b" joins: with overlapped scheduling the loop has scheduled a step ahead).
     reports, _ = await run_engine(
         runner,
-        [("a", prompt(12), 5, 0), ("b", prompt(3, seed=1), 2, 3)],
+        [("a", prompt(12), 8, 0), ("b", prompt(3, seed=1), 2, 3)],
         max_num_batched_tokens=8,
         max_num_seqs=4,
     )
