@@ -228,16 +228,17 @@ class Scheduler:
         is running while this one is scheduled, its tokens not applied yet. Its requests are in flight
         as above, except that a plain decode continues in this step as if it had emitted its token:
         one row at the next position whose token id is PENDING_TOKEN (the loop puts the token the
-        pending step sampled there before the forward; `carried_output_ids`)."""
+        pending step sampled there before the forward: scheduler/overlap.py), and a prompt chunk that
+        samples nothing continues with its next chunk (`_carry`)."""
         step = ScheduledStep()
         # Tokens each scheduled request runs, in batch order (a dict: a victim can be taken out again).
         chosen: dict[Request, int] = {}
         budget = self.config.max_num_batched_tokens
-        carried: dict[Request, int] = {}  # request -> the position of its pending token
+        carried: dict[Request, tuple[int, int]] = {}  # request -> start and tokens of its row
         if pending is not None:
             in_flight = in_flight | {r.request_id for r in pending.requests}
-            carried = self._carry(pending, max_seqs)
-            budget -= len(carried)
+            carried = self._carry(pending, max_seqs, budget)
+            budget -= sum(n for _, n in carried.values())
 
         ready = [r for r in self.running if r.request_id not in in_flight] if in_flight else self.running
         decodes = [r for r in ready if r.num_uncomputed_tokens == 1]
@@ -286,21 +287,29 @@ class Scheduler:
 
         now = time.monotonic()
         bs = self.allocator.block_size
-        for req, pos in carried.items():
+        for req, (start, n) in carried.items():
+            end = start + n
+            # A decode's token is the pending one; a prompt chunk's tokens are known (end < num_tokens:
+            # its pending chunk samples nothing).
+            decode = end > req.num_tokens
             step.seqs.append(
                 ScheduledSequence(
                     request_id=req.request_id,
-                    token_ids=(PENDING_TOKEN,),
-                    start_position=pos,
-                    block_table=req.block_ids[: blocks_for_tokens(pos + 1, bs)],
-                    sample=True,
+                    token_ids=(PENDING_TOKEN,) if decode else req.token_slice(start, end),
+                    start_position=start,
+                    block_table=req.block_ids[: blocks_for_tokens(end, bs)],
+                    sample=decode or end == req.num_tokens,
                     sampling=req.sampling,
                     prompt_token_ids=req.prompt_token_ids,
                     output_token_ids=req.output_token_ids,
+                    num_prompt_scored=0 if decode else req.prompt_tokens_to_score(start, end),
                 )
             )
             step.requests.append(req)
-            step.num_decode_tokens += 1
+            if decode:
+                step.num_decode_tokens += 1
+            else:
+                step.num_prompt_tokens += n
         for req, n in chosen.items():
             start = req.num_computed_tokens
             end = start + n
@@ -331,34 +340,52 @@ class Scheduler:
                 req.first_scheduled_time = now
         return step
 
-    def _carry(self, pending: ScheduledStep, max_seqs: int | None) -> dict[Request, int]:
+    def _carry(
+        self, pending: ScheduledStep, max_seqs: int | None, budget: int
+    ) -> dict[Request, tuple[int, int]]:
         """The pending step's requests that continue in the next step before its tokens are applied
-        (overlapped scheduling), each with the position its pending token goes to. A request is
-        carried only where the pending step certainly leaves it one token further and the next row
-        needs nothing but that token: a plain sampled row (no proposals to verify: how many are
+        (overlapped scheduling), each with the start and length of its row there, within `budget`
+        tokens: decodes first, then prompt chunks, as schedule() orders them.
+
+        A sampled row is carried only where the pending step certainly leaves the request one token
+        further and the next row needs nothing but that token: no proposals to verify (how many are
         accepted is unknown), no grammar (its mask needs the matcher advanced past the token), not
-        ending by length at that token, and not a request speculation would rather propose for. The
-        others wait for the step's tokens, as in a synchronous loop. A carried request whose pending
-        token ends it (EOS, a stop string) has run one row for nothing: the loop discards it."""
-        out: dict[Request, int] = {}
+        ending by length at that token, and not a request speculation would rather propose for. A
+        prompt chunk that samples nothing is continued by its next chunk, unless a block it would
+        compute is another request's to compute (it waits for it, as in schedule()). The others
+        wait for the step's tokens, as in a synchronous loop. A carried request whose pending token
+        ends it (EOS, a stop string) has run one row for nothing: the loop discards it. A carried row
+        never preempts (every other request may be in flight): without free blocks it waits."""
+        out: dict[Request, tuple[int, int]] = {}
         limit = max_seqs if max_seqs is not None else self.config.max_num_seqs
-        for req, seq in zip(pending.requests, pending.seqs, strict=True):
-            if len(out) >= limit:
+        rows = [
+            (req, seq)
+            for req, seq in zip(pending.requests, pending.seqs, strict=True)
+            if req.status is RequestStatus.RUNNING and not seq.num_spec_tokens
+        ]
+        for req, seq in [r for r in rows if r[1].sample] + [r for r in rows if not r[1].sample]:
+            if len(out) >= limit or budget <= 0:
                 break
-            if (
-                req.status is not RequestStatus.RUNNING
-                or not seq.sample
-                or seq.num_spec_tokens
-                or req.sampling.grammar is not None
-                or req.num_output_tokens + 1 >= req.sampling.max_tokens
-                or req.num_tokens + 1 >= self.max_model_len
-                or (self.speculation is not None and self.speculation.worth_waiting(req, len(self.running)))
-            ):
-                continue
-            pos = seq.start_position + seq.num_tokens
-            # Never preempts: every other running request may be in flight; it waits instead.
-            if self.kv.grow(req, pos + 1 - req.num_computed_tokens):
-                out[req] = pos
+            start = seq.start_position + seq.num_tokens
+            if seq.sample:
+                n = 1
+                if (
+                    req.sampling.grammar is not None
+                    or req.num_output_tokens + 1 >= req.sampling.max_tokens
+                    or req.num_tokens + 1 >= self.max_model_len
+                    or (
+                        self.speculation is not None
+                        and self.speculation.worth_waiting(req, len(self.running))
+                    )
+                ):
+                    continue
+            else:
+                n = self._prompt_share(req.num_tokens - start, budget, alone=False)
+                if n == 0 or (self.allocator.enable_caching and self._waits_for_prefix(req, start)):
+                    continue
+            if self.kv.grow(req, start + n - req.num_computed_tokens):
+                out[req] = (start, n)
+                budget -= n
         return out
 
     def _propose(self, decodes: list[Request], spare: int) -> dict[Request, Proposal]:

@@ -75,6 +75,16 @@ SCENARIOS = {
         [(prompt(i), dict(max_tokens=8 + 5 * i)) for i in range(5)],
     ),
     "prefix caching": (dict(), dict(), [([*SHARED, 400 + i], dict(max_tokens=10)) for i in range(5)]),
+    "prefix caching, chunked": (
+        dict(max_num_batched_tokens=8, max_num_seqs=4),
+        dict(),
+        [([*SHARED, *range(500, 500 + i), 400 + i], dict(max_tokens=10)) for i in range(5)],
+    ),
+    "prompt logprobs, chunked": (
+        dict(max_num_batched_tokens=6, max_num_seqs=2),
+        dict(),
+        [(prompt(i, 17), dict(prompt_logprobs=1, max_tokens=5)) for i in range(2)],
+    ),
     "max model len": (
         dict(),
         dict(max_model_len=40),
@@ -113,7 +123,8 @@ def run_scenario(name: str, overlap: bool) -> tuple[list[Request], Scheduler, in
 
 def results(requests: list[Request]) -> list[tuple]:
     return [
-        (r.output_token_ids, r.finish_reason, r.output_text.take(), r.num_cached_tokens) for r in requests
+        (r.output_token_ids, r.finish_reason, r.output_text.take(), r.num_cached_tokens, r.prompt_logprobs)
+        for r in requests
     ]
 
 
@@ -149,6 +160,24 @@ def test_a_carried_row_continues_at_the_next_position_with_the_token_to_come():
     assert isinstance(sampled[0], SampledToken)
     assert list(resolved.token_ids) == [sampled[0].token_id]
     assert list(resolved.output_token_ids) == [sampled[0].token_id]
+
+
+def test_a_prompt_chunk_continues_with_the_next_chunk_while_it_runs():
+    sched = Scheduler.for_executor(
+        SchedulerConfig(speculative="off", max_num_batched_tokens=8, max_num_seqs=2), FakeRunner()
+    )
+    req = make_request("a", prompt(0, 20))
+    sched.add(req)
+    first = sched.schedule()
+    second = sched.schedule(pending=first)
+    third = sched.schedule(pending=second)
+    rows = [(s.start_position, list(s.token_ids), s.sample) for s in (*first.seqs, *second.seqs, *third.seqs)]
+    assert rows == [
+        (0, req.prompt_token_ids[:8], False),
+        (8, req.prompt_token_ids[8:16], False),
+        (16, req.prompt_token_ids[16:], True),
+    ]
+    assert len(req.block_ids) == 5  # 20 tokens in blocks of 4, none computed yet
 
 
 def test_carried_outputs_read_only_what_they_were_scheduled_with():
