@@ -410,19 +410,15 @@ class IterationLoop:
         """The worker thread's share of an overlapped step: put the step before's tokens into the
         carried rows (scheduler/overlap.py), run the step."""
         flight.started = time.perf_counter()
-        seqs = flight.step.seqs
-        before = flight.after
-        flight.after = None  # the chain of steps must not keep every step alive
-        if before is not None:
-            sampled = before.sampled if before.error is None else None
-            tokens = last_tokens(before.submitted, sampled) if sampled is not None else {}
-            seqs, flight.kept = resolve(seqs, flight.step.requests, tokens)
-        flight.submitted = seqs
+        before, flight.after = flight.after, None  # the chain of steps must not keep every step alive
         try:
-            if seqs:
-                flight.sampled = self._executor.collect(self._executor.submit(seqs))
-            else:
-                flight.sampled = []
+            seqs = flight.step.seqs
+            if before is not None:
+                sampled = before.sampled if before.error is None else None
+                tokens = last_tokens(before.submitted, sampled) if sampled is not None else {}
+                seqs, flight.kept = resolve(seqs, flight.step.requests, tokens)
+            flight.submitted = seqs
+            flight.sampled = self._executor.collect(self._executor.submit(seqs)) if seqs else []
         except Exception as exc:
             flight.error = exc
         flight.duration = time.perf_counter() - flight.started
