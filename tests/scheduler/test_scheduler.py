@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pytest
+from fakes import cramped_runner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import scheduler_configs
@@ -15,7 +16,7 @@ from engine.contract import SampledToken, SamplingParams
 from scheduler.block_allocator import BlockAllocator, NoFreeBlocksError, blocks_for_tokens
 from scheduler.config import SchedulerConfig
 from scheduler.core import ScheduledStep, Scheduler
-from scheduler.fake_runner import FakeDetokenizer, FakeRunner, hash_next_token, mostly_right_draft
+from scheduler.fake_runner import FakeDetokenizer, FakeRunner, hash_next_token
 from scheduler.output_text import start_output
 from scheduler.outputs import FinishReason
 from scheduler.request import Request, RequestStatus
@@ -369,13 +370,7 @@ def stop_point(tokens: Sequence[int], stop: str) -> int | None:
 )
 def test_random_workloads_keep_every_invariant(wl, config, block_size, extra_blocks):
     longest = max(p + m for _, p, m in wl.arrivals)
-    num_blocks = blocks_for_tokens(longest, block_size) + extra_blocks  # small: preemption is common
-    runner = FakeRunner(
-        num_kv_blocks=num_blocks,
-        block_size=block_size,
-        max_model_len=num_blocks * block_size,
-        draft_fn=mostly_right_draft,  # speculative decoding, when the config has it on
-    )
+    runner = cramped_runner(longest, block_size, extra_blocks)
     sched = make(runner, config)
     max_num_seqs, budget, chunked = config.max_num_seqs, config.max_num_batched_tokens, config.chunked_prefill
     scheduling, kv_policy = config.scheduling, config.kv_policy
@@ -405,7 +400,7 @@ def test_random_workloads_keep_every_invariant(wl, config, block_size, extra_blo
         # budgets
         assert step.num_seqs <= max_num_seqs and len(sched.running) <= max_num_seqs
         assert step.num_tokens <= budget or (not chunked and step.num_seqs == 1)
-        assert sched.allocator.num_used == used_blocks(sched) <= num_blocks
+        assert sched.allocator.num_used == used_blocks(sched) <= runner.num_kv_blocks
         if kv_policy == "reserve":
             assert not step.preempted
         # lazy preempts the newest running requests first: victims are a suffix of the admission order
@@ -431,7 +426,7 @@ def test_random_workloads_keep_every_invariant(wl, config, block_size, extra_blo
         assert step_no < 5000, "no progress"
     assert admitted == sorted(admitted)
     # no leaks: every block back, every request handed back exactly once
-    assert sched.allocator.num_free == num_blocks and not sched.requests and not sched.running
+    assert sched.allocator.num_free == runner.num_kv_blocks and not sched.requests and not sched.running
     assert sorted(r.request_id for r in released) == sorted(r.request_id for r in reqs)
     for r in reqs:
         assert r.is_finished
