@@ -210,16 +210,24 @@ def run_to_end(sched: Any, executor: Any, requests: Sequence[Any], max_steps: in
     assert not sched.has_work(), f"requests still running after {max_steps} steps"
 
 
-def run_overlapped(sched: Any, executor: Any, requests: Sequence[Any], max_steps: int = 3000) -> int:
+def run_overlapped(
+    sched: Any,
+    executor: Any,
+    requests: Sequence[Any],
+    max_steps: int = 3000,
+    each_step: Callable[[int], bool] | None = None,
+) -> int:
     """As run_to_end, but overlapped as IterationLoop does it (scheduler/overlap.py), at its worst: each
     step is scheduled and run before the step before it is applied, so every finish is seen one step
-    late. Returns the carried rows run (decodes scheduled before their token was known)."""
+    late. `each_step(n)`, called before the n-th schedule, may add and abort requests and says whether
+    more will come. Returns the carried rows run (decodes scheduled before their token was known)."""
     for r in requests:
         sched.add(r)
     pending: tuple[Any, Any, list[Any], Any] | None = None  # step, rows run, their tokens, rows kept
     carried = 0
-    for _ in range(max_steps):
-        if not sched.has_work() and pending is None:
+    for n in range(max_steps):
+        more = each_step(n) if each_step is not None else False
+        if not more and not sched.has_work() and pending is None:
             return carried
         step = (
             sched.schedule(pending=pending[0] if pending is not None else None) if sched.has_work() else None

@@ -12,7 +12,11 @@ from array import array
 from collections.abc import Sequence
 
 import pytest
-from fakes import greedy_through_loop, run_overlapped, run_to_end
+from fakes import cramped_runner, greedy_through_loop, run_overlapped, run_to_end
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from strategies import scheduler_configs
+from test_scheduler import expected_outputs, prompt_of, workloads
 from waiting import wait_until
 
 from engine.contract import PENDING_TOKEN, SampledToken, SamplingParams
@@ -142,6 +146,54 @@ def test_the_same_tokens_with_overlap_on_and_off(scenario):
         assert sched.num_preemptions > 0
     if scenario == "eos":
         assert any(r.output_token_ids[-1] == EOS for r in overlapped)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    wl=workloads(),
+    config=scheduler_configs(max_extra_budget=30),
+    block_size=st.sampled_from([1, 2, 4]),
+    extra_blocks=st.integers(0, 12),
+)
+def test_random_workloads_give_the_same_tokens_overlapped(wl, config, block_size, extra_blocks):
+    """Arrivals over time, aborts, stop strings, a cramped cache (preemption, eviction), every policy,
+    speculation on and off: each request's tokens are those of a synchronous run (an aborted one's, a
+    prefix of them), and every block comes back."""
+    longest = max(p + m for _, p, m in wl.arrivals)
+    stops = {
+        i: DETOK.text(expected_outputs(prompt_of(f"r{i}", wl.arrivals[i][1]), k)[-1])
+        for i, k in wl.stop_at.items()
+    }
+
+    def requests() -> list[Request]:
+        return [
+            make_request(f"r{i}", prompt_of(f"r{i}", p), max_tokens=m, stop=(stops[i],) if i in stops else ())
+            for i, (_, p, m) in enumerate(wl.arrivals)
+        ]
+
+    reference = requests()  # all at once, synchronously, never aborted (greedy: the same tokens)
+    plain = cramped_runner(longest, block_size, extra_blocks)
+    run_to_end(Scheduler.for_executor(config, plain), plain, reference)
+    runner = cramped_runner(longest, block_size, extra_blocks)
+    sched = Scheduler.for_executor(config, runner)
+    reqs = requests()
+    aborted = {i for ids in wl.aborts.values() for i in ids}
+
+    def each_step(n: int) -> bool:
+        for (at, _, _), r in zip(wl.arrivals, reqs, strict=True):
+            if at == n:
+                sched.add(r)
+        for i in wl.aborts.get(n, []):
+            sched.abort(reqs[i].request_id)
+        return n < max(max(a for a, _, _ in wl.arrivals), max(wl.aborts, default=0))
+
+    run_overlapped(sched, runner, [], each_step=each_step)
+    for i, (r, ref) in enumerate(zip(reqs, reference, strict=True)):
+        if i in aborted:
+            assert r.output_token_ids == ref.output_token_ids[: len(r.output_token_ids)]
+        else:
+            assert (r.output_token_ids, r.finish_reason) == (ref.output_token_ids, ref.finish_reason)
+    assert sched.allocator.num_used == 0 and not sched.requests
 
 
 def test_a_carried_row_continues_at_the_next_position_with_the_token_to_come():
