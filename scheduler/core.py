@@ -349,8 +349,9 @@ class Scheduler:
 
         A sampled row is carried only where the pending step certainly leaves the request one token
         further and the next row needs nothing but that token: no proposals to verify (how many are
-        accepted is unknown), no grammar (its mask needs the matcher advanced past the token), not
-        ending by length at that token, and not a request speculation would rather propose for. A
+        accepted is unknown), not ending by length at that token, and not a request speculation would
+        rather propose for. (A grammar is no obstacle: its matcher is advanced past the token on the
+        worker's side, when the row's mask is made, after the token is put in.) A
         prompt chunk that samples nothing is continued by its next chunk, unless a block it would
         compute is another request's to compute (it waits for it, as in schedule()). The others
         wait for the step's tokens, as in a synchronous loop. A carried request whose pending token
@@ -370,8 +371,7 @@ class Scheduler:
             if seq.sample:
                 n = 1
                 if (
-                    req.sampling.grammar is not None
-                    or req.num_output_tokens + 1 >= req.sampling.max_tokens
+                    req.num_output_tokens + 1 >= req.sampling.max_tokens
                     or req.num_tokens + 1 >= self.max_model_len
                     or (
                         self.speculation is not None

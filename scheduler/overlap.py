@@ -47,7 +47,15 @@ class CarriedOutputs(Sequence[int]):
     def __getitem__(self, i: slice) -> list[int]: ...
     def __getitem__(self, i: int | slice) -> int | list[int]:
         if isinstance(i, slice):
-            return list(self)[i]
+            start, stop, step = i.indices(self._n + 1)
+            if step != 1:
+                return list(self)[i]
+            out = list(
+                self._base[start : min(stop, self._n)]
+            )  # what the grammar matcher reads: its new tokens
+            if start <= self._n < stop:
+                out.append(self._last)
+            return out
         if i < 0:
             i += self._n + 1
         if not 0 <= i <= self._n:

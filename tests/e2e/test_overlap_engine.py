@@ -1,7 +1,7 @@
 """Overlapped scheduling over the real engine (LocalExecutor, a tiny random Llama): byte-identical
 output with --overlap-schedule on and off, request for request, in one batch of everything the loop
 treats differently (carried decodes, sampler penalties and seeds that read the carried outputs,
-logprobs, stop tokens seen one step late, a grammar that waits for its tokens, speculation,
+logprobs, stop tokens seen one step late, grammars (their matchers advanced past carried tokens), speculation,
 preemption, shared prefixes), and every KV block back."""
 
 from __future__ import annotations
@@ -19,8 +19,19 @@ from engine.executor import LocalExecutor
 from engine.grammar import GrammarCompiler, GrammarSpec
 from scheduler.config import SchedulerConfig
 from scheduler.loop import IterationLoop
+from scheduler.outputs import FinishReason
 
 GUARD_S = 300
+# A finite JSON language (bounded length): even a random model's output ends within max_tokens.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "colour": {"enum": ["red", "green", "blue"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
+    "required": ["colour", "n"],
+    "additionalProperties": False,
+}
 
 
 def prompt(n: int, seed: int) -> list[int]:
@@ -52,7 +63,9 @@ async def run(runner: LocalExecutor, config: SchedulerConfig, specs) -> list[tup
         await loop.shutdown()
 
 
-def mixed_batch(stop_id: int, grammar_params: SamplingParams) -> list[tuple[str, list[int], SamplingParams]]:
+def mixed_batch(
+    stop_id: int, grammar_params: tuple[SamplingParams, SamplingParams]
+) -> list[tuple[str, list[int], SamplingParams]]:
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
     shared = prompt(13, 9)
     return [
@@ -62,7 +75,8 @@ def mixed_batch(stop_id: int, grammar_params: SamplingParams) -> list[tuple[str,
         ("logprobs", prompt(9, 2), replace(greedy, logprobs=3)),
         ("penalties", prompt(9, 3), replace(greedy, repetition_penalty=1.3, frequency_penalty=0.7)),
         ("seeded", prompt(8, 4), replace(greedy, temperature=0.9, seed=7)),
-        ("grammar", prompt(6, 5), grammar_params),
+        ("grammar", prompt(6, 5), grammar_params[0]),
+        ("schema", prompt(6, 6), grammar_params[1]),
         ("shared a", [*shared, 5], greedy),
         ("shared b", [*shared, 6], greedy),
     ]
@@ -80,18 +94,27 @@ def mixed_batch(stop_id: int, grammar_params: SamplingParams) -> list[tuple[str,
 async def test_the_same_output_with_overlap_on_and_off(runners, tokenizer, runner_name, config):
     runner = runners[runner_name]
     (reference,) = await run(
-        runner, replace(config, overlap_schedule=False), mixed_batch(-1, SamplingParams())[:1]
+        runner,
+        replace(config, overlap_schedule=False),
+        mixed_batch(-1, (SamplingParams(), SamplingParams()))[:1],
     )
     plain = reference[0]
     # The first token of "plain" that is not its first: "stop id" stops there, in the middle of the run.
     stop_id = next(t for t in plain if t != plain[0])
     stop_at = plain.index(stop_id) + 1
     compiler = GrammarCompiler(tokenizer.hf, runner.vocab_size, sorted(runner.eos_token_ids))
-    spec = GrammarSpec.choice(["alpha", "beta gamma", "delta"])
+    specs = [
+        GrammarSpec.choice(["alpha", "beta gamma", "delta"]),
+        GrammarSpec.json_schema(SCHEMA, any_whitespace=False),
+    ]
 
     def batch():
-        grammar = SamplingParams(temperature=0.0, max_tokens=20, grammar=compiler.compile(spec).new_matcher())
-        return mixed_batch(stop_id, grammar)
+        # Fresh matchers for every run: a matcher keeps its request's position in the grammar.
+        grammars = [
+            SamplingParams(temperature=0.0, max_tokens=40, grammar=compiler.compile(spec).new_matcher())
+            for spec in specs
+        ]
+        return mixed_batch(stop_id, (grammars[0], grammars[1]))
 
     sync = await run(runner, replace(config, overlap_schedule=False), batch())
     overlapped = await run(runner, replace(config, overlap_schedule=True), batch())
@@ -99,6 +122,7 @@ async def test_the_same_output_with_overlap_on_and_off(runners, tokenizer, runne
     by_id = dict(zip([s[0] for s in batch()], sync, strict=True))
     assert by_id["plain"][0] == plain and by_id["stop id"][0] == plain[:stop_at] and stop_at < len(plain)
     assert all(r[2] is None for r in sync)
+    assert by_id["schema"][1] is FinishReason.STOP and json.loads(tokenizer.decode(by_id["schema"][0]))
 
 
 def test_the_tpot_tool_prints_the_bare_step_and_both_modes(tiny_llama_dir: Path, tmp_path: Path, capsys):

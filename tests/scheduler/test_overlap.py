@@ -238,25 +238,38 @@ def test_carried_outputs_read_only_what_they_were_scheduled_with():
     live.append(7)  # the event loop applies the step meanwhile
     live.append(8)
     assert list(view) == [5, 6, 7] and len(view) == 3 and view[-1] == 7 and view[1:] == [6, 7]
+    assert view[2:3] == [7] and view[:2] == [5, 6] and view[3:] == [] and view[::2] == [5, 7]
     with pytest.raises(IndexError):
         view[3]
 
 
-def test_requests_that_cannot_be_carried_wait_for_their_tokens():
-    """A grammar (its mask needs the matcher past the token), a step that ends the request by length,
-    proposals to verify (how many are accepted is unknown): no carried row."""
-    runner = FakeRunner(draft_fn=mostly_right_draft)
-    sched = Scheduler.for_executor(SchedulerConfig(speculative="off"), runner)
-    reqs = [
+def test_a_request_that_ends_by_length_is_not_carried_but_one_with_a_grammar_is():
+    """Known to end: no row wasted. A grammar's matcher is advanced on the worker's side, past the
+    token put in, when the row's mask is made."""
+    sched = Scheduler.for_executor(SchedulerConfig(speculative="off"), FakeRunner())
+    for r in [
         make_request("plain", prompt(0)),
         make_request("grammar", prompt(1), grammar=object()),
         make_request("last", prompt(2), max_tokens=1),
-    ]
-    for r in reqs:
+    ]:
         sched.add(r)
     first = sched.schedule()
     second = sched.schedule(pending=first)
-    assert [s.request_id for s in second.seqs] == ["plain"]
+    assert [s.request_id for s in second.seqs] == ["plain", "grammar"]
+
+
+def test_a_verification_in_flight_is_not_carried():
+    """How many of its proposals are accepted decides where the request goes on."""
+    runner = FakeRunner(draft_fn=mostly_right_draft)
+    sched = Scheduler.for_executor(SchedulerConfig(speculative="draft"), runner)
+    for i in range(2):
+        sched.add(make_request(f"r{i}", prompt(i)))
+    first = sched.schedule()
+    sched.update(first, runner.step(first.seqs))
+    verifying = sched.schedule()
+    assert all(s.num_spec_tokens for s in verifying.seqs)
+    sched.speculation = None  # not the policy's choice: the verification alone keeps them waiting
+    assert not sched.schedule(pending=verifying).seqs
 
 
 def test_speculation_keeps_a_request_waiting_only_where_a_proposal_would_pay():
