@@ -10,9 +10,11 @@ IterationLoop (EOS ignored), (last token's time - first token's) / (tokens - 1) 
 benchmarks define it, and the median gap between streamed deltas per token; for --overlap-schedule
 off, then on, alternating over --repeats runs. Speculation is off unless --speculative says
 otherwise: the figure is about the plain decode path. Each row gives its ratio to the bare step (the
-issue's target: TPOT within 5% of it). Everything runs in the loop's one step thread
-(scheduler.loop.IterationLoop says why), so the bare steps and the loop's steps use the same OpenMP
-team.
+issue's target: TPOT within 5% of it), and the median time the executor sat idle between one step's
+end and the next one's start (what the loop puts on the forward's critical path: the figure overlap
+should bring near zero, and one a busy machine disturbs less than TPOT). Everything runs in the
+loop's one step thread (scheduler.loop.IterationLoop says why), so the bare steps and the loop's
+steps use the same OpenMP team.
 """
 
 from __future__ import annotations
@@ -24,10 +26,11 @@ import statistics
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
 
 from engine.config import EngineConfig
-from engine.contract import SamplingParams
+from engine.contract import SamplingParams, ScheduledSequence, StepResult
 from scheduler.config import SchedulerConfig
 from scheduler.loop import IterationLoop, new_step_thread
 
@@ -38,6 +41,41 @@ class TpotRow:
     tpot_ms: float  # mean over the runs of (last - first) / (tokens - 1)
     median_gap_ms: float  # median gap between streamed deltas per token, all runs pooled
     ratio: float  # tpot_ms / the bare step's median
+    # Median time the executor sat idle between one step's end and the next one's start: what the
+    # loop adds on the forward's critical path (what overlap removes), less noisy than TPOT.
+    idle_ms: float | None = None
+
+
+@dataclass
+class ModeRuns:
+    tpots: list[float] = field(default_factory=list)
+    gaps: list[float] = field(default_factory=list)
+    idles: list[float] = field(default_factory=list)
+
+
+class StepClock:
+    """The executor, noting when each step starts (submit) and ends (collect returns)."""
+
+    def __init__(self, executor: Any) -> None:
+        self._executor = executor
+        self.spans: list[tuple[float, float]] = []
+        self._start = 0.0
+
+    def __getattr__(self, name: str) -> Any:  # every other attribute is the executor's
+        return getattr(self._executor, name)
+
+    def submit(self, batch: Sequence[ScheduledSequence]) -> Any:
+        self._start = time.perf_counter()
+        return self._executor.submit(batch)
+
+    def collect(self, handle: Any) -> list[StepResult]:
+        out = self._executor.collect(handle)
+        self.spans.append((self._start, time.perf_counter()))
+        return out
+
+    def idle_gaps(self) -> list[float]:
+        """Seconds between each step's end and the next one's start."""
+        return [b[0] - a[1] for a, b in zip(self.spans, self.spans[1:], strict=False)]
 
 
 async def one_stream(
@@ -63,21 +101,23 @@ async def one_stream(
 
 
 async def loop_runs(
-    runner, config: SchedulerConfig, step_thread: ThreadPoolExecutor, prompt: list[int], args
-) -> dict[bool, tuple[list[float], list[float]]]:
-    """TPOTs and gaps per overlap mode, the modes alternating run by run."""
-    out: dict[bool, tuple[list[float], list[float]]] = {False: ([], []), True: ([], [])}
+    runner: Any, config: SchedulerConfig, step_thread: ThreadPoolExecutor, prompt: list[int], args
+) -> dict[bool, ModeRuns]:
+    """TPOTs, gaps and idle times per overlap mode, the modes alternating run by run."""
+    out = {False: ModeRuns(), True: ModeRuns()}
     for r in range(args.repeats + 1):  # run 0 of each mode warms up
         for overlap in (False, True):
-            engine = IterationLoop(runner, replace(config, overlap_schedule=overlap), step_thread=step_thread)
+            clock = StepClock(runner)
+            engine = IterationLoop(clock, replace(config, overlap_schedule=overlap), step_thread=step_thread)
             await engine.start()
             try:
                 tpot, gaps = await one_stream(engine, prompt, args.new_tokens, f"run{r}-{overlap}")
             finally:
                 await engine.shutdown()
             if r:
-                out[overlap][0].append(tpot)
-                out[overlap][1].extend(gaps)
+                out[overlap].tpots.append(tpot)
+                out[overlap].gaps.extend(gaps)
+                out[overlap].idles.extend(clock.idle_gaps()[1:])  # after the prompt's step
     return out
 
 
@@ -111,16 +151,19 @@ def main(argv: Sequence[str] | None = None) -> None:
     step_thread.shutdown()
 
     rows = [TpotRow("bare step (engine.bench)", bare_ms, bare_ms, 1.0)]
-    for overlap, (tpots, gaps) in runs.items():
-        tpot_ms = statistics.mean(tpots) * 1e3
+    for overlap, mode in runs.items():
+        tpot_ms = statistics.mean(mode.tpots) * 1e3
         label = f"TPOT, --overlap-schedule {'on' if overlap else 'off'}"
-        rows.append(TpotRow(label, tpot_ms, statistics.median(gaps) * 1e3, tpot_ms / bare_ms))
+        gap_ms = statistics.median(mode.gaps) * 1e3
+        idle_ms = statistics.median(mode.idles) * 1e3 if mode.idles else None
+        rows.append(TpotRow(label, tpot_ms, gap_ms, tpot_ms / bare_ms, idle_ms))
     print(
         f"one stream, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {args.repeats} runs each"
     )
-    print(f"{'':34} {'ms/token':>9} {'median gap':>11} {'/ bare':>7}")
+    print(f"{'':34} {'ms/token':>9} {'median gap':>11} {'/ bare':>7} {'idle between steps':>19}")
     for row in rows:
-        print(f"{row.label:34} {row.tpot_ms:9.2f} {row.median_gap_ms:11.2f} {row.ratio:7.3f}")
+        idle = f"{row.idle_ms:16.3f} ms" if row.idle_ms is not None else ""
+        print(f"{row.label:34} {row.tpot_ms:9.2f} {row.median_gap_ms:11.2f} {row.ratio:7.3f} {idle}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=2)
