@@ -1,20 +1,21 @@
-"""TPOT at one stream next to the bare forward step: what the iteration loop adds to a decode step,
-with overlapped scheduling off and on, in one run on one engine.
+"""TPOT at one stream (or --concurrency streams) next to the bare forward step: what the iteration
+loop adds to a decode step, with overlapped scheduling off and on, in one run on one engine.
 
     python -m loadtest.tpot [--model ... --device ... --dtype ...] [--new-tokens 128] [--prompt-len 64]
-                            [--repeats 3] [--speculative off]
+                            [--concurrency 1] [--repeats 3] [--speculative off]
 
-Bare step: engine.bench's decode steps (`executor.step` of a one-sequence batch built by hand, so
-the forward pass and sampling and nothing else), median. TPOT: one greedy request at a time through
-IterationLoop (EOS ignored), (last token's time - first token's) / (tokens - 1) as client-side
-benchmarks define it, and the median gap between streamed deltas per token; for --overlap-schedule
-off, then on, alternating over --repeats runs. Speculation is off unless --speculative says
-otherwise: the figure is about the plain decode path. Each row gives its ratio to the bare step (the
-issue's target: TPOT within 5% of it), and the median time the executor sat idle between one step's
-end and the next one's start (what the loop puts on the forward's critical path: the figure overlap
-should bring near zero, and one a busy machine disturbs less than TPOT). Everything runs in the
-loop's one step thread (scheduler.loop.IterationLoop says why), so the bare steps and the loop's
-steps use the same OpenMP team.
+Bare step: engine.bench's decode steps (`executor.step` of a batch of --concurrency sequences built
+by hand, so the forward pass and sampling and nothing else), median. TPOT: greedy requests (EOS
+ignored) through IterationLoop, --concurrency of them started together, each one's (last token's
+time - first token's) / (tokens - 1) as client-side benchmarks define it, averaged, and the median
+gap between streamed deltas per token; for --overlap-schedule off, then on, alternating over
+--repeats runs. Speculation is off unless --speculative says otherwise: the figure is about the
+plain decode path. Each row gives its ratio to the bare step (the issue's target at one stream: TPOT
+within 5% of it), and the median time the executor sat idle between one step's end and the next
+one's start (what the loop puts on the forward's critical path: the figure overlap should bring near
+zero, and one a busy machine disturbs less than TPOT). Everything runs in the loop's one step thread
+(scheduler.loop.IterationLoop says why), so the bare steps and the loop's steps use the same OpenMP
+team.
 """
 
 from __future__ import annotations
@@ -101,9 +102,10 @@ async def one_stream(
 
 
 async def loop_runs(
-    runner: Any, config: SchedulerConfig, step_thread: ThreadPoolExecutor, prompt: list[int], args
+    runner: Any, config: SchedulerConfig, step_thread: ThreadPoolExecutor, prompts: list[list[int]], args
 ) -> dict[bool, ModeRuns]:
-    """TPOTs, gaps and idle times per overlap mode, the modes alternating run by run."""
+    """TPOTs (one per stream), gaps and idle times per overlap mode, the modes alternating run by
+    run; the streams of a run start together."""
     out = {False: ModeRuns(), True: ModeRuns()}
     for r in range(args.repeats + 1):  # run 0 of each mode warms up
         for overlap in (False, True):
@@ -111,13 +113,18 @@ async def loop_runs(
             engine = IterationLoop(clock, replace(config, overlap_schedule=overlap), step_thread=step_thread)
             await engine.start()
             try:
-                tpot, gaps = await one_stream(engine, prompt, args.new_tokens, f"run{r}-{overlap}")
+                streams = [
+                    one_stream(engine, p, args.new_tokens, f"run{r}-{overlap}-{i}")
+                    for i, p in enumerate(prompts)
+                ]
+                results = await asyncio.gather(*streams)
             finally:
                 await engine.shutdown()
             if r:
-                out[overlap].tpots.append(tpot)
-                out[overlap].gaps.extend(gaps)
-                out[overlap].idles.extend(clock.idle_gaps()[1:])  # after the prompt's step
+                for tpot, gaps in results:
+                    out[overlap].tpots.append(tpot)
+                    out[overlap].gaps.extend(gaps)
+                out[overlap].idles.extend(clock.idle_gaps()[1:])  # after the prompts' step
     return out
 
 
@@ -128,6 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(speculative="off")
     p.add_argument("--new-tokens", type=int, default=128, help="tokens each request generates")
     p.add_argument("--prompt-len", type=int, default=64, help="random prompt tokens")
+    p.add_argument(
+        "--concurrency", type=int, default=1, help="streams at once (the bare step decodes as many rows)"
+    )
     p.add_argument("--repeats", type=int, default=3, help="measured runs per mode (after one warm-up run)")
     p.add_argument("--json", default=None, help="also write the rows to this JSON file")
     return p
@@ -141,13 +151,13 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     step_thread = new_step_thread()
     runner = step_thread.submit(LocalExecutor, EngineConfig.from_cli_args(args)).result()
-    (prompt,) = make_prompts(1, args.prompt_len, runner.vocab_size, args.seed)
+    prompts = make_prompts(args.concurrency, args.prompt_len, runner.vocab_size, args.seed)
     bare_runs = [
-        step_thread.submit(engine_decode, runner, [prompt], args.new_tokens, WARMUP_STEPS).result()
+        step_thread.submit(engine_decode, runner, prompts, args.new_tokens, WARMUP_STEPS).result()
         for _ in range(args.repeats + 1)
     ][1:]
     bare_ms = statistics.median(s * 1e3 for run in bare_runs for s in run.decode_steps_s)
-    runs = asyncio.run(loop_runs(runner, SchedulerConfig.from_cli_args(args), step_thread, prompt, args))
+    runs = asyncio.run(loop_runs(runner, SchedulerConfig.from_cli_args(args), step_thread, prompts, args))
     step_thread.shutdown()
 
     rows = [TpotRow("bare step (engine.bench)", bare_ms, bare_ms, 1.0)]
@@ -158,7 +168,8 @@ def main(argv: Sequence[str] | None = None) -> None:
         idle_ms = statistics.median(mode.idles) * 1e3 if mode.idles else None
         rows.append(TpotRow(label, tpot_ms, gap_ms, tpot_ms / bare_ms, idle_ms))
     print(
-        f"one stream, prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {args.repeats} runs each"
+        f"{args.concurrency} stream(s) at once, prompt {args.prompt_len} tokens, {args.new_tokens} new "
+        f"tokens, {args.repeats} runs each"
     )
     print(f"{'':34} {'ms/token':>9} {'median gap':>11} {'/ bare':>7} {'idle between steps':>19}")
     for row in rows:

@@ -131,7 +131,18 @@ def test_the_tpot_tool_prints_the_bare_step_and_both_modes(tiny_llama_dir: Path,
     out = tmp_path / "rows.json"
     tpot.main(
         ["--model", str(tiny_llama_dir), "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64"]
-        + ["--block-size", "4", "--new-tokens", "6", "--prompt-len", "5", "--repeats", "1"]
+        + [
+            "--block-size",
+            "4",
+            "--new-tokens",
+            "6",
+            "--prompt-len",
+            "5",
+            "--repeats",
+            "1",
+            "--concurrency",
+            "2",
+        ]
         + ["--json", str(out)]
     )
     rows = json.loads(out.read_text())
