@@ -137,3 +137,22 @@ def thinking_tokenizer(smollm2_tokenizer_dir):
     hf = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
     hf.chat_template = THINKING_TEMPLATE
     return ServerTokenizer(hf)
+
+
+@pytest.fixture(params=[True, False], ids=["overlap", "sync"])
+def both_overlap_modes(request, monkeypatch) -> bool:
+    """Every IterationLoop the test makes runs with overlapped scheduling on, then off (whatever its
+    config says): a module marks itself with `pytestmark = pytest.mark.usefixtures(...)`."""
+    import dataclasses
+
+    from scheduler.config import SchedulerConfig
+    from scheduler.loop import IterationLoop
+
+    init = IterationLoop.__init__
+
+    def with_mode(self, executor, config=None, *args, **kwargs):
+        config = dataclasses.replace(config or SchedulerConfig(), overlap_schedule=request.param)
+        init(self, executor, config, *args, **kwargs)
+
+    monkeypatch.setattr(IterationLoop, "__init__", with_mode)
+    return request.param
