@@ -54,6 +54,13 @@ class WeightNames:
     # checkpoint's language model under its own prefix: ("language_model.model.", "model.")); a
     # prefix replaced by None marks tensors this server does not use (a vision tower), skipped.
     renamed: tuple[tuple[str, str | None], ...] = ()
+    # Name fragments replaced wherever they occur, before stacking (Mixtral's ".block_sparse_moe." ->
+    # ".mlp.", ".w2." -> ".down_proj.").
+    replaced: tuple[tuple[str, str], ...] = ()
+    # A mixture of experts' stacked tensors [experts, rows, cols] (transformers 5's fused parameters,
+    # a GGUF file's ffn_*_exps), unstacked into one tensor per expert: (name suffix, per-expert
+    # suffix with {} for the expert's index), e.g. (".experts.down_proj", ".experts.{}.down_proj.weight").
+    experts: tuple[tuple[str, str], ...] = ()
 
 
 class GGUFMetadata(Protocol):

@@ -59,6 +59,49 @@ def tiny_qwen3_config(**overrides):
     return tiny_config("Qwen3Config", "Qwen3ForCausalLM", family, overrides)
 
 
+# Every tiny mixture of experts: 8 experts, 2 per token, 32 wide each (hidden 64).
+TINY_EXPERTS = dict(num_experts_per_tok=2, norm_topk_prob=False)
+
+
+def tiny_qwen3_moe_config(**overrides):
+    """Qwen3-MoE at toy sizes: Qwen3's attention (head_dim 32, q/k norms), 8 experts of 32, top 2
+    renormalised, the second of 3 layers a dense MLP (`mlp_only_layers`)."""
+    family = dict(
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        num_hidden_layers=3,
+        num_experts=8,
+        moe_intermediate_size=32,
+        mlp_only_layers=[1],
+        **{**TINY_EXPERTS, "norm_topk_prob": True},
+    )
+    return tiny_config("Qwen3MoeConfig", "Qwen3MoeForCausalLM", family, overrides)
+
+
+def tiny_mixtral_config(**overrides):
+    """Mixtral at toy sizes: GQA, 8 experts of 32, top 2 (always renormalised)."""
+    family = dict(
+        num_local_experts=8, intermediate_size=32, num_experts_per_tok=2, sliding_window=None, tie_word_embeddings=False
+    )
+    return tiny_config("MixtralConfig", "MixtralForCausalLM", family, overrides)
+
+
+def tiny_olmoe_config(**overrides):
+    """OLMoE at toy sizes: q/k norms over the whole projections, 8 experts of 32, top 2 not
+    renormalised (as OLMoE-1B-7B), q/k/v clipped."""
+    family = dict(
+        num_experts=8,
+        intermediate_size=32,
+        clip_qkv=8.0,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        **TINY_EXPERTS,
+    )
+    return tiny_config("OlmoeConfig", "OlmoeForCausalLM", family, overrides)
+
+
 def tiny_phi3_config(**overrides):
     """Phi-3's layout at toy sizes: fused qkv (GQA: q, k and v of different sizes) and gate/up."""
     family = dict(

@@ -7,8 +7,9 @@ step; only the attention op splits per request. q/k/v and gate/up are fused into
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -119,14 +120,22 @@ def llama_mlp(spec: LayerSpec, layout: LlamaLayout) -> GatedMLP:
     )
 
 
+# Decoder layer i's MLP: the gated MLP, or a family's own (a mixture of experts: models/families/moe.py).
+MLPBuilder = Callable[[LayerSpec, LlamaLayout, int], nn.Module]
+
+
+def dense_mlp(spec: LayerSpec, layout: LlamaLayout, index: int) -> nn.Module:
+    return llama_mlp(spec, layout)
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: LayerSpec, layout: LlamaLayout):
+    def __init__(self, spec: LayerSpec, layout: LlamaLayout, mlp: nn.Module, attention: type[nn.Module]):
         super().__init__()
         config = spec.config
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, spec.dtype)
-        self.self_attn = LlamaAttention(spec, layout)
+        self.self_attn = attention(spec, layout)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, spec.dtype)
-        self.mlp = llama_mlp(spec, layout)
+        self.mlp = mlp
 
     def forward(self, positions, hidden, kv_cache: KVCache, step: AttentionStep) -> torch.Tensor:
         attn_out = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, step)
@@ -146,6 +155,8 @@ class LlamaModel(nn.Module):
         tp: TPContext,
         pp: PPContext = SINGLE_STAGE,
         windows: tuple[int | None, ...] | None = None,  # each layer's sliding window (None: none)
+        mlp: MLPBuilder = dense_mlp,
+        attention: type[nn.Module] | None = None,  # LlamaAttention unless a family has its own
     ):
         super().__init__()
         self.embed_tokens = (
@@ -155,23 +166,28 @@ class LlamaModel(nn.Module):
             layout.head_dim, config.max_position_embeddings, rope_params_from_config(config), dtype
         )
         windows = windows or (None,) * config.num_hidden_layers
-        self.layers = stage_layers(
-            config.num_hidden_layers,
-            pp,
-            lambda i: LlamaDecoderLayer(LayerSpec(config, rotary, dtype, tp, windows[i]), layout),
-        )
+
+        def layer(i: int) -> LlamaDecoderLayer:
+            spec = LayerSpec(config, rotary, dtype, tp, windows[i])
+            return LlamaDecoderLayer(spec, layout, mlp(spec, layout, i), attention or LlamaAttention)
+
+        self.layers = stage_layers(config.num_hidden_layers, pp, layer)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if pp.is_last else None
 
 
 class LlamaForCausalLM(CausalLMBase):
     """The Llama graph; a family with the same layers and other config flags subclasses it and
-    overrides `layout`."""
+    overrides `layout` (and `layer_mlp` for another MLP, `layer_attention` for another attention module)."""
 
     layout = staticmethod(LlamaLayout.of)
+    layer_mlp: ClassVar[MLPBuilder] = staticmethod(dense_mlp)
+    layer_attention: ClassVar[type[nn.Module] | None] = None
 
     def build(self, config: PretrainedConfig, dtype: torch.dtype) -> None:
         tp, pp = self.tp, self.pp
-        self.model = LlamaModel(config, self.layout(config), dtype, tp, pp, self.family.layer_windows(config))
+        windows = self.family.layer_windows(config)
+        self.model = LlamaModel(config, self.layout(config), dtype, tp, pp, windows, self.layer_mlp, self.layer_attention
+        )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         tie_to = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = self.build_lm_head(config.hidden_size, dtype, tp, pp, tie_to=tie_to)
@@ -228,8 +244,7 @@ def llama_like_family(
         architectures=(model.__name__,),
         model=model,
         weights=weights,
-        native_decode=llama_decode_parts,
-        **declared,
+        **{"native_decode": llama_decode_parts, **declared},
     )
 
 

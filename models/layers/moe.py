@@ -1,0 +1,165 @@
+"""A mixture-of-experts MLP in the selective-batching style.
+
+One step's tokens of every request arrive flat, [T, hidden]. The router scores every token against
+every expert in float32; each token keeps its top-k experts and their routing weights. The T x k
+(token, expert) pairs are then sorted by expert, so each chosen expert's weights run ONCE per step,
+over all the tokens (of whatever requests) that chose it, and the results are added back into their
+tokens' rows, weighted (index_add). An expert no token chose is never read: a decode step of one
+request reads only its k experts' weights per layer.
+
+Every expert is a gate/up + down pair of the same linear layers the dense MLP uses, so block-quantized
+weights stay packed per expert (a GGUF file's 3-D expert stacks are cut into one packed weight per
+expert), and tensor parallelism shards every expert the way it shards a dense MLP: each rank holds a
+slice of EVERY expert's intermediate columns (gate/up column-parallel, down row-parallel), and one
+all-reduce sums the partial outputs of all experts (and the shared expert) at the end. Why a slice of
+every expert rather than whole experts per rank: the router is replicated and sees the same
+(all-reduced) input on every rank, so every rank routes identically and does an equal share of every
+chosen expert's work whatever the routing; whole experts per rank would leave a rank idle whenever no
+token picks its experts (a decode step picks only k of them) and need an all-to-all of the tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.errors import ModelLoadError
+from models.layers.activation import SiluAndMul
+from models.layers.linear import (
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    check_shape,
+)
+from models.layers.packed_weight import QuantizedBlocks
+from models.layers.parallel import TPContext
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a token's experts and their weights come from its router logits.
+
+    softmax_first: softmax over all experts, then the top k of those probabilities (Qwen3-MoE, OLMoE,
+        and Mixtral as transformers 5 writes it); with `normalize` the k are divided by their sum.
+    otherwise: the top k logits, then a softmax over those k (Mixtral's original formulation, equal to
+        softmax-first with normalize)."""
+
+    num_experts: int
+    top_k: int
+    normalize: bool  # norm_topk_prob
+    softmax_first: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ModelLoadError(
+                f"mixture of experts: {self.top_k} experts per token out of {self.num_experts} is not a "
+                "routing this server runs"
+            )
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 logits [T, E] -> (weights [T, k] float32, experts [T, k] int64)."""
+        if self.softmax_first:
+            probs = torch.softmax(logits, dim=-1)
+            weights, experts = torch.topk(probs, self.top_k, dim=-1)
+            if self.normalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return weights, experts
+        top, experts = torch.topk(logits, self.top_k, dim=-1)
+        return torch.softmax(top, dim=-1), experts
+
+
+class Router(nn.Module):
+    """The replicated [experts, hidden] gate; its logits are computed in float32 whatever the model
+    dtype (routing decisions flip on small differences). A block-quantized router (a GGUF
+    `ffn_gate_inp` in a K-quant) is dequantized: it is small, and stays off the int8 kernels."""
+
+    def __init__(self, hidden: int, num_experts: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | QuantizedBlocks, shard: object) -> None:
+        if isinstance(loaded, QuantizedBlocks):
+            loaded = loaded.dequantize()
+        check_shape(loaded, param.shape)
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
+class Expert(nn.Module):
+    """One expert's gated MLP, down(silu(gate) * up); its output is this rank's partial sum (the
+    all-reduce is the whole layer's, once)."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, tp: TPContext) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], False, dtype, tp)
+        self.down_proj = RowParallelLinear(inter, hidden, False, dtype, tp)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj.matmul(self.act(self.gate_up_proj(x)))
+
+
+class SharedExpertGate(Router):
+    """sigmoid(x . w): how much of the shared expert a token takes (Qwen2-MoE's `shared_expert_gate`,
+    [1, hidden]); replicated, float32 like the router."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__(hidden, 1, dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(super().forward(x))
+
+
+@dataclass(frozen=True)
+class MoESizes:
+    hidden: int
+    expert_inter: int  # each routed expert's intermediate size
+    shared_inter: int = 0  # the shared expert's (0: none)
+    shared_gate: bool = False  # a sigmoid gate on the shared expert
+
+
+class SparseMoE(nn.Module):
+    """The MoE MLP over flat tokens [T, hidden] -> [T, hidden]. Parameter names follow the HF
+    checkpoints': `gate` (the router), `experts.<e>.{gate_up_proj,down_proj}`, `shared_expert`,
+    `shared_expert_gate`."""
+
+    def __init__(self, sizes: MoESizes, routing: Routing, dtype: torch.dtype, tp: TPContext) -> None:
+        super().__init__()
+        self.routing = routing
+        self.tp = tp
+        self.gate = Router(sizes.hidden, routing.num_experts, dtype)
+        self.experts = nn.ModuleList(
+            Expert(sizes.hidden, sizes.expert_inter, dtype, tp) for _ in range(routing.num_experts)
+        )
+        self.shared_expert = Expert(sizes.hidden, sizes.shared_inter, dtype, tp) if sizes.shared_inter else None
+        self.shared_expert_gate = SharedExpertGate(sizes.hidden, dtype) if sizes.shared_gate else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.routing.route(self.gate(x))  # [T, k] each
+        k = self.routing.top_k
+        flat = chosen.reshape(-1)
+        # The (token, expert) pairs grouped by expert, token order kept within each group.
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.routing.num_experts).tolist()
+        token_of = order // k
+        pair_weight = weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
+        out = torch.zeros_like(x)
+        start = 0
+        for expert, n in zip(self.experts, counts, strict=True):
+            if n:
+                rows = token_of[start : start + n]
+                y = expert(x.index_select(0, rows))
+                out.index_add_(0, rows, y * pair_weight[start : start + n])
+                start += n
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = shared * self.shared_expert_gate(x).to(x.dtype)
+            out += shared
+        return self.tp.all_reduce(out)
+
