@@ -83,7 +83,11 @@ def tiny_qwen3_moe_config(**overrides):
 def tiny_mixtral_config(**overrides):
     """Mixtral at toy sizes: GQA, 8 experts of 32, top 2 (always renormalised)."""
     family = dict(
-        num_local_experts=8, intermediate_size=32, num_experts_per_tok=2, sliding_window=None, tie_word_embeddings=False
+        num_local_experts=8,
+        intermediate_size=32,
+        num_experts_per_tok=2,
+        sliding_window=None,
+        tie_word_embeddings=False,
     )
     return tiny_config("MixtralConfig", "MixtralForCausalLM", family, overrides)
 

@@ -186,7 +186,8 @@ class LlamaForCausalLM(CausalLMBase):
     def build(self, config: PretrainedConfig, dtype: torch.dtype) -> None:
         tp, pp = self.tp, self.pp
         windows = self.family.layer_windows(config)
-        self.model = LlamaModel(config, self.layout(config), dtype, tp, pp, windows, self.layer_mlp, self.layer_attention
+        self.model = LlamaModel(
+            config, self.layout(config), dtype, tp, pp, windows, self.layer_mlp, self.layer_attention
         )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         tie_to = self.model.embed_tokens if self.tie_word_embeddings else None

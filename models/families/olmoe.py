@@ -25,7 +25,14 @@ class ProjectionRMSNorm(nn.Module):
     squares every replica adds)."""
 
     def __init__(
-        self, full_width: int, start: int, width: int, reduced_width: int, eps: float, dtype: torch.dtype, tp: TPContext
+        self,
+        full_width: int,
+        start: int,
+        width: int,
+        reduced_width: int,
+        eps: float,
+        dtype: torch.dtype,
+        tp: TPContext,
     ) -> None:
         super().__init__()
         self.full_width, self.start, self.reduced_width = full_width, start, reduced_width
@@ -61,7 +68,9 @@ class OlmoeAttention(LlamaAttention):
         self.clip = getattr(config, "clip_qkv", None)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, step: AttentionStep):
-        q, k, v = self.qkv_proj(x).split([self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1)
+        q, k, v = self.qkv_proj(x).split(
+            [self.qkv_proj.q_size, self.qkv_proj.kv_size, self.qkv_proj.kv_size], -1
+        )
         qkv = torch.cat([self.q_norm(q), self.k_norm(k), v], dim=-1)
         if self.clip is not None:
             qkv.clamp_(min=-self.clip, max=self.clip)

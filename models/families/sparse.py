@@ -61,4 +61,3 @@ def check_routing(config: Any, family: str) -> None:
 
 def sparse_moe(spec: LayerSpec, expert_inter: int, routing: Routing) -> SparseMoE:
     return SparseMoE(MoESizes(spec.config.hidden_size, expert_inter), routing, spec.dtype, spec.tp)
-

@@ -80,7 +80,9 @@ class Router(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | QuantizedBlocks, shard: object) -> None:
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor | QuantizedBlocks, shard: object
+    ) -> None:
         if isinstance(loaded, QuantizedBlocks):
             loaded = loaded.dequantize()
         check_shape(loaded, param.shape)
@@ -136,7 +138,9 @@ class SparseMoE(nn.Module):
         self.experts = nn.ModuleList(
             Expert(sizes.hidden, sizes.expert_inter, dtype, tp) for _ in range(routing.num_experts)
         )
-        self.shared_expert = Expert(sizes.hidden, sizes.shared_inter, dtype, tp) if sizes.shared_inter else None
+        self.shared_expert = (
+            Expert(sizes.hidden, sizes.shared_inter, dtype, tp) if sizes.shared_inter else None
+        )
         self.shared_expert_gate = SharedExpertGate(sizes.hidden, dtype) if sizes.shared_gate else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -162,4 +166,3 @@ class SparseMoE(nn.Module):
                 shared = shared * self.shared_expert_gate(x).to(x.dtype)
             out += shared
         return self.tp.all_reduce(out)
-
