@@ -15,8 +15,11 @@ from builders import (
     tiny_gpt2_config,
     tiny_llama_config,
     tiny_mistral_config,
+    tiny_mixtral_config,
+    tiny_olmoe_config,
     tiny_phi4_mini_config,
     tiny_qwen3_config,
+    tiny_qwen3_moe_config,
 )
 
 TEST_CACHE = Path(os.environ.get("ORCA_TEST_CACHE", Path.home() / ".cache" / "orca-serve" / "tests"))
@@ -87,6 +90,28 @@ def tiny_qwen3_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     """A tiny random Qwen3 (q/k norms, head_dim apart from hidden / heads) as an HF directory."""
     model = build_hf_model(tiny_qwen3_config())
     return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-qwen3"), smollm2_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    """A tiny random Qwen3-MoE (8 experts, 2 per token; a dense layer between two sparse ones), saved
+    as transformers 5 saves it (one tensor per expert)."""
+    model = build_hf_model(tiny_qwen3_moe_config())
+    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-qwen3-moe"), smollm2_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_mixtral_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    """A tiny random Mixtral (block_sparse_moe.experts.N.w1/w2/w3 in its files)."""
+    model = build_hf_model(tiny_mixtral_config())
+    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-mixtral"), smollm2_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_olmoe_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    """A tiny random OLMoE (q/k norms over the whole projections, clipped q/k/v)."""
+    model = build_hf_model(tiny_olmoe_config())
+    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-olmoe"), smollm2_tokenizer_dir)
 
 
 @pytest.fixture(scope="session")

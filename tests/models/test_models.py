@@ -18,10 +18,13 @@ from builders import (
     tiny_gpt2_config,
     tiny_llama_config,
     tiny_mistral_config,
+    tiny_mixtral_config,
+    tiny_olmoe_config,
     tiny_phi3_config,
     tiny_phi4_mini_config,
     tiny_qwen2_config,
     tiny_qwen3_config,
+    tiny_qwen3_moe_config,
 )
 from paged_cache import PagedCacheHarness, reference_attention
 
@@ -81,6 +84,14 @@ CONFIGS = {
         num_hidden_layers=3,
     ),
     "gpt2": lambda: tiny_gpt2_config(vocab_size=SMALL_VOCAB),
+    # Mixtures of experts: every prompt's tokens spread over the experts, grouped by expert in the
+    # flat batch of all four prompts.
+    "qwen3-moe": lambda: tiny_qwen3_moe_config(vocab_size=SMALL_VOCAB),
+    "qwen3-moe-unnormalised-every-second-layer": lambda: tiny_qwen3_moe_config(
+        vocab_size=SMALL_VOCAB, norm_topk_prob=False, mlp_only_layers=[], decoder_sparse_step=2
+    ),
+    "mixtral": lambda: tiny_mixtral_config(vocab_size=SMALL_VOCAB),
+    "olmoe": lambda: tiny_olmoe_config(vocab_size=SMALL_VOCAB),
     # Local layers with a window of 5 (prompts below run to 14 tokens) and global ones.
     "gemma3": lambda: tiny_gemma3_config(vocab_size=SMALL_VOCAB, sliding_window=5),
     # Linear rope scaling on the global layers only, an untied head, a final logit soft-cap, a
@@ -305,6 +316,13 @@ TP_CONFIGS = {
     "qwen3": lambda: tiny_qwen3_config(vocab_size=SMALL_VOCAB),
     "phi4-mini": lambda: tiny_phi4_mini_config(vocab_size=SMALL_VOCAB, tie_word_embeddings=False),
     "gpt2-odd-vocab": lambda: tiny_gpt2_config(vocab_size=SMALL_VOCAB - 3),  # padded vocab shards
+    # Every expert sliced across the ranks (models/layers/moe.py says why), routed alike on both.
+    "qwen3-moe": lambda: tiny_qwen3_moe_config(vocab_size=SMALL_VOCAB),
+    "mixtral": lambda: tiny_mixtral_config(vocab_size=SMALL_VOCAB),
+    # q/k norms over whole projections whose heads are split (sums of squares all-reduced); with one
+    # KV head, replicated on both ranks.
+    "olmoe": lambda: tiny_olmoe_config(vocab_size=SMALL_VOCAB),
+    "olmoe-one-kv-head": lambda: tiny_olmoe_config(vocab_size=SMALL_VOCAB, num_key_value_heads=1),
 }
 
 

@@ -1,0 +1,106 @@
+"""The mixture-of-experts layer (models/layers/moe.py) on its own: each chosen expert runs once per
+step over all the tokens that chose it, an expert nobody chose is never run, a token's output does not
+depend on the tokens it is batched with, and routing variants this layer does not run are refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from builders import build_hf_model, tiny_mixtral_config, tiny_qwen3_moe_config
+
+from models.errors import ModelLoadError
+from models.layers.moe import Routing, SparseMoE
+from models.registry import model_class_for
+
+
+def moe_layer(config) -> SparseMoE:
+    """Layer 0's experts of our model loaded from a random transformers model."""
+    hf = build_hf_model(config)
+    ours = model_class_for(config)(config, dtype=torch.float32)
+    ours.load_weights(hf.state_dict().items())
+    layer = ours.model.layers[0].mlp
+    assert isinstance(layer, SparseMoE)
+    return layer
+
+
+def expert_calls(layer: SparseMoE, x: torch.Tensor) -> tuple[torch.Tensor, list[tuple[int, int]]]:
+    """The layer's output and (expert, tokens) of every expert call, in order."""
+    calls: list[tuple[int, int]] = []
+    hooks = [
+        e.register_forward_hook(lambda m, args, out, i=i: calls.append((i, args[0].shape[0])))
+        for i, e in enumerate(layer.experts)
+    ]
+    try:
+        with torch.no_grad():
+            return layer(x), calls
+    finally:
+        for h in hooks:
+            h.remove()
+
+
+def test_one_token_runs_only_its_chosen_experts() -> None:
+    layer = moe_layer(tiny_qwen3_moe_config(vocab_size=64))
+    x = torch.randn(1, 64, generator=torch.Generator().manual_seed(0))
+    _, chosen = layer.routing.route(layer.gate(x))
+    _, calls = expert_calls(layer, x)
+    assert sorted(calls) == sorted((int(e), 1) for e in chosen[0])
+
+
+def test_each_chosen_expert_runs_once_per_step_over_all_its_tokens() -> None:
+    layer = moe_layer(tiny_qwen3_moe_config(vocab_size=64))
+    x = torch.randn(40, 64, generator=torch.Generator().manual_seed(1))
+    _, chosen = layer.routing.route(layer.gate(x))
+    _, calls = expert_calls(layer, x)
+    per_expert = torch.bincount(chosen.reshape(-1), minlength=8)
+    assert calls == [(e, int(n)) for e, n in enumerate(per_expert) if n]
+    assert sum(n for _, n in calls) == 40 * layer.routing.top_k
+
+
+@pytest.mark.parametrize("config", [tiny_qwen3_moe_config, tiny_mixtral_config])
+def test_a_tokens_output_does_not_depend_on_its_batch(config) -> None:
+    layer = moe_layer(config(vocab_size=64))
+    x = torch.randn(24, 64, generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        together = layer(x)
+        alone = torch.cat([layer(x[i : i + 1]) for i in range(24)])
+        reversed_ = layer(x.flip(0)).flip(0)
+    torch.testing.assert_close(together, alone, atol=1e-6, rtol=0)
+    torch.testing.assert_close(together, reversed_, atol=1e-6, rtol=0)
+
+
+def test_softmax_over_the_top_k_equals_renormalised_softmax_first() -> None:
+    logits = torch.randn(50, 8, generator=torch.Generator().manual_seed(3))
+    first_w, first_e = Routing(8, 2, normalize=True).route(logits)
+    after_w, after_e = Routing(8, 2, normalize=False, softmax_first=False).route(logits)
+    assert torch.equal(first_e, after_e)
+    torch.testing.assert_close(first_w, after_w)
+    plain_w, _ = Routing(8, 2, normalize=False).route(logits)
+    assert bool((plain_w.sum(-1) < 1).all())  # without normalising, the k keep their softmax share
+
+
+@pytest.mark.parametrize(
+    ("overrides", "named"),
+    [
+        ({"scoring_func": "sigmoid"}, "scoring_func='sigmoid'"),
+        ({"n_group": 4, "topk_group": 2}, "n_group=4"),
+        ({"routed_scaling_factor": 2.5}, "routed_scaling_factor=2.5"),
+        ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
+        ({"num_experts_per_tok": 9}, "9 experts per token out of 8"),
+    ],
+)
+def test_unsupported_routing_is_refused_naming_it(overrides: dict, named: str) -> None:
+    config = tiny_qwen3_moe_config(vocab_size=64)
+    for key, value in overrides.items():
+        setattr(config, key, value)
+    with pytest.raises(ModelLoadError, match=named.replace("(", r"\(").replace(")", r"\)")):
+        model_class_for(config)(config, dtype=torch.float32)
+
+
+def test_an_expert_stack_of_the_wrong_rank_is_refused_naming_it() -> None:
+    config = tiny_qwen3_moe_config(vocab_size=64)
+    ours = model_class_for(config)(config, dtype=torch.float32)
+    state = build_hf_model(config).state_dict()
+    name = "model.layers.0.mlp.experts.down_proj"
+    state[name] = state[name].reshape(-1, state[name].shape[-1])  # 2-D: the experts' rows stacked
+    with pytest.raises(ModelLoadError, match=f"{name}.*3-D"):
+        ours.load_weights(state.items())
