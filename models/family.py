@@ -95,6 +95,11 @@ class GGUFSupport:
     # file's metadata and the config transformers read (not changed: the entries returned are set on
     # the converted config), as llama.cpp reads them.
     config: Callable[[GGUFMetadata, Any], dict[str, Any]] | None = None
+    # Tensors of a block named here rather than by transformers' mapping: (name within block i,
+    # "ffn_gate_exps.weight", -> parameter name within layer i, "mlp.experts.gate_proj"). The expert
+    # stacks: transformers merges ffn_gate_exps and ffn_up_exps into one parameter, which a
+    # manifest could not tell apart; here each stays its own tensor, cut into one weight per expert.
+    block_tensors: tuple[tuple[str, str], ...] = ()
 
 
 def no_sliding_window(config: Any) -> int | None:

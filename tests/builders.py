@@ -398,6 +398,9 @@ def write_tiny_gguf(
     add_bos: bool | None = None,
     chat_template: str = CHATML_TEMPLATE,
     rope_freqs: list[float] | None = None,
+    experts: int = 0,
+    experts_used: int = 2,
+    expert_ff: int | None = None,
 ) -> None:
     """A GGUF of a llama, qwen3 or phi3 model with a byte-level BPE tokenizer and a chat template, laid
     out as llama.cpp's converter writes them. `types` maps a tensor-name fragment ("attn_q",
@@ -405,7 +408,10 @@ def write_tiny_gguf(
     attention.key_length and q/k norms are added; phi3: `rotary_dim` as rope.dimension_count, and
     `longrope` = {"original": context, "short": [...], "long": [...], "attn_factor": f} as llama.cpp
     writes LongRoPE (factors as tensors); llama: `rope_freqs`, Llama 3.1's per-frequency divisors.
-    `extra_tokens` are control tokens after the vocabulary."""
+    `extra_tokens` are control tokens after the vocabulary. qwen3moe: `experts` of `expert_ff` each
+    (`experts_used` per token) in llama.cpp's 3-D stacks (ffn_gate_exps [E, ff, hidden] ...) with an
+    F32 router (ffn_gate_inp), in place of the dense MLP; the expert stacks take the types of the
+    dense tensors' fragments ("ffn_gate" -> ffn_gate_exps)."""
     import gguf
     import numpy as np
 
@@ -440,6 +446,10 @@ def write_tiny_gguf(
         w.add_rope_scaling_attn_factors(longrope["attn_factor"])
     if sliding_window is not None:
         w.add_sliding_window(sliding_window)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(experts_used)
+        w.add_expert_feed_forward_length(expert_ff or ff)
     w.add_file_type(0)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -466,6 +476,12 @@ def write_tiny_gguf(
     def norm(name: str, size: int) -> None:
         w.add_tensor(name, (1 + 0.1 * rng.standard_normal(size)).astype(np.float32))
 
+    def add_experts(name: str, rows: int, cols: int) -> None:
+        qtype = next((t for frag, t in types.items() if frag in name), "F32")
+        values = (rng.standard_normal((experts, rows, cols)) * 0.1).astype(np.float32)
+        data = np.stack([gguf_blocks(v, qtype, rng) for v in values])
+        w.add_tensor(name, data, raw_dtype=None if qtype == "F32" else gguf.GGMLQuantizationType[qtype])
+
     add("token_embd.weight", vocab, hidden)
     if not tied:
         add("output.weight", vocab, hidden)
@@ -479,8 +495,19 @@ def write_tiny_gguf(
         norm(f"blk.{i}.attn_norm.weight", hidden)
         norm(f"blk.{i}.ffn_norm.weight", hidden)
         for name, (rows, cols) in _layer_tensors(i, hidden, ff, heads, kv_heads, head_dim, arch).items():
+            if experts and ".ffn_" in name:
+                continue
             add(name, rows, cols)
-        if arch == "qwen3":
+        if experts:
+            e_ff = expert_ff or ff
+            w.add_tensor(
+                f"blk.{i}.ffn_gate_inp.weight",
+                (rng.standard_normal((experts, hidden)) * 0.3).astype(np.float32),
+            )
+            add_experts(f"blk.{i}.ffn_gate_exps.weight", e_ff, hidden)
+            add_experts(f"blk.{i}.ffn_up_exps.weight", e_ff, hidden)
+            add_experts(f"blk.{i}.ffn_down_exps.weight", hidden, e_ff)
+        if arch in ("qwen3", "qwen3moe"):
             norm(f"blk.{i}.attn_q_norm.weight", d)
             norm(f"blk.{i}.attn_k_norm.weight", d)
     w.write_header_to_file()

@@ -15,7 +15,7 @@ from models.base import LayerSpec
 from models.families.llama import LlamaForCausalLM, LlamaLayout, llama_like_family, llama_mlp
 from models.families.qwen2 import qwen2_sliding_window
 from models.families.qwen3 import qwen3_layout
-from models.families.sparse import MOE_WEIGHT_NAMES, check_routing, sparse_moe
+from models.families.sparse import GGUF_EXPERT_TENSORS, MOE_WEIGHT_NAMES, check_routing, sparse_moe
 from models.family import GGUFMetadata, GGUFSupport
 from models.layers.moe import Routing
 
@@ -36,11 +36,26 @@ def qwen3_moe_mlp(spec: LayerSpec, layout: LlamaLayout, index: int) -> nn.Module
     return sparse_moe(spec, config.moe_intermediate_size, routing)
 
 
+# llama.cpp's expert_gating_func ids (LLAMA_EXPERT_GATING_FUNC_TYPE_*).
+GGUF_GATING_FUNCS = {1: "softmax", 2: "sigmoid", 3: "softmax_weight"}
+
+
 def qwen3_moe_gguf_config(meta: GGUFMetadata, config: Any) -> dict[str, Any]:
     """What transformers' reader leaves at the config class's defaults: head_dim, each expert's
-    intermediate size (expert_feed_forward_length) and norm_topk_prob (llama.cpp's qwen3moe always
-    renormalises the top k, as every published Qwen3-MoE sets)."""
+    intermediate size (expert_feed_forward_length), norm_topk_prob (llama.cpp's qwen3moe always
+    renormalises the top k, as every published Qwen3-MoE sets), and the routing settings a file may
+    state that this family's routing does not run (a gating function other than softmax, shared
+    experts, scaled weights): carried into the config, so the model refuses them by name."""
     out: dict[str, Any] = {"norm_topk_prob": True}
+    gating = meta.arch_value("expert_gating_func")
+    if gating is not None:
+        out["scoring_func"] = GGUF_GATING_FUNCS.get(int(gating), f"gating function {gating}")
+    shared = meta.arch_value("expert_shared_count")
+    if shared is not None:
+        out["n_shared_experts"] = int(shared)
+    scale = meta.arch_value("expert_weights_scale")
+    if scale is not None:
+        out["routed_scaling_factor"] = float(scale)
     head_dim = meta.arch_value("attention.key_length")
     if head_dim:
         out["head_dim"] = int(head_dim)
@@ -59,7 +74,9 @@ FAMILY = llama_like_family(
     "qwen3_moe",
     Qwen3MoeForCausalLM,
     MOE_WEIGHT_NAMES,
-    gguf=GGUFSupport(architectures=("qwen3moe",), config=qwen3_moe_gguf_config),
+    gguf=GGUFSupport(
+        architectures=("qwen3moe",), config=qwen3_moe_gguf_config, block_tensors=GGUF_EXPERT_TENSORS
+    ),
     sliding_window=qwen2_sliding_window,
     native_decode=None,  # the fused decode call runs dense MLPs only; the modules run the experts
 )

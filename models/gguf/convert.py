@@ -157,11 +157,13 @@ def _write_manifest_dir(gguf: Path, out: Path, meta: GGUFFile, config: Any, supp
     )
 
     from models.gguf.reader import write_manifest
+    from models.registry import family_for
 
     with torch.device("meta"):  # only the parameter names are needed
         hf = AutoModelForCausalLM.from_config(config)
     processor = TENSOR_PROCESSORS.get(meta.architecture, TensorProcessor)(config=config.to_dict())
     mapping = get_gguf_hf_weights_map(hf, processor)
+    mapping.update(_block_tensor_names(meta, support, family_for(config).weights.layers))
     # transformers' LlamaTensorProcessor un-permutes q (over the heads) and k (over the KV heads).
     permute: dict[str, int] = {}
     if support.permute_qk:
@@ -177,6 +179,17 @@ def _write_manifest_dir(gguf: Path, out: Path, meta: GGUFFile, config: Any, supp
     config.save_pretrained(out)
     AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
     write_manifest(gguf, out, mapping, permute, meta.architecture, meta.reader, offsets)
+
+
+def _block_tensor_names(meta: GGUFFile, support: GGUFSupport, layers: str) -> dict[str, str]:
+    """GGUF name -> HF name of the block tensors the family names itself (GGUFSupport.block_tensors)."""
+    names = dict(support.block_tensors)
+    out = {}
+    for name in meta.tensors:
+        block, _, rest = name.partition(".")[2].partition(".")
+        if name.startswith("blk.") and block.isdigit() and rest in names:
+            out[name] = f"{layers}{block}.{names[rest]}"
+    return out
 
 
 def _write_float_dir(gguf: Path, out: Path) -> None:

@@ -1,13 +1,15 @@
-"""Qwen3 and Phi-3 GGUF files in the common quantization mixes, through our converter, loader and
+"""Qwen3, Qwen3-MoE and Phi-3 GGUF files in the common quantization mixes, through our converter, loader and
 engine: transformers' weights and greedy tokens on float32 activations (the native kernels running
 every K-quant and IQ4_XS weight at its file's size), the config completed from the metadata where
-transformers' GGUF reader leaves it out (Qwen3's head_dim, Phi-4-mini's partial rotary and LongRoPE),
+transformers' GGUF reader leaves it out (Qwen3's head_dim, Qwen3-MoE's expert width, Phi-4-mini's partial
+rotary and LongRoPE), a mixture of experts' 3-D expert stacks packed one weight per expert,
 generation stopped by every end-of-turn id, BOS only where the file asks for it, and bad files
 failing with one clear error before anything is cached."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +34,9 @@ SIZES = {
     # files it reads right have that head_dim (every published Qwen3 does).
     "qwen3": dict(hidden=256, heads=2, kv_heads=1, head_dim=128, ff=512),
     "phi3": dict(hidden=256, heads=4, kv_heads=2, ff=512, extra_tokens=PHI3_TOKENS, eos=0, eot=END),
+    # 8 experts of 256 (expert_feed_forward_length; transformers' reader leaves Qwen3MoeConfig's 768),
+    # 2 per token.
+    "qwen3moe": dict(hidden=256, heads=2, kv_heads=1, head_dim=128, ff=512, experts=8, expert_ff=256),
 }
 PROMPT = [1, 70, 80, 90, 100, 7, 8, 200, 2, 3, 44]
 
@@ -122,6 +127,86 @@ def test_qwen3_head_dim_comes_from_the_file(tmp_path: Path, cache: Path) -> None
     with torch.no_grad():
         expect = hf(torch.tensor([PROMPT])).logits[0]
     torch.testing.assert_close(single_seq_logits(model, PROMPT), expect, atol=tolerance(expect), rtol=1e-4)
+
+
+@needs_native_kernels
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q3_K_M"])
+def test_qwen3_moe_gguf_stays_packed_and_matches_transformers(tmp_path: Path, cache: Path, mix: str) -> None:
+    """Every expert of the file's 3-D stacks (ffn_gate_exps, ffn_up_exps, ffn_down_exps) packed from
+    its own blocks, in the file's formats: the weights in memory within the kernels' storage of
+    those formats of the file's size, and transformers' logits and greedy tokens on float32
+    activations (transformers given the config completed from the metadata: its reader leaves the
+    experts' width at Qwen3MoeConfig's default)."""
+    from models.layers.moe import SparseMoE
+    from models.weight_packing import describe_cpu_setup, weight_memory_bytes
+
+    gguf = write(tmp_path, "qwen3moe", mix)
+    path = resolve_model(str(gguf))
+    config = load_config(path)
+    assert config.architectures == ["Qwen3MoeForCausalLM"]
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (8, 2, 256)
+    assert config.norm_topk_prob and config.head_dim == 128
+    model = load_model(path, torch.float32, "cpu", weight_packing="float32")
+    moe = [layer.mlp for layer in model.model.layers]
+    assert all(isinstance(m, SparseMoE) and len(m.experts) == 8 for m in moe)
+    experts = [linear for m in moe for e in m.experts for linear in (e.gate_up_proj, e.down_proj)]
+    assert all(linear.packed is not None and linear.weight is None for linear in experts)
+    assert {f for linear in experts for f in linear.packed.formats} == {
+        GGUF_MIXES[mix]["ffn_gate"],
+        GGUF_MIXES[mix]["ffn_down"],
+    }
+    assert all(layer.packed is not None for layer in packable_layers(model))
+    # The kernels keep 4-bit formats at ~4.6 bits and 5- and 6-bit ones in 8-bit codes (8.6 bits).
+    file_bytes = gguf.stat().st_size
+    assert weight_memory_bytes(model) < 1.6 * file_bytes
+    assert f"the {file_bytes / 1e6:.1f} MB weight file" in describe_cpu_setup(model)
+    hf = transformers_model(gguf, config)
+    with torch.no_grad():
+        expect = hf(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(single_seq_logits(model, PROMPT), expect, atol=tolerance(expect), rtol=1e-4)
+    assert engine_greedy(gguf, PROMPT, 12) == transformers_greedy(hf, PROMPT, 12)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "named"),
+    [
+        ("expert_gating_func", 2, "scoring_func='sigmoid'"),
+        ("expert_shared_count", 1, "n_shared_experts=1"),
+        ("expert_weights_scale", 2.5, "routed_scaling_factor=2.5"),
+    ],
+)
+def test_qwen3_moe_gguf_routing_this_server_does_not_run(
+    tmp_path: Path, cache: Path, key: str, value: float, named: str
+) -> None:
+    import gguf as gguf_py
+
+    real = gguf_py.GGUFWriter.add_file_type
+
+    def with_routing(self, ftype):  # written with the metadata, before the tensors
+        real(self, ftype)
+        add = self.add_uint32 if isinstance(value, int) else self.add_float32
+        add(f"qwen3moe.{key}", value)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf_py.GGUFWriter, "add_file_type", with_routing)
+        source = write(tmp_path, "qwen3moe", "Q4_K_M")
+    with pytest.raises(ModelLoadError, match=re.escape(named)):
+        load_model(resolve_model(str(source)), torch.float32, "cpu")
+
+
+def test_qwen3_moe_gguf_expert_count_that_disagrees_with_its_stacks(tmp_path: Path, cache: Path) -> None:
+    """A file whose expert_count says 4 where its router and stacks hold 8 experts fails naming the
+    first tensor that disagrees."""
+    import gguf as gguf_py
+
+    real = gguf_py.GGUFWriter.add_expert_count
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf_py.GGUFWriter, "add_expert_count", lambda self, n: real(self, 4))
+        source = write(tmp_path, "qwen3moe", "Q4_K_M")
+    with pytest.raises(
+        ModelLoadError, match=re.escape("mlp.gate.weight' has shape (8, 256), expected (4, 256)")
+    ):
+        load_model(resolve_model(str(source)), torch.float32, "cpu")
 
 
 def test_phi4_mini_rotary_and_longrope_come_from_the_file(tmp_path: Path, cache: Path) -> None:
