@@ -100,6 +100,9 @@ class GGUFSupport:
     # stacks: transformers merges ffn_gate_exps and ffn_up_exps into one parameter, which a
     # manifest could not tell apart; here each stays its own tensor, cut into one weight per expert.
     block_tensors: tuple[tuple[str, str], ...] = ()
+    # transformers' model type of a file whose metadata makes it another model than transformers'
+    # reader takes it for (a `llama` file with experts is a Mixtral), or None: as read.
+    model_type: Callable[[GGUFMetadata], str | None] | None = None
 
 
 def no_sliding_window(config: Any) -> int | None:

@@ -408,7 +408,8 @@ def write_tiny_gguf(
     attention.key_length and q/k norms are added; phi3: `rotary_dim` as rope.dimension_count, and
     `longrope` = {"original": context, "short": [...], "long": [...], "attn_factor": f} as llama.cpp
     writes LongRoPE (factors as tensors); llama: `rope_freqs`, Llama 3.1's per-frequency divisors.
-    `extra_tokens` are control tokens after the vocabulary. qwen3moe: `experts` of `expert_ff` each
+    `extra_tokens` are control tokens after the vocabulary. qwen3moe and llama (Mixtral): `experts` of
+    `expert_ff` each
     (`experts_used` per token) in llama.cpp's 3-D stacks (ffn_gate_exps [E, ff, hidden] ...) with an
     F32 router (ffn_gate_inp), in place of the dense MLP; the expert stacks take the types of the
     dense tensors' fragments ("ffn_gate" -> ffn_gate_exps)."""

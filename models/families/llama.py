@@ -214,16 +214,17 @@ def llama_decode_parts(layer: nn.Module) -> DecodeLayerParts:
 
 
 def llama_gguf_config(meta: GGUFMetadata, config: Any) -> dict[str, Any]:
-    """Llama 3.1+ files carry their llama3 rope scaling as per-frequency divisors (the rope_freqs
+    """A Mixtral file's experts (llama_gguf_experts). Llama 3.1+ files carry their llama3 rope scaling as per-frequency divisors (the rope_freqs
     tensor llama.cpp's converter computes from factor, low/high_freq_factor and the original context),
     which transformers' GGUF reader drops. Kept as one LongRoPE set for every position (its original
     context the whole context, so no long set and an attention factor of 1): the frequencies
     llama.cpp turns with, inv_freq / factor."""
     factors = meta.tensor("rope_freqs.weight")
     if factors is None:
-        return {}
+        return llama_gguf_experts(meta)
     per_frequency = [float(f) for f in factors]
     return {
+        **llama_gguf_experts(meta),
         "rope_parameters": {
             "rope_type": "longrope",
             "rope_theta": float(meta.arch_value("rope.freq_base", 10000.0)),
@@ -231,7 +232,36 @@ def llama_gguf_config(meta: GGUFMetadata, config: Any) -> dict[str, Any]:
             "long_factor": per_frequency,
             "original_max_position_embeddings": int(meta.arch_value("context_length")),
             "attention_factor": 1.0,
-        }
+        },
+    }
+
+
+# llama.cpp's expert stacks [experts, rows, cols] under the names the MoE families' WeightNames
+# unstack (models/families/sparse.py), in every MoE architecture's files (a llama one's: Mixtral's).
+GGUF_EXPERT_TENSORS = (
+    ("ffn_gate_exps.weight", "mlp.experts.gate_proj"),
+    ("ffn_up_exps.weight", "mlp.experts.up_proj"),
+    ("ffn_down_exps.weight", "mlp.experts.down_proj"),
+)
+
+
+def llama_gguf_model_type(meta: GGUFMetadata) -> str | None:
+    """A `llama` file with experts (expert_count) is a Mixtral: llama.cpp writes Mixtral under the
+    llama architecture, and transformers' reader would take it for a dense Llama."""
+    return "mixtral" if meta.arch_value("expert_count") else None
+
+
+def llama_gguf_experts(meta: GGUFMetadata) -> dict[str, Any]:
+    """A Mixtral file's experts: their count, how many a token takes, and their width (llama.cpp
+    writes it as feed_forward_length, or expert_feed_forward_length where it states one)."""
+    experts = meta.arch_value("expert_count")
+    if not experts:
+        return {}
+    width = meta.arch_value("expert_feed_forward_length") or meta.arch_value("feed_forward_length")
+    return {
+        "num_local_experts": int(experts),
+        "num_experts_per_tok": int(meta.arch_value("expert_used_count", 2)),
+        "intermediate_size": int(width),
     }
 
 
@@ -253,5 +283,11 @@ FAMILY = llama_like_family(
     "llama",
     LlamaForCausalLM,
     # llama.cpp's converter permutes q/k rows for rotary; transformers' GGUF loader undoes it.
-    gguf=GGUFSupport(architectures=("llama",), permute_qk=True, config=llama_gguf_config),
+    gguf=GGUFSupport(
+        architectures=("llama",),
+        permute_qk=True,
+        config=llama_gguf_config,
+        block_tensors=GGUF_EXPERT_TENSORS,
+        model_type=llama_gguf_model_type,
+    ),
 )

@@ -12,10 +12,16 @@ from torch import nn
 from transformers import PretrainedConfig
 
 from models.base import LayerSpec
-from models.families.llama import LlamaForCausalLM, LlamaLayout, llama_like_family, llama_mlp
+from models.families.llama import (
+    GGUF_EXPERT_TENSORS,
+    LlamaForCausalLM,
+    LlamaLayout,
+    llama_like_family,
+    llama_mlp,
+)
 from models.families.qwen2 import qwen2_sliding_window
 from models.families.qwen3 import qwen3_layout
-from models.families.sparse import GGUF_EXPERT_TENSORS, MOE_WEIGHT_NAMES, check_routing, sparse_moe
+from models.families.sparse import MOE_WEIGHT_NAMES, check_routing, sparse_moe
 from models.family import GGUFMetadata, GGUFSupport
 from models.layers.moe import Routing
 

@@ -30,13 +30,6 @@ MOE_WEIGHT_NAMES = dataclasses.replace(
     split=((".gate_up_proj.", (0, 1)),),
 )
 
-# llama.cpp's expert stacks [experts, rows, cols] under the names MOE_WEIGHT_NAMES unstacks.
-GGUF_EXPERT_TENSORS = (
-    ("ffn_gate_exps.weight", "mlp.experts.gate_proj"),
-    ("ffn_up_exps.weight", "mlp.experts.up_proj"),
-    ("ffn_down_exps.weight", "mlp.experts.down_proj"),
-)
-
 # Routing settings of other MoE configs that change which experts a token takes or how their outputs
 # are weighed, with the value under which this layer's routing is what they describe. A config that
 # states another value is refused rather than run with the wrong routing.

@@ -122,6 +122,12 @@ def _read_config(gguf: Path, meta: GGUFFile, support: GGUFSupport | None) -> Any
         ) from None
     if support is not None and support.config is not None:
         config = type(config).from_dict({**config.to_dict(), **support.config(meta, config)})
+    model_type = support.model_type(meta) if support is not None and support.model_type else None
+    if model_type is not None and model_type != config.model_type:
+        entries = {
+            k: v for k, v in config.to_dict().items() if k not in ("model_type", "transformers_version")
+        }
+        config = AutoConfig.for_model(model_type, **entries)
     architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
     config.architectures = [architecture] if architecture else []
     try:
@@ -162,7 +168,8 @@ def _write_manifest_dir(gguf: Path, out: Path, meta: GGUFFile, config: Any, supp
     with torch.device("meta"):  # only the parameter names are needed
         hf = AutoModelForCausalLM.from_config(config)
     processor = TENSOR_PROCESSORS.get(meta.architecture, TensorProcessor)(config=config.to_dict())
-    mapping = get_gguf_hf_weights_map(hf, processor)
+    # Named as the file's architecture names its tensors (a Mixtral file's are llama's).
+    mapping = get_gguf_hf_weights_map(hf, processor, model_type=meta.architecture)
     mapping.update(_block_tensor_names(meta, support, family_for(config).weights.layers))
     # transformers' LlamaTensorProcessor un-permutes q (over the heads) and k (over the KV heads).
     permute: dict[str, int] = {}

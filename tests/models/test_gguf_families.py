@@ -37,6 +37,9 @@ SIZES = {
     # 8 experts of 256 (expert_feed_forward_length; transformers' reader leaves Qwen3MoeConfig's 768),
     # 2 per token.
     "qwen3moe": dict(hidden=256, heads=2, kv_heads=1, head_dim=128, ff=512, experts=8, expert_ff=256),
+    # Mixtral as llama.cpp writes it: the llama architecture, q/k rows permuted, experts of
+    # feed_forward_length (no expert_feed_forward_length).
+    "mixtral": dict(arch="llama", hidden=256, heads=4, kv_heads=2, ff=256, experts=8),
 }
 PROMPT = [1, 70, 80, 90, 100, 7, 8, 200, 2, 3, 44]
 
@@ -50,8 +53,8 @@ def cache(tmp_path: Path, monkeypatch) -> Path:
 
 def write(tmp_path: Path, arch: str, mix: str, name: str | None = None, **overrides) -> Path:
     path = tmp_path / (name or f"{arch}-{mix}.gguf")
-    kwargs = {**SIZES[arch], **overrides}
-    write_tiny_gguf(path, seed=4, layers=2, types=GGUF_MIXES[mix], tied=False, arch=arch, **kwargs)
+    kwargs = {"arch": arch, **SIZES[arch], **overrides}
+    write_tiny_gguf(path, seed=4, layers=2, types=GGUF_MIXES[mix], tied=False, **kwargs)
     return path
 
 
@@ -165,6 +168,72 @@ def test_qwen3_moe_gguf_stays_packed_and_matches_transformers(tmp_path: Path, ca
         expect = hf(torch.tensor([PROMPT])).logits[0]
     torch.testing.assert_close(single_seq_logits(model, PROMPT), expect, atol=tolerance(expect), rtol=1e-4)
     assert engine_greedy(gguf, PROMPT, 12) == transformers_greedy(hf, PROMPT, 12)
+
+
+def mixtral_from_file(gguf: Path, config):
+    """transformers' Mixtral with the file's weights as llama.cpp's converter wrote them back: gguf-py's
+    dequantized values, q/k rows un-permuted (transformers' own LlamaTensorProcessor), each layer's
+    gate and up stacks side by side in gate_up_proj. transformers' GGUF loader cannot read the file
+    (it takes a llama file for a dense Llama), so this is the reference."""
+    from gguf import GGUFReader, quants
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    def value(t) -> torch.Tensor:
+        shape = tuple(reversed([int(d) for d in t.shape]))
+        return torch.from_numpy(np.array(quants.dequantize(t.data, t.tensor_type), np.float32).reshape(shape))
+
+    file = {t.name: value(t) for t in GGUFReader(gguf).tensors}
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    unpermute = LlamaTensorProcessor()._reverse_permute_weights
+    state = {
+        "model.embed_tokens.weight": file["token_embd.weight"],
+        "model.norm.weight": file["output_norm.weight"],
+        "lm_head.weight": file["output.weight"],
+    }
+    for i in range(config.num_hidden_layers):
+        blk, layer = f"blk.{i}.", f"model.layers.{i}."
+        state |= {
+            layer + "input_layernorm.weight": file[blk + "attn_norm.weight"],
+            layer + "post_attention_layernorm.weight": file[blk + "ffn_norm.weight"],
+            layer + "self_attn.q_proj.weight": unpermute(file[blk + "attn_q.weight"].numpy(), heads, heads),
+            layer + "self_attn.k_proj.weight": unpermute(file[blk + "attn_k.weight"].numpy(), heads, kv),
+            layer + "self_attn.v_proj.weight": file[blk + "attn_v.weight"],
+            layer + "self_attn.o_proj.weight": file[blk + "attn_output.weight"],
+            layer + "mlp.gate.weight": file[blk + "ffn_gate_inp.weight"],
+            layer + "mlp.experts.gate_up_proj": torch.cat(
+                [file[blk + "ffn_gate_exps.weight"], file[blk + "ffn_up_exps.weight"]], dim=1
+            ),
+            layer + "mlp.experts.down_proj": file[blk + "ffn_down_exps.weight"],
+        }
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    hf.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()}, strict=True)
+    return hf.eval()
+
+
+@needs_native_kernels
+def test_a_llama_file_with_experts_is_a_mixtral(tmp_path: Path, cache: Path) -> None:
+    """llama.cpp writes Mixtral under the llama architecture: the expert_count makes it one (the llama
+    family's declaration), its experts are packed per expert, and it matches transformers' Mixtral
+    holding the file's weights."""
+    from models.layers.moe import SparseMoE
+
+    gguf = write(tmp_path, "mixtral", "Q4_K_M")
+    path = resolve_model(str(gguf))
+    config = load_config(path)
+    assert config.architectures == ["MixtralForCausalLM"]
+    assert (config.num_local_experts, config.num_experts_per_tok, config.intermediate_size) == (8, 2, 256)
+    model = load_model(path, torch.float32, "cpu", weight_packing="float32")
+    assert all(isinstance(layer.mlp, SparseMoE) for layer in model.model.layers)
+    assert all(layer.packed is not None for layer in packable_layers(model))
+    hf = mixtral_from_file(gguf, config)
+    with torch.no_grad():
+        expect = hf(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(single_seq_logits(model, PROMPT), expect, atol=tolerance(expect), rtol=1e-4)
+    assert engine_greedy(gguf, PROMPT, 12) == transformers_greedy(hf, PROMPT, 12)
+    # A llama file without experts stays a Llama.
+    dense = resolve_model(str(write(tmp_path, "mixtral", "Q4_K_M", name="dense.gguf", experts=0)))
+    assert load_config(dense).architectures == ["LlamaForCausalLM"]
 
 
 @pytest.mark.parametrize(
