@@ -21,6 +21,7 @@ FAMILY_MODULES = (
     "phi3",
     "gpt2",
     "gemma3",
+    "qwen2_moe",
     "qwen3_moe",
     "mixtral",
     "olmoe",

@@ -80,6 +80,21 @@ def tiny_qwen3_moe_config(**overrides):
     return tiny_config("Qwen3MoeConfig", "Qwen3MoeForCausalLM", family, overrides)
 
 
+def tiny_qwen2_moe_config(**overrides):
+    """Qwen2-MoE at toy sizes: q/k/v biases, 8 experts of 32, top 2 not renormalised, a shared expert
+    of 48 behind its sigmoid gate, the first of 3 layers a dense MLP."""
+    family = dict(
+        tie_word_embeddings=False,
+        num_hidden_layers=3,
+        num_experts=8,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        mlp_only_layers=[0],
+        **TINY_EXPERTS,
+    )
+    return tiny_config("Qwen2MoeConfig", "Qwen2MoeForCausalLM", family, overrides)
+
+
 def tiny_mixtral_config(**overrides):
     """Mixtral at toy sizes: GQA, 8 experts of 32, top 2 (always renormalised)."""
     family = dict(

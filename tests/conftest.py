@@ -18,6 +18,7 @@ from builders import (
     tiny_mixtral_config,
     tiny_olmoe_config,
     tiny_phi4_mini_config,
+    tiny_qwen2_moe_config,
     tiny_qwen3_config,
     tiny_qwen3_moe_config,
 )
@@ -98,6 +99,13 @@ def tiny_qwen3_moe_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     as transformers 5 saves it (one tensor per expert)."""
     model = build_hf_model(tiny_qwen3_moe_config())
     return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-qwen3-moe"), smollm2_tokenizer_dir)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_moe_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    """A tiny random Qwen2-MoE (routed experts and a gated shared expert)."""
+    model = build_hf_model(tiny_qwen2_moe_config())
+    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-qwen2-moe"), smollm2_tokenizer_dir)
 
 
 @pytest.fixture(scope="session")

@@ -9,7 +9,6 @@ from __future__ import annotations
 from typing import Any
 
 from torch import nn
-from transformers import PretrainedConfig
 
 from models.base import LayerSpec
 from models.families.llama import (
@@ -21,16 +20,9 @@ from models.families.llama import (
 )
 from models.families.qwen2 import qwen2_sliding_window
 from models.families.qwen3 import qwen3_layout
-from models.families.sparse import MOE_WEIGHT_NAMES, check_routing, sparse_moe
+from models.families.sparse import MOE_WEIGHT_NAMES, check_routing, is_sparse_layer, sparse_moe
 from models.family import GGUFMetadata, GGUFSupport
 from models.layers.moe import Routing
-
-
-def is_sparse_layer(config: PretrainedConfig, index: int) -> bool:
-    """transformers' rule for which Qwen3-MoE layers hold experts."""
-    step = getattr(config, "decoder_sparse_step", 1) or 1
-    only_dense = getattr(config, "mlp_only_layers", None) or []
-    return index not in only_dense and config.num_experts > 0 and (index + 1) % step == 0
 
 
 def qwen3_moe_mlp(spec: LayerSpec, layout: LlamaLayout, index: int) -> nn.Module:

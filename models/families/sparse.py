@@ -59,5 +59,16 @@ def check_routing(config: Any, family: str) -> None:
         raise ModelLoadError(f"unsupported expert activation hidden_act={act!r} for {family} (only 'silu')")
 
 
-def sparse_moe(spec: LayerSpec, expert_inter: int, routing: Routing) -> SparseMoE:
-    return SparseMoE(MoESizes(spec.config.hidden_size, expert_inter), routing, spec.dtype, spec.tp)
+def sparse_moe(
+    spec: LayerSpec, expert_inter: int, routing: Routing, shared_inter: int = 0, shared_gate: bool = False
+) -> SparseMoE:
+    sizes = MoESizes(spec.config.hidden_size, expert_inter, shared_inter, shared_gate)
+    return SparseMoE(sizes, routing, spec.dtype, spec.tp)
+
+
+def is_sparse_layer(config: Any, index: int) -> bool:
+    """transformers' rule for which Qwen2-MoE and Qwen3-MoE layers hold experts (a dense MLP on the
+    others): every `decoder_sparse_step`-th, except `mlp_only_layers`."""
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    only_dense = getattr(config, "mlp_only_layers", None) or []
+    return index not in only_dense and config.num_experts > 0 and (index + 1) % step == 0

@@ -113,6 +113,14 @@ class SharedExpertGate(Router):
     def __init__(self, hidden: int, dtype: torch.dtype) -> None:
         super().__init__(hidden, 1, dtype)
 
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor | QuantizedBlocks, shard: object
+    ) -> None:
+        # A GGUF file stores it as a vector (ffn_gate_inp_shexp [hidden]).
+        if isinstance(loaded, torch.Tensor) and loaded.dim() == 1:
+            loaded = loaded.unsqueeze(0)
+        super().weight_loader(param, loaded, shard)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.sigmoid(super().forward(x))
 

@@ -169,7 +169,9 @@ async def test_new_families_from_the_cache_equal_cold_runs(family: str, request:
     assert [first, again, *batched] == await cold(runner, [a, a, b, c])
 
 
-@pytest.mark.parametrize("model", ["tiny_qwen3_moe_dir", "tiny_mixtral_dir", "tiny_olmoe_dir"])
+@pytest.mark.parametrize(
+    "model", ["tiny_qwen3_moe_dir", "tiny_mixtral_dir", "tiny_olmoe_dir", "tiny_qwen2_moe_dir"]
+)
 async def test_mixture_of_experts_from_the_cache_batched_with_others(model: str, request) -> None:
     """A mixture of experts' tokens grouped by expert with other requests' (chunked prefills and
     decodes) and started from cached blocks: the tokens of each prompt run cold and alone."""

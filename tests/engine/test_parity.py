@@ -55,6 +55,7 @@ def hf_generate(model, prompt: Sequence[int], new_tokens: int) -> list[int]:
         "qwen3-moe",
         "mixtral",
         "olmoe",
+        "qwen2-moe",
     ]
 )
 def model_dir(request) -> Path:
@@ -64,7 +65,7 @@ def model_dir(request) -> Path:
     test_quantized_accuracy.py). gemma3's local layers and mistral-window's layers have windows (8 and
     6 tokens) shorter than most prompts here, and the generations run past them. qwen3 has q/k norms;
     phi3 is Phi-4-mini-like (fused qkv and gate/up, partial rotary, LongRoPE). The mixtures of experts
-    (qwen3-moe, mixtral, olmoe) group every request's tokens by expert: batching must not change any
+    (qwen3-moe, mixtral, olmoe, qwen2-moe with its shared expert) group every request's tokens by expert: batching must not change any
     request's tokens."""
     fixture = {
         "llama": "tiny_llama_dir",
@@ -77,6 +78,7 @@ def model_dir(request) -> Path:
         "qwen3-moe": "tiny_qwen3_moe_dir",
         "mixtral": "tiny_mixtral_dir",
         "olmoe": "tiny_olmoe_dir",
+        "qwen2-moe": "tiny_qwen2_moe_dir",
     }[request.param]
     return request.getfixturevalue(fixture)
 

@@ -23,6 +23,7 @@ from builders import (
     tiny_phi3_config,
     tiny_phi4_mini_config,
     tiny_qwen2_config,
+    tiny_qwen2_moe_config,
     tiny_qwen3_config,
     tiny_qwen3_moe_config,
 )
@@ -92,6 +93,7 @@ CONFIGS = {
     ),
     "mixtral": lambda: tiny_mixtral_config(vocab_size=SMALL_VOCAB),
     "olmoe": lambda: tiny_olmoe_config(vocab_size=SMALL_VOCAB),
+    "qwen2-moe-shared-expert": lambda: tiny_qwen2_moe_config(vocab_size=SMALL_VOCAB),
     # Local layers with a window of 5 (prompts below run to 14 tokens) and global ones.
     "gemma3": lambda: tiny_gemma3_config(vocab_size=SMALL_VOCAB, sliding_window=5),
     # Linear rope scaling on the global layers only, an untied head, a final logit soft-cap, a
@@ -319,6 +321,7 @@ TP_CONFIGS = {
     # Every expert sliced across the ranks (models/layers/moe.py says why), routed alike on both.
     "qwen3-moe": lambda: tiny_qwen3_moe_config(vocab_size=SMALL_VOCAB),
     "mixtral": lambda: tiny_mixtral_config(vocab_size=SMALL_VOCAB),
+    "qwen2-moe-shared-expert": lambda: tiny_qwen2_moe_config(vocab_size=SMALL_VOCAB),
     # q/k norms over whole projections whose heads are split (sums of squares all-reduced); with one
     # KV head, replicated on both ranks.
     "olmoe": lambda: tiny_olmoe_config(vocab_size=SMALL_VOCAB),

@@ -8,19 +8,19 @@ import re
 
 import pytest
 import torch
-from builders import build_hf_model, tiny_mixtral_config, tiny_qwen3_moe_config
+from builders import build_hf_model, tiny_mixtral_config, tiny_qwen2_moe_config, tiny_qwen3_moe_config
 
 from models.errors import ModelLoadError
 from models.layers.moe import Routing, SparseMoE
 from models.registry import model_class_for
 
 
-def moe_layer(config) -> SparseMoE:
-    """Layer 0's experts of our model loaded from a random transformers model."""
+def moe_layer(config, index: int = 0) -> SparseMoE:
+    """Layer `index`'s experts of our model loaded from a random transformers model."""
     hf = build_hf_model(config)
     ours = model_class_for(config)(config, dtype=torch.float32)
     ours.load_weights(hf.state_dict().items())
-    layer = ours.model.layers[0].mlp
+    layer = ours.model.layers[index].mlp
     assert isinstance(layer, SparseMoE)
     return layer
 
@@ -68,6 +68,28 @@ def test_a_tokens_output_does_not_depend_on_its_batch(config) -> None:
         reversed_ = layer(x.flip(0)).flip(0)
     torch.testing.assert_close(together, alone, atol=1e-6, rtol=0)
     torch.testing.assert_close(together, reversed_, atol=1e-6, rtol=0)
+
+
+def test_the_shared_expert_takes_every_token_through_its_gate() -> None:
+    """Qwen2-MoE's shared expert runs once over all the step's tokens, besides the routed ones, and
+    its sigmoid gate scales it per token."""
+    layer = moe_layer(tiny_qwen2_moe_config(vocab_size=64), index=1)
+    assert layer.shared_expert is not None and layer.shared_expert_gate is not None
+    x = torch.randn(10, 64, generator=torch.Generator().manual_seed(4))
+    shared_calls: list[int] = []
+    hook = layer.shared_expert.register_forward_hook(
+        lambda m, args, out: shared_calls.append(args[0].shape[0])
+    )
+    try:
+        out, calls = expert_calls(layer, x)
+    finally:
+        hook.remove()
+    assert shared_calls == [10] and sum(n for _, n in calls) == 10 * 2
+    with torch.no_grad():
+        gate = torch.sigmoid(x @ layer.shared_expert_gate.weight.t())
+        routed = out - gate * layer.shared_expert(x)
+        layer.shared_expert_gate.weight.zero_()  # sigmoid(0): half the shared expert
+        torch.testing.assert_close(layer(x), routed + 0.5 * layer.shared_expert(x), atol=1e-5, rtol=0)
 
 
 def test_softmax_over_the_top_k_equals_renormalised_softmax_first() -> None:
