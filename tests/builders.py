@@ -416,6 +416,7 @@ def write_tiny_gguf(
     experts: int = 0,
     experts_used: int = 2,
     expert_ff: int | None = None,
+    shared_ff: int = 0,
 ) -> None:
     """A GGUF of a llama, qwen3 or phi3 model with a byte-level BPE tokenizer and a chat template, laid
     out as llama.cpp's converter writes them. `types` maps a tensor-name fragment ("attn_q",
@@ -427,7 +428,9 @@ def write_tiny_gguf(
     `expert_ff` each
     (`experts_used` per token) in llama.cpp's 3-D stacks (ffn_gate_exps [E, ff, hidden] ...) with an
     F32 router (ffn_gate_inp), in place of the dense MLP; the expert stacks take the types of the
-    dense tensors' fragments ("ffn_gate" -> ffn_gate_exps)."""
+    dense tensors' fragments ("ffn_gate" -> ffn_gate_exps). qwen2moe: as qwen3moe without q/k norms,
+    with q/k/v biases and a shared expert of `shared_ff` (ffn_*_shexp, its gate the vector
+    ffn_gate_inp_shexp)."""
     import gguf
     import numpy as np
 
@@ -466,6 +469,8 @@ def write_tiny_gguf(
         w.add_expert_count(experts)
         w.add_expert_used_count(experts_used)
         w.add_expert_feed_forward_length(expert_ff or ff)
+    if shared_ff:
+        w.add_expert_shared_feed_forward_length(shared_ff)
     w.add_file_type(0)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -523,6 +528,18 @@ def write_tiny_gguf(
             add_experts(f"blk.{i}.ffn_gate_exps.weight", e_ff, hidden)
             add_experts(f"blk.{i}.ffn_up_exps.weight", e_ff, hidden)
             add_experts(f"blk.{i}.ffn_down_exps.weight", hidden, e_ff)
+        if shared_ff:
+            w.add_tensor(
+                f"blk.{i}.ffn_gate_inp_shexp.weight", (rng.standard_normal(hidden) * 0.3).astype(np.float32)
+            )
+            add(f"blk.{i}.ffn_gate_shexp.weight", shared_ff, hidden)
+            add(f"blk.{i}.ffn_up_shexp.weight", shared_ff, hidden)
+            add(f"blk.{i}.ffn_down_shexp.weight", hidden, shared_ff)
+        if arch == "qwen2moe":
+            for proj, rows in (("q", heads * d), ("k", kv_heads * d), ("v", kv_heads * d)):
+                w.add_tensor(
+                    f"blk.{i}.attn_{proj}.bias", (rng.standard_normal(rows) * 0.1).astype(np.float32)
+                )
         if arch in ("qwen3", "qwen3moe"):
             norm(f"blk.{i}.attn_q_norm.weight", d)
             norm(f"blk.{i}.attn_k_norm.weight", d)

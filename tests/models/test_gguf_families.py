@@ -37,6 +37,9 @@ SIZES = {
     # 8 experts of 256 (expert_feed_forward_length; transformers' reader leaves Qwen3MoeConfig's 768),
     # 2 per token.
     "qwen3moe": dict(hidden=256, heads=2, kv_heads=1, head_dim=128, ff=512, experts=8, expert_ff=256),
+    # 8 experts of 256 and a shared expert of 512 (both widths left at Qwen2MoeConfig's defaults by
+    # transformers' reader), q/k/v biases.
+    "qwen2moe": dict(hidden=256, heads=2, kv_heads=1, ff=512, experts=8, expert_ff=256, shared_ff=512),
     # Mixtral as llama.cpp writes it: the llama architecture, q/k rows permuted, experts of
     # feed_forward_length (no expert_feed_forward_length).
     "mixtral": dict(arch="llama", hidden=256, heads=4, kv_heads=2, ff=256, experts=8),
@@ -209,6 +212,29 @@ def mixtral_from_file(gguf: Path, config):
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     hf.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()}, strict=True)
     return hf.eval()
+
+
+@needs_native_kernels
+def test_qwen2_moe_gguf_shared_expert(tmp_path: Path, cache: Path) -> None:
+    """The shared expert's tensors (ffn_*_shexp) packed, its gate read from a vector, the widths from
+    the metadata; transformers' logits and greedy tokens."""
+    gguf = write(tmp_path, "qwen2moe", "Q4_K_M")
+    path = resolve_model(str(gguf))
+    config = load_config(path)
+    assert config.architectures == ["Qwen2MoeForCausalLM"]
+    assert (config.moe_intermediate_size, config.shared_expert_intermediate_size) == (256, 512)
+    model = load_model(path, torch.float32, "cpu", weight_packing="float32")
+    moe = model.model.layers[1].mlp
+    assert moe.shared_expert.gate_up_proj.packed is not None and moe.shared_expert_gate.weight.shape == (
+        1,
+        256,
+    )
+    assert all(layer.packed is not None for layer in packable_layers(model))
+    hf = transformers_model(gguf, config)
+    with torch.no_grad():
+        expect = hf(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(single_seq_logits(model, PROMPT), expect, atol=tolerance(expect), rtol=1e-4)
+    assert engine_greedy(gguf, PROMPT, 12) == transformers_greedy(hf, PROMPT, 12)
 
 
 @needs_native_kernels
