@@ -77,6 +77,9 @@ class GGUFMetadata(Protocol):
     def tensor(self, name: str) -> Any:
         """A small tensor's values (float32 numpy array; rope factors), or None if the file has none."""
 
+    def has_tensor(self, name: str) -> bool:
+        """Whether the file has a tensor of that name (any size; nothing is read)."""
+
 
 @dataclass(frozen=True)
 class GGUFSupport:
@@ -103,6 +106,10 @@ class GGUFSupport:
     # transformers' model type of a file whose metadata makes it another model than transformers'
     # reader takes it for (a `llama` file with experts is a Mixtral), or None: as read.
     model_type: Callable[[GGUFMetadata], str | None] | None = None
+    # The whole config from the metadata (with its "model_type"), for an architecture transformers'
+    # GGUF reader does not read at all (olmoe); its tokenizer is then transformers' reading of the
+    # file's tokenizer metadata alone (PreTrainedTokenizerFast), which needs no architecture.
+    metadata_config: Callable[[GGUFMetadata], dict[str, Any]] | None = None
 
 
 def no_sliding_window(config: Any) -> int | None:

@@ -417,6 +417,7 @@ def write_tiny_gguf(
     experts_used: int = 2,
     expert_ff: int | None = None,
     shared_ff: int = 0,
+    metadata: dict[str, object] | None = None,
 ) -> None:
     """A GGUF of a llama, qwen3 or phi3 model with a byte-level BPE tokenizer and a chat template, laid
     out as llama.cpp's converter writes them. `types` maps a tensor-name fragment ("attn_q",
@@ -430,7 +431,8 @@ def write_tiny_gguf(
     F32 router (ffn_gate_inp), in place of the dense MLP; the expert stacks take the types of the
     dense tensors' fragments ("ffn_gate" -> ffn_gate_exps). qwen2moe: as qwen3moe without q/k norms,
     with q/k/v biases and a shared expert of `shared_ff` (ffn_*_shexp, its gate the vector
-    ffn_gate_inp_shexp)."""
+    ffn_gate_inp_shexp). olmoe: experts as qwen3moe's, q/k norms over the whole projections.
+    `metadata` adds `<arch>.*` keys (name without the prefix -> value)."""
     import gguf
     import numpy as np
 
@@ -471,6 +473,10 @@ def write_tiny_gguf(
         w.add_expert_feed_forward_length(expert_ff or ff)
     if shared_ff:
         w.add_expert_shared_feed_forward_length(shared_ff)
+    if metadata:
+        from models.gguf.encode import add_arch_metadata
+
+        add_arch_metadata(w, arch, metadata)
     w.add_file_type(0)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -543,6 +549,9 @@ def write_tiny_gguf(
         if arch in ("qwen3", "qwen3moe"):
             norm(f"blk.{i}.attn_q_norm.weight", d)
             norm(f"blk.{i}.attn_k_norm.weight", d)
+        if arch == "olmoe":  # over the whole projections
+            norm(f"blk.{i}.attn_q_norm.weight", heads * d)
+            norm(f"blk.{i}.attn_k_norm.weight", kv_heads * d)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

@@ -6,12 +6,21 @@ each expert `intermediate_size` wide."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from models.base import LayerSpec
-from models.families.llama import LlamaAttention, LlamaForCausalLM, LlamaLayout, llama_like_family
+from models.families.llama import (
+    GGUF_EXPERT_TENSORS,
+    LlamaAttention,
+    LlamaForCausalLM,
+    LlamaLayout,
+    llama_like_family,
+)
 from models.families.sparse import MOE_WEIGHT_NAMES, check_routing, sparse_moe
+from models.family import GGUFMetadata, GGUFSupport
 from models.layers.attention import AttentionStep
 from models.layers.metadata import KVCache
 from models.layers.moe import Routing
@@ -77,6 +86,35 @@ class OlmoeAttention(LlamaAttention):
         return self.o_proj(self.attn.forward_rotary_qkv(qkv, positions, self.rotary, kv_cache, step))
 
 
+def olmoe_gguf_config(meta: GGUFMetadata) -> dict[str, Any]:
+    """An `olmoe` file's config, as llama.cpp reads it (transformers' GGUF reader has none): its
+    sizes, the experts (llama.cpp's olmoe does not renormalise the top k, as OLMoE-1B-7B), clipping
+    (attention.clamp_kqv), the special tokens, and a head tied where the file has no output.weight."""
+    value = meta.arch_value
+    tokens = meta.value("tokenizer.ggml.tokens") or []
+    clip = value("attention.clamp_kqv")
+    return {
+        "model_type": "olmoe",
+        "vocab_size": int(value("vocab_size") or len(tokens)),
+        "hidden_size": int(value("embedding_length")),
+        "intermediate_size": int(value("expert_feed_forward_length") or value("feed_forward_length")),
+        "num_hidden_layers": int(value("block_count")),
+        "num_attention_heads": int(value("attention.head_count")),
+        "num_key_value_heads": int(value("attention.head_count_kv") or value("attention.head_count")),
+        "max_position_embeddings": int(value("context_length")),
+        "rope_theta": float(value("rope.freq_base", 10000.0)),
+        "rms_norm_eps": float(value("attention.layer_norm_rms_epsilon", 1e-5)),
+        "num_experts": int(value("expert_count")),
+        "num_experts_per_tok": int(value("expert_used_count")),
+        "norm_topk_prob": False,
+        "clip_qkv": float(clip) if clip else None,
+        "bos_token_id": meta.value("tokenizer.ggml.bos_token_id"),
+        "eos_token_id": meta.value("tokenizer.ggml.eos_token_id"),
+        "pad_token_id": meta.value("tokenizer.ggml.padding_token_id"),
+        "tie_word_embeddings": not meta.has_tensor("output.weight"),
+    }
+
+
 def olmoe_mlp(spec: LayerSpec, layout: LlamaLayout, index: int) -> nn.Module:
     config = spec.config
     check_routing(config, "OLMoE")
@@ -93,5 +131,9 @@ FAMILY = llama_like_family(
     "olmoe",
     OlmoeForCausalLM,
     MOE_WEIGHT_NAMES,
+    # llama.cpp turns OLMoE's q/k halves as transformers does (NeoX order): nothing to un-permute.
+    gguf=GGUFSupport(
+        architectures=("olmoe",), metadata_config=olmoe_gguf_config, block_tensors=GGUF_EXPERT_TENSORS
+    ),
     native_decode=None,  # the fused decode call runs dense MLPs and per-head norms only
 )

@@ -115,7 +115,10 @@ def _read_config(gguf: Path, meta: GGUFFile, support: GGUFSupport | None) -> Any
         f"reads as one of {', '.join(SUPPORTED_ARCHITECTURES)}"
     )
     try:
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        if support is not None and support.metadata_config is not None:
+            config = AutoConfig.for_model(**support.metadata_config(meta))
+        else:
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except ValueError as e:  # "GGUF model with architecture ... is not supported yet"
         raise ModelLoadError(
             f"{gguf}: unsupported GGUF architecture {meta.architecture!r} ({e}); {supported}"
@@ -155,7 +158,7 @@ def _write_generation_config(out: Path, config: Any, meta: GGUFFile) -> None:
 def _write_manifest_dir(gguf: Path, out: Path, meta: GGUFFile, config: Any, support: GGUFSupport) -> None:
     """Config, tokenizer and the tensor manifest: no weights are read."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
         TensorProcessor,
@@ -184,7 +187,10 @@ def _write_manifest_dir(gguf: Path, out: Path, meta: GGUFFile, config: Any, supp
     # Gemma's norms are stored as w + 1; transformers' tensor processor subtracts the 1 from each.
     offsets = {n: support.norm_offset for n in mapping if support.norm_offset and "norm.weight" in n}
     config.save_pretrained(out)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    # Where transformers does not read the architecture, its tokenizer class for the file is unknown
+    # too: the file's tokenizer metadata alone (vocabulary, merges, specials, chat template) makes one.
+    tokenizer_class = AutoTokenizer if support.metadata_config is None else PreTrainedTokenizerFast
+    tokenizer_class.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
     write_manifest(gguf, out, mapping, permute, meta.architecture, meta.reader, offsets)
 
 

@@ -42,6 +42,9 @@ SIZES = {
     "qwen2moe": dict(hidden=256, heads=2, kv_heads=1, ff=512, experts=8, expert_ff=256, shared_ff=512),
     # Mixtral as llama.cpp writes it: the llama architecture, q/k rows permuted, experts of
     # feed_forward_length (no expert_feed_forward_length).
+    # OLMoE as llama.cpp writes it: MHA, q/k norms over the whole projections, experts of
+    # expert_feed_forward_length.
+    "olmoe": dict(hidden=256, heads=4, kv_heads=4, ff=512, experts=8, expert_ff=256),
     "mixtral": dict(arch="llama", hidden=256, heads=4, kv_heads=2, ff=256, experts=8),
 }
 PROMPT = [1, 70, 80, 90, 100, 7, 8, 200, 2, 3, 44]
@@ -83,6 +86,15 @@ def transformers_greedy(hf, prompt: list[int], n: int) -> list[int]:
         for _ in range(n):
             seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
     return seq[len(prompt) :]
+
+
+def assert_same_as(hf, model, gguf: Path) -> None:
+    """Our model's logits of PROMPT are transformers' (float32 summation order aside), and the
+    engine's greedy tokens from the file are its."""
+    with torch.no_grad():
+        expect = hf(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(single_seq_logits(model, PROMPT), expect, atol=tolerance(expect), rtol=1e-4)
+    assert engine_greedy(gguf, PROMPT, 12) == transformers_greedy(hf, PROMPT, 12)
 
 
 def engine_greedy(source: Path, prompt: list[int], n: int) -> list[int]:
@@ -167,17 +179,15 @@ def test_qwen3_moe_gguf_stays_packed_and_matches_transformers(tmp_path: Path, ca
     assert weight_memory_bytes(model) < 1.6 * file_bytes
     assert f"the {file_bytes / 1e6:.1f} MB weight file" in describe_cpu_setup(model)
     hf = transformers_model(gguf, config)
-    with torch.no_grad():
-        expect = hf(torch.tensor([PROMPT])).logits[0]
-    torch.testing.assert_close(single_seq_logits(model, PROMPT), expect, atol=tolerance(expect), rtol=1e-4)
-    assert engine_greedy(gguf, PROMPT, 12) == transformers_greedy(hf, PROMPT, 12)
+    assert_same_as(hf, model, gguf)
 
 
-def mixtral_from_file(gguf: Path, config):
-    """transformers' Mixtral with the file's weights as llama.cpp's converter wrote them back: gguf-py's
-    dequantized values, q/k rows un-permuted (transformers' own LlamaTensorProcessor), each layer's
-    gate and up stacks side by side in gate_up_proj. transformers' GGUF loader cannot read the file
-    (it takes a llama file for a dense Llama), so this is the reference."""
+def moe_from_file(gguf: Path, config, permuted: bool):
+    """transformers' model for `config` with the file's weights as llama.cpp's converter wrote them
+    back: gguf-py's dequantized values, q/k rows un-permuted where `permuted` (a llama file: with
+    transformers' own LlamaTensorProcessor), each layer's gate and up stacks side by side in
+    gate_up_proj. transformers' GGUF loader cannot read these files (it takes a llama file with
+    experts for a dense Llama, and has no olmoe reader), so this is the reference."""
     from gguf import GGUFReader, quants
     from transformers import AutoModelForCausalLM
     from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
@@ -188,7 +198,7 @@ def mixtral_from_file(gguf: Path, config):
 
     file = {t.name: value(t) for t in GGUFReader(gguf).tensors}
     heads, kv = config.num_attention_heads, config.num_key_value_heads
-    unpermute = LlamaTensorProcessor()._reverse_permute_weights
+    unpermute = LlamaTensorProcessor()._reverse_permute_weights if permuted else lambda w, *_: w
     state = {
         "model.embed_tokens.weight": file["token_embd.weight"],
         "model.norm.weight": file["output_norm.weight"],
@@ -209,6 +219,9 @@ def mixtral_from_file(gguf: Path, config):
             ),
             layer + "mlp.experts.down_proj": file[blk + "ffn_down_exps.weight"],
         }
+        if blk + "attn_q_norm.weight" in file:
+            state[layer + "self_attn.q_norm.weight"] = file[blk + "attn_q_norm.weight"]
+            state[layer + "self_attn.k_norm.weight"] = file[blk + "attn_k_norm.weight"]
     hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     hf.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()}, strict=True)
     return hf.eval()
@@ -231,10 +244,7 @@ def test_qwen2_moe_gguf_shared_expert(tmp_path: Path, cache: Path) -> None:
     )
     assert all(layer.packed is not None for layer in packable_layers(model))
     hf = transformers_model(gguf, config)
-    with torch.no_grad():
-        expect = hf(torch.tensor([PROMPT])).logits[0]
-    torch.testing.assert_close(single_seq_logits(model, PROMPT), expect, atol=tolerance(expect), rtol=1e-4)
-    assert engine_greedy(gguf, PROMPT, 12) == transformers_greedy(hf, PROMPT, 12)
+    assert_same_as(hf, model, gguf)
 
 
 @needs_native_kernels
@@ -252,14 +262,34 @@ def test_a_llama_file_with_experts_is_a_mixtral(tmp_path: Path, cache: Path) -> 
     model = load_model(path, torch.float32, "cpu", weight_packing="float32")
     assert all(isinstance(layer.mlp, SparseMoE) for layer in model.model.layers)
     assert all(layer.packed is not None for layer in packable_layers(model))
-    hf = mixtral_from_file(gguf, config)
-    with torch.no_grad():
-        expect = hf(torch.tensor([PROMPT])).logits[0]
-    torch.testing.assert_close(single_seq_logits(model, PROMPT), expect, atol=tolerance(expect), rtol=1e-4)
-    assert engine_greedy(gguf, PROMPT, 12) == transformers_greedy(hf, PROMPT, 12)
+    hf = moe_from_file(gguf, config, permuted=True)
+    assert_same_as(hf, model, gguf)
     # A llama file without experts stays a Llama.
     dense = resolve_model(str(write(tmp_path, "mixtral", "Q4_K_M", name="dense.gguf", experts=0)))
     assert load_config(dense).architectures == ["LlamaForCausalLM"]
+
+
+@needs_native_kernels
+def test_olmoe_gguf_which_transformers_does_not_read(tmp_path: Path, cache: Path) -> None:
+    """An `olmoe` file: the config from its metadata (the family's, as llama.cpp reads it), the
+    tokenizer from its tokenizer metadata, experts packed per expert, q/k norms over the whole
+    projections; transformers' OLMoE holding the file's weights gives the same logits and greedy
+    tokens. The clipping bound is read (30: above these activations; clipping that bites is held to
+    transformers in test_models.py, where a clipped model's logits move with the summation order
+    more than this file's tolerance allows)."""
+    gguf = write(tmp_path, "olmoe", "Q4_K_M", metadata={"attention.clamp_kqv": 30.0})
+    path = resolve_model(str(gguf))
+    config = load_config(path)
+    assert config.architectures == ["OlmoeForCausalLM"] and not config.tie_word_embeddings
+    assert (config.num_experts, config.num_experts_per_tok, config.intermediate_size) == (8, 2, 256)
+    assert config.clip_qkv == 30.0 and config.norm_topk_prob is False
+    tok = load_tokenizer(path)
+    assert tok.chat_template == CHATML_TEMPLATE and tok("the")["input_ids"] == [86, 260]
+    assert read_eos_token_ids(path, config) == {0, 2}
+    model = load_model(path, torch.float32, "cpu", weight_packing="float32")
+    assert all(layer.packed is not None for layer in packable_layers(model))
+    hf = moe_from_file(gguf, config, permuted=False)
+    assert_same_as(hf, model, gguf)
 
 
 @pytest.mark.parametrize(
@@ -273,18 +303,7 @@ def test_a_llama_file_with_experts_is_a_mixtral(tmp_path: Path, cache: Path) -> 
 def test_qwen3_moe_gguf_routing_this_server_does_not_run(
     tmp_path: Path, cache: Path, key: str, value: float, named: str
 ) -> None:
-    import gguf as gguf_py
-
-    real = gguf_py.GGUFWriter.add_file_type
-
-    def with_routing(self, ftype):  # written with the metadata, before the tensors
-        real(self, ftype)
-        add = self.add_uint32 if isinstance(value, int) else self.add_float32
-        add(f"qwen3moe.{key}", value)
-
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(gguf_py.GGUFWriter, "add_file_type", with_routing)
-        source = write(tmp_path, "qwen3moe", "Q4_K_M")
+    source = write(tmp_path, "qwen3moe", "Q4_K_M", metadata={key: value})
     with pytest.raises(ModelLoadError, match=re.escape(named)):
         load_model(resolve_model(str(source)), torch.float32, "cpu")
 
