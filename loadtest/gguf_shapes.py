@@ -149,13 +149,10 @@ SHAPES: dict[str, GGUFShape] = {
         tokenizer="spm",
         metadata={"attention.sliding_window": 512},
     ),
-    # allenai/OLMoE-1B-7B-0924's sizes (64 experts of 1024, 8 per token, 16 layers of 2048, MHA, 50304
-    # tokens, untied: 6.9B parameters, 1.3B active) in Qwen3-MoE's layout, a GGUF architecture both
-    # servers read: per-head q/k norms where OLMoE norms the whole projections (the same cost) and
-    # llama.cpp's qwen3moe renormalising the top 8 (a division per token). What a step reads and
-    # computes is OLMoE's.
+    # allenai/OLMoE-1B-7B-0924's: 64 experts of 1024, 8 per token, 16 layers of 2048, MHA, q/k norms
+    # over the whole projections, 50304 tokens, untied: 6.9B parameters, 1.3B active.
     "olmoe-1b-7b": GGUFShape(
-        arch="qwen3moe",
+        arch="olmoe",
         hidden=2048,
         ff=1024,
         layers=16,
@@ -205,18 +202,31 @@ def _qwen3_layer(s: GGUFShape, i: int) -> Tensors:
     return [*_attention(s, i, fused=False), *norms, *_mlp(s, i, fused=False)]
 
 
-def _qwen3moe_layer(s: GGUFShape, i: int) -> Tensors:
-    """Qwen3's attention; the router (F32 in llama.cpp's mixes) and the 3-D expert stacks."""
-    norms = [(f"blk.{i}.attn_q_norm.weight", (s.d,)), (f"blk.{i}.attn_k_norm.weight", (s.d,))]
+def _experts(s: GGUFShape, i: int) -> Tensors:
+    """The router (F32 in llama.cpp's mixes) and the 3-D expert stacks."""
     e, ff = s.experts, s.expert_ff
-    experts: Tensors = [
+    return [
         (f"blk.{i}.ffn_norm.weight", (s.hidden,)),
         (f"blk.{i}.ffn_gate_inp.weight", (e, s.hidden)),
         (f"blk.{i}.ffn_gate_exps.weight", (e, ff, s.hidden)),
         (f"blk.{i}.ffn_up_exps.weight", (e, ff, s.hidden)),
         (f"blk.{i}.ffn_down_exps.weight", (e, s.hidden, ff)),
     ]
-    return [*_attention(s, i, fused=False), *norms, *experts]
+
+
+def _qwen3moe_layer(s: GGUFShape, i: int) -> Tensors:
+    """Qwen3's attention (per-head q/k norms) and experts."""
+    norms = [(f"blk.{i}.attn_q_norm.weight", (s.d,)), (f"blk.{i}.attn_k_norm.weight", (s.d,))]
+    return [*_attention(s, i, fused=False), *norms, *_experts(s, i)]
+
+
+def _olmoe_layer(s: GGUFShape, i: int) -> Tensors:
+    """Llama's attention with q/k norms over the whole projections, and experts."""
+    norms = [
+        (f"blk.{i}.attn_q_norm.weight", (s.heads * s.d,)),
+        (f"blk.{i}.attn_k_norm.weight", (s.kv_heads * s.d,)),
+    ]
+    return [*_attention(s, i, fused=False), *norms, *_experts(s, i)]
 
 
 def _phi3_layer(s: GGUFShape, i: int) -> Tensors:
@@ -237,6 +247,7 @@ LAYER_TENSORS: dict[str, Callable[[GGUFShape, int], Tensors]] = {
     "llama": _llama_layer,
     "qwen3": _qwen3_layer,
     "qwen3moe": _qwen3moe_layer,
+    "olmoe": _olmoe_layer,
     "phi3": _phi3_layer,
     "gemma3": _gemma3_layer,
 }

@@ -22,7 +22,7 @@ from loadtest.gguf_shapes import SHAPES, main, tensors, tiny, use_more_bits, wri
         ("qwen3-0.6b", 0.596e9, 0.4405e9),
         ("phi-4-mini", 3.836e9, 3.2214e9),
         ("gemma-3-1b", 0.9999e9, 0.6979e9),
-        # 6.9B (OLMoE's card; the per-head q/k norms of the qwen3moe layout are 13k fewer weights).
+        # 6.9B (OLMoE's card), 1.3B of them active (test_moe_shape_types_and_active_parameters).
         ("olmoe-1b-7b", 6.919e9, 6.816e9),
     ],
 )
@@ -75,7 +75,7 @@ def test_tiny_files_load_on_the_native_kernels(name: str, tmp_path: Path, monkey
     if name == "qwen3-0.6b":
         assert config.head_dim == 64 and config.tie_word_embeddings
     elif name == "olmoe-1b-7b":  # 8 experts of 256, 4 per token
-        assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (8, 4, 256)
+        assert (config.num_experts, config.num_experts_per_tok, config.intermediate_size) == (8, 4, 256)
     elif name == "gemma-3-1b":  # the 2 layers local (every sixth is global), with their window
         assert config.sliding_window == 512 and config.layer_types == ["sliding_attention"] * 2
         assert config.vocab_size == shape.vocab  # the SentencePiece vocabulary, read back whole
