@@ -195,13 +195,23 @@ def _write_manifest_dir(gguf: Path, out: Path, meta: GGUFFile, config: Any, supp
 
 
 def _block_tensor_names(meta: GGUFFile, support: GGUFSupport, layers: str) -> dict[str, str]:
-    """GGUF name -> HF name of the block tensors the family names itself (GGUFSupport.block_tensors)."""
+    """GGUF name -> HF name of the block tensors the family names itself (GGUFSupport.block_tensors).
+    A file whose metadata counts experts but holds none of the expert stacks named there stores
+    them in a layout not read here (one tensor per expert, llama.cpp's before 2024; a fused gate/up
+    stack): a ModelLoadError naming it."""
     names = dict(support.block_tensors)
     out = {}
     for name in meta.tensors:
         block, _, rest = name.partition(".")[2].partition(".")
         if name.startswith("blk.") and block.isdigit() and rest in names:
             out[name] = f"{layers}{block}.{names[rest]}"
+    if names and meta.arch_value("expert_count") and not out:
+        found = sorted(n for n in meta.tensors if n.startswith("blk.0.ffn"))
+        raise ModelLoadError(
+            f"{meta.path}: unsupported expert tensor layout: {meta.arch_value('expert_count')} experts "
+            f"but none of the stacks {', '.join(f'blk.N.{n}' for n in names)} (block 0 has "
+            f"{', '.join(found) or 'no ffn tensors'}); convert it again with a current llama.cpp"
+        )
     return out
 
 

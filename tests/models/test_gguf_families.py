@@ -308,6 +308,28 @@ def test_qwen3_moe_gguf_routing_this_server_does_not_run(
         load_model(resolve_model(str(source)), torch.float32, "cpu")
 
 
+def test_experts_stored_one_tensor_each_are_refused_naming_the_layout(tmp_path: Path, cache: Path) -> None:
+    """Mixtral files from llama.cpp before its expert stacks held one tensor per expert
+    (blk.N.ffn_gate.E.weight): not read here, and said so before anything is cached."""
+    import gguf as gguf_py
+
+    real = gguf_py.GGUFWriter.add_tensor
+
+    def per_expert(self, name, tensor, *args, **kwargs):
+        return real(self, name.replace("_exps.weight", ".0.weight"), tensor, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf_py.GGUFWriter, "add_tensor", per_expert)
+        source = write(tmp_path, "mixtral", "Q4_K_M")
+    _expect_error(
+        source,
+        cache,
+        "unsupported expert tensor layout: 8 experts",
+        "blk.N.ffn_gate_exps.weight",
+        "blk.0.ffn_gate.0.weight",
+    )
+
+
 def test_qwen3_moe_gguf_expert_count_that_disagrees_with_its_stacks(tmp_path: Path, cache: Path) -> None:
     """A file whose expert_count says 4 where its router and stacks hold 8 experts fails naming the
     first tensor that disagrees."""
