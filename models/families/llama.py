@@ -7,6 +7,7 @@ step; only the attention op splits per request. q/k/v and gate/up are fused into
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -26,6 +27,7 @@ from models.layers.linear import (
 )
 from models.layers.metadata import KVCache
 from models.layers.mlp import GatedMLP
+from models.layers.moe import MoESizes, Routing, SparseMoE
 from models.layers.native_decode import DecodeLayerParts
 from models.layers.norm import RMSNorm, qk_rms_norm
 from models.layers.parallel import SINGLE_STAGE, PPContext, TPContext
@@ -46,6 +48,24 @@ LLAMA_WEIGHT_NAMES = WeightNames(
     ),
     # Buffers some checkpoints carry that are recomputed here.
     ignored=("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached"),
+)
+
+
+# The mixture-of-experts families' (models/layers/moe.py's SparseMoE in place of the MLP). Checkpoints
+# name experts two ways, both read: per expert (the hub's files and what transformers 5's
+# save_pretrained writes: `mlp.experts.3.gate_proj.weight`) and stacked (transformers 5's in-memory
+# parameters `mlp.experts.gate_up_proj` [E, 2 I, H] and `down_proj` [E, H, I]; a GGUF file's
+# `ffn_*_exps`), cut into experts as they load.
+MOE_WEIGHT_NAMES = dataclasses.replace(
+    LLAMA_WEIGHT_NAMES,
+    experts=(
+        (".experts.gate_up_proj", ".experts.{}.gate_up_proj.weight"),
+        (".experts.down_proj", ".experts.{}.down_proj.weight"),
+        (".experts.gate_proj", ".experts.{}.gate_proj.weight"),
+        (".experts.up_proj", ".experts.{}.up_proj.weight"),
+    ),
+    # An expert's slice of a stacked gate_up_proj holds gate | up.
+    split=((".gate_up_proj.", (0, 1)),),
 )
 
 
@@ -120,12 +140,21 @@ def llama_mlp(spec: LayerSpec, layout: LlamaLayout) -> GatedMLP:
     )
 
 
-# Decoder layer i's MLP: the gated MLP, or a family's own (a mixture of experts: models/families/moe.py).
+# Decoder layer i's MLP: the gated MLP, or a family's own (a mixture of experts: sparse_mlp).
 MLPBuilder = Callable[[LayerSpec, LlamaLayout, int], nn.Module]
 
 
 def dense_mlp(spec: LayerSpec, layout: LlamaLayout, index: int) -> nn.Module:
     return llama_mlp(spec, layout)
+
+
+def sparse_mlp(
+    spec: LayerSpec, expert_inter: int, routing: Routing, shared_inter: int = 0, shared_gate: bool = False
+) -> SparseMoE:
+    """A mixture of experts in place of the MLP: `routing.num_experts` of `expert_inter`, and a shared
+    expert of `shared_inter` (0: none), behind a sigmoid gate where `shared_gate`."""
+    sizes = MoESizes(spec.config.hidden_size, expert_inter, shared_inter, shared_gate)
+    return SparseMoE(sizes, routing, spec.dtype, spec.tp)
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -236,8 +265,8 @@ def llama_gguf_config(meta: GGUFMetadata, config: Any) -> dict[str, Any]:
     }
 
 
-# llama.cpp's expert stacks [experts, rows, cols] under the names the MoE families' WeightNames
-# unstack (models/families/sparse.py), in every MoE architecture's files (a llama one's: Mixtral's).
+# llama.cpp's expert stacks [experts, rows, cols] under the names MOE_WEIGHT_NAMES unstacks, in every
+# MoE architecture's files (a llama one's: Mixtral's).
 GGUF_EXPERT_TENSORS = (
     ("ffn_gate_exps.weight", "mlp.experts.gate_proj"),
     ("ffn_up_exps.weight", "mlp.experts.up_proj"),

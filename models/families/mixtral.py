@@ -13,10 +13,15 @@ import dataclasses
 from torch import nn
 
 from models.base import LayerSpec
-from models.families.llama import LlamaForCausalLM, LlamaLayout, llama_like_family
-from models.families.sparse import MOE_WEIGHT_NAMES, check_routing, sparse_moe
+from models.families.llama import (
+    MOE_WEIGHT_NAMES,
+    LlamaForCausalLM,
+    LlamaLayout,
+    llama_like_family,
+    sparse_mlp,
+)
 from models.family import config_sliding_window
-from models.layers.moe import Routing
+from models.layers.moe import Routing, check_routing
 
 MIXTRAL_WEIGHT_NAMES = dataclasses.replace(
     MOE_WEIGHT_NAMES,
@@ -29,7 +34,7 @@ def mixtral_mlp(spec: LayerSpec, layout: LlamaLayout, index: int) -> nn.Module:
     config = spec.config
     check_routing(config, "Mixtral")
     routing = Routing(config.num_local_experts, config.num_experts_per_tok, normalize=True)
-    return sparse_moe(spec, config.intermediate_size, routing)
+    return sparse_mlp(spec, config.intermediate_size, routing)
 
 
 class MixtralForCausalLM(LlamaForCausalLM):

@@ -14,16 +14,17 @@ from torch import nn
 from models.base import LayerSpec
 from models.families.llama import (
     GGUF_EXPERT_TENSORS,
+    MOE_WEIGHT_NAMES,
     LlamaAttention,
     LlamaForCausalLM,
     LlamaLayout,
     llama_like_family,
+    sparse_mlp,
 )
-from models.families.sparse import MOE_WEIGHT_NAMES, check_routing, sparse_moe
 from models.family import GGUFMetadata, GGUFSupport
 from models.layers.attention import AttentionStep
 from models.layers.metadata import KVCache
-from models.layers.moe import Routing
+from models.layers.moe import Routing, check_routing
 from models.layers.parallel import TPContext
 
 
@@ -119,7 +120,7 @@ def olmoe_mlp(spec: LayerSpec, layout: LlamaLayout, index: int) -> nn.Module:
     config = spec.config
     check_routing(config, "OLMoE")
     routing = Routing(config.num_experts, config.num_experts_per_tok, bool(config.norm_topk_prob))
-    return sparse_moe(spec, config.intermediate_size, routing)
+    return sparse_mlp(spec, config.intermediate_size, routing)
 
 
 class OlmoeForCausalLM(LlamaForCausalLM):

@@ -16,15 +16,17 @@ from transformers import PretrainedConfig
 from models.base import LayerSpec
 from models.families.llama import (
     GGUF_EXPERT_TENSORS,
+    MOE_WEIGHT_NAMES,
     LlamaForCausalLM,
     LlamaLayout,
     llama_like_family,
     llama_mlp,
+    sparse_mlp,
 )
 from models.families.qwen2 import qwen2_sliding_window
-from models.families.sparse import MOE_WEIGHT_NAMES, check_routing, is_sparse_layer, sparse_moe
+from models.families.qwen3_moe import is_sparse_layer
 from models.family import GGUFMetadata, GGUFSupport
-from models.layers.moe import Routing
+from models.layers.moe import Routing, check_routing
 
 
 def qwen2_moe_layout(config: PretrainedConfig) -> LlamaLayout:
@@ -41,7 +43,7 @@ def qwen2_moe_mlp(spec: LayerSpec, layout: LlamaLayout, index: int) -> nn.Module
     check_routing(config, "Qwen2-MoE")
     routing = Routing(config.num_experts, config.num_experts_per_tok, bool(config.norm_topk_prob))
     shared = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
-    return sparse_moe(spec, config.moe_intermediate_size, routing, shared, shared_gate=shared > 0)
+    return sparse_mlp(spec, config.moe_intermediate_size, routing, shared, shared_gate=shared > 0)
 
 
 def qwen2_moe_gguf_config(meta: GGUFMetadata, config: Any) -> dict[str, Any]:

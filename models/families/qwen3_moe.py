@@ -13,16 +13,25 @@ from torch import nn
 from models.base import LayerSpec
 from models.families.llama import (
     GGUF_EXPERT_TENSORS,
+    MOE_WEIGHT_NAMES,
     LlamaForCausalLM,
     LlamaLayout,
     llama_like_family,
     llama_mlp,
+    sparse_mlp,
 )
 from models.families.qwen2 import qwen2_sliding_window
 from models.families.qwen3 import qwen3_layout
-from models.families.sparse import MOE_WEIGHT_NAMES, check_routing, is_sparse_layer, sparse_moe
 from models.family import GGUFMetadata, GGUFSupport
-from models.layers.moe import Routing
+from models.layers.moe import Routing, check_routing
+
+
+def is_sparse_layer(config: Any, index: int) -> bool:
+    """transformers' rule for which Qwen2-MoE and Qwen3-MoE layers hold experts (a dense MLP on the
+    others): every `decoder_sparse_step`-th, except `mlp_only_layers`."""
+    step = getattr(config, "decoder_sparse_step", 1) or 1
+    only_dense = getattr(config, "mlp_only_layers", None) or []
+    return index not in only_dense and config.num_experts > 0 and (index + 1) % step == 0
 
 
 def qwen3_moe_mlp(spec: LayerSpec, layout: LlamaLayout, index: int) -> nn.Module:
@@ -31,7 +40,7 @@ def qwen3_moe_mlp(spec: LayerSpec, layout: LlamaLayout, index: int) -> nn.Module
         return llama_mlp(spec, layout)
     check_routing(config, "Qwen3-MoE")
     routing = Routing(config.num_experts, config.num_experts_per_tok, bool(config.norm_topk_prob))
-    return sparse_moe(spec, config.moe_intermediate_size, routing)
+    return sparse_mlp(spec, config.moe_intermediate_size, routing)
 
 
 # llama.cpp's expert_gating_func ids (LLAMA_EXPERT_GATING_FUNC_TYPE_*).

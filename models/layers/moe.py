@@ -21,6 +21,7 @@ token picks its experts (a decode step picks only k of them) and need an all-to-
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -174,3 +175,32 @@ class SparseMoE(nn.Module):
                 shared = shared * self.shared_expert_gate(x).to(x.dtype)
             out += shared
         return self.tp.all_reduce(out)
+
+
+# Routing settings of other MoE configs that change which experts a token takes or how their outputs
+# are weighed, with the value under which this layer's routing is what they describe. A config that
+# states another value is refused rather than run with the wrong routing.
+ROUTING_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "scoring_func": ("softmax",),
+    "topk_method": ("greedy",),
+    "n_group": (None, 1),
+    "topk_group": (None, 1),
+    "routed_scaling_factor": (None, 1, 1.0),
+    "n_shared_experts": (None, 0),
+    "router_bias": (None, False),
+    "moe_router_bias": (None, False),
+}
+
+
+def check_routing(config: Any, family: str) -> None:
+    """A ModelLoadError naming the first setting of `config` this server's routing does not run."""
+    for key, accepted in ROUTING_DEFAULTS.items():
+        if hasattr(config, key) and getattr(config, key) not in accepted:
+            raise ModelLoadError(
+                f"unsupported mixture-of-experts routing for {family}: {key}={getattr(config, key)!r} "
+                f"(this server routes by softmax, then the top k, only: {key} must be "
+                f"{' or '.join(repr(a) for a in accepted)})"
+            )
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"unsupported expert activation hidden_act={act!r} for {family} (only 'silu')")
