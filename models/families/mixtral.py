@@ -46,5 +46,6 @@ FAMILY = llama_like_family(
     MixtralForCausalLM,
     MIXTRAL_WEIGHT_NAMES,
     sliding_window=config_sliding_window,
+    cuda_graphs=False,  # the experts a step runs are read back to the host
     native_decode=None,  # the fused decode call runs dense MLPs only; the modules run the experts
 )

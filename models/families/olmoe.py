@@ -136,5 +136,6 @@ FAMILY = llama_like_family(
     gguf=GGUFSupport(
         architectures=("olmoe",), metadata_config=olmoe_gguf_config, block_tensors=GGUF_EXPERT_TENSORS
     ),
+    cuda_graphs=False,  # the experts a step runs are read back to the host
     native_decode=None,  # the fused decode call runs dense MLPs and per-head norms only
 )

@@ -85,5 +85,6 @@ FAMILY = llama_like_family(
         architectures=("qwen3moe",), config=qwen3_moe_gguf_config, block_tensors=GGUF_EXPERT_TENSORS
     ),
     sliding_window=qwen2_sliding_window,
+    cuda_graphs=False,  # the experts a step runs are read back to the host
     native_decode=None,  # the fused decode call runs dense MLPs only; the modules run the experts
 )
