@@ -3,8 +3,8 @@
     for hf_name, name, tensor, shard in map_weight_names(model, weights): ...
 
 The one place that knows about fused parameters (q/k/v, gate/up), fused checkpoint tensors cut into
-shards, stacked expert tensors cut into experts, transposed Conv1D weights, recomputed buffers, tied heads and pipeline stages; the families only
-declare their names (models/family.py).
+shards, stacked expert tensors cut into experts, transposed Conv1D weights, recomputed buffers, tied
+heads and pipeline stages; the families only declare their names (models/family.py).
 """
 
 from __future__ import annotations

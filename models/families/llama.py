@@ -243,11 +243,11 @@ def llama_decode_parts(layer: nn.Module) -> DecodeLayerParts:
 
 
 def llama_gguf_config(meta: GGUFMetadata, config: Any) -> dict[str, Any]:
-    """A Mixtral file's experts (llama_gguf_experts). Llama 3.1+ files carry their llama3 rope scaling as per-frequency divisors (the rope_freqs
-    tensor llama.cpp's converter computes from factor, low/high_freq_factor and the original context),
-    which transformers' GGUF reader drops. Kept as one LongRoPE set for every position (its original
-    context the whole context, so no long set and an attention factor of 1): the frequencies
-    llama.cpp turns with, inv_freq / factor."""
+    """A Mixtral file's experts (llama_gguf_experts). Llama 3.1+ files carry their llama3 rope scaling
+    as per-frequency divisors (the rope_freqs tensor llama.cpp's converter computes from factor,
+    low/high_freq_factor and the original context), which transformers' GGUF reader drops. Kept as
+    one LongRoPE set for every position (its original context the whole context, so no long set and
+    an attention factor of 1): the frequencies llama.cpp turns with, inv_freq / factor."""
     factors = meta.tensor("rope_freqs.weight")
     if factors is None:
         return llama_gguf_experts(meta)
