@@ -65,8 +65,8 @@ def model_dir(request) -> Path:
     test_quantized_accuracy.py). gemma3's local layers and mistral-window's layers have windows (8 and
     6 tokens) shorter than most prompts here, and the generations run past them. qwen3 has q/k norms;
     phi3 is Phi-4-mini-like (fused qkv and gate/up, partial rotary, LongRoPE). The mixtures of experts
-    (qwen3-moe, mixtral, olmoe, qwen2-moe with its shared expert) group every request's tokens by expert: batching must not change any
-    request's tokens."""
+    (qwen3-moe, mixtral, olmoe, qwen2-moe with its shared expert) group every request's tokens by
+    expert: batching must not change any request's tokens."""
     fixture = {
         "llama": "tiny_llama_dir",
         "gpt2": "tiny_gpt2_dir",
