@@ -20,6 +20,7 @@ token picks its experts (a decode step picks only k of them) and need an all-to-
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,12 +29,14 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.errors import ModelLoadError
+from models.kernels import cpu as cpu_kernels
 from models.layers.activation import SiluAndMul
 from models.layers.linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
     check_shape,
 )
+from models.layers.native_decode import QWeight, qweight
 from models.layers.packed_weight import QuantizedBlocks
 from models.layers.parallel import TPContext
 
@@ -134,6 +137,62 @@ class MoESizes:
     shared_gate: bool = False  # a sigmoid gate on the shared expert
 
 
+class NativeExperts:
+    """Every expert's packed gate_up and down, described to decode_layers.c once, so a step runs its
+    chosen experts in one call (orca_moe_experts: the same kernels in the same order as the module's
+    loop, bit-identical to it, without the Python and torch calls around them)."""
+
+    def __init__(self, gate_up: list[QWeight], down: list[QWeight], hidden: int, inter: int) -> None:
+        self.gate_up, self.down = gate_up, down
+        self.hidden, self.inter = hidden, inter
+        self._lib = cpu_kernels.kernels().lib  # type: ignore[union-attr]
+
+    @classmethod
+    def build(cls, experts: nn.ModuleList) -> NativeExperts | None:
+        """The description, or None where the experts are not all packed for the native kernels."""
+        if not cpu_kernels.available():
+            return None
+        gate_up = [qweight(e.gate_up_proj) for e in experts]
+        down = [qweight(e.down_proj) for e in experts]
+        if any(w is None or w.bias for w in (*gate_up, *down)):
+            return None
+        hidden, inter = down[0].N, down[0].K
+        if inter % 8 or any(
+            (g.N, g.K, d.N, d.K) != (2 * inter, hidden, hidden, inter)
+            for g, d in zip(gate_up, down, strict=True)
+        ):
+            return None
+        return cls(gate_up, down, hidden, inter)
+
+    def run(
+        self,
+        x: torch.Tensor,  # [T, hidden] float32, contiguous
+        active: list[int],  # the chosen experts, in order
+        starts: list[int],  # their groups' first pair, and the end: len(active) + 1
+        token_of: torch.Tensor,  # [pairs] int64: each pair's token, grouped by expert
+        weight: torch.Tensor,  # [pairs] float32: each pair's routing weight
+        out: torch.Tensor,  # [T, hidden] float32, added to
+    ) -> None:
+        n = len(active)
+        gate_up = (QWeight * n)(*(self.gate_up[e] for e in active))
+        down = (QWeight * n)(*(self.down[e] for e in active))
+        group_start = (ctypes.c_int64 * (n + 1))(*starts)
+        rc = self._lib.orca_moe_experts(
+            ctypes.addressof(gate_up),
+            ctypes.addressof(down),
+            n,
+            ctypes.addressof(group_start),
+            token_of.data_ptr(),
+            weight.data_ptr(),
+            x.data_ptr(),
+            self.hidden,
+            self.inter,
+            out.data_ptr(),
+        )
+        if rc:
+            raise RuntimeError(f"native experts failed (rc {rc}) on {x.shape[0]} tokens")
+
+
 class SparseMoE(nn.Module):
     """The MoE MLP over flat tokens [T, hidden] -> [T, hidden]. Parameter names follow the HF
     checkpoints': `gate` (the router), `experts.<e>.{gate_up_proj,down_proj}`, `shared_expert`,
@@ -151,6 +210,18 @@ class SparseMoE(nn.Module):
             Expert(sizes.hidden, sizes.shared_inter, dtype, tp) if sizes.shared_inter else None
         )
         self.shared_expert_gate = SharedExpertGate(sizes.hidden, dtype) if sizes.shared_gate else None
+        # The experts described to the native kernels, once they are packed (native_experts).
+        self._native: tuple[object, NativeExperts | None] | None = None
+
+    def native_experts(self) -> NativeExperts | None:
+        """The native description of the experts as they are now packed (rebuilt if they were packed
+        again), or None where the module loop runs them."""
+        packed = self.experts[0].gate_up_proj.packed
+        if packed is None:
+            return None
+        if self._native is None or self._native[0] is not packed:
+            self._native = (packed, NativeExperts.build(self.experts))
+        return self._native[1]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weights, chosen = self.routing.route(self.gate(x))  # [T, k] each
@@ -160,15 +231,23 @@ class SparseMoE(nn.Module):
         order = torch.argsort(flat, stable=True)
         counts = torch.bincount(flat, minlength=self.routing.num_experts).tolist()
         token_of = order // k
-        pair_weight = weights.reshape(-1)[order].to(x.dtype).unsqueeze(1)
+        pair_weight = weights.reshape(-1)[order].to(x.dtype)
         out = torch.zeros_like(x)
-        start = 0
-        for expert, n in zip(self.experts, counts, strict=True):
-            if n:
-                rows = token_of[start : start + n]
-                y = expert(x.index_select(0, rows))
-                out.index_add_(0, rows, y * pair_weight[start : start + n])
-                start += n
+        native = self.native_experts() if x.dtype == torch.float32 and x.is_contiguous() else None
+        if native is not None:
+            active = [e for e, n in enumerate(counts) if n]
+            starts = [0]
+            for e in active:
+                starts.append(starts[-1] + counts[e])
+            native.run(x, active, starts, token_of, pair_weight, out)
+        else:
+            start = 0
+            for expert, n in zip(self.experts, counts, strict=True):
+                if n:
+                    rows = token_of[start : start + n]
+                    y = expert(x.index_select(0, rows))
+                    out.index_add_(0, rows, y * pair_weight[start : start + n].unsqueeze(1))
+                    start += n
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:

@@ -8,7 +8,14 @@ import re
 
 import pytest
 import torch
-from builders import build_hf_model, tiny_mixtral_config, tiny_qwen2_moe_config, tiny_qwen3_moe_config
+from builders import (
+    build_hf_model,
+    gguf_roundtrip,
+    tiny_mixtral_config,
+    tiny_qwen2_moe_config,
+    tiny_qwen3_moe_config,
+)
+from kernel_marks import needs_native_kernels
 
 from models.errors import ModelLoadError
 from models.layers.moe import Routing, SparseMoE
@@ -90,6 +97,32 @@ def test_the_shared_expert_takes_every_token_through_its_gate() -> None:
         routed = out - gate * layer.shared_expert(x)
         layer.shared_expert_gate.weight.zero_()  # sigmoid(0): half the shared expert
         torch.testing.assert_close(layer(x), routed + 0.5 * layer.shared_expert(x), atol=1e-5, rtol=0)
+
+
+@needs_native_kernels
+@pytest.mark.parametrize("precision", ["float32", "int8"])
+def test_the_native_expert_call_is_bit_identical_to_the_module_loop(precision: str) -> None:
+    """Packed experts run in one native call (decode_layers.c's orca_moe_experts): the same kernels in
+    the same order as the module's loop, so the same bits, for one token and for many."""
+    from models.weight_packing import pack_model_weights
+
+    layer = moe_layer(tiny_qwen3_moe_config(vocab_size=64))
+    with torch.no_grad():
+        for expert in layer.experts:  # block-structured weights, so they pack
+            for linear in (expert.gate_up_proj, expert.down_proj):
+                linear.weight.copy_(gguf_roundtrip(linear.weight, "Q4_1"))
+    pack_model_weights(layer, precision)
+    assert layer.native_experts() is not None
+    g = torch.Generator().manual_seed(5)
+    for tokens in (1, 3, 40):
+        x = torch.randn(tokens, 64, generator=g)
+        with torch.no_grad():
+            native, calls = expert_calls(layer, x)
+            layer._native = (layer.experts[0].gate_up_proj.packed, None)  # the module loop
+            loop, loop_calls = expert_calls(layer, x)
+            layer._native = None
+        assert calls == [] and loop_calls  # the native call ran no expert module
+        assert torch.equal(native, loop)
 
 
 def test_softmax_over_the_top_k_equals_renormalised_softmax_first() -> None:
