@@ -287,6 +287,34 @@ def test_tp_shards_partition_the_checkpoint() -> None:
         assert torch.equal(emb, full["model.embed_tokens.weight"])
 
 
+def test_tp_ranks_hold_a_slice_of_every_expert() -> None:
+    """Each rank holds its share of EVERY expert's intermediate columns (gate/up rows, down columns;
+    models/layers/moe.py says why) and the whole router: the ranks' shards put back together are the
+    checkpoint's experts."""
+    from models.layers.parallel import TPContext
+
+    config = tiny_qwen3_moe_config(vocab_size=SMALL_VOCAB)  # 8 experts of 32
+    full = build_hf_model(config).state_dict()
+    ranks = []
+    for rank in range(2):
+        model = model_class_for(config)(config, dtype=torch.float32, tp=TPContext(rank, 2))
+        model.load_weights(full.items())
+        ranks.append(dict(model.named_parameters()))
+    pre, inter = "model.layers.0.mlp.", config.moe_intermediate_size
+    gate_up, down = (
+        full[pre + "experts.gate_up_proj"],
+        full[pre + "experts.down_proj"],
+    )  # [E, 2I, H], [E, H, I]
+    for e in range(config.num_experts):
+        shards = [r[f"{pre}experts.{e}.gate_up_proj.weight"] for r in ranks]  # [gate_r | up_r] each
+        half = inter // 2
+        assert torch.equal(torch.cat([s[:half] for s in shards]), gate_up[e, :inter])
+        assert torch.equal(torch.cat([s[half:] for s in shards]), gate_up[e, inter:])
+        cols = torch.cat([r[f"{pre}experts.{e}.down_proj.weight"] for r in ranks], dim=1)
+        assert torch.equal(cols, down[e])
+    assert all(torch.equal(r[pre + "gate.weight"], full[pre + "gate.weight"]) for r in ranks)
+
+
 def _tp_worker(rank: int, world: int, port: int, name: str) -> None:
     import torch.distributed as dist
 
