@@ -418,6 +418,7 @@ def write_tiny_gguf(
     expert_ff: int | None = None,
     shared_ff: int = 0,
     metadata: dict[str, object] | None = None,
+    pooling_type: int | None = None,
 ) -> None:
     """A GGUF of a llama, qwen3 or phi3 model with a byte-level BPE tokenizer and a chat template, laid
     out as llama.cpp's converter writes them. `types` maps a tensor-name fragment ("attn_q",
@@ -432,7 +433,8 @@ def write_tiny_gguf(
     dense tensors' fragments ("ffn_gate" -> ffn_gate_exps). qwen2moe: as qwen3moe without q/k norms,
     with q/k/v biases and a shared expert of `shared_ff` (ffn_*_shexp, its gate the vector
     ffn_gate_inp_shexp). olmoe: experts as qwen3moe's, q/k norms over the whole projections.
-    `metadata` adds `<arch>.*` keys (name without the prefix -> value)."""
+    `metadata` adds `<arch>.*` keys (name without the prefix -> value).
+    `pooling_type` (llama.cpp's enum) makes it an embedding model's file."""
     import gguf
     import numpy as np
 
@@ -477,6 +479,8 @@ def write_tiny_gguf(
         from models.gguf.encode import add_arch_metadata
 
         add_arch_metadata(w, arch, metadata)
+    if pooling_type is not None:
+        w.add_pooling_type(gguf.PoolingType(pooling_type))
     w.add_file_type(0)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -656,3 +660,21 @@ def write_tiny_gemma3_gguf(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def sentence_transformers_dir(root: Path, **modes: bool) -> Path:
+    """sentence-transformers' files in `root` (made if missing): modules.json naming a Pooling module in
+    1_Pooling, whose config sets `modes` (lasttoken=True: Qwen3-Embedding's)."""
+    import json
+
+    root.mkdir(parents=True, exist_ok=True)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    (root / "modules.json").write_text(json.dumps(modules))
+    (root / "1_Pooling").mkdir(exist_ok=True)
+    config = {"word_embedding_dimension": 16, **{f"pooling_mode_{k}": v for k, v in modes.items()}}
+    (root / "1_Pooling" / "config.json").write_text(json.dumps(config))
+    return root

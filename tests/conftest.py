@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from builders import (
@@ -45,21 +47,6 @@ def smollm2_tokenizer_dir() -> Path:
     return out
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
-    """A tiny random Llama saved as an HF directory (config.json + safetensors + tokenizer)."""
-    model = build_hf_model(tiny_llama_config())
-    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-llama"), smollm2_tokenizer_dir)
-
-
-@pytest.fixture(scope="session")
-def tiny_gguf_llama_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
-    """A tiny Llama whose weights went through GGUF quantization like the default model's: Q4_1
-    projections and a Q8_0 (tied) embedding, stored dequantized as float32 safetensors."""
-    model = gguf_structured(build_hf_model(tiny_llama_config()))
-    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-gguf-llama"), smollm2_tokenizer_dir)
-
-
 def _save_with_tokenizer(model, out: Path, tokenizer_dir: Path) -> Path:
     import shutil
 
@@ -69,72 +56,45 @@ def _save_with_tokenizer(model, out: Path, tokenizer_dir: Path) -> Path:
     return out
 
 
-@pytest.fixture(scope="session")
-def tiny_gemma3_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
-    """A tiny random Gemma 3 (local layers with a window of 8 tokens, global ones between them) with
-    GGUF-structured weights, so they pack and the native decode call runs its layers."""
-    model = gguf_structured(build_hf_model(tiny_gemma3_config()))
-    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-gemma3"), smollm2_tokenizer_dir)
+def tiny_model_dir(name: str, config: Callable[[], Any], quantized: bool = False) -> Any:
+    """A session fixture `name`: a random model from `config()` saved as an HF directory (config.json,
+    safetensors) with the default model's tokenizer; `quantized`: its weights went through GGUF
+    quantization (builders.gguf_structured), so they pack and the native decode call runs its layers."""
+
+    @pytest.fixture(scope="session", name=name)
+    def fixture(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+        model = build_hf_model(config())
+        if quantized:
+            model = gguf_structured(model)
+        return _save_with_tokenizer(model, tmp_path_factory.mktemp(name), smollm2_tokenizer_dir)
+
+    return fixture
 
 
-@pytest.fixture(scope="session")
-def tiny_mistral_window_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
-    """A tiny random Mistral whose sliding window (6 tokens) every test prompt outgrows."""
-    config = tiny_mistral_config(sliding_window=6)
-    return _save_with_tokenizer(
-        build_hf_model(config), tmp_path_factory.mktemp("tiny-mistral-window"), smollm2_tokenizer_dir
-    )
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
-    """A tiny random Qwen3 (q/k norms, head_dim apart from hidden / heads) as an HF directory."""
-    model = build_hf_model(tiny_qwen3_config())
-    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-qwen3"), smollm2_tokenizer_dir)
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3_moe_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
-    """A tiny random Qwen3-MoE (8 experts, 2 per token; a dense layer between two sparse ones), saved
-    as transformers 5 saves it (one tensor per expert)."""
-    model = build_hf_model(tiny_qwen3_moe_config())
-    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-qwen3-moe"), smollm2_tokenizer_dir)
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen2_moe_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
-    """A tiny random Qwen2-MoE (routed experts and a gated shared expert)."""
-    model = build_hf_model(tiny_qwen2_moe_config())
-    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-qwen2-moe"), smollm2_tokenizer_dir)
-
-
-@pytest.fixture(scope="session")
-def tiny_mixtral_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
-    """A tiny random Mixtral (block_sparse_moe.experts.N.w1/w2/w3 in its files)."""
-    model = build_hf_model(tiny_mixtral_config())
-    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-mixtral"), smollm2_tokenizer_dir)
-
-
-@pytest.fixture(scope="session")
-def tiny_olmoe_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
-    """A tiny random OLMoE (q/k norms over the whole projections, clipped q/k/v)."""
-    model = build_hf_model(tiny_olmoe_config())
-    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-olmoe"), smollm2_tokenizer_dir)
-
-
-@pytest.fixture(scope="session")
-def tiny_phi3_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
-    """A tiny random Phi-4-mini-like model (fused qkv/gate_up, partial rotary, LongRoPE) as an HF
-    directory. Its original context (64) holds every test sequence: transformers recomputes a
-    sequence that outgrows it with the long factors, which this server does not (rotary.py says why)."""
-    model = build_hf_model(tiny_phi4_mini_config(original=64))
-    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-phi3"), smollm2_tokenizer_dir)
-
-
-@pytest.fixture(scope="session")
-def tiny_gpt2_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
-    model = build_hf_model(tiny_gpt2_config())
-    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-gpt2"), smollm2_tokenizer_dir)
+tiny_llama_dir = tiny_model_dir("tiny_llama_dir", tiny_llama_config)
+# Q4_1 projections and a Q8_0 (tied) embedding like the default model's, stored dequantized as float32.
+tiny_gguf_llama_dir = tiny_model_dir("tiny_gguf_llama_dir", tiny_llama_config, quantized=True)
+# Local layers with a window of 8 tokens, global ones between them.
+tiny_gemma3_dir = tiny_model_dir("tiny_gemma3_dir", tiny_gemma3_config, quantized=True)
+# A sliding window (6 tokens) that every test prompt outgrows.
+tiny_mistral_window_dir = tiny_model_dir(
+    "tiny_mistral_window_dir", lambda: tiny_mistral_config(sliding_window=6)
+)
+# q/k norms, head_dim apart from hidden / heads.
+tiny_qwen3_dir = tiny_model_dir("tiny_qwen3_dir", tiny_qwen3_config)
+# Phi-4-mini-like (fused qkv/gate_up, partial rotary, LongRoPE). Its original context (64) holds every
+# test sequence: transformers recomputes a sequence that outgrows it with the long factors, which this
+# server does not (models/layers/rotary.py says why).
+tiny_phi3_dir = tiny_model_dir("tiny_phi3_dir", lambda: tiny_phi4_mini_config(original=64))
+tiny_gpt2_dir = tiny_model_dir("tiny_gpt2_dir", tiny_gpt2_config)
+# Mixtures of experts, saved as transformers 5 saves them (one tensor per expert): Qwen3-MoE (8 experts,
+# 2 per token; a dense layer between two sparse ones), Qwen2-MoE (routed experts and a gated shared
+# expert), Mixtral (block_sparse_moe.experts.N.w1/w2/w3 in its files), OLMoE (q/k norms over the whole
+# projections, clipped q/k/v).
+tiny_qwen3_moe_dir = tiny_model_dir("tiny_qwen3_moe_dir", tiny_qwen3_moe_config)
+tiny_qwen2_moe_dir = tiny_model_dir("tiny_qwen2_moe_dir", tiny_qwen2_moe_config)
+tiny_mixtral_dir = tiny_model_dir("tiny_mixtral_dir", tiny_mixtral_config)
+tiny_olmoe_dir = tiny_model_dir("tiny_olmoe_dir", tiny_olmoe_config)
 
 
 @pytest.fixture(scope="session")
