@@ -308,6 +308,20 @@ def llama_like_family(
     )
 
 
+def moe_family(
+    name: str, model: type[LlamaForCausalLM], weights: WeightNames = MOE_WEIGHT_NAMES, **declared: Any
+) -> ModelFamily:
+    """A family with Llama's layers and a mixture of experts for MLPs: no CUDA graphs (the experts a
+    step runs are read back to the host) and no fused native decode (it runs dense MLPs only; the
+    modules run the experts)."""
+    return llama_like_family(name, model, weights, cuda_graphs=False, native_decode=None, **declared)
+
+
+def expert_gguf(architectures: tuple[str, ...], **declared: Any) -> GGUFSupport:
+    """GGUF support for a mixture-of-experts architecture: its 3-D expert stacks read as block tensors."""
+    return GGUFSupport(architectures=architectures, block_tensors=GGUF_EXPERT_TENSORS, **declared)
+
+
 FAMILY = llama_like_family(
     "llama",
     LlamaForCausalLM,

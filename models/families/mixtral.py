@@ -17,7 +17,7 @@ from models.families.llama import (
     MOE_WEIGHT_NAMES,
     LlamaForCausalLM,
     LlamaLayout,
-    llama_like_family,
+    moe_family,
     sparse_mlp,
 )
 from models.family import config_sliding_window
@@ -41,11 +41,4 @@ class MixtralForCausalLM(LlamaForCausalLM):
     layer_mlp = staticmethod(mixtral_mlp)
 
 
-FAMILY = llama_like_family(
-    "mixtral",
-    MixtralForCausalLM,
-    MIXTRAL_WEIGHT_NAMES,
-    sliding_window=config_sliding_window,
-    cuda_graphs=False,  # the experts a step runs are read back to the host
-    native_decode=None,  # the fused decode call runs dense MLPs only; the modules run the experts
-)
+FAMILY = moe_family("mixtral", MixtralForCausalLM, MIXTRAL_WEIGHT_NAMES, sliding_window=config_sliding_window)

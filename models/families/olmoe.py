@@ -13,15 +13,14 @@ from torch import nn
 
 from models.base import LayerSpec
 from models.families.llama import (
-    GGUF_EXPERT_TENSORS,
-    MOE_WEIGHT_NAMES,
     LlamaAttention,
     LlamaForCausalLM,
     LlamaLayout,
-    llama_like_family,
+    expert_gguf,
+    moe_family,
     sparse_mlp,
 )
-from models.family import GGUFMetadata, GGUFSupport
+from models.family import GGUFMetadata
 from models.layers.attention import AttentionStep
 from models.layers.metadata import KVCache
 from models.layers.moe import Routing, check_routing
@@ -128,14 +127,9 @@ class OlmoeForCausalLM(LlamaForCausalLM):
     layer_attention = OlmoeAttention
 
 
-FAMILY = llama_like_family(
+FAMILY = moe_family(
     "olmoe",
     OlmoeForCausalLM,
-    MOE_WEIGHT_NAMES,
     # llama.cpp turns OLMoE's q/k halves as transformers does (NeoX order): nothing to un-permute.
-    gguf=GGUFSupport(
-        architectures=("olmoe",), metadata_config=olmoe_gguf_config, block_tensors=GGUF_EXPERT_TENSORS
-    ),
-    cuda_graphs=False,  # the experts a step runs are read back to the host
-    native_decode=None,  # the fused decode call runs dense MLPs and per-head norms only
+    gguf=expert_gguf(("olmoe",), metadata_config=olmoe_gguf_config),
 )

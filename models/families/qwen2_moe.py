@@ -15,17 +15,16 @@ from transformers import PretrainedConfig
 
 from models.base import LayerSpec
 from models.families.llama import (
-    GGUF_EXPERT_TENSORS,
-    MOE_WEIGHT_NAMES,
     LlamaForCausalLM,
     LlamaLayout,
-    llama_like_family,
+    expert_gguf,
     llama_mlp,
+    moe_family,
     sparse_mlp,
 )
 from models.families.qwen2 import qwen2_sliding_window
-from models.families.qwen3_moe import is_sparse_layer
-from models.family import GGUFMetadata, GGUFSupport
+from models.families.qwen3_moe import expert_width, is_sparse_layer
+from models.family import GGUFMetadata
 from models.layers.moe import Routing, check_routing
 
 
@@ -50,10 +49,7 @@ def qwen2_moe_gguf_config(meta: GGUFMetadata, config: Any) -> dict[str, Any]:
     """The widths transformers' reader leaves at Qwen2MoeConfig's defaults (1408 and 5632): each
     expert's (expert_feed_forward_length) and the shared expert's
     (expert_shared_feed_forward_length)."""
-    out: dict[str, Any] = {}
-    expert_ff = meta.arch_value("expert_feed_forward_length")
-    if expert_ff:
-        out["moe_intermediate_size"] = int(expert_ff)
+    out = expert_width(meta)
     shared_ff = meta.arch_value("expert_shared_feed_forward_length")
     if shared_ff:
         out["shared_expert_intermediate_size"] = int(shared_ff)
@@ -65,14 +61,9 @@ class Qwen2MoeForCausalLM(LlamaForCausalLM):
     layer_mlp = staticmethod(qwen2_moe_mlp)
 
 
-FAMILY = llama_like_family(
+FAMILY = moe_family(
     "qwen2_moe",
     Qwen2MoeForCausalLM,
-    MOE_WEIGHT_NAMES,
-    gguf=GGUFSupport(
-        architectures=("qwen2moe",), config=qwen2_moe_gguf_config, block_tensors=GGUF_EXPERT_TENSORS
-    ),
+    gguf=expert_gguf(("qwen2moe",), config=qwen2_moe_gguf_config),
     sliding_window=qwen2_sliding_window,
-    cuda_graphs=False,  # the experts a step runs are read back to the host
-    native_decode=None,  # the fused decode call runs dense MLPs only; the modules run the experts
 )

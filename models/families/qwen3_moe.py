@@ -12,17 +12,16 @@ from torch import nn
 
 from models.base import LayerSpec
 from models.families.llama import (
-    GGUF_EXPERT_TENSORS,
-    MOE_WEIGHT_NAMES,
     LlamaForCausalLM,
     LlamaLayout,
-    llama_like_family,
+    expert_gguf,
     llama_mlp,
+    moe_family,
     sparse_mlp,
 )
 from models.families.qwen2 import qwen2_sliding_window
 from models.families.qwen3 import qwen3_layout
-from models.family import GGUFMetadata, GGUFSupport
+from models.family import GGUFMetadata
 from models.layers.moe import Routing, check_routing
 
 
@@ -66,10 +65,14 @@ def qwen3_moe_gguf_config(meta: GGUFMetadata, config: Any) -> dict[str, Any]:
     head_dim = meta.arch_value("attention.key_length")
     if head_dim:
         out["head_dim"] = int(head_dim)
+    return out | expert_width(meta)
+
+
+def expert_width(meta: GGUFMetadata) -> dict[str, Any]:
+    """Each expert's intermediate size (expert_feed_forward_length), which transformers' readers leave
+    at the config class's default."""
     expert_ff = meta.arch_value("expert_feed_forward_length")
-    if expert_ff:
-        out["moe_intermediate_size"] = int(expert_ff)
-    return out
+    return {"moe_intermediate_size": int(expert_ff)} if expert_ff else {}
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
@@ -77,14 +80,9 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
     layer_mlp = staticmethod(qwen3_moe_mlp)
 
 
-FAMILY = llama_like_family(
+FAMILY = moe_family(
     "qwen3_moe",
     Qwen3MoeForCausalLM,
-    MOE_WEIGHT_NAMES,
-    gguf=GGUFSupport(
-        architectures=("qwen3moe",), config=qwen3_moe_gguf_config, block_tensors=GGUF_EXPERT_TENSORS
-    ),
+    gguf=expert_gguf(("qwen3moe",), config=qwen3_moe_gguf_config),
     sliding_window=qwen2_sliding_window,
-    cuda_graphs=False,  # the experts a step runs are read back to the host
-    native_decode=None,  # the fused decode call runs dense MLPs only; the modules run the experts
 )
