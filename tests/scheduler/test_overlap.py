@@ -13,10 +13,7 @@ from collections.abc import Sequence
 
 import pytest
 from fakes import cramped_runner, greedy_through_loop, run_overlapped, run_to_end
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
-from strategies import scheduler_configs
-from test_scheduler import expected_outputs, prompt_of, workloads
+from test_scheduler import expected_outputs, over_random_workloads, prompt_of
 from waiting import wait_until
 
 from engine.contract import PENDING_TOKEN, SampledToken, SamplingParams
@@ -148,13 +145,7 @@ def test_the_same_tokens_with_overlap_on_and_off(scenario):
         assert any(r.output_token_ids[-1] == EOS for r in overlapped)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    wl=workloads(),
-    config=scheduler_configs(max_extra_budget=30),
-    block_size=st.sampled_from([1, 2, 4]),
-    extra_blocks=st.integers(0, 12),
-)
+@over_random_workloads
 def test_random_workloads_give_the_same_tokens_overlapped(wl, config, block_size, extra_blocks):
     """Arrivals over time, aborts, stop strings, a cramped cache (preemption, eviction), every policy,
     speculation on and off: each request's tokens are those of a synchronous run (an aborted one's, a
