@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import pytest
 from fakes import cramped_runner, greedy_through_loop, run_overlapped, run_to_end
 from test_scheduler import expected_outputs, over_random_workloads, prompt_of
+from test_speculation import quoting_model, text_prompt
 from waiting import wait_until
 
 from engine.contract import PENDING_TOKEN, SampledToken, SamplingParams
@@ -38,17 +39,8 @@ def sometimes_eos(context: Sequence[int]) -> int:
     return hash_next_token(context)
 
 
-def quoting_model(context: Sequence[int]) -> int:
-    """Copies its prompt's body over and over (n-gram proposals are accepted), with an edit one time in
-    five (test_speculation.py's model)."""
-    if zlib.crc32(array("q", context).tobytes()) % 5 == 0:
-        return hash_next_token(context)
-    n = context[0]
-    return context[1 + (len(context) - n) % (n - 1)]
-
-
 def prompt(seed: int, n: int = 13) -> list[int]:
-    return [n, *(100 + (seed * 31 + i * 7) % 500 for i in range(n - 1))]
+    return text_prompt(seed, n)
 
 
 def make_request(rid: str, tokens: Sequence[int], **params) -> Request:
