@@ -503,14 +503,13 @@ async def test_a_killed_worker_is_restarted_and_the_server_serves_again(
         runner.close()
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
-async def test_sliding_window_model_equals_one_process(tp: int, pp: int, tiny_gemma3_dir: Path) -> None:
-    """Gemma 3 split over 2 ranks: sharded heads with their q/k norms, the sandwich norms after the
-    all-reduce, each rank's local layers keeping their window (8 tokens); or its stages, each with its
-    layers' windows and rotary tables. Prompts and generations past the window, one prompt chunked."""
-    prompts = [[*p, *p, *p] for p in PROMPTS]  # 9 to 60 tokens
-    want = await greedy_through_loop(LocalExecutor(engine_config(tiny_gemma3_dir)), prompts, 12, SCHED)
-    runner = DistributedExecutor(engine_config(tiny_gemma3_dir, tp, pp))
+async def assert_split_equals_one_process(
+    model_dir: Path, tp: int, pp: int, prompts: list[list[int]]
+) -> None:
+    """12 greedy tokens per prompt through the scheduler loop: the model split over tp x pp processes
+    says what one process says."""
+    want = await greedy_through_loop(LocalExecutor(engine_config(model_dir)), prompts, 12, SCHED)
+    runner = DistributedExecutor(engine_config(model_dir, tp, pp))
     try:
         assert await greedy_through_loop(runner, prompts, 12, SCHED) == want
     finally:
@@ -518,16 +517,20 @@ async def test_sliding_window_model_equals_one_process(tp: int, pp: int, tiny_ge
 
 
 @pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+async def test_sliding_window_model_equals_one_process(tp: int, pp: int, tiny_gemma3_dir: Path) -> None:
+    """Gemma 3 split over 2 ranks: sharded heads with their q/k norms, the sandwich norms after the
+    all-reduce, each rank's local layers keeping their window (8 tokens); or its stages, each with its
+    layers' windows and rotary tables. Prompts and generations past the window, one prompt chunked."""
+    prompts = [[*p, *p, *p] for p in PROMPTS]  # 9 to 60 tokens
+    await assert_split_equals_one_process(tiny_gemma3_dir, tp, pp, prompts)
+
+
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
 async def test_mixture_of_experts_equals_one_process(tp: int, pp: int, tiny_qwen3_moe_dir: Path) -> None:
     """Qwen3-MoE over 2 processes: a slice of every expert per rank, routed alike on both (one
     all-reduce of all experts' partial sums per layer); or its stages, sparse and dense layers
     apart. The server's greedy tokens, prompts chunked and batched, are one process's."""
-    want = await greedy_through_loop(LocalExecutor(engine_config(tiny_qwen3_moe_dir)), PROMPTS, 12, SCHED)
-    runner = DistributedExecutor(engine_config(tiny_qwen3_moe_dir, tp, pp))
-    try:
-        assert await greedy_through_loop(runner, PROMPTS, 12, SCHED) == want
-    finally:
-        runner.close()
+    await assert_split_equals_one_process(tiny_qwen3_moe_dir, tp, pp, PROMPTS)
 
 
 @pytest.mark.slow
