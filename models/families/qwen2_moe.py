@@ -10,22 +10,17 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from torch import nn
 from transformers import PretrainedConfig
 
-from models.base import LayerSpec
 from models.families.llama import (
     LlamaForCausalLM,
     LlamaLayout,
     expert_gguf,
-    llama_mlp,
     moe_family,
-    sparse_mlp,
 )
 from models.families.qwen2 import qwen2_sliding_window
-from models.families.qwen3_moe import expert_width, is_sparse_layer
+from models.families.qwen3_moe import expert_width, qwen_moe_mlp
 from models.family import GGUFMetadata
-from models.layers.moe import Routing, check_routing
 
 
 def qwen2_moe_layout(config: PretrainedConfig) -> LlamaLayout:
@@ -33,16 +28,6 @@ def qwen2_moe_layout(config: PretrainedConfig) -> LlamaLayout:
     return dataclasses.replace(
         LlamaLayout.of(config), qkv_bias=bool(getattr(config, "qkv_bias", True)), o_bias=False
     )
-
-
-def qwen2_moe_mlp(spec: LayerSpec, layout: LlamaLayout, index: int) -> nn.Module:
-    config = spec.config
-    if not is_sparse_layer(config, index):
-        return llama_mlp(spec, layout)
-    check_routing(config, "Qwen2-MoE")
-    routing = Routing(config.num_experts, config.num_experts_per_tok, bool(config.norm_topk_prob))
-    shared = int(getattr(config, "shared_expert_intermediate_size", 0) or 0)
-    return sparse_mlp(spec, config.moe_intermediate_size, routing, shared, shared_gate=shared > 0)
 
 
 def qwen2_moe_gguf_config(meta: GGUFMetadata, config: Any) -> dict[str, Any]:
@@ -58,7 +43,7 @@ def qwen2_moe_gguf_config(meta: GGUFMetadata, config: Any) -> dict[str, Any]:
 
 class Qwen2MoeForCausalLM(LlamaForCausalLM):
     layout = staticmethod(qwen2_moe_layout)
-    layer_mlp = staticmethod(qwen2_moe_mlp)
+    layer_mlp = staticmethod(qwen_moe_mlp("Qwen2-MoE", shared_expert=True))
 
 
 FAMILY = moe_family(

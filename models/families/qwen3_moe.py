@@ -6,6 +6,7 @@ store each layer's experts as 3-D stacks (ffn_gate_exps, ffn_up_exps, ffn_down_e
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -33,13 +34,24 @@ def is_sparse_layer(config: Any, index: int) -> bool:
     return index not in only_dense and config.num_experts > 0 and (index + 1) % step == 0
 
 
-def qwen3_moe_mlp(spec: LayerSpec, layout: LlamaLayout, index: int) -> nn.Module:
-    config = spec.config
-    if not is_sparse_layer(config, index):
-        return llama_mlp(spec, layout)
-    check_routing(config, "Qwen3-MoE")
-    routing = Routing(config.num_experts, config.num_experts_per_tok, bool(config.norm_topk_prob))
-    return sparse_mlp(spec, config.moe_intermediate_size, routing)
+def qwen_moe_mlp(
+    name: str, shared_expert: bool = False
+) -> Callable[[LayerSpec, LlamaLayout, int], nn.Module]:
+    """Qwen2-MoE's and Qwen3-MoE's MLP for layer `index`: a dense one on the layers without experts,
+    else the experts, routed by softmax over the top `num_experts_per_tok`; with `shared_expert`, plus
+    Qwen2-MoE's gated shared expert (`shared_expert_intermediate_size` wide, 0: none). `name` is the
+    family's, for routing errors."""
+
+    def mlp(spec: LayerSpec, layout: LlamaLayout, index: int) -> nn.Module:
+        config = spec.config
+        if not is_sparse_layer(config, index):
+            return llama_mlp(spec, layout)
+        check_routing(config, name)
+        routing = Routing(config.num_experts, config.num_experts_per_tok, bool(config.norm_topk_prob))
+        shared = int(getattr(config, "shared_expert_intermediate_size", 0) or 0) if shared_expert else 0
+        return sparse_mlp(spec, config.moe_intermediate_size, routing, shared, shared_gate=shared > 0)
+
+    return mlp
 
 
 # llama.cpp's expert_gating_func ids (LLAMA_EXPERT_GATING_FUNC_TYPE_*).
@@ -77,7 +89,7 @@ def expert_width(meta: GGUFMetadata) -> dict[str, Any]:
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     layout = staticmethod(qwen3_layout)
-    layer_mlp = staticmethod(qwen3_moe_mlp)
+    layer_mlp = staticmethod(qwen_moe_mlp("Qwen3-MoE"))
 
 
 FAMILY = moe_family(
