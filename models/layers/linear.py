@@ -93,6 +93,11 @@ class PackableLinear(nn.Module):
         self.__dict__.setdefault("_blocks", []).append((row_offset, part))
         return True
 
+    def load_rows(self, param: nn.Parameter, row_offset: int, part: torch.Tensor | QuantizedBlocks) -> None:
+        """Rows [row_offset, row_offset + len(part)) of `param`: kept as blocks, or copied in."""
+        if not self.take_blocks(param, row_offset, part):
+            param.data.narrow(0, row_offset, part.shape[0]).copy_(part)
+
     def _pack_blocks(self) -> PackedWeight | None:
         parts = sorted(self.__dict__.pop("_blocks", []), key=lambda p: p[0])
         if not parts:
@@ -158,12 +163,16 @@ class ColumnParallelLinear(PackableLinear):
         dtype: torch.dtype = torch.float32,
         tp: TPContext = SINGLE,
         gather_output: bool = False,
+        local_output_size: int | None = None,
     ) -> None:
+        """`local_output_size`: this rank's rows where they are not an even split (QKV's heads)."""
         super().__init__()
         self.tp = tp
         self.input_size = input_size
         self.output_size = output_size
-        self.local_output_size = divide(output_size, tp.size, "output size")
+        if local_output_size is None:
+            local_output_size = divide(output_size, tp.size, "output size")
+        self.local_output_size = local_output_size
         self.gather_output = gather_output
         self.weight = _new_param((self.local_output_size, input_size), dtype, self.weight_loader)
         self.bias = _new_param((self.local_output_size,), dtype, self.weight_loader) if bias else None
@@ -211,9 +220,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         check_shape(loaded, (full, *param.shape[1:]))
         n = full // self.tp.size
         offset = sum(self.output_sizes[:shard_id]) // self.tp.size
-        part = loaded.narrow(0, self.tp.rank * n, n)
-        if not self.take_blocks(param, offset, part):
-            param.data.narrow(0, offset, n).copy_(part)
+        self.load_rows(param, offset, loaded.narrow(0, self.tp.rank * n, n))
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -252,14 +259,9 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = 1
             self.kv_replicas = divide(tp.size, num_kv_heads, "tensor-parallel size over KV heads")
             self.kv_start = tp.rank // self.kv_replicas
-        nn.Module.__init__(self)
-        self.tp = tp
-        self.input_size = hidden_size
-        self.local_output_size = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        self.output_size = (num_heads + 2 * num_kv_heads) * head_dim
-        self.gather_output = False
-        self.weight = _new_param((self.local_output_size, hidden_size), dtype, self.weight_loader)
-        self.bias = _new_param((self.local_output_size,), dtype, self.weight_loader) if bias else None
+        output_size = (num_heads + 2 * num_kv_heads) * head_dim
+        local = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        super().__init__(hidden_size, output_size, bias, dtype, tp, local_output_size=local)
 
     def shard_sizes(self) -> dict[str, int]:
         """q's, k's and v's rows in the full (unsharded) weight."""
@@ -291,9 +293,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             raise ValueError(f"QKV shard id must be 'q', 'k' or 'v', not {shard_id!r}")
         check_shape(loaded, (full, *param.shape[1:]))
-        part = loaded.narrow(0, start, n)
-        if not self.take_blocks(param, offset, part):
-            param.data.narrow(0, offset, n).copy_(part)
+        self.load_rows(param, offset, loaded.narrow(0, start, n))
 
 
 class RowParallelLinear(PackableLinear):
