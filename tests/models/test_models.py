@@ -7,7 +7,10 @@ forward with one decode token per sequence against the cached history must match
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from functools import partial
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -50,13 +53,18 @@ def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
         return hf(torch.tensor([tokens])).logits[0].float()  # [len, vocab]
 
 
+def small(builder: Callable[..., Any], **overrides: Any) -> Callable[[], Any]:
+    """A tiny config from `builder` with the small vocabulary and `overrides`, built when called."""
+    return partial(builder, vocab_size=SMALL_VOCAB, **overrides)
+
+
 CONFIGS = {
-    "llama-gqa-tied": lambda: tiny_llama_config(vocab_size=SMALL_VOCAB),
-    "llama-untied-attn-bias": lambda: tiny_llama_config(
-        vocab_size=SMALL_VOCAB, tie_word_embeddings=False, attention_bias=True, mlp_bias=True
+    "llama-gqa-tied": small(tiny_llama_config),
+    "llama-untied-attn-bias": small(
+        tiny_llama_config, tie_word_embeddings=False, attention_bias=True, mlp_bias=True
     ),
-    "llama3-rope-scaling": lambda: tiny_llama_config(
-        vocab_size=SMALL_VOCAB,
+    "llama3-rope-scaling": small(
+        tiny_llama_config,
         rope_theta=500000.0,
         rope_scaling={
             "rope_type": "llama3",
@@ -66,40 +74,38 @@ CONFIGS = {
             "original_max_position_embeddings": 64,
         },
     ),
-    "qwen2-qkv-bias": lambda: tiny_qwen2_config(vocab_size=SMALL_VOCAB),
-    "qwen3-qk-norm": lambda: tiny_qwen3_config(vocab_size=SMALL_VOCAB),
-    "qwen3-tied-attn-bias": lambda: tiny_qwen3_config(
-        vocab_size=SMALL_VOCAB, tie_word_embeddings=True, attention_bias=True
-    ),
-    "phi3-fused-qkv-gqa": lambda: tiny_phi3_config(vocab_size=SMALL_VOCAB),
+    "qwen2-qkv-bias": small(tiny_qwen2_config),
+    "qwen3-qk-norm": small(tiny_qwen3_config),
+    "qwen3-tied-attn-bias": small(tiny_qwen3_config, tie_word_embeddings=True, attention_bias=True),
+    "phi3-fused-qkv-gqa": small(tiny_phi3_config),
     # Sequences here stay within the original context (64): transformers' short factors throughout.
-    "phi4-mini-partial-longrope": lambda: tiny_phi4_mini_config(vocab_size=SMALL_VOCAB),
-    "mistral": lambda: tiny_mistral_config(vocab_size=SMALL_VOCAB),
+    "phi4-mini-partial-longrope": small(tiny_phi4_mini_config),
+    "mistral": small(tiny_mistral_config),
     # Windows shorter than the prompts below: every attention path must drop the older keys.
-    "mistral-window-5": lambda: tiny_mistral_config(vocab_size=SMALL_VOCAB, sliding_window=5),
-    "qwen2-window-6-from-layer-1": lambda: tiny_qwen2_config(
-        vocab_size=SMALL_VOCAB,
+    "mistral-window-5": small(tiny_mistral_config, sliding_window=5),
+    "qwen2-window-6-from-layer-1": small(
+        tiny_qwen2_config,
         use_sliding_window=True,
         sliding_window=6,
         max_window_layers=1,
         num_hidden_layers=3,
     ),
-    "gpt2": lambda: tiny_gpt2_config(vocab_size=SMALL_VOCAB),
+    "gpt2": small(tiny_gpt2_config),
     # Mixtures of experts: every prompt's tokens spread over the experts, grouped by expert in the
     # flat batch of all four prompts.
-    "qwen3-moe": lambda: tiny_qwen3_moe_config(vocab_size=SMALL_VOCAB),
-    "qwen3-moe-unnormalised-every-second-layer": lambda: tiny_qwen3_moe_config(
-        vocab_size=SMALL_VOCAB, norm_topk_prob=False, mlp_only_layers=[], decoder_sparse_step=2
+    "qwen3-moe": small(tiny_qwen3_moe_config),
+    "qwen3-moe-unnormalised-every-second-layer": small(
+        tiny_qwen3_moe_config, norm_topk_prob=False, mlp_only_layers=[], decoder_sparse_step=2
     ),
-    "mixtral": lambda: tiny_mixtral_config(vocab_size=SMALL_VOCAB),
-    "olmoe": lambda: tiny_olmoe_config(vocab_size=SMALL_VOCAB),
-    "qwen2-moe-shared-expert": lambda: tiny_qwen2_moe_config(vocab_size=SMALL_VOCAB),
+    "mixtral": small(tiny_mixtral_config),
+    "olmoe": small(tiny_olmoe_config),
+    "qwen2-moe-shared-expert": small(tiny_qwen2_moe_config),
     # Local layers with a window of 5 (prompts below run to 14 tokens) and global ones.
-    "gemma3": lambda: tiny_gemma3_config(vocab_size=SMALL_VOCAB, sliding_window=5),
+    "gemma3": small(tiny_gemma3_config, sliding_window=5),
     # Linear rope scaling on the global layers only, an untied head, a final logit soft-cap, a
     # query_pre_attn_scalar that is not head_dim, MQA, every third layer global.
-    "gemma3-scaled-softcap": lambda: tiny_gemma3_config(
-        vocab_size=SMALL_VOCAB,
+    "gemma3-scaled-softcap": small(
+        tiny_gemma3_config,
         sliding_window=6,
         rope_scaling={"rope_type": "linear", "factor": 8.0},
         tie_word_embeddings=False,
@@ -341,19 +347,19 @@ def _tp_worker(rank: int, world: int, port: int, name: str) -> None:
 
 
 TP_CONFIGS = {
-    "llama": lambda: tiny_llama_config(vocab_size=SMALL_VOCAB, tie_word_embeddings=False),
-    "gemma3-window": lambda: tiny_gemma3_config(vocab_size=SMALL_VOCAB, sliding_window=4),
-    "qwen3": lambda: tiny_qwen3_config(vocab_size=SMALL_VOCAB),
-    "phi4-mini": lambda: tiny_phi4_mini_config(vocab_size=SMALL_VOCAB, tie_word_embeddings=False),
-    "gpt2-odd-vocab": lambda: tiny_gpt2_config(vocab_size=SMALL_VOCAB - 3),  # padded vocab shards
+    "llama": small(tiny_llama_config, tie_word_embeddings=False),
+    "gemma3-window": small(tiny_gemma3_config, sliding_window=4),
+    "qwen3": small(tiny_qwen3_config),
+    "phi4-mini": small(tiny_phi4_mini_config, tie_word_embeddings=False),
+    "gpt2-odd-vocab": partial(tiny_gpt2_config, vocab_size=SMALL_VOCAB - 3),  # padded vocab shards
     # Every expert sliced across the ranks (models/layers/moe.py says why), routed alike on both.
-    "qwen3-moe": lambda: tiny_qwen3_moe_config(vocab_size=SMALL_VOCAB),
-    "mixtral": lambda: tiny_mixtral_config(vocab_size=SMALL_VOCAB),
-    "qwen2-moe-shared-expert": lambda: tiny_qwen2_moe_config(vocab_size=SMALL_VOCAB),
+    "qwen3-moe": small(tiny_qwen3_moe_config),
+    "mixtral": small(tiny_mixtral_config),
+    "qwen2-moe-shared-expert": small(tiny_qwen2_moe_config),
     # q/k norms over whole projections whose heads are split (sums of squares all-reduced); with one
     # KV head, replicated on both ranks.
-    "olmoe": lambda: tiny_olmoe_config(vocab_size=SMALL_VOCAB),
-    "olmoe-one-kv-head": lambda: tiny_olmoe_config(vocab_size=SMALL_VOCAB, num_key_value_heads=1),
+    "olmoe": small(tiny_olmoe_config),
+    "olmoe-one-kv-head": small(tiny_olmoe_config, num_key_value_heads=1),
 }
 
 
