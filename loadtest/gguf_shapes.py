@@ -486,27 +486,16 @@ def tensor_data(
 
 
 def _metadata(w: Any, shape: GGUFShape, vocab: Vocabulary, name: str) -> None:
-    from models.gguf.encode import add_arch_metadata
+    from models.gguf.encode import add_arch_metadata, add_decoder_hparams
 
     w.add_name(name)
     w.add_file_type(MOSTLY_Q4_K_M)
-    w.add_block_count(shape.layers)
-    w.add_context_length(shape.context)
-    w.add_embedding_length(shape.hidden)
-    w.add_feed_forward_length(shape.ff)
-    w.add_head_count(shape.heads)
-    w.add_head_count_kv(shape.kv_heads)
-    w.add_rope_freq_base(shape.rope_theta)
-    w.add_layer_norm_rms_eps(shape.rms_eps)
-    w.add_vocab_size(shape.vocab)
-    w.add_rope_dimension_count(shape.rotary_dim or shape.d)
-    if shape.head_dim is not None:
-        w.add_key_length(shape.head_dim)
-        w.add_value_length(shape.head_dim)
-    if shape.experts:
-        w.add_expert_count(shape.experts)
-        w.add_expert_used_count(shape.experts_used)
-        w.add_expert_feed_forward_length(shape.expert_ff)
+    s = shape
+    add_decoder_hparams(
+        w, s.layers, s.context, s.hidden, s.ff, s.heads, s.kv_heads, s.rope_theta, s.rms_eps,
+        vocab=s.vocab, rotary_dim=s.rotary_dim or s.d, head_dim=s.head_dim,
+        experts=s.experts, experts_used=s.experts_used, expert_ff=s.expert_ff,
+    )  # fmt: skip
     if shape.longrope_original:
         scale = shape.context / shape.longrope_original
         w.add_rope_scaling_orig_ctx_len(shape.longrope_original)

@@ -438,6 +438,8 @@ def write_tiny_gguf(
     import gguf
     import numpy as np
 
+    from models.gguf.encode import add_arch_metadata, add_decoder_hparams
+
     rng = np.random.default_rng(seed)
     tokens = [
         "<|endoftext|>",
@@ -451,33 +453,19 @@ def write_tiny_gguf(
     vocab = len(tokens)
     d = head_dim or hidden // heads
     w = gguf.GGUFWriter(str(path), arch)
-    w.add_block_count(layers)
-    w.add_context_length(context)
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(ff)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_rope_freq_base(10000.0)
-    w.add_layer_norm_rms_eps(1e-5)
-    w.add_vocab_size(vocab)
-    w.add_rope_dimension_count(rotary_dim or d)
-    if head_dim is not None:
-        w.add_key_length(head_dim)
-        w.add_value_length(head_dim)
+    add_decoder_hparams(
+        w, layers, context, hidden, ff, heads, kv_heads, 10000.0, 1e-5,
+        vocab=vocab, rotary_dim=rotary_dim or d, head_dim=head_dim,
+        experts=experts, experts_used=experts_used, expert_ff=expert_ff or ff,
+    )  # fmt: skip
     if longrope is not None:
         w.add_rope_scaling_orig_ctx_len(longrope["original"])
         w.add_rope_scaling_attn_factors(longrope["attn_factor"])
     if sliding_window is not None:
         w.add_sliding_window(sliding_window)
-    if experts:
-        w.add_expert_count(experts)
-        w.add_expert_used_count(experts_used)
-        w.add_expert_feed_forward_length(expert_ff or ff)
     if shared_ff:
         w.add_expert_shared_feed_forward_length(shared_ff)
     if metadata:
-        from models.gguf.encode import add_arch_metadata
-
         add_arch_metadata(w, arch, metadata)
     if pooling_type is not None:
         w.add_pooling_type(gguf.PoolingType(pooling_type))
@@ -596,7 +584,7 @@ def write_tiny_gemma3_gguf(
     import gguf
     import numpy as np
 
-    from models.gguf.encode import add_arch_metadata
+    from models.gguf.encode import add_arch_metadata, add_decoder_hparams
 
     rng = np.random.default_rng(seed)
     bytes_ = [f"<0x{b:02X}>" for b in range(256)]
@@ -606,16 +594,7 @@ def write_tiny_gemma3_gguf(
     token_types[3] = 2  # <unk>
     scores = [0.0] * (len(GEMMA_SPECIALS) + 256) + [-float(i) for i in range(len(GEMMA_PIECES))]
     w = gguf.GGUFWriter(str(path), "gemma3")
-    w.add_block_count(layers)
-    w.add_context_length(128)
-    w.add_embedding_length(hidden)
-    w.add_feed_forward_length(ff)
-    w.add_head_count(heads)
-    w.add_head_count_kv(kv_heads)
-    w.add_key_length(head_dim)
-    w.add_value_length(head_dim)
-    w.add_rope_freq_base(1_000_000.0)
-    w.add_layer_norm_rms_eps(1e-6)
+    add_decoder_hparams(w, layers, 128, hidden, ff, heads, kv_heads, 1_000_000.0, 1e-6, head_dim=head_dim)
     w.add_sliding_window(window)
     w.add_file_type(0)
     add_arch_metadata(w, "gemma3", metadata or {})

@@ -87,3 +87,46 @@ def add_arch_metadata(writer: Any, arch: str, values: dict[str, Any]) -> None:
             writer.add_string(name, value)
         else:
             writer.add_array(name, list(value))
+
+
+def add_decoder_hparams(
+    writer: Any,
+    layers: int,
+    context: int,
+    hidden: int,
+    ff: int,
+    heads: int,
+    kv_heads: int,
+    rope_theta: float,
+    rms_eps: float,
+    *,
+    vocab: int | None = None,
+    rotary_dim: int | None = None,
+    head_dim: int | None = None,
+    experts: int = 0,
+    experts_used: int = 0,
+    expert_ff: int = 0,
+) -> None:
+    """A decoder's standard hyperparameters in a gguf.GGUFWriter, as llama.cpp's converter names them
+    (for writers of synthetic files, the benchmarks' and the tests'): the sizes, the rope base and the
+    norm epsilon; the vocabulary size and rope.dimension_count where given; attention.key_length and
+    value_length where `head_dim` is; the experts' count, top k and width where `experts`."""
+    writer.add_block_count(layers)
+    writer.add_context_length(context)
+    writer.add_embedding_length(hidden)
+    writer.add_feed_forward_length(ff)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_freq_base(rope_theta)
+    writer.add_layer_norm_rms_eps(rms_eps)
+    if vocab is not None:
+        writer.add_vocab_size(vocab)
+    if rotary_dim is not None:
+        writer.add_rope_dimension_count(rotary_dim)
+    if head_dim is not None:
+        writer.add_key_length(head_dim)
+        writer.add_value_length(head_dim)
+    if experts:
+        writer.add_expert_count(experts)
+        writer.add_expert_used_count(experts_used)
+        writer.add_expert_feed_forward_length(expert_ff)
