@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
@@ -391,6 +391,23 @@ CHATML_TEMPLATE = (
 )
 
 
+def add_random_tensor(
+    w: Any, rng: Any, types: dict[str, str], name: str, shape: tuple[int, ...], scale: float
+) -> None:
+    """A random tensor `name` (normal, times `scale`) in the GGUF type that `types` maps a fragment of
+    its name to (F32 where none does); a 3-D shape is a stack of experts' matrices, blocked each."""
+    import gguf
+    import numpy as np
+
+    qtype = next((t for frag, t in types.items() if frag in name), "F32")
+    values = (rng.standard_normal(shape) * scale).astype(np.float32)
+    if len(shape) == 3:
+        data = np.stack([gguf_blocks(v, qtype, rng) for v in values])
+    else:
+        data = gguf_blocks(values, qtype, rng)
+    w.add_tensor(name, data, raw_dtype=None if qtype == "F32" else gguf.GGMLQuantizationType[qtype])
+
+
 def write_tiny_gguf(
     path: Path,
     seed: int = 0,
@@ -487,19 +504,13 @@ def write_tiny_gguf(
     types = types or {}
 
     def add(name: str, rows: int, cols: int) -> None:
-        qtype = next((t for frag, t in types.items() if frag in name), "F32")
-        values = (rng.standard_normal((rows, cols)) * 0.1).astype(np.float32)
-        data = gguf_blocks(values, qtype, rng)
-        w.add_tensor(name, data, raw_dtype=None if qtype == "F32" else gguf.GGMLQuantizationType[qtype])
+        add_random_tensor(w, rng, types, name, (rows, cols), 0.1)
 
     def norm(name: str, size: int) -> None:
         w.add_tensor(name, (1 + 0.1 * rng.standard_normal(size)).astype(np.float32))
 
     def add_experts(name: str, rows: int, cols: int) -> None:
-        qtype = next((t for frag, t in types.items() if frag in name), "F32")
-        values = (rng.standard_normal((experts, rows, cols)) * 0.1).astype(np.float32)
-        data = np.stack([gguf_blocks(v, qtype, rng) for v in values])
-        w.add_tensor(name, data, raw_dtype=None if qtype == "F32" else gguf.GGMLQuantizationType[qtype])
+        add_random_tensor(w, rng, types, name, (experts, rows, cols), 0.1)
 
     add("token_embd.weight", vocab, hidden)
     if not tied:
@@ -613,10 +624,7 @@ def write_tiny_gemma3_gguf(
     types = types or {}
 
     def add(name: str, rows: int, cols: int) -> None:
-        qtype = next((t for frag, t in types.items() if frag in name), "F32")
-        values = (rng.standard_normal((rows, cols)) * 0.08).astype(np.float32)
-        data = gguf_blocks(values, qtype, rng)
-        w.add_tensor(name, data, raw_dtype=None if qtype == "F32" else gguf.GGMLQuantizationType[qtype])
+        add_random_tensor(w, rng, types, name, (rows, cols), 0.08)
 
     def norm(name: str, size: int) -> None:
         w.add_tensor(name, (1 + 0.2 * rng.standard_normal(size)).astype(np.float32))  # stored as 1 + w
