@@ -55,7 +55,7 @@ EXPOSE 8000
 # /health is public even with an API key; it is 503 while loading, draining (SIGTERM) or if the
 # scheduler loop died, so the orchestrator sees all three.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
-    CMD ["python", "-c", "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4).status == 200 else 1)"]
+    CMD ["python", "-m", "server.healthcheck"]
 # Exec form: orca-serve is PID 1 and receives SIGTERM itself (it drains, then exits 0).
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["orca-serve"]
@@ -106,7 +106,7 @@ WORKDIR /home/orca
 RUN python -c "from models.loader import resolve_model; print(resolve_model('default'))"
 EXPOSE 8000
 HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
-    CMD ["python", "-c", "import sys, urllib.request; sys.exit(0 if urllib.request.urlopen('http://127.0.0.1:8000/health', timeout=4).status == 200 else 1)"]
+    CMD ["python", "-m", "server.healthcheck"]
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["orca-serve"]
 CMD ["--model", "default", "--host", "0.0.0.0", "--port", "8000"]

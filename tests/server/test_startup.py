@@ -2,16 +2,19 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 
 from fakes import (
     MODEL,
     FakeRunner,
     error_of,
+    live_server,
     running_app,
     server_config,
 )
 
+from server import healthcheck
 from server.app import create_app
 from server.state import LoadedModel
 
@@ -41,6 +44,22 @@ async def test_503_while_loading_then_ready(tokenizer):
         release.set()
         await app.state.server.wait_ready()
         assert (await client.get("/health")).json() == {"status": "ok"}
+
+
+async def test_the_container_health_check_follows_health(tokenizer):
+    """`python -m server.healthcheck` (the images' HEALTHCHECK): 0 while /health says ok, 1 while it
+    says 503 (here: the model failed to load) or nothing listens."""
+    runner = FakeRunner()
+
+    def broken_loader() -> LoadedModel:
+        raise FileNotFoundError("no such model: /nowhere")
+
+    ready = create_app(server_config(model=MODEL), lambda: LoadedModel(runner, tokenizer, runner.vocab_size))
+    async with live_server(ready) as url:
+        assert await asyncio.to_thread(healthcheck.main, [f"{url}/health"]) == 0
+    assert healthcheck.main([f"{url}/health"]) == 1
+    async with live_server(create_app(server_config(model="/nowhere"), broken_loader)) as url:
+        assert await asyncio.to_thread(healthcheck.main, [f"{url}/health"]) == 1
 
 
 async def test_load_failure_reported_by_health():
