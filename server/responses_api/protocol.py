@@ -50,32 +50,34 @@ def joined_text(content: str | list[TextPart]) -> str:
     return content if isinstance(content, str) else "".join(p.value() for p in content)
 
 
-class MessageItem(OpenAIModel):
+class EchoedItem(OpenAIModel):
+    """What an item carries when a client sends an earlier response's output back as input: accepted,
+    not read."""
+
+    id: str | None = None
+    status: str | None = None
+
+
+class MessageItem(EchoedItem):
     type: Literal["message"] = "message"
     role: Literal["user", "assistant", "system", "developer"]
     content: TextContent
-    id: str | None = None
-    status: str | None = None
 
     def text(self) -> str:
         return joined_text(self.content)
 
 
-class FunctionCallItem(OpenAIModel):
+class FunctionCallItem(EchoedItem):
     type: Literal["function_call"]
     call_id: str
     name: str
     arguments: str
-    id: str | None = None
-    status: str | None = None
 
 
-class FunctionCallOutputItem(OpenAIModel):
+class FunctionCallOutputItem(EchoedItem):
     type: Literal["function_call_output"]
     call_id: str
     output: TextContent
-    id: str | None = None
-    status: str | None = None
 
     def text(self) -> str:
         return joined_text(self.output)
