@@ -61,37 +61,24 @@ def tiny_qwen3_config(**overrides):
 
 # Every tiny mixture of experts: 8 experts, 2 per token, 32 wide each (hidden 64).
 TINY_EXPERTS = dict(num_experts_per_tok=2, norm_topk_prob=False)
+# Qwen2-MoE's and Qwen3-MoE's names for them, in 3 layers (one of them dense), an untied head.
+TINY_QWEN_MOE = dict(
+    num_experts=8, moe_intermediate_size=32, num_hidden_layers=3, tie_word_embeddings=False, **TINY_EXPERTS
+)
 
 
 def tiny_qwen3_moe_config(**overrides):
     """Qwen3-MoE at toy sizes: Qwen3's attention (head_dim 32, q/k norms), 8 experts of 32, top 2
     renormalised, the second of 3 layers a dense MLP (`mlp_only_layers`)."""
-    family = dict(
-        head_dim=32,
-        rms_norm_eps=1e-6,
-        rope_theta=1000000.0,
-        tie_word_embeddings=False,
-        num_hidden_layers=3,
-        num_experts=8,
-        moe_intermediate_size=32,
-        mlp_only_layers=[1],
-        **{**TINY_EXPERTS, "norm_topk_prob": True},
-    )
+    qwen3 = dict(head_dim=32, rms_norm_eps=1e-6, rope_theta=1000000.0)
+    family = {**TINY_QWEN_MOE, **qwen3, "mlp_only_layers": [1], "norm_topk_prob": True}
     return tiny_config("Qwen3MoeConfig", "Qwen3MoeForCausalLM", family, overrides)
 
 
 def tiny_qwen2_moe_config(**overrides):
     """Qwen2-MoE at toy sizes: q/k/v biases, 8 experts of 32, top 2 not renormalised, a shared expert
     of 48 behind its sigmoid gate, the first of 3 layers a dense MLP."""
-    family = dict(
-        tie_word_embeddings=False,
-        num_hidden_layers=3,
-        num_experts=8,
-        moe_intermediate_size=32,
-        shared_expert_intermediate_size=48,
-        mlp_only_layers=[0],
-        **TINY_EXPERTS,
-    )
+    family = {**TINY_QWEN_MOE, "shared_expert_intermediate_size": 48, "mlp_only_layers": [0]}
     return tiny_config("Qwen2MoeConfig", "Qwen2MoeForCausalLM", family, overrides)
 
 
