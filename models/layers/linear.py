@@ -259,27 +259,17 @@ class QKVParallelLinear(ColumnParallelLinear):
             self.num_kv_heads = 1
             self.kv_replicas = divide(tp.size, num_kv_heads, "tensor-parallel size over KV heads")
             self.kv_start = tp.rank // self.kv_replicas
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        # (start, size) of this rank's slice of the attention output (the o_proj input).
+        self.q_shard = (self.q_start * head_dim, self.q_size)
         output_size = (num_heads + 2 * num_kv_heads) * head_dim
-        local = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        local = self.q_size + 2 * self.kv_size
         super().__init__(hidden_size, output_size, bias, dtype, tp, local_output_size=local)
 
     def shard_sizes(self) -> dict[str, int]:
         """q's, k's and v's rows in the full (unsharded) weight."""
         kv = self.total_num_kv_heads * self.head_dim
         return {"q": self.total_num_heads * self.head_dim, "k": kv, "v": kv}
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    @property
-    def q_shard(self) -> tuple[int, int]:
-        """(start, size) of this rank's slice of the attention output (the o_proj input)."""
-        return self.q_start * self.head_dim, self.q_size
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         d = self.head_dim
