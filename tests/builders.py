@@ -130,10 +130,13 @@ def tiny_gemma3_config(**overrides):
 
 
 def cpu_engine_config(model: Path | str, **overrides):
-    """The engine's config for a test: the model on the CPU in float32 (the parity setting)."""
+    """The engine's config for a test: the model and its KV cache on the CPU in float32 (the parity
+    setting; tests of the smaller KV types pass kv_cache_dtype)."""
     from engine.config import EngineConfig
 
-    return EngineConfig(model=str(model), dtype="float32", device="cpu", **overrides)
+    return EngineConfig(
+        model=str(model), **{"dtype": "float32", "device": "cpu", "kv_cache_dtype": "float32", **overrides}
+    )
 
 
 def build_hf_model(config, seed: int = 0):

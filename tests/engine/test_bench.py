@@ -88,6 +88,8 @@ def test_the_gpu_benchmark_runs_end_to_end_on_a_tiny_shape(
             "cpu",
             "--dtype",
             "float32",
+            "--kv-cache-dtype",
+            "float32",
             "--batch-sizes",
             "1,3",
             "--new-tokens",
