@@ -56,6 +56,14 @@ def tiny_gguf_llama_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
     return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-gguf-llama"), smollm2_tokenizer_dir)
 
 
+@pytest.fixture(scope="session")
+def tiny_gguf_llama_d32_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+    """tiny_gguf_llama_dir with head_dim 32 (2 query heads over 1 KV head): whole q8_0 blocks, so the
+    KV cache can be q8_0 (--kv-cache-dtype), and packed weights, so decode steps take the native call."""
+    model = gguf_structured(build_hf_model(tiny_llama_config(num_attention_heads=2, num_key_value_heads=1)))
+    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-gguf-llama-d32"), smollm2_tokenizer_dir)
+
+
 def _save_with_tokenizer(model, out: Path, tokenizer_dir: Path) -> Path:
     import shutil
 
