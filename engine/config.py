@@ -43,9 +43,9 @@ class EngineConfig:
     # What the KV cache stores (engine/kv_cache.py resolves "auto"; models/layers/kv_format.py).
     kv_cache_dtype: str = flag(
         "auto",
-        "KV cache element type: auto (16-bit on CPU: bfloat16 where the CPU has AVX512-BF16 or AMX, else "
-        "float16; the model's dtype on CUDA), float32, float16, bfloat16, or q8_0 (llama.cpp's blocks of "
-        "32 int8 values and one fp16 scale; CPU only). Smaller types fit more tokens in the same memory",
+        "KV cache element type: auto (16-bit on CPU: bfloat16 for a bfloat16 model, else float16; the "
+        "model's dtype on CUDA), float32, float16, bfloat16, or q8_0 (llama.cpp's blocks of 32 int8 "
+        "values and one fp16 scale; CPU only). Smaller types fit more tokens in the same memory",
         choices=KV_CACHE_DTYPE_NAMES,
     )
     # None: the model's own maximum (a value may only lower it).

@@ -20,9 +20,11 @@
  * spans wholly before it are skipped, so the split still depends on the sequence alone.
  *
  * The cache's element type (--kv-cache-dtype: float32, float16, bfloat16 or q8_0, kv_types.h) is read in
- * place: every load widens 8 values to float32 in registers (q8_0: int8 codes times the block's half
- * scale), so a 16-bit cache moves half the bytes of float32 and q8_0 about 0.27 of them, and the result
- * equals this kernel run on the same values stored as float32, bit for bit.
+ * place: a span's rows are read from memory in that type and widened to float32 once, into a buffer
+ * that stays in L1/L2 (q8_0: int8 codes times the block's half scale), so a 16-bit cache moves half
+ * the bytes of float32 and q8_0 about 0.27 of them, and the result equals this kernel run on the same
+ * values stored as float32, bit for bit. (Widening in the inner loops instead converted each K and V
+ * row once per query head of the group: 0.7x float32's time at a third to half of its bytes.)
  *
  * Within a span: the scores of every head (8 tokens at a time, as 8 independent multiply-add chains),
  * the softmax (max, exp, sum), then the weighted V rows; nothing grows with the context. AVX2 + FMA;
@@ -70,29 +72,62 @@ static inline __attribute__((always_inline)) void group_span(
             block++;
         }
     }
-    /* Rows are scattered over blocks: while the first head's scores read K, the V rows of the same
-     * tokens are fetched for the last pass, and the K rows a few tiles ahead. */
-    for (int64_t j = 0; j < n && j < PREFETCH_TOKENS; j++)
-        for (int64_t c = 0; c < row_bytes; c += 64) _mm_prefetch((const char *)(kr[j] + c), _MM_HINT_T0);
+    const int64_t D = DV * 8;
+    const float *kf[SPAN_TOKENS], *vf[SPAN_TOKENS];
+    /* A narrow cache (16-bit, q8_0) is widened once per span into float32 rows that stay in L1/L2
+     * (64 tokens x D floats for K and for V), so each row is converted once, not once per query head
+     * of the group; the passes below then run exactly as over a float32 cache. The rows are read
+     * from memory in their own type, in token order, fetched PREFETCH_TOKENS ahead. */
+    float wide[kvt == KV_F32 ? 1 : 2 * SPAN_TOKENS * DV * 8] __attribute__((aligned(32)));
+    if (kvt == KV_F32) {
+        for (int64_t j = 0; j < n; j++) {
+            kf[j] = (const float *)kr[j];
+            vf[j] = (const float *)vr[j];
+        }
+        /* Rows are scattered over blocks: while the first head's scores read K, the V rows of the
+         * same tokens are fetched for the last pass, and the K rows a few tiles ahead. */
+        for (int64_t j = 0; j < n && j < PREFETCH_TOKENS; j++)
+            for (int64_t c = 0; c < D; c += 16) _mm_prefetch((const char *)(kf[j] + c), _MM_HINT_T0);
+    } else {
+        for (int64_t j = 0; j < n && j < PREFETCH_TOKENS; j++)
+            for (int64_t c = 0; c < row_bytes; c += 64) {
+                _mm_prefetch((const char *)(kr[j] + c), _MM_HINT_T0);
+                _mm_prefetch((const char *)(vr[j] + c), _MM_HINT_T0);
+            }
+        for (int64_t j = 0; j < n; j++) {
+            if (j + PREFETCH_TOKENS < n)
+                for (int64_t c = 0; c < row_bytes; c += 64) {
+                    _mm_prefetch((const char *)(kr[j + PREFETCH_TOKENS] + c), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(vr[j + PREFETCH_TOKENS] + c), _MM_HINT_T0);
+                }
+            float *kw = wide + j * D, *vw = wide + (SPAN_TOKENS + j) * D;
+            for (int64_t d = 0; d < DV; d++) {
+                _mm256_store_ps(kw + 8 * d, kv_load8(kr[j], 8 * d, kvt));
+                _mm256_store_ps(vw + 8 * d, kv_load8(vr[j], 8 * d, kvt));
+            }
+            kf[j] = kw;
+            vf[j] = vw;
+        }
+    }
     /* Tiles of 8 tokens; the last one's missing rows point at the first (their scores are masked). */
-    for (int64_t j = n; j < n8; j++) kr[j] = kr[0];
+    for (int64_t j = n; j < n8; j++) kf[j] = kf[0];
     float s[MAX_GROUP][SPAN_TOKENS] __attribute__((aligned(32)));
     for (int64_t h = 0; h < g; h++) {
-        const float *qh = q + h * DV * 8;
+        const float *qh = q + h * D;
         for (int64_t t0 = 0; t0 < n; t0 += 8) {
-            if (h == 0)
+            if (h == 0 && kvt == KV_F32)
                 for (int64_t j = t0; j < t0 + 8 && j < n; j++)
-                    for (int64_t c = 0; c < row_bytes; c += 64) {
-                        if (j + PREFETCH_TOKENS < n) _mm_prefetch((const char *)(kr[j + PREFETCH_TOKENS] + c), _MM_HINT_T0);
-                        _mm_prefetch((const char *)(vr[j] + c), _MM_HINT_T1);
+                    for (int64_t c = 0; c < D; c += 16) {
+                        if (j + PREFETCH_TOKENS < n) _mm_prefetch((const char *)(kf[j + PREFETCH_TOKENS] + c), _MM_HINT_T0);
+                        _mm_prefetch((const char *)(vf[j] + c), _MM_HINT_T1);
                     }
             /* k outer, token inner: 8 independent multiply-add chains, not one chain per token. */
-            const uint8_t *const *kt = kr + t0;
+            const float *const *kt = kf + t0;
             __m256 dots[8];
             for (int j = 0; j < 8; j++) dots[j] = _mm256_setzero_ps();
             for (int64_t d = 0; d < DV; d++) {
                 const __m256 qd = _mm256_loadu_ps(qh + 8 * d);
-                for (int j = 0; j < 8; j++) dots[j] = _mm256_fmadd_ps(qd, kv_load8(kt[j], 8 * d, kvt), dots[j]);
+                for (int j = 0; j < 8; j++) dots[j] = _mm256_fmadd_ps(qd, _mm256_loadu_ps(kt[j] + 8 * d), dots[j]);
             }
             _mm256_store_ps(s[h] + t0, hsum8x8(dots));
         }
@@ -118,7 +153,7 @@ static inline __attribute__((always_inline)) void group_span(
             for (int64_t d = 0; d < dn; d++) a[d] = _mm256_setzero_ps();
             for (int64_t j = 0; j < n; j++) {
                 const __m256 pj = _mm256_set1_ps(s[h][j]);
-                for (int64_t d = 0; d < dn; d++) a[d] = _mm256_fmadd_ps(pj, kv_load8(vr[j], 8 * (d0 + d), kvt), a[d]);
+                for (int64_t d = 0; d < dn; d++) a[d] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vf[j] + 8 * (d0 + d)), a[d]);
             }
             for (int64_t d = 0; d < dn; d++) _mm256_storeu_ps(acc + h * DV * 8 + 8 * (d0 + d), a[d]);
         }

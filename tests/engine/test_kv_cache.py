@@ -55,14 +55,10 @@ def test_cache_tensors_hold_the_format(dtype: str):
     assert ("3.76x" if dtype == "q8_0" else "2.00x") in line
 
 
-def test_auto_kv_dtype_is_16_bit_on_cpu_and_the_model_dtype_on_cuda(monkeypatch):
-    import engine.kv_cache as kv_cache
-
+def test_auto_kv_dtype_is_16_bit_on_cpu_and_the_model_dtype_on_cuda():
     cpu = torch.device("cpu")
-    monkeypatch.setattr(kv_cache, "cpu_has_native_bf16", lambda: True)
-    assert resolve_kv_format("auto", cpu, torch.float32, 64).name == "bfloat16"
-    monkeypatch.setattr(kv_cache, "cpu_has_native_bf16", lambda: False)
     assert resolve_kv_format("auto", cpu, torch.float32, 64).name == "float16"
+    assert resolve_kv_format("auto", cpu, torch.bfloat16, 64).name == "bfloat16"
     assert resolve_kv_format("q8_0", cpu, torch.float32, 64).name == "q8_0"
     assert resolve_kv_format("float32", cpu, torch.bfloat16, 64).name == "float32"
     cuda = torch.device("cuda")  # nothing is allocated: only the decision
