@@ -48,6 +48,7 @@ class ServerState:
         self.tokenizer: ServerTokenizer | None = None
         self.grammars: GrammarCompiler | None = None  # structured outputs and tool calls
         self.vocab_size = 0
+        self.kv_cache_capacity: dict[str, str | int] = {}  # set once loaded (/health)
         self.load_error: str | None = None
         self.created = int(time.time())
         self.metrics = ServerMetrics(config.model_name, self._stats)
@@ -124,6 +125,14 @@ class ServerState:
             return
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.vocab_size
+        ex = loaded.executor
+        # /health's capacity: a smaller --kv-cache-dtype fits more tokens in the same memory.
+        self.kv_cache_capacity = {
+            "dtype": ex.kv_cache_dtype,
+            "blocks": ex.num_kv_blocks,
+            "block_size": ex.block_size,
+            "tokens": ex.num_kv_blocks * ex.block_size,
+        }
         if cfg.reasoning_parser is not None:
             problem = special_tag_problem(
                 REASONING_FORMATS[cfg.reasoning_parser], loaded.tokenizer.special_tokens
