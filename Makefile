@@ -16,7 +16,7 @@ else
 EXTRAS := dev,triton
 endif
 
-.PHONY: install browser serve test test-slow test-all lint bench bench-peers clean
+.PHONY: install browser serve test test-slow test-all lint bench bench-peers bench-paper clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -65,10 +65,15 @@ bench: install
 # orca-serve against llama.cpp's llama-server on the same GGUF file (../shared/peers/llama.cpp/), in one
 # run: closed-loop streaming chat at concurrency 1, 8 and 32 and a 512-token prefill run, as ratios.
 # GGUF=<file> for another file than the default model's, e.g. a published shape with random Q4_K_M
-# weights (loadtest/gguf_shapes.py: qwen3-0.6b, phi-4-mini):
+# weights (loadtest/gguf_shapes.py: qwen3-0.6b, phi-4-mini, gemma-3-1b, llama-3.2-1b, -3b, llama-3.1-8b):
 #   make bench-peers GGUF=$$(.venv/bin/python -m loadtest.gguf_shapes qwen3-0.6b)
 bench-peers: install
 	$(PY) -m loadtest.peers $(if $(GGUF),--gguf $(GGUF))
+
+# ORCA's experiment over HTTP: iteration- against request-level scheduling, speculation off and on, on a
+# random-weight Llama-3.2-1B-shaped GGUF (loadtest/paper.py); tables and plots in docs/benchmarks/paper/.
+bench-paper: install
+	$(PY) -m loadtest.paper
 
 clean:
 	rm -rf $(VENV) .pytest_cache build *.egg-info

@@ -6,7 +6,7 @@ import argparse
 import re
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from typing import Any, TypeVar
+from typing import Any, ClassVar, Self, TypeVar
 
 T = TypeVar("T")
 
@@ -112,3 +112,19 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
 def from_flags(cls: type[T], args: argparse.Namespace) -> T:
     """The config the flags describe; fields a parser lacks keep their defaults."""
     return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+
+
+class FlagGroup:
+    """A config dataclass whose `flag(...)` fields are a group of command-line flags (--help shows them
+    under FLAG_GROUP): the server and every benchmark add the same group and read the same config back."""
+
+    FLAG_GROUP: ClassVar[str]
+
+    @classmethod
+    def add_cli_args(cls, p: argparse.ArgumentParser) -> None:
+        add_flags(p.add_argument_group(cls.FLAG_GROUP), cls)
+
+    @classmethod
+    def from_cli_args(cls, a: argparse.Namespace) -> Self:
+        """The config add_cli_args' flags describe (flags a parser lacks keep their defaults)."""
+        return from_flags(cls, a)

@@ -7,12 +7,11 @@ heavy loads); the resolution functions import it when they run.
 
 from __future__ import annotations
 
-import argparse
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, ClassVar
 
-from engine.cli_args import add_flags, flag, from_flags, size_arg
+from engine.cli_args import FlagGroup, flag, size_arg
 from models.options import ATTENTION_BACKEND_NAMES, KV_CACHE_DTYPE_NAMES, LOAD_FORMATS, WEIGHT_PACKING_MODES
 
 if TYPE_CHECKING:
@@ -26,7 +25,9 @@ CUDA_KV_MEMORY_FRACTION = 0.9  # of the memory still free once the weights are l
 
 
 @dataclass
-class EngineConfig:
+class EngineConfig(FlagGroup):
+    FLAG_GROUP: ClassVar[str] = "engine"
+
     # "default", an HF directory, or a .gguf file
     model: str = flag("default", "HF model directory, .gguf file, or 'default' (SmolLM2-135M-Instruct)")
     dtype: str = flag("auto", choices=("auto", *DTYPE_NAMES))
@@ -129,17 +130,6 @@ class EngineConfig:
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
-
-    @staticmethod
-    def add_cli_args(p: argparse.ArgumentParser) -> None:
-        """The engine's flags (the server and every benchmark take the same ones)."""
-        add_flags(p.add_argument_group("engine"), EngineConfig)
-
-    @classmethod
-    def from_cli_args(cls, a: argparse.Namespace) -> EngineConfig:
-        """The config the flags of add_cli_args describe (flags a parser lacks keep their defaults).
-        `max_num_seqs` has no flag here: it is the scheduler's --max-num-seqs, read when present."""
-        return from_flags(cls, a)
 
 
 def resolve_device(name: str) -> torch.device:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 if TYPE_CHECKING:
     from engine.grammar import GrammarMatcher
@@ -16,6 +16,13 @@ if TYPE_CHECKING:
 # Temperatures below this are greedy (vLLM uses the same bound): dividing logits by, say, 1e-8 overflows
 # float32 to inf, and the softmax of that is NaN, which would be both the draw and the logprobs.
 GREEDY_TEMPERATURE_EPS = 1e-5
+
+
+# How an embedding request's final hidden states (after the final norm, before the LM head) become one
+# vector: the last token's (decoder embedding models such as Qwen3-Embedding), the mean over every
+# token, or the first token's (CLS).
+Pooling = Literal["last", "mean", "cls"]
+POOLING_METHODS: tuple[Pooling, ...] = ("last", "mean", "cls")
 
 
 @dataclass(frozen=True)
@@ -93,6 +100,9 @@ class ScheduledSequence:
     # every proposal the target accepted, then one token more. Only with sample=True.
     spec_token_ids: Sequence[int] = ()
     num_spec_tokens: int = 0
+    # An embedding request's prompt chunk (then `sample` is False): the executor returns a PooledState,
+    # this chunk's share of the pooling (every chunk returns one; the scheduler combines them).
+    pooling: Pooling | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -142,6 +152,17 @@ class PromptLogprobs:
 
 
 @dataclass
+class PooledState:
+    """One step's share of an embedding request's pooling, over the final hidden states (float32) of
+    the chunk it ran: their sum for "mean" (the scheduler adds the chunks' and divides by the prompt's
+    length), the chunk's last token's for "last" (the prompt's last chunk decides), its first token's
+    for "cls" (the chunk that starts at position 0 decides)."""
+
+    values: list[float]  # [hidden]
+    num_tokens: int  # tokens of the chunk
+
+
+@dataclass
 class SampledToken:
     token_id: int
     logprob: float | None = None  # of the chosen token (log-softmax of the processed logits)
@@ -168,8 +189,8 @@ class SampledToken:
 
 
 # One result per batch entry: the sampled token, PromptLogprobs for a prompt chunk that scored tokens
-# but samples nothing, or None.
-StepResult = SampledToken | PromptLogprobs | None
+# but samples nothing, PooledState for an embedding request's chunk, or None.
+StepResult = SampledToken | PromptLogprobs | PooledState | None
 
 
 class FatalRunnerError(RuntimeError):
@@ -187,7 +208,8 @@ class Executor(Protocol):
 
     A step is `collect(submit(batch))`. `submit` starts it and returns a handle once the first pipeline
     stage has its share; `collect` waits for the step's tokens, one per entry of the batch in order
-    (None where `sample` is False, or PromptLogprobs where such an entry scored prompt tokens). Up to `pipeline_depth` handles may be outstanding, collected in
+    (None where `sample` is False, PromptLogprobs where such an entry scored prompt tokens, PooledState
+    for an entry with `pooling`). Up to `pipeline_depth` handles may be outstanding, collected in
     submission order. The batch is trusted: the loop validates every request at admission.
     """
 
@@ -196,6 +218,7 @@ class Executor(Protocol):
     kv_cache_dtype: str  # what the KV cache stores (--kv-cache-dtype, resolved: "float16", "q8_0", ...)
     max_model_len: int  # prompt + output tokens the model takes
     vocab_size: int  # token ids are in [0, vocab_size)
+    hidden_size: int  # the length of a PooledState's values (the model's hidden size)
     eos_token_ids: frozenset[int]
     pipeline_depth: int  # batches the loop may keep in flight (ORCA: one per pipeline stage)
     # Speculative decoding with a draft model: None without one, else what one draft forward costs as a

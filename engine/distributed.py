@@ -25,7 +25,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from engine.contract import FatalRunnerError, ScheduledSequence
+from engine.contract import POOLING_METHODS, FatalRunnerError, ScheduledSequence
 
 # A worker may wait this long for the next step of an idle server.
 CONTROL_TIMEOUT = timedelta(days=365)
@@ -172,7 +172,8 @@ class StepMessage:
 
     payload = token_ids [T] | query_lens [B] | start_positions [B] | flags [B] |
               block tables [B * max_blocks] (row-major, padded with 0)
-    flags = sample (bit 0) | num_prompt_scored << 1
+    flags = sample (bit 0) | pooling (bits 1-2: 0 none, else 1 + its index in POOLING_METHODS) |
+            num_prompt_scored << 3
     """
 
     header: torch.Tensor  # [HEADER_LEN] int64
@@ -222,13 +223,17 @@ def encode_batch(batch: Sequence[ScheduledSequence]) -> StepMessage:
         tokens.extend(seq.token_ids)
         query_lens.append(len(seq.token_ids))
         starts.append(seq.start_position)
-        flags.append((1 if seq.sample else 0) | seq.num_prompt_scored << 1)
+        flags.append((1 if seq.sample else 0) | _pooling_code(seq) << 1 | seq.num_prompt_scored << 3)
         rows += int(seq.sample) + seq.num_prompt_scored
         tables.extend(seq.block_table)
         tables.extend([0] * (max_blocks - len(seq.block_table)))
     payload = torch.tensor(tokens + query_lens + starts + flags + tables, dtype=torch.int64)
     header = _header(OP_STEP, len(batch), len(tokens), max_blocks, rows, payload.numel())
     return StepMessage(header, payload)
+
+
+def _pooling_code(seq: ScheduledSequence) -> int:
+    return 0 if seq.pooling is None else 1 + POOLING_METHODS.index(seq.pooling)
 
 
 def decode_batch(msg: StepMessage) -> list[ScheduledSequence]:
@@ -251,7 +256,8 @@ def decode_batch(msg: StepMessage) -> list[ScheduledSequence]:
                 start_position=starts[i],
                 block_table=tables[i * m : (i + 1) * m],
                 sample=bool(flags[i] & 1),
-                num_prompt_scored=flags[i] >> 1,
+                num_prompt_scored=flags[i] >> 3,
+                pooling=POOLING_METHODS[(flags[i] >> 1 & 3) - 1] if flags[i] >> 1 & 3 else None,
             )
         )
         offset += n

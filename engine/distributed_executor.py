@@ -11,8 +11,9 @@ One step, for TP=t and PP=p:
           broadcast the step message to stage 0's other ranks, run stage 0 (ModelRunner.run_step),
           send (message, hidden states) to stage 1 (each TP rank to its counterpart)
   stage s: receive, run its part (ModelRunner.run_step, on its own KV cache), send on; the last stage
-          gathers the vocab shards of the logits rows and its TP rank 0 sends them to the driver
-  driver: receive the logits, score prompt tokens and sample (ExecutorBase.collect).
+          gathers the vocab shards of the logits rows and its TP rank 0 sends them to the driver, then
+          the embedding entries' pooled hidden states (engine/pooling.py), if the step has any
+  driver: receive them, score prompt tokens, sample and hand out the pooled rows (ExecutorBase.collect).
 Every rank runs its part through the same ModelRunner.run_step; this module only moves the message,
 the hidden states and the logits between ranks. `submit()` returns after stage 0 so the scheduler can
 put up to p batches in flight (ORCA); `collect()` waits for a batch's logits and samples. `step()` is
@@ -119,8 +120,11 @@ def serve_rank(runner: ModelRunner, g: RankGroups) -> None:
             if out.hidden is not None:  # not the last stage
                 send_message(msg, g.next_rank, g.control)
                 dist.send(out.hidden, g.next_rank, group=g.data)
-            elif out.logits is not None and g.rank == g.last_stage_head:  # every TP rank computed them
-                dist.send(out.logits, 0, group=g.data)
+            elif g.rank == g.last_stage_head:  # every TP rank computed them; one sends, in this order
+                if out.logits is not None:
+                    dist.send(out.logits, 0, group=g.data)
+                if out.pooled is not None:
+                    dist.send(out.pooled, 0, group=g.data)
 
 
 # ---- worker processes ---------------------------------------------------------------------------------
@@ -336,7 +340,7 @@ class DistributedExecutor(ExecutorBase):
                     broadcast_message(msg, 0, g.stage0_control)
                 out = runner.run_step(host)
                 if out.hidden is None:  # no pipeline: this rank also holds (a shard of) the LM head
-                    pending.logits = out.logits
+                    pending.logits, pending.pooled = out.logits, out.pooled
                     return pending
                 pending.keep = [msg.header, msg.payload, out.hidden]
                 pending.sends = [dist.isend(msg.header, g.next_rank, group=g.control)]
@@ -347,18 +351,24 @@ class DistributedExecutor(ExecutorBase):
                     pending.logits = torch.empty(
                         host.num_logit_rows, self.vocab_size, dtype=torch.float32, device=self.device
                     )
-                    pending.recv = dist.irecv(pending.logits, g.last_stage_head, group=g.data)
+                    pending.recvs.append(dist.irecv(pending.logits, g.last_stage_head, group=g.data))
+                if host.pools:  # the embedding entries' pooled rows, after the logits
+                    pending.pooled = torch.empty(
+                        len(host.pools), self.hidden_size, dtype=torch.float32, device=self.device
+                    )
+                    pending.recvs.append(dist.irecv(pending.pooled, g.last_stage_head, group=g.data))
         except Exception as exc:
             raise self._fail(exc) from exc
         return pending
 
     def _wait(self, pending: PendingStep) -> None:
-        """Until the step's sends are out and its logits have come back from the last stage."""
+        """Until the step's sends are out and its logits and pooled rows have come back from the last
+        stage."""
         try:
             for work in pending.sends:
                 self._wait_work(work)
-            if pending.recv is not None:
-                self._wait_work(pending.recv)
+            for work in pending.recvs:
+                self._wait_work(work)
         except WorkerDiedError:
             raise
         except Exception as exc:

@@ -8,8 +8,8 @@ ModelRunner (rank 0), the grammar masker and the sampler; they differ only in wh
 `submit` calls `ExecutorBase._begin_step` (the draft model's proposals where entries ask for them,
 verifications spread over rows, the inputs prepared, which rows sample and score, the grammar masks
 started) and runs (or, with pipeline stages, starts) the step through `ModelRunner.run_step`;
-`collect` waits for the logits rows, scores prompt tokens, samples and reads back what each
-verification accepted, here on the driver.
+`collect` waits for the logits rows (and the embedding entries' pooled rows), scores prompt tokens,
+samples and reads back what each verification accepted, here on the driver.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from engine.config import EngineConfig, resolve_device, resolve_model_path
-from engine.contract import FatalRunnerError, PromptLogprobs, ScheduledSequence, StepResult
-from engine.inputs import HostStepInputs
+from engine.contract import FatalRunnerError, PooledState, PromptLogprobs, ScheduledSequence, StepResult
+from engine.inputs import HostStepInputs, PoolSpan
 from engine.model_runner import ModelRunner
 from engine.sampler import Sampler, score_prompt_tokens
 from engine.speculative import StepRows, accept, spread
@@ -49,7 +49,10 @@ class PendingStep:
     # Prompt logprobs (engine.inputs.HostStepInputs): which logits rows score prompts, which sample.
     scored: list[tuple[int, int, int]] = field(default_factory=list)
     sample_logit_rows: list[int] | None = None
-    recv: Any = None  # dist.Work of the logits' irecv (pipeline parallel)
+    # Embedding entries (engine/pooling.py): their spans, and their pooled rows [P, hidden] float32.
+    pools: list[PoolSpan] = field(default_factory=list)
+    pooled: torch.Tensor | None = None
+    recvs: list[Any] = field(default_factory=list)  # dist.Work of the irecvs of logits and pooled rows
     sends: list[Any] = field(default_factory=list)  # dist.Work of the isends to stage 1
     keep: list[torch.Tensor] = field(default_factory=list)  # tensors the isends read from
     mask: PendingMask | None = None  # grammar masks of the constrained rows, computed meanwhile
@@ -72,6 +75,7 @@ class ExecutorBase(ABC):
         self.kv_cache_dtype: str = runner.kv_cache.spec.format.name
         self.max_model_len: int = runner.max_model_len
         self.vocab_size: int = runner.vocab_size
+        self.hidden_size: int = runner.hidden_size
         self.eos_token_ids: frozenset[int] = runner.eos_token_ids
         self.pipeline_depth: int = pipeline_depth
         self.sampler = Sampler(self.vocab_size, self.eos_token_ids, self.device, config.seed)
@@ -106,6 +110,9 @@ class ExecutorBase(ABC):
         self._wait(pending)
         out: list[StepResult] = [None] * len(pending.batch)
         rows = pending.rows
+        if pending.pooled is not None and rows is not None:
+            for span, values in zip(pending.pools, pending.pooled.tolist(), strict=True):
+                out[rows.entry_of_row[span.entry]] = PooledState(values, span.num_tokens)
         if pending.logits is None or rows is None:
             return out
         logits = pending.logits
@@ -147,6 +154,7 @@ class ExecutorBase(ABC):
             sample_rows=host.sample_rows,
             scored=host.scored,
             sample_logit_rows=host.sample_logit_rows,
+            pools=host.pools,
         )
         pending.mask = self.masker.start(rows.sampling)
         return pending, host
@@ -200,5 +208,7 @@ class LocalExecutor(ExecutorBase):
         if not batch:
             return PendingStep(batch)
         pending, host = self._begin_step(batch)
-        pending.logits = self.runner.run_step(host).logits  # [R, vocab]; None without logits rows
+        out = self.runner.run_step(host)
+        pending.logits = out.logits  # [R, vocab]; None without logits rows
+        pending.pooled = out.pooled  # [P, hidden]; None without embedding entries
         return pending

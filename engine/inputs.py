@@ -13,9 +13,19 @@ from itertools import accumulate
 
 import torch
 
-from engine.contract import ScheduledSequence
+from engine.contract import Pooling, ScheduledSequence
 from engine.kv_cache import slots_of
 from models.layers.metadata import AttentionMetadata
+
+
+@dataclass(frozen=True)
+class PoolSpan:
+    """An embedding entry's tokens in the step's flat tokens: what engine.pooling pools."""
+
+    entry: int  # index into the batch
+    first: int  # flat index of its first token
+    num_tokens: int
+    pooling: Pooling
 
 
 @dataclass
@@ -32,6 +42,7 @@ class StepInputs:
     # of each sampling entry (None when no entry scores: row i is sampling entry i).
     scored: list[tuple[int, int, int]] = field(default_factory=list)
     sample_logit_rows: list[int] | None = None
+    pools: list[PoolSpan] = field(default_factory=list)  # the embedding entries, in batch order
 
     @property
     def num_logit_rows(self) -> int:
@@ -66,6 +77,7 @@ class HostStepInputs:
     block_size: int
     scored: list[tuple[int, int, int]] = field(default_factory=list)  # see StepInputs
     sample_logit_rows: list[int] | None = None
+    pools: list[PoolSpan] = field(default_factory=list)  # see StepInputs
 
     @property
     def num_seqs(self) -> int:
@@ -107,6 +119,7 @@ class HostStepInputs:
             logits_indices=to_device(torch.tensor(self.last_token_index, dtype=torch.int64), device),
             scored=self.scored,
             sample_logit_rows=self.sample_logit_rows,
+            pools=self.pools,
         )
 
 
@@ -132,6 +145,7 @@ def build_host_inputs(batch: Sequence[ScheduledSequence], block_size: int) -> Ho
     last_token_index: list[int] = []  # the logits rows, in order (see StepInputs.logits_indices)
     scored: list[tuple[int, int, int]] = []
     sample_logit_rows: list[int] = []
+    pools: list[PoolSpan] = []
 
     for i, seq in enumerate(batch):
         n = len(seq.token_ids)
@@ -148,6 +162,8 @@ def build_host_inputs(batch: Sequence[ScheduledSequence], block_size: int) -> Ho
         if seq.num_prompt_scored:
             scored.append((i, len(last_token_index), seq.num_prompt_scored))
             last_token_index.extend(range(first, first + seq.num_prompt_scored))
+        if seq.pooling is not None:
+            pools.append(PoolSpan(i, first, n, seq.pooling))
         if seq.sample:
             sample_rows.append(i)
             sample_logit_rows.append(len(last_token_index))
@@ -172,6 +188,7 @@ def build_host_inputs(batch: Sequence[ScheduledSequence], block_size: int) -> Ho
         block_size=block_size,
         scored=scored,
         sample_logit_rows=sample_logit_rows if scored else None,
+        pools=pools,
     )
 
 

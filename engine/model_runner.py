@@ -27,6 +27,7 @@ from engine.contract import ScheduledSequence
 from engine.cuda_graphs import CaptureStats, DecodeGraphs, GraphCapturer
 from engine.inputs import HostStepInputs, InputLimits, build_host_inputs, check_batch
 from engine.kv_cache import PagedKVCache, plan_kv_cache
+from engine.pooling import pool_hidden
 
 if TYPE_CHECKING:
     from engine.distributed import RankGroups
@@ -39,9 +40,9 @@ DEBUG_CHECKS_ENV = "ORCA_DEBUG_CHECKS"
 
 @dataclass
 class StepOutput:
-    """What one rank's part of a step gives (ModelRunner.run_step). At most one field is set: `hidden`
-    on a stage that is not the last, `logits` on the last stage when the step has logits rows; neither
-    on the last stage of a step without any."""
+    """What one rank's part of a step gives (ModelRunner.run_step): `hidden` on a stage that is not the
+    last; on the last stage, `logits` when the step has logits rows and `pooled` when it has embedding
+    entries (either, both or neither)."""
 
     hidden: torch.Tensor | None = None  # [T, hidden]: what the next pipeline stage runs on
     # [R, vocab] float32, rows in engine.inputs.StepInputs.logits_indices order: each entry's scored
@@ -49,6 +50,9 @@ class StepOutput:
     # all take part in gathering the vocab shards); a CUDA-graph step's is a view of the graphs' output
     # buffer, valid until the next step.
     logits: torch.Tensor | None = None
+    # [P, hidden] float32: each embedding entry's share of its pooling (engine/pooling.py), in batch
+    # order; on every tensor rank of the last stage.
+    pooled: torch.Tensor | None = None
 
 
 def read_eos_token_ids(model_path: Path, hf_config: Any) -> frozenset[int]:
@@ -164,8 +168,9 @@ class ModelRunner:
     def run_step(self, host: HostStepInputs, hidden_in: torch.Tensor | None = None) -> StepOutput:
         """Run this rank's part of a step: its stage's layers over the step's tokens (`hidden_in`, the
         previous stage's [T, hidden], on every stage but the first) and, on the last stage, the LM head
-        at the logits rows. Writes the step's K/V to this rank's cache. A decode step that a captured
-        graph covers replays it; any other step runs eagerly."""
+        at the logits rows, and the embedding entries' pooled final hidden states. Writes the step's K/V to
+        this rank's cache. A decode step that a captured graph covers replays it; any other step runs
+        eagerly."""
         with torch.inference_mode():
             if self.use_cuda_graphs:
                 logits = self._replay_graph(host)
@@ -181,19 +186,20 @@ class ModelRunner:
             )  # [T, hidden]
             if not self.is_last_stage:
                 return StepOutput(hidden=hidden)
-            if not inputs.num_logit_rows:
-                return StepOutput()
-            # Tensor parallel: every rank of the last stage takes part in the all-gather of the vocab.
-            return StepOutput(logits=self.model.compute_logits(hidden[inputs.logits_indices]))
+            out = StepOutput(pooled=pool_hidden(hidden, inputs.pools) if inputs.pools else None)
+            if inputs.num_logit_rows:
+                # Tensor parallel: every rank of the last stage takes part in the all-gather of the vocab.
+                out.logits = self.model.compute_logits(hidden[inputs.logits_indices])
+            return out
 
     def _replay_graph(self, host: HostStepInputs) -> torch.Tensor | None:
         """[S, vocab] float32 logits of the sampling entries from a captured graph, or None when the step
-        must run eagerly: it has prompt tokens, more sequences than the largest graph, or wants logits
-        rows a graph does not compute. A graph computes one row per sampling sequence, at its last
+        must run eagerly: it has prompt tokens, more sequences than the largest graph, an embedding
+        entry (a graph returns no hidden states), or wants logits rows a graph does not compute. A graph computes one row per sampling sequence, at its last
         token; a step with as many rows as sampling sequences wants exactly those (a scored prompt
         token, or every token for a parity check, is a row more)."""
         graphs = self.decode_graphs
-        if graphs is None or host.num_logit_rows != len(host.sample_rows):
+        if graphs is None or host.pools or host.num_logit_rows != len(host.sample_rows):
             return None
         size = graphs.size_for(host)
         if size is None:

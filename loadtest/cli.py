@@ -80,12 +80,17 @@ def validate_servers(args: argparse.Namespace, parser: argparse.ArgumentParser) 
         parser.error(f"{args.base_url} is not loopback; pass --allow-remote to benchmark another machine")
 
 
+def doc_parser(prog: str, doc: str | None) -> argparse.ArgumentParser:
+    """A load-test script's parser whose --help prints the module docstring as written."""
+    return argparse.ArgumentParser(
+        prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+
 def server_parser(prog: str, doc: str | None) -> tuple[argparse.ArgumentParser, argparse._ArgumentGroup]:
     """A load generator's parser and its "server" group, with the flags that say which servers to
     measure (shared by python -m loadtest and python -m loadtest.multiturn)."""
-    p = argparse.ArgumentParser(
-        prog=prog, description=doc, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    p = doc_parser(prog, doc)
     g = p.add_argument_group("server")
     add_server_args(g)
     return p, g

@@ -46,6 +46,12 @@ GEMMA_TEMPLATE = (
     "'user') + '\n' + m.content + '<end_of_turn>\n' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<start_of_turn>model\n' }}{%- endif %}"
 )
+LLAMA3_TEMPLATE = (
+    "{{- bos_token }}{%- for m in messages %}{{- '<|start_header_id|>' + m.role + '<|end_header_id|>\n\n' "
+    "+ m.content + '<|eot_id|>' }}{%- endfor %}"
+    "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
+)
+LLAMA3_TOKENS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 MOSTLY_Q4_K_M = 15  # general.file_type (llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_M)
 ROWS_PER_CHUNK = 4096  # rows of a tensor encoded at a time (bounds the codes' memory)
 
@@ -84,7 +90,34 @@ class GGUFShape:
         return self.head_dim or self.hidden // self.heads
 
 
+def _llama3(hidden: int, ff: int, layers: int, heads: int, tied: bool) -> GGUFShape:
+    """Meta's Llama 3.1/3.2 text models: GQA over 8 KV heads, heads of 128, a 128256-token vocabulary,
+    rope base 500000. Their llama3 rope scaling (llama.cpp's rope_freqs tensor) is left out: it changes
+    which frequencies turn, not what a step costs."""
+    return GGUFShape(
+        arch="llama",
+        hidden=hidden,
+        ff=ff,
+        layers=layers,
+        heads=heads,
+        kv_heads=8,
+        vocab=128256,
+        context=131072,
+        rope_theta=500000.0,
+        rms_eps=1e-5,
+        tied=tied,
+        chat_template=LLAMA3_TEMPLATE,
+        chat_tokens=LLAMA3_TOKENS,
+        eos="<|eot_id|>",
+        eot="<|eot_id|>",
+    )
+
+
 SHAPES: dict[str, GGUFShape] = {
+    # meta-llama/Llama-3.2-1B-Instruct, -3B-Instruct (tied embeddings) and Llama-3.1-8B-Instruct's configs.
+    "llama-3.2-1b": _llama3(hidden=2048, ff=8192, layers=16, heads=32, tied=True),
+    "llama-3.2-3b": _llama3(hidden=3072, ff=8192, layers=28, heads=24, tied=True),
+    "llama-3.1-8b": _llama3(hidden=4096, ff=14336, layers=32, heads=32, tied=False),
     # Qwen/Qwen3-0.6B's config.json: head_dim 128 where hidden / heads is 64; tied embeddings.
     "qwen3-0.6b": GGUFShape(
         arch="qwen3",

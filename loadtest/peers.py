@@ -27,7 +27,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtest import cli
+from loadtest.cli import doc_parser
+from loadtest.head_to_head import add_run_args, closed_loop_args, publish, run_scenarios
 from loadtest.results import BenchmarkResults, isa_flags
 from models.options import cache_root
 
@@ -122,16 +123,12 @@ def default_gguf() -> Path:
 
 
 def loadtest_args(s: Scenario, a: argparse.Namespace, orca_cmd: str, llama_cmd: str, out: Path) -> list[str]:
-    return [
-        "--endpoint", "chat", "--workload", "orca",
+    workload = [
+        "--workload", "orca",
         "--input-len-min", str(s.input_len), "--input-len-max", str(s.input_len),
         "--output-len-min", str(s.output_min), "--output-len-max", str(s.output_max),
-        "--request-rates", "inf", "--max-concurrency", str(s.concurrency), "--duration", str(a.duration),
-        "--warmup-requests", str(max(2, s.concurrency)), "--seed", str(a.seed), "--temperature", "0",
-        "--interleave", "--launch-timeout", "600", "--no-plot", "--no-progress",
-        "--launch", orca_cmd, "--label", ORCA, "--launch", llama_cmd, "--label", LLAMA,
-        "--output", str(out),
     ]  # fmt: skip
+    return closed_loop_args(workload, s.concurrency, a, [(ORCA, orca_cmd), (LLAMA, llama_cmd)], out)
 
 
 def figures(results: BenchmarkResults) -> dict[str, Figures]:
@@ -185,11 +182,7 @@ def table(rows: list[tuple[Scenario, dict[str, Figures]]], prefill_len: int) -> 
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m loadtest.peers",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = doc_parser("python -m loadtest.peers", __doc__)
     p.add_argument(
         "--gguf", type=Path, default=None, help="the GGUF file both serve (default: the default model's)"
     )
@@ -203,9 +196,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--orca-args", default="", help="extra flags for `python -m server` (default: none)")
     p.add_argument("--concurrency", default="1,8,32", help="closed-loop concurrencies of the decode runs")
     p.add_argument("--prefill-len", type=int, default=512, help="prompt tokens of the prefill run")
-    p.add_argument("--duration", type=float, default=60.0, help="seconds of traffic per server and scenario")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-dir", type=Path, default=REPO / "loadtest-results" / "peers")
+    add_run_args(p, REPO / "loadtest-results" / "peers")
     return p
 
 
@@ -227,19 +218,19 @@ def main(argv: list[str] | None = None) -> int:
         "--host 127.0.0.1 --port {port}"
     )
     a.output_dir.mkdir(parents=True, exist_ok=True)
-    rows: list[tuple[Scenario, dict[str, Figures]]] = []
-    for s in scenarios([int(c) for c in a.concurrency.split(",")], a.prefill_len):
-        out = a.output_dir / f"{s.name.replace(' ', '-').replace('=', '')}.json"
-        print(f"== {s.name}: {a.duration:g} s per server", flush=True)
-        rc = cli.main(loadtest_args(s, a, orca_cmd, llama_cmd, out))
-        rows.append((s, figures(BenchmarkResults.load(out)) if rc == 0 and out.is_file() else {}))
+    runs = run_scenarios(
+        scenarios([int(c) for c in a.concurrency.split(",")], a.prefill_len),
+        a.duration,
+        lambda s, out: loadtest_args(s, a, orca_cmd, llama_cmd, out),
+        lambda s: a.output_dir / f"{s.name.replace(' ', '-').replace('=', '')}.json",
+    )
+    rows = [(s, figures(r) if r else {}) for s, r in runs]
     report = (
         f"Same GGUF ({gguf.name}), both servers measured in one run. CPU ISA: {' '.join(isa_flags()) or 'unknown'}; "
         f"{os.cpu_count()} cores; llama-server -t {a.threads} -np 32 (its {variant} CPU kernels); orca-serve `python -m server` "
         f"{a.orca_args or '(defaults)'}.\n\n" + table(rows, a.prefill_len)
     )
-    (a.output_dir / "peers.md").write_text(report + "\n")
-    print(report)
+    publish(report, a.output_dir / "peers.md")
     return 0
 
 

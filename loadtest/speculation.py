@@ -26,7 +26,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtest import cli
+from loadtest.cli import doc_parser
+from loadtest.head_to_head import add_run_args, closed_loop_args, publish, run_scenarios
 from loadtest.results import BenchmarkResults, isa_flags
 
 REPO = Path(__file__).resolve().parent.parent
@@ -56,14 +57,7 @@ def loadtest_args(s: Scenario, a: argparse.Namespace, off_cmd: str, on_cmd: str,
     else:  # loadtest.peers' decode scenario
         workload = ["--workload", "orca", "--input-len-min", "64", "--input-len-max", "64"]
         workload += ["--output-len-min", "64", "--output-len-max", "128"]
-    return [
-        "--endpoint", "chat", *workload,
-        "--request-rates", "inf", "--max-concurrency", str(s.concurrency), "--duration", str(a.duration),
-        "--warmup-requests", str(max(2, s.concurrency)), "--seed", str(a.seed), "--temperature", "0",
-        "--interleave", "--launch-timeout", "600", "--no-plot", "--no-progress",
-        "--launch", off_cmd, "--label", OFF, "--launch", on_cmd, "--label", ON,
-        "--output", str(out),
-    ]  # fmt: skip
+    return closed_loop_args(workload, s.concurrency, a, [(OFF, off_cmd), (ON, on_cmd)], out)
 
 
 @dataclass(frozen=True)
@@ -114,11 +108,7 @@ def table(rows: list[tuple[Scenario, dict[str, Figures]]]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="python -m loadtest.speculation",
-        description=__doc__,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
+    p = doc_parser("python -m loadtest.speculation", __doc__)
     p.add_argument(
         "--server-command",
         default=f"{shlex.quote(sys.executable)} -m server --model default",
@@ -126,9 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--workloads", default="quote,chat", help="comma-separated: quote, chat")
     p.add_argument("--concurrency", default="1,32", help="closed-loop concurrencies")
-    p.add_argument("--duration", type=float, default=60.0, help="seconds of traffic per server and scenario")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--output-dir", type=Path, default=REPO / "loadtest-results" / "speculation")
+    add_run_args(p, REPO / "loadtest-results" / "speculation")
     return p
 
 
@@ -143,18 +131,18 @@ def main(argv: list[str] | None = None) -> int:
         for w in a.workloads.split(",")
         if w.strip()
     ]
-    rows: list[tuple[Scenario, dict[str, Figures]]] = []
-    for s in scenarios:
-        out = a.output_dir / f"{s.workload}-c{s.concurrency}.json"
-        print(f"== {s.name}: {a.duration:g} s per server", flush=True)
-        rc = cli.main(loadtest_args(s, a, off_cmd, on_cmd, out))
-        rows.append((s, figures(BenchmarkResults.load(out)) if rc == 0 and out.is_file() else {}))
+    runs = run_scenarios(
+        scenarios,
+        a.duration,
+        lambda s, out: loadtest_args(s, a, off_cmd, on_cmd, out),
+        lambda s: a.output_dir / f"{s.workload}-c{s.concurrency}.json",
+    )
+    rows = [(s, figures(r) if r else {}) for s, r in runs]
     report = (
         f"`{base}` with `--speculative off` and without, in one run ({a.duration:g} s per server and "
         f"scenario). CPU ISA: {' '.join(isa_flags()) or 'unknown'}.\n\n" + table(rows)
     )
-    (a.output_dir / "speculation.md").write_text(report + "\n")
-    print(report)
+    publish(report, a.output_dir / "speculation.md")
     return 0
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import argparse
 from dataclasses import dataclass
-from typing import Literal
+from typing import ClassVar, Literal
 
-from engine.cli_args import add_flags, flag, from_flags
+from engine.cli_args import FlagGroup, flag
 from scheduler.speculation import SPECULATIVE_METHODS, SpeculativeMethod
 
 Scheduling = Literal["iteration", "request"]
@@ -15,7 +15,9 @@ KVPolicyName = Literal["lazy", "reserve"]
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
+class SchedulerConfig(FlagGroup):
+    FLAG_GROUP: ClassVar[str] = "scheduler"
+
     # ORCA's max_bs: the most requests in one iteration (and in one batch under `request`).
     max_num_seqs: int = flag(64, "most requests per iteration (ORCA's max_bs)")
     # Tokens (prompt + decode) run in one iteration. 2048 is the paper's maximum sequence length, so
@@ -91,13 +93,3 @@ class SchedulerConfig:
             raise ValueError("num_speculative_tokens and speculative_max_batch must be >= 1")
         if not self.speculative_token_cost > 0:
             raise ValueError(f"speculative_token_cost must be positive, got {self.speculative_token_cost}")
-
-    @staticmethod
-    def add_cli_args(p: argparse.ArgumentParser) -> None:
-        """The scheduler's flags (the server and loadtest.inprocess take the same ones)."""
-        add_flags(p.add_argument_group("scheduler"), SchedulerConfig)
-
-    @classmethod
-    def from_cli_args(cls, a: argparse.Namespace) -> SchedulerConfig:
-        """The config the flags of add_cli_args describe (flags a parser lacks keep their defaults)."""
-        return from_flags(cls, a)

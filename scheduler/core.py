@@ -11,7 +11,14 @@ from collections import deque
 from collections.abc import Sequence, Set
 from dataclasses import dataclass, field, replace
 
-from engine.contract import Executor, PromptLogprobs, SampledToken, ScheduledSequence, StepResult
+from engine.contract import (
+    Executor,
+    PooledState,
+    PromptLogprobs,
+    SampledToken,
+    ScheduledSequence,
+    StepResult,
+)
 from scheduler.block_allocator import BlockAllocator, BlockHash, blocks_for_tokens
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import FinishReason, PrefixCacheStats, SchedulerStats, SpecStats
@@ -101,13 +108,22 @@ class Scheduler:
 
     # ---- requests in and out ----------------------------------------------------------------------
 
-    def validate(self, request_id: str, num_prompt_tokens: int, max_tokens: int) -> None:
-        """Raise ValueError for a request that must not be queued (the server maps it to HTTP 400)."""
+    def validate(
+        self, request_id: str, num_prompt_tokens: int, max_tokens: int, pooling: bool = False
+    ) -> None:
+        """Raise ValueError for a request that must not be queued (the server maps it to HTTP 400).
+        An embedding request (`pooling`) generates nothing: its input alone must fit the context."""
         if num_prompt_tokens < 1:
             raise ValueError("the prompt is empty")
-        if max_tokens < 1:
+        if pooling:
+            if num_prompt_tokens > self.max_model_len:
+                raise ValueError(
+                    f"the input ({num_prompt_tokens} tokens) exceeds the model's maximum context length "
+                    f"({self.max_model_len} tokens)"
+                )
+        elif max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {max_tokens}")
-        if num_prompt_tokens + max_tokens > self.max_model_len:
+        elif num_prompt_tokens + max_tokens > self.max_model_len:
             raise ValueError(
                 f"prompt ({num_prompt_tokens} tokens) + max_tokens ({max_tokens}) exceeds the model's "
                 f"maximum context length ({self.max_model_len} tokens)"
@@ -116,7 +132,9 @@ class Scheduler:
             raise ValueError(f"request id {request_id!r} is already in use")
 
     def add(self, req: Request) -> None:
-        self.validate(req.request_id, req.num_prompt_tokens, req.sampling.max_tokens)
+        self.validate(
+            req.request_id, req.num_prompt_tokens, req.sampling.max_tokens, pooling=req.pooling is not None
+        )
         self.requests[req.request_id] = req
         self.waiting.append(req)
 
@@ -255,7 +273,7 @@ class Scheduler:
             budget = self._admit(step, chosen, budget, max_seqs)
         # Proposals last, from what is left of the budget and the free blocks: they never preempt nor
         # hold back anybody's own tokens.
-        spec = self._propose([r for r in decodes if chosen.get(r) == 1], budget)
+        spec = self._propose([r for r in decodes if chosen.get(r) == 1 and r.pooling is None], budget)
 
         now = time.monotonic()
         for req, n in chosen.items():
@@ -269,13 +287,14 @@ class Scheduler:
                     token_ids=req.token_slice(start, end),
                     start_position=start,
                     block_table=req.block_ids[: blocks_for_tokens(end + k, self.allocator.block_size)],
-                    sample=end == req.num_tokens,
+                    sample=end == req.num_tokens and req.pooling is None,
                     sampling=req.sampling,
                     prompt_token_ids=req.prompt_token_ids,
                     output_token_ids=req.output_token_ids,
                     num_prompt_scored=req.prompt_tokens_to_score(start, end),
                     spec_token_ids=proposal.token_ids if proposal is not None else (),
                     num_spec_tokens=k,
+                    pooling=req.pooling,
                 )
             )
             step.requests.append(req)
@@ -428,6 +447,8 @@ class Scheduler:
             scored = _scored(tok)
             if scored is not None:
                 req.add_prompt_logprobs(seq.start_position, scored)
+            if isinstance(tok, PooledState):
+                req.add_pooled(seq.start_position, tok)
             reason: FinishReason | None = None
             computed = seq.num_tokens
             if isinstance(tok, SampledToken):  # else a prompt chunk that is not the last
@@ -457,6 +478,8 @@ class Scheduler:
             claim = self._claims.get(req)
             if claim is not None and req.num_computed_tokens >= claim[1]:
                 self._unclaim(req)
+            if req.pooling is not None and req.num_computed_tokens >= req.num_prompt_tokens:
+                reason = FinishReason.STOP  # an embedding is done once its prompt is: it frees its blocks
             if reason is not None:
                 out += self._finish(req, _STOPPED[reason], hold=True)
                 continue
@@ -473,6 +496,8 @@ class Scheduler:
         for seq, tok in zip(step.seqs, sampled, strict=True):
             if seq.sample and not isinstance(tok, SampledToken):
                 raise ValueError(f"the runner sampled no token for {seq.request_id!r}")
+            if seq.pooling is not None and not isinstance(tok, PooledState):
+                raise ValueError(f"the runner pooled nothing for {seq.request_id!r}")
             scored = _scored(tok)
             if seq.num_prompt_scored and (scored is None or len(scored.logprobs) != seq.num_prompt_scored):
                 raise ValueError(f"the runner scored the wrong prompt tokens for {seq.request_id!r}")
@@ -488,7 +513,7 @@ def _scored(result: StepResult) -> PromptLogprobs | None:
     """The prompt logprobs a step's result for one entry carries, if any."""
     if isinstance(result, PromptLogprobs):
         return result
-    return result.prompt_logprobs if result is not None else None
+    return result.prompt_logprobs if isinstance(result, SampledToken) else None
 
 
 def make_speculation_policy(

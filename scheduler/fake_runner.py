@@ -36,7 +36,14 @@ from array import array
 from collections.abc import Callable, Mapping, Sequence, Set
 from dataclasses import dataclass, replace
 
-from engine.contract import FatalRunnerError, PromptLogprobs, SampledToken, ScheduledSequence, StepResult
+from engine.contract import (
+    FatalRunnerError,
+    PooledState,
+    PromptLogprobs,
+    SampledToken,
+    ScheduledSequence,
+    StepResult,
+)
 
 # SmolLM2's ids 0..16 are special tokens: tokens from the plain range read as words once decoded.
 FIRST_PLAIN_TOKEN = 17
@@ -87,6 +94,7 @@ class FakeRunner:
         simulate_kv: bool = True,
         can_restart: bool = False,
         draft_fn: Callable[[Sequence[int]], int] | None = None,
+        hidden_size: int = 16,
     ) -> None:
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
@@ -94,6 +102,7 @@ class FakeRunner:
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size
+        self.hidden_size = hidden_size  # of the made-up hidden states embedding requests pool
         self.pipeline_depth = pipeline_depth
         self.token_fn = token_fn
         self.script = list(script) if script is not None else None
@@ -248,6 +257,9 @@ class FakeRunner:
     ) -> list[StepResult]:
         out: list[StepResult] = []
         for seq, digest in zip(batch, digests, strict=True):
+            if seq.pooling is not None:
+                out.append(self._pool(seq, digest))
+                continue
             scored = self._score(seq) if seq.num_prompt_scored else None
             if seq.sample:
                 tok = self._verify(seq, digest) if seq.num_spec_tokens else self._sample(seq, digest)
@@ -273,6 +285,29 @@ class FakeRunner:
         first.following = tokens[1:]
         first.num_verified = len(drafts)
         return first
+
+    def _pool(self, seq: ScheduledSequence, digest: list[int] | None) -> PooledState:
+        """The chunk's share of its pooling over made-up hidden states: each position's is a function of
+        the context through it, read back from the simulated cache (so a chunk that attends to the
+        wrong K/V pools something else, as a real model's would)."""
+        end = seq.start_position + seq.num_tokens
+        if digest is not None:
+            context = [self._read(seq, pos, digest[pos]) for pos in range(end)]
+        else:
+            context = list(seq.prompt_token_ids[:end])
+        states = [self.hidden_state(context[: pos + 1]) for pos in range(seq.start_position, end)]
+        if seq.pooling == "mean":
+            values = [sum(column) for column in zip(*states, strict=True)]
+        else:
+            values = states[-1] if seq.pooling == "last" else states[0]
+        return PooledState(values, seq.num_tokens)
+
+    def hidden_state(self, context: Sequence[int]) -> list[float]:
+        """The made-up final hidden state at the end of `context`: hidden_size values in [-1, 1]."""
+        crc = zlib.crc32(array("q", context).tobytes())
+        return [
+            (zlib.crc32(j.to_bytes(2, "little"), crc) % 2001 - 1000) / 1000.0 for j in range(self.hidden_size)
+        ]
 
     @staticmethod
     def _score(seq: ScheduledSequence) -> PromptLogprobs:

@@ -23,10 +23,17 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
-from engine.contract import Executor, FatalRunnerError, SampledToken, SamplingParams, StepResult
+from engine.contract import (
+    Executor,
+    FatalRunnerError,
+    Pooling,
+    SampledToken,
+    SamplingParams,
+    StepResult,
+)
 from scheduler.config import SchedulerConfig
 from scheduler.core import ScheduledStep, Scheduler
-from scheduler.output_text import Detokenizer, start_output
+from scheduler.output_text import Detokenizer, OutputText, start_output
 from scheduler.outputs import FinishReason, RequestDelta, SchedulerStats, StepReport
 from scheduler.request import Request
 
@@ -84,6 +91,7 @@ def _merge(a: RequestDelta, b: RequestDelta) -> RequestDelta:
         num_cached_tokens=b.num_cached_tokens,
         queue_time_s=a.queue_time_s if a.queue_time_s is not None else b.queue_time_s,
         prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
+        embedding=b.embedding,
     )
 
 
@@ -120,6 +128,7 @@ class IterationLoop:
         self._detokenizer = detokenizer
         self._scheduler = Scheduler.for_executor(self.config, executor)
         self.max_model_len: int = self._scheduler.max_model_len  # the model's, capped by the KV cache
+        self.hidden_size: int = executor.hidden_size  # the length of an embedding
         self._queues: dict[str, asyncio.Queue[RequestDelta]] = {}
         # Ids of requests to abort, from any thread; deque append/popleft are atomic, and the loop
         # applies them only between steps, never while a step is using the blocks.
@@ -210,16 +219,33 @@ class IterationLoop:
         Closing the iterator before the last delta (aclose(), a cancelled task, a client gone) aborts
         the request.
         """
+        prompt = tuple(prompt_ids)
+        self._check_token_ids(prompt, params)
+        output = start_output(self._detokenizer, prompt, params)
+        return self._submit(Request(request_id, prompt, params, output_text=output))
+
+    def embed(
+        self, prompt_ids: Sequence[int], pooling: Pooling, request_id: str
+    ) -> AsyncIterator[RequestDelta]:
+        """Queue an embedding request: prefill-only work in the same iteration loop, batched with the
+        generating requests (chunked like any prompt). Its one delta carries the pooled final hidden
+        states (`RequestDelta.embedding`, not normalised) with finish reason STOP; it frees its KV
+        blocks once its prompt has run. Validated as `generate` is (the input alone must fit the
+        context); closing the iterator early aborts it."""
+        prompt = tuple(prompt_ids)
+        params = SamplingParams()  # read by nothing: an embedding samples no token
+        self._check_token_ids(prompt, params)
+        return self._submit(
+            Request(request_id, prompt, params, output_text=OutputText.without_text(), pooling=pooling)
+        )
+
+    def _submit(self, request: Request) -> AsyncIterator[RequestDelta]:
         down = self._executor.dead_reason
         if down is not None and not self._will_restart():
             raise LoopStoppedError(f"the engine is not running: {down}")
         if self._closed:
             raise LoopStoppedError("the loop is not running")
-        prompt = tuple(prompt_ids)
-        self._check_token_ids(prompt, params)
-        request = Request(
-            request_id, prompt, params, output_text=start_output(self._detokenizer, prompt, params)
-        )
+        request_id = request.request_id
         # Safe while a step is in flight: the step holds only running requests, this joins `waiting`.
         self._scheduler.add(request)  # validates lengths and the id
         self._ensure_started()
@@ -532,6 +558,7 @@ class IterationLoop:
                 prompt_logprobs=[None, *req.prompt_logprobs]
                 if start == 0 and req.sampling.prompt_logprobs is not None
                 else None,
+                embedding=req.embedding if finish is FinishReason.STOP else None,
             )
         )
         req.num_emitted_tokens = req.num_output_tokens

@@ -51,6 +51,9 @@ class RequestDelta:
     # On the first delta only, with SamplingParams.prompt_logprobs: one per prompt token, None for
     # the first (nothing precedes it).
     prompt_logprobs: list[TokenLogprob | None] | None = None
+    # On an embedding request's last delta (IterationLoop.embed), when it finished with STOP: the pooled
+    # final hidden states of its prompt, float32 values, not normalised.
+    embedding: list[float] | None = None
 
 
 @dataclass

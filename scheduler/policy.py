@@ -75,8 +75,9 @@ class KVPolicy(ABC):
     def num_cacheable_blocks(self, req: Request) -> int:
         """Blocks of the request that may come from the cache: the last token is always computed, since
         its logits give the next token; none for a request that scores its prompt (prompt logprobs
-        need the logits at every prompt position, as in vLLM)."""
-        if req.sampling.prompt_logprobs is not None:
+        need the logits at every prompt position, as in vLLM) nor for an embedding that pools over
+        the first or every token (it needs their hidden states; "last" needs the last token's only)."""
+        if req.sampling.prompt_logprobs is not None or req.pooling in ("mean", "cls"):
             return 0
         return (req.num_tokens - 1) // self.block_size
 

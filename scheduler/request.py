@@ -7,7 +7,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from engine.contract import PromptLogprobs, SamplingParams
+from engine.contract import PooledState, Pooling, PromptLogprobs, SamplingParams
 from scheduler.block_allocator import BlockHash
 from scheduler.output_text import OutputText
 from scheduler.outputs import FinishReason, TokenLogprob
@@ -69,6 +69,10 @@ class Request:
     # (made on its first lookup; it only grows, like prompt + outputs).
     spec: SpecState = field(default_factory=SpecState)
     ngram: NgramIndex | None = field(default=None, repr=False)
+    # An embedding request (prefill only: it runs its prompt, pools the final hidden states and
+    # finishes, sampling nothing): how it pools, and what its chunks pooled so far (PooledState).
+    pooling: Pooling | None = None
+    pooled: list[float] | None = None
     error: str | None = None
     # Timestamps (time.monotonic()) for metrics: TTFT = first_token - arrival, queueing = first
     # scheduled - arrival, end-to-end = finish - arrival.
@@ -120,6 +124,26 @@ class Request:
                     TokenLogprob(self.prompt_token_ids[index], lp, top, rank=scored.ranks[j])
                 )
                 have += 1
+
+    def add_pooled(self, start: int, pooled: PooledState) -> None:
+        """Combine what a step pooled of the chunk from position `start` with the chunks before it. A
+        chunk at 0 starts over (a recompute after a preemption runs the prompt again)."""
+        if self.pooling == "mean":
+            if start == 0 or self.pooled is None:
+                self.pooled = list(pooled.values)
+            else:
+                self.pooled = [a + b for a, b in zip(self.pooled, pooled.values, strict=True)]
+        elif self.pooling == "last" or start == 0:  # cls: the chunk that holds the first token
+            self.pooled = list(pooled.values)
+
+    @property
+    def embedding(self) -> list[float] | None:
+        """The pooled vector (not normalised) once the whole prompt has run; None before."""
+        if self.pooled is None or self.num_computed_tokens < self.num_prompt_tokens:
+            return None
+        if self.pooling == "mean":
+            return [v / self.num_prompt_tokens for v in self.pooled]
+        return self.pooled
 
     def token_slice(self, start: int, end: int) -> Sequence[int]:
         """Tokens [start, end) of prompt + outputs, without copying the prompt when it is enough."""

@@ -18,7 +18,7 @@ from server.middleware import (
     RequestIdMiddleware,
     RouteMetricsMiddleware,
 )
-from server.routes import chat, completions, messages, misc, responses_api, webui
+from server.routes import chat, completions, embeddings, messages, misc, responses_api, webui
 from server.state import ModelLoader, ServerState
 
 
@@ -69,6 +69,7 @@ def create_app(config: ServerConfig, loader: ModelLoader | None = None) -> FastA
     app.include_router(chat.router)
     app.include_router(responses_api.router)
     app.include_router(messages.router)
+    app.include_router(embeddings.router)
     if config.webui:
         webui.mount(app)
     return app

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from engine.cli_args import flag, size_arg
 from engine.config import EngineConfig
+from engine.contract import POOLING_METHODS
 from models.options import cache_root
 from scheduler.config import SchedulerConfig
 from server.reasoning import REASONING_FORMATS
@@ -119,6 +120,17 @@ class ServerConfig:
         name="--responses-store-max-age",
         metavar="SECONDS",
     )
+    # How /v1/embeddings and /v1/rerank pool the final hidden states; None: what the model's files say
+    # (models/pooling.py: a GGUF's pooling_type, a sentence-transformers Pooling module, else the last
+    # token's).
+    pooling: str | None = flag(
+        None,
+        "how embeddings pool the final hidden states (default: the model's GGUF pooling_type or "
+        "sentence-transformers config, else last)",
+        choices=POOLING_METHODS,
+    )
+    # Inputs of one /v1/embeddings request (OpenAI's limit), documents of one /v1/rerank request.
+    max_embedding_inputs: int = flag(2048, "most inputs of one /v1/embeddings (documents of one /v1/rerank)")
     log_level: str = flag("info", choices=("debug", "info", "warning", "error"))
 
     def __post_init__(self) -> None:

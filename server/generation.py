@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from engine.contract import SamplingParams
+from engine.contract import Pooling, SamplingParams
 from scheduler.outputs import FinishReason, RequestDelta, SchedulerStats, TokenLogprob
 from server.metrics import RequestTracker
 from server.tokenizer import ServerTokenizer
@@ -25,9 +25,14 @@ class LoopClient(Protocol):
     """What the server needs from scheduler.loop.IterationLoop."""
 
     max_model_len: int
+    hidden_size: int  # the length of an embedding
 
     def generate(
         self, prompt_ids: Sequence[int], params: SamplingParams, request_id: str
+    ) -> AsyncIterator[RequestDelta]: ...
+
+    def embed(
+        self, prompt_ids: Sequence[int], pooling: Pooling, request_id: str
     ) -> AsyncIterator[RequestDelta]: ...
 
     def abort(self, request_id: str) -> None: ...

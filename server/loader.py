@@ -15,10 +15,16 @@ def load_served_model(config: ServerConfig) -> LoadedModel:
     # Imported here so that `python -m server --help` and the app factory stay free of torch.
     from engine.executor_factory import create_executor
     from models.loader import load_tokenizer
+    from models.pooling import model_pooling
 
     executor = create_executor(config.engine)  # starts the worker ranks when parallel
     tokenizer = ServerTokenizer(load_tokenizer(executor.model_path))
-    return LoadedModel(executor=executor, tokenizer=tokenizer, vocab_size=executor.vocab_size)
+    return LoadedModel(
+        executor=executor,
+        tokenizer=tokenizer,
+        vocab_size=executor.vocab_size,
+        pooling=model_pooling(executor.model_path),
+    )
 
 
 def is_torchrun_worker() -> bool:

@@ -5,7 +5,7 @@ observed by a RequestTracker per choice; per-iteration figures come from the loo
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 from prometheus_client import (
@@ -69,90 +69,97 @@ class _EngineCollector(Collector):
         stats = self._stats()
         if stats is None:  # still loading: nothing to report yet
             return
-        labels = ["model_name"]
-        value = [self._model_name]
-        for name, doc, v in (
-            ("vllm:num_requests_running", "Requests in the running batch.", stats.running),
-            ("vllm:num_requests_waiting", "Requests waiting to be admitted.", stats.waiting),
+        yield from self._families(
+            GaugeMetricFamily,
             (
-                "vllm:kv_cache_usage_perc",
-                "Fraction of KV cache blocks in use (1 = full); cached blocks no request holds count as free.",
-                stats.kv_usage,
+                ("vllm:num_requests_running", "Requests in the running batch.", stats.running),
+                ("vllm:num_requests_waiting", "Requests waiting to be admitted.", stats.waiting),
+                (
+                    "vllm:kv_cache_usage_perc",
+                    "Fraction of KV cache blocks in use (1 = full); cached blocks no request holds count as free.",
+                    stats.kv_usage,
+                ),
+                ("orca:kv_cache_blocks_used", "KV cache blocks held by requests.", stats.kv_blocks_used),
+                ("orca:kv_cache_blocks_total", "KV cache blocks in all.", stats.kv_blocks_total),
+                (
+                    "orca:kv_cache_blocks_cached",
+                    "KV cache blocks holding a reusable prefix (held or evictable).",
+                    stats.prefix_cache.cached_blocks,
+                ),
             ),
-            ("orca:kv_cache_blocks_used", "KV cache blocks held by requests.", stats.kv_blocks_used),
-            ("orca:kv_cache_blocks_total", "KV cache blocks in all.", stats.kv_blocks_total),
+        )
+        yield from self._families(
+            CounterMetricFamily,
             (
-                "orca:kv_cache_blocks_cached",
-                "KV cache blocks holding a reusable prefix (held or evictable).",
-                stats.prefix_cache.cached_blocks,
+                (
+                    "vllm:num_preemptions",
+                    "Preemptions (requests recomputed for lack of KV blocks).",
+                    stats.num_preemptions,
+                ),
+                ("orca:engine_steps", "Iterations run by the loop.", stats.num_steps),
+                (
+                    "vllm:prefix_cache_queries",
+                    "Prefix cache queries, in terms of number of queried tokens.",
+                    stats.prefix_cache.queries,
+                ),
+                (
+                    "vllm:prefix_cache_hits",
+                    "Prefix cache hits, in terms of number of cached tokens.",
+                    stats.prefix_cache.hits,
+                ),
+                (
+                    "orca:prompt_tokens_computed",
+                    "Prompt tokens run through the model (prompt tokens minus prefix cache hits, plus "
+                    "recomputation after preemption).",
+                    stats.prefix_cache.computed_prompt_tokens,
+                ),
+                (
+                    "orca:prefix_cache_evictions",
+                    "Cached KV blocks whose memory was taken for new tokens.",
+                    stats.prefix_cache.evictions,
+                ),
+                (
+                    "orca:worker_restarts",
+                    "Restarts of the tensor/pipeline worker processes after one died.",
+                    stats.num_restarts,
+                ),
+                # Speculative decoding: the acceptance rate is accepted over proposed (vLLM's names too).
+                (
+                    "orca:spec_proposed_tokens",
+                    "Proposed tokens verified (speculative decoding).",
+                    stats.speculation.proposed_tokens,
+                ),
+                (
+                    "orca:spec_accepted_tokens",
+                    "Proposed tokens the model accepted (speculative decoding).",
+                    stats.speculation.accepted_tokens,
+                ),
+                (
+                    "vllm:spec_decode_num_drafts",
+                    "Verifications of proposed tokens (one per request per step that proposed).",
+                    stats.speculation.num_verifications,
+                ),
+                (
+                    "vllm:spec_decode_num_draft_tokens",
+                    "Proposed tokens verified.",
+                    stats.speculation.proposed_tokens,
+                ),
+                (
+                    "vllm:spec_decode_num_accepted_tokens",
+                    "Proposed tokens accepted.",
+                    stats.speculation.accepted_tokens,
+                ),
             ),
-        ):
-            g = GaugeMetricFamily(name, doc, labels=labels)
-            g.add_metric(value, float(v))
-            yield g
-        for name, doc, v in (
-            (
-                "vllm:num_preemptions",
-                "Preemptions (requests recomputed for lack of KV blocks).",
-                stats.num_preemptions,
-            ),
-            ("orca:engine_steps", "Iterations run by the loop.", stats.num_steps),
-            (
-                "vllm:prefix_cache_queries",
-                "Prefix cache queries, in terms of number of queried tokens.",
-                stats.prefix_cache.queries,
-            ),
-            (
-                "vllm:prefix_cache_hits",
-                "Prefix cache hits, in terms of number of cached tokens.",
-                stats.prefix_cache.hits,
-            ),
-            (
-                "orca:prompt_tokens_computed",
-                "Prompt tokens run through the model (prompt tokens minus prefix cache hits, plus "
-                "recomputation after preemption).",
-                stats.prefix_cache.computed_prompt_tokens,
-            ),
-            (
-                "orca:prefix_cache_evictions",
-                "Cached KV blocks whose memory was taken for new tokens.",
-                stats.prefix_cache.evictions,
-            ),
-            (
-                "orca:worker_restarts",
-                "Restarts of the tensor/pipeline worker processes after one died.",
-                stats.num_restarts,
-            ),
-            # Speculative decoding: the acceptance rate is accepted over proposed (vLLM's names too).
-            (
-                "orca:spec_proposed_tokens",
-                "Proposed tokens verified (speculative decoding).",
-                stats.speculation.proposed_tokens,
-            ),
-            (
-                "orca:spec_accepted_tokens",
-                "Proposed tokens the model accepted (speculative decoding).",
-                stats.speculation.accepted_tokens,
-            ),
-            (
-                "vllm:spec_decode_num_drafts",
-                "Verifications of proposed tokens (one per request per step that proposed).",
-                stats.speculation.num_verifications,
-            ),
-            (
-                "vllm:spec_decode_num_draft_tokens",
-                "Proposed tokens verified.",
-                stats.speculation.proposed_tokens,
-            ),
-            (
-                "vllm:spec_decode_num_accepted_tokens",
-                "Proposed tokens accepted.",
-                stats.speculation.accepted_tokens,
-            ),
-        ):
-            c = CounterMetricFamily(name, doc, labels=labels)
-            c.add_metric(value, float(v))
-            yield c
+        )
+
+    def _families(
+        self, kind: type[GaugeMetricFamily | CounterMetricFamily], rows: Iterable[tuple[str, str, float]]
+    ) -> Iterator[Any]:
+        """One metric family of `kind` per (name, help, value) row, labelled with the model's name."""
+        for name, doc, v in rows:
+            family = kind(name, doc, labels=["model_name"])
+            family.add_metric([self._model_name], float(v))
+            yield family
 
 
 class ServerMetrics:

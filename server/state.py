@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from engine.contract import Executor
 from engine.grammar import GrammarCompiler
 from models.errors import ModelLoadError
+from models.pooling import DECODER_DEFAULT, ModelPooling
 from scheduler.loop import IterationLoop, new_step_thread
 from scheduler.outputs import SchedulerStats, StepReport
 from server.config import ServerConfig
@@ -34,6 +35,7 @@ class LoadedModel:
     executor: Executor
     tokenizer: ServerTokenizer
     vocab_size: int  # the model's (embedding rows); token ids at or above it are rejected
+    pooling: ModelPooling = DECODER_DEFAULT  # what its files say embeddings pool with (models/pooling.py)
 
 
 # Blocking: runs in a worker thread while the event loop keeps answering /health.
@@ -49,6 +51,8 @@ class ServerState:
         self.grammars: GrammarCompiler | None = None  # structured outputs and tool calls
         self.vocab_size = 0
         self.kv_cache_capacity: dict[str, str | int] = {}  # set once loaded (/health)
+        # How /v1/embeddings and /v1/rerank pool: --pooling, else the model's own (set once loaded).
+        self.pooling: ModelPooling = DECODER_DEFAULT
         self.load_error: str | None = None
         self.created = int(time.time())
         self.metrics = ServerMetrics(config.model_name, self._stats)
@@ -133,6 +137,11 @@ class ServerState:
             "block_size": ex.block_size,
             "tokens": ex.num_kv_blocks * ex.block_size,
         }
+        self.pooling = ModelPooling(cfg.pooling, "--pooling") if cfg.pooling is not None else loaded.pooling
+        if self.pooling.method is None:
+            logger.info("no embeddings: %s (--pooling turns them on)", self.pooling.problem)
+        else:
+            logger.info("embeddings: %s pooling, from %s", self.pooling.method, self.pooling.source)
         if cfg.reasoning_parser is not None:
             problem = special_tag_problem(
                 REASONING_FORMATS[cfg.reasoning_parser], loaded.tokenizer.special_tokens

@@ -354,6 +354,7 @@ def write_tiny_gguf(
     add_bos: bool | None = None,
     chat_template: str = CHATML_TEMPLATE,
     rope_freqs: list[float] | None = None,
+    pooling_type: int | None = None,
 ) -> None:
     """A GGUF of a llama, qwen3 or phi3 model with a byte-level BPE tokenizer and a chat template, laid
     out as llama.cpp's converter writes them. `types` maps a tensor-name fragment ("attn_q",
@@ -361,7 +362,8 @@ def write_tiny_gguf(
     attention.key_length and q/k norms are added; phi3: `rotary_dim` as rope.dimension_count, and
     `longrope` = {"original": context, "short": [...], "long": [...], "attn_factor": f} as llama.cpp
     writes LongRoPE (factors as tensors); llama: `rope_freqs`, Llama 3.1's per-frequency divisors.
-    `extra_tokens` are control tokens after the vocabulary."""
+    `extra_tokens` are control tokens after the vocabulary; `pooling_type` (llama.cpp's enum) makes it an
+    embedding model's file."""
     import gguf
     import numpy as np
 
@@ -396,6 +398,8 @@ def write_tiny_gguf(
         w.add_rope_scaling_attn_factors(longrope["attn_factor"])
     if sliding_window is not None:
         w.add_sliding_window(sliding_window)
+    if pooling_type is not None:
+        w.add_pooling_type(gguf.PoolingType(pooling_type))
     w.add_file_type(0)
     w.add_tokenizer_model("gpt2")
     w.add_tokenizer_pre("default")
@@ -543,3 +547,21 @@ def write_tiny_gemma3_gguf(
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+
+
+def sentence_transformers_dir(root: Path, **modes: bool) -> Path:
+    """sentence-transformers' files in `root` (made if missing): modules.json naming a Pooling module in
+    1_Pooling, whose config sets `modes` (lasttoken=True: Qwen3-Embedding's)."""
+    import json
+
+    root.mkdir(parents=True, exist_ok=True)
+    modules = [
+        {"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+        {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"},
+        {"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"},
+    ]
+    (root / "modules.json").write_text(json.dumps(modules))
+    (root / "1_Pooling").mkdir(exist_ok=True)
+    config = {"word_embedding_dimension": 16, **{f"pooling_mode_{k}": v for k, v in modes.items()}}
+    (root / "1_Pooling" / "config.json").write_text(json.dumps(config))
+    return root

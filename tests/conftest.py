@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import glob
 import os
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 from builders import (
@@ -41,29 +43,6 @@ def smollm2_tokenizer_dir() -> Path:
     return out
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
-    """A tiny random Llama saved as an HF directory (config.json + safetensors + tokenizer)."""
-    model = build_hf_model(tiny_llama_config())
-    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-llama"), smollm2_tokenizer_dir)
-
-
-@pytest.fixture(scope="session")
-def tiny_gguf_llama_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
-    """A tiny Llama whose weights went through GGUF quantization like the default model's: Q4_1
-    projections and a Q8_0 (tied) embedding, stored dequantized as float32 safetensors."""
-    model = gguf_structured(build_hf_model(tiny_llama_config()))
-    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-gguf-llama"), smollm2_tokenizer_dir)
-
-
-@pytest.fixture(scope="session")
-def tiny_gguf_llama_d32_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
-    """tiny_gguf_llama_dir with head_dim 32 (2 query heads over 1 KV head): whole q8_0 blocks, so the
-    KV cache can be q8_0 (--kv-cache-dtype), and packed weights, so decode steps take the native call."""
-    model = gguf_structured(build_hf_model(tiny_llama_config(num_attention_heads=2, num_key_value_heads=1)))
-    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-gguf-llama-d32"), smollm2_tokenizer_dir)
-
-
 def _save_with_tokenizer(model, out: Path, tokenizer_dir: Path) -> Path:
     import shutil
 
@@ -73,43 +52,44 @@ def _save_with_tokenizer(model, out: Path, tokenizer_dir: Path) -> Path:
     return out
 
 
-@pytest.fixture(scope="session")
-def tiny_gemma3_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
-    """A tiny random Gemma 3 (local layers with a window of 8 tokens, global ones between them) with
-    GGUF-structured weights, so they pack and the native decode call runs its layers."""
-    model = gguf_structured(build_hf_model(tiny_gemma3_config()))
-    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-gemma3"), smollm2_tokenizer_dir)
+def tiny_model_dir(name: str, config: Callable[[], Any], quantized: bool = False) -> Any:
+    """A session fixture `name`: a random model from `config()` saved as an HF directory (config.json,
+    safetensors) with the default model's tokenizer; `quantized`: its weights went through GGUF
+    quantization (builders.gguf_structured), so they pack and the native decode call runs its layers."""
+
+    @pytest.fixture(scope="session", name=name)
+    def fixture(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
+        model = build_hf_model(config())
+        if quantized:
+            model = gguf_structured(model)
+        return _save_with_tokenizer(model, tmp_path_factory.mktemp(name), smollm2_tokenizer_dir)
+
+    return fixture
 
 
-@pytest.fixture(scope="session")
-def tiny_mistral_window_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
-    """A tiny random Mistral whose sliding window (6 tokens) every test prompt outgrows."""
-    config = tiny_mistral_config(sliding_window=6)
-    return _save_with_tokenizer(
-        build_hf_model(config), tmp_path_factory.mktemp("tiny-mistral-window"), smollm2_tokenizer_dir
-    )
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
-    """A tiny random Qwen3 (q/k norms, head_dim apart from hidden / heads) as an HF directory."""
-    model = build_hf_model(tiny_qwen3_config())
-    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-qwen3"), smollm2_tokenizer_dir)
-
-
-@pytest.fixture(scope="session")
-def tiny_phi3_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
-    """A tiny random Phi-4-mini-like model (fused qkv/gate_up, partial rotary, LongRoPE) as an HF
-    directory. Its original context (64) holds every test sequence: transformers recomputes a
-    sequence that outgrows it with the long factors, which this server does not (rotary.py says why)."""
-    model = build_hf_model(tiny_phi4_mini_config(original=64))
-    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-phi3"), smollm2_tokenizer_dir)
-
-
-@pytest.fixture(scope="session")
-def tiny_gpt2_dir(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
-    model = build_hf_model(tiny_gpt2_config())
-    return _save_with_tokenizer(model, tmp_path_factory.mktemp("tiny-gpt2"), smollm2_tokenizer_dir)
+tiny_llama_dir = tiny_model_dir("tiny_llama_dir", tiny_llama_config)
+# Q4_1 projections and a Q8_0 (tied) embedding like the default model's, stored dequantized as float32.
+tiny_gguf_llama_dir = tiny_model_dir("tiny_gguf_llama_dir", tiny_llama_config, quantized=True)
+# The same with head_dim 32 (2 query heads over 1 KV head): whole q8_0 blocks, so its KV cache can be
+# q8_0 (--kv-cache-dtype).
+tiny_gguf_llama_d32_dir = tiny_model_dir(
+    "tiny_gguf_llama_d32_dir",
+    lambda: tiny_llama_config(num_attention_heads=2, num_key_value_heads=1),
+    quantized=True,
+)
+# Local layers with a window of 8 tokens, global ones between them.
+tiny_gemma3_dir = tiny_model_dir("tiny_gemma3_dir", tiny_gemma3_config, quantized=True)
+# A sliding window (6 tokens) that every test prompt outgrows.
+tiny_mistral_window_dir = tiny_model_dir(
+    "tiny_mistral_window_dir", lambda: tiny_mistral_config(sliding_window=6)
+)
+# q/k norms, head_dim apart from hidden / heads.
+tiny_qwen3_dir = tiny_model_dir("tiny_qwen3_dir", tiny_qwen3_config)
+# Phi-4-mini-like (fused qkv/gate_up, partial rotary, LongRoPE). Its original context (64) holds every
+# test sequence: transformers recomputes a sequence that outgrows it with the long factors, which this
+# server does not (models/layers/rotary.py says why).
+tiny_phi3_dir = tiny_model_dir("tiny_phi3_dir", lambda: tiny_phi4_mini_config(original=64))
+tiny_gpt2_dir = tiny_model_dir("tiny_gpt2_dir", tiny_gpt2_config)
 
 
 @pytest.fixture(scope="session")

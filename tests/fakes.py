@@ -348,3 +348,17 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
         wait_for(healthy, SERVER_START_TIMEOUT_S, poll_s=0.1)
     except AssertionError:
         pytest.fail(f"server never became healthy:\n{log.read_text()}")
+
+
+def cramped_runner(longest: int, block_size: int, extra_blocks: int) -> fake_runner.FakeRunner:
+    """A fake runner whose KV cache holds the longest sequence plus `extra_blocks` (few: preemption and
+    eviction are common), speculating with a mostly-right draft where a config turns speculation on."""
+    from scheduler.block_allocator import blocks_for_tokens
+
+    num_blocks = blocks_for_tokens(longest, block_size) + extra_blocks
+    return fake_runner.FakeRunner(
+        num_kv_blocks=num_blocks,
+        block_size=block_size,
+        max_model_len=num_blocks * block_size,
+        draft_fn=fake_runner.mostly_right_draft,
+    )

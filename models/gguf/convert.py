@@ -13,7 +13,8 @@ as w + 1, are read back as w (`GGUFSupport.norm_offset`, kept in the manifest). 
 config stops on every end-of-turn token the file has (its eos, eot and eom ids and the chat formats'
 end-of-turn spellings, as llama.cpp does), not only on `tokenizer.ggml.eos_token_id`. The tokenizer
 (vocabulary, merges, BOS only where `tokenizer.ggml.add_bos_token` says so, `tokenizer.chat_template`)
-is transformers'.
+is transformers'. An embedding model's `<arch>.pooling_type` is kept in a small file that
+models/pooling.py reads.
 
 A bad file fails before anything is written, with one ModelLoadError: not a GGUF file, truncated or
 corrupt, a ggml type nothing here reads, an architecture no family serves.
@@ -26,6 +27,7 @@ for a finished one.
 from __future__ import annotations
 
 import hashlib
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -42,8 +44,9 @@ if TYPE_CHECKING:
 
 GGUF_MAGIC = b"GGUF"
 # 1: every weight dequantized to float32 safetensors; 2: a manifest where possible; 3: configs
-# completed from the metadata, every end-of-turn id in the generation config.
-CACHE_FORMAT = 3
+# completed from the metadata, every end-of-turn id in the generation config; 4: the pooling type
+# (models/pooling.py).
+CACHE_FORMAT = 4
 
 
 def cache_dir_for(gguf: Path) -> Path:
@@ -100,6 +103,16 @@ def _convert_into(gguf: Path, out: Path) -> None:
     else:
         _write_float_dir(gguf, out)
     _write_generation_config(out, config, meta)
+    _write_pooling(out, meta)
+
+
+def _write_pooling(out: Path, meta: GGUFFile) -> None:
+    """The file's pooling type, where it has one (embedding models), for models.pooling to read."""
+    from models.pooling import POOLING_FILE, gguf_pooling_name
+
+    name = gguf_pooling_name(meta.arch_value("pooling_type"))
+    if name is not None:
+        (out / POOLING_FILE).write_text(json.dumps({"pooling_type": name}) + "\n")
 
 
 def _read_config(gguf: Path, meta: GGUFFile, support: GGUFSupport | None) -> Any:

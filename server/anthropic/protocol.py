@@ -133,7 +133,9 @@ class CountTokensRequest(OpenAIModel):
     @field_validator("tools", mode="before")
     @classmethod
     def _custom_tools(cls, v: Any) -> Any:
-        for i, tool in enumerate(v or []):
+        if not isinstance(v, list):  # not a list: pydantic's own type error says so (a 400)
+            return v
+        for i, tool in enumerate(v):
             kind = tool.get("type") if isinstance(tool, dict) else None
             if kind not in (None, "custom"):
                 raise ValueError(

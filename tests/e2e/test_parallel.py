@@ -155,6 +155,20 @@ def test_step_message_round_trip() -> None:
     assert [s.sample for s in back] == [True, True, False]
     assert [list(s.block_table) for s in back] == [[3, 0, 0], [1, 4, 0], [0, 2, 7]]
 
+    # An embedding entry's pooling and a scoring entry's count share the flags.
+    pooled = [
+        ScheduledSequence("e", [4, 4], 0, [5], False, pooling="cls"),
+        ScheduledSequence("s", [1, 2, 3], 0, [6], True, num_prompt_scored=2),
+        ScheduledSequence("m", [8], 7, [2, 3], False, pooling="mean"),
+    ]
+    back = decode_batch(encode_batch(pooled))
+    assert [s.pooling for s in back] == ["cls", None, "mean"]
+    assert [s.num_prompt_scored for s in back] == [0, 2, 0] and [s.sample for s in back] == [
+        False,
+        True,
+        False,
+    ]
+
 
 def test_communication_volume_of_the_default_model_shape() -> None:
     """The per-sequence figures docs/parallelism.md quotes for SmolLM2-135M (30 layers, hidden 576,
@@ -263,6 +277,28 @@ async def completions_over_http(runner: Any, model_dir: Path) -> list[str]:
         return [r.json()["choices"][0]["text"] for r in answers]
 
 
+async def embeddings_through_loop(executor: Any) -> dict[str, list[float]]:
+    """The long prompt's embedding with each pooling, next to greedy generations of the others."""
+    engine = IterationLoop(executor, SCHED)
+    await engine.start()
+    params = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
+
+    async def embed(pooling: Any) -> list[float]:
+        [delta] = [d async for d in engine.embed(PROMPTS[2], pooling, f"e-{pooling}")]
+        assert delta.embedding is not None, delta.error
+        return delta.embedding
+
+    async def generate(i: int) -> None:
+        assert [d async for d in engine.generate(PROMPTS[i], params, f"g{i}")][-1].error is None
+
+    try:
+        poolings = ("last", "mean", "cls")
+        results = await asyncio.gather(*(embed(p) for p in poolings), generate(0), generate(3))
+        return dict(zip(poolings, results[:3], strict=True))
+    finally:
+        await engine.shutdown()
+
+
 class TestParallelEqualsOneProcess:
     """TP=2 and PP=2, each against the same one-process reference."""
 
@@ -337,6 +373,19 @@ class TestParallelEqualsOneProcess:
         engine = IterationLoop(parallel_runner, dataclasses.replace(SCHED, speculative="ngram"))
         assert await greedy_through_loop(parallel_runner, prompts, 24, engine=engine) == want
         assert engine.stats().speculation.accepted_tokens > 0
+
+    async def test_embeddings_equal_one_process(
+        self, parallel_runner: DistributedExecutor, uneven_llama_dir: Path
+    ) -> None:
+        """Embedding entries' pooled hidden states reach the driver (from the last stage, pipelined;
+        from rank 0's own layers, tensor parallel), chunked and batched with generations: one
+        process's vectors."""
+        want = await embeddings_through_loop(LocalExecutor(engine_config(uneven_llama_dir)))
+        got = await embeddings_through_loop(parallel_runner)
+        for pooling in want:
+            torch.testing.assert_close(
+                torch.tensor(got[pooling]), torch.tensor(want[pooling]), atol=1e-4, rtol=1e-4
+            )
 
     async def test_parallel_server_matches_one_process(
         self, parallel_runner: DistributedExecutor, uneven_llama_dir: Path, reference_texts: list[str]

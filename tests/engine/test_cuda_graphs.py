@@ -262,7 +262,8 @@ def test_graphs_are_off_unless_cuda_a_capturable_backend_and_a_batch_bound(tiny_
 def test_run_step_replays_a_graph_only_where_the_graph_computes_the_rows_asked_for(tiny_llama_dir: Path):
     """ModelRunner.run_step owns the replay decision: a decode step of sampling rows replays (its
     logits are a view of the graphs' buffer, equal to the eager step's); a step that also scores a
-    prompt token, or asks for every token's logits (ModelRunner.logits), runs eagerly."""
+    prompt token, asks for every token's logits (ModelRunner.logits) or pools an embedding runs
+    eagerly."""
     ex = executor(tiny_llama_dir, "cpu", "cpu-decode", enforce_eager=True)
     fake = ReplayByCalling()
     runner = ex.runner
@@ -300,6 +301,11 @@ def test_run_step_replays_a_graph_only_where_the_graph_computes_the_rows_asked_f
     assert replays() == 1 and scoring is not None and scoring.shape[0] == 3  # 1 scored row + 2 samples
     every = runner.logits([decode(0), replace(decode(1), sample=False)], all_tokens=True)
     assert replays() == 1 and every.shape[0] == 2
+    # A one-token embedding entry beside a decode: eager too (a graph gives logits, no hidden states).
+    embedding = ScheduledSequence("e", [5], 0, list(range(24, 32)), False, pooling="last")
+    both = runner.run_step(runner.prepare_host([decode(0), embedding]))
+    assert replays() == 1 and both.logits is not None and both.logits.shape[0] == 1
+    assert both.pooled is not None and both.pooled.shape == (1, runner.hidden_size)
 
 
 # ------------------------------------------------------------------------------------------ CUDA

@@ -17,8 +17,12 @@ from loadtest.gguf_shapes import SHAPES, main, tensors, tiny, use_more_bits, wri
 
 @pytest.mark.parametrize(
     ("name", "params", "non_embedding"),
-    # The model cards say 0.6B (0.44B without the embedding), 3.8B and 1B (0.7B without it).
+    # The model cards say 0.6B (0.44B without the embedding), 3.8B and 1B (0.7B without it); Llama's
+    # 1.24B, 3.21B and 8.03B (safetensors' counts).
     [
+        ("llama-3.2-1b", 1.2358e9, 0.9732e9),
+        ("llama-3.2-3b", 3.2128e9, 2.8188e9),
+        ("llama-3.1-8b", 8.0301e9, 7.5047e9),
         ("qwen3-0.6b", 0.596e9, 0.4405e9),
         ("phi-4-mini", 3.836e9, 3.2214e9),
         ("gemma-3-1b", 0.9999e9, 0.6979e9),
@@ -44,7 +48,7 @@ def test_q4_k_m_types_follow_llama_cpp() -> None:
     assert phi["rope_factors_long.weight"] == "F32"
 
 
-@pytest.mark.parametrize("name", ["qwen3-0.6b", "phi-4-mini", "gemma-3-1b"])
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "phi-4-mini", "gemma-3-1b", "llama-3.2-1b"])
 def test_tiny_files_load_on_the_native_kernels(name: str, tmp_path: Path, monkeypatch) -> None:
     from gguf import GGUFReader
 
@@ -59,6 +63,8 @@ def test_tiny_files_load_on_the_native_kernels(name: str, tmp_path: Path, monkey
     config = load_config(model_dir)
     if name == "qwen3-0.6b":
         assert config.head_dim == 64 and config.tie_word_embeddings
+    elif name == "llama-3.2-1b":
+        assert config.rope_parameters["rope_theta"] == 500000.0 and config.tie_word_embeddings
     elif name == "gemma-3-1b":  # the 2 layers local (every sixth is global), with their window
         assert config.sliding_window == 512 and config.layer_types == ["sliding_attention"] * 2
         assert config.vocab_size == shape.vocab  # the SentencePiece vocabulary, read back whole

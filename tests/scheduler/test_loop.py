@@ -44,21 +44,6 @@ async def in_thread_wait(event: threading.Event) -> None:
     assert await asyncio.wait_for(asyncio.to_thread(event.wait, GUARD_S), GUARD_S)
 
 
-@pytest.fixture
-async def make_engine():
-    engines: list[IterationLoop] = []
-
-    async def make(runner: FakeRunner | None = None, **cfg) -> IterationLoop:
-        engine = IterationLoop(runner or FakeRunner(), SchedulerConfig(**cfg) if cfg else None)
-        await engine.start()
-        engines.append(engine)
-        return engine
-
-    yield make
-    for e in engines:
-        await asyncio.wait_for(e.shutdown(), GUARD_S)
-
-
 async def test_streams_one_delta_per_token_in_order(make_engine):
     engine = await make_engine()
     p = prompt(9)

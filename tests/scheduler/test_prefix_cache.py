@@ -11,7 +11,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 import pytest
-from fakes import greedy_through_loop
+from fakes import cramped_runner, greedy_through_loop
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import scheduler_configs
@@ -20,7 +20,7 @@ from engine.contract import SamplingParams
 from scheduler.block_allocator import BlockAllocator, hash_block
 from scheduler.config import SchedulerConfig
 from scheduler.core import ScheduledStep, Scheduler
-from scheduler.fake_runner import FakeRunner, hash_next_token, mostly_right_draft
+from scheduler.fake_runner import FakeRunner, hash_next_token
 from scheduler.loop import IterationLoop
 from scheduler.request import Request, RequestStatus
 
@@ -369,13 +369,7 @@ def test_random_shared_prefix_workloads_keep_every_invariant(wl, config, extra_b
     every output is the unshared one, and at the end no block is held (cached ones remain)."""
     arrivals, ends = wl
     longest = max(len(p) + m for _, p, m in arrivals)
-    num_blocks = -(-longest // BS) + extra_blocks  # small: eviction and preemption are common
-    runner = FakeRunner(
-        num_kv_blocks=num_blocks,
-        block_size=BS,
-        max_model_len=num_blocks * BS,
-        draft_fn=mostly_right_draft,  # speculative decoding, when the config has it on
-    )
+    runner = cramped_runner(longest, BS, extra_blocks)
     sched = make(runner, config)
     reqs = [request(f"r{i}", p, m) for i, (_, p, m) in enumerate(arrivals)]
     pending = list(zip(arrivals, reqs, strict=True))

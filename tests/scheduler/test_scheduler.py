@@ -7,6 +7,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import pytest
+from fakes import cramped_runner
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from strategies import scheduler_configs
@@ -15,8 +16,8 @@ from engine.contract import SampledToken, SamplingParams
 from scheduler.block_allocator import BlockAllocator, NoFreeBlocksError, blocks_for_tokens
 from scheduler.config import SchedulerConfig
 from scheduler.core import ScheduledStep, Scheduler
-from scheduler.fake_runner import FakeDetokenizer, FakeRunner, hash_next_token, mostly_right_draft
-from scheduler.output_text import start_output
+from scheduler.fake_runner import FakeDetokenizer, FakeRunner, hash_next_token
+from scheduler.output_text import OutputText, start_output
 from scheduler.outputs import FinishReason
 from scheduler.request import Request, RequestStatus
 from scheduler.stop import check_stop
@@ -45,6 +46,19 @@ def req(rid: str, prompt_len: int, max_tokens: int = 4, **params) -> Request:
     prompt = prompt_of(rid, prompt_len)
     sampling = SamplingParams(max_tokens=max_tokens, **params)
     return Request(rid, prompt, sampling, output_text=start_output(DETOK, prompt, sampling))
+
+
+def embedding_req(rid: str, prompt_len: int, pooling: str) -> Request:
+    prompt = prompt_of(rid, prompt_len)
+    return Request(rid, prompt, SamplingParams(), output_text=OutputText.without_text(), pooling=pooling)
+
+
+def pooled(runner: FakeRunner, tokens: Sequence[int], pooling: str) -> list[float]:
+    """Reference: the fake model's states over `tokens`, pooled."""
+    states = [runner.hidden_state(tokens[: i + 1]) for i in range(len(tokens))]
+    if pooling == "mean":
+        return [sum(column) / len(tokens) for column in zip(*states, strict=True)]
+    return states[-1] if pooling == "last" else states[0]
 
 
 def run_step(sched: Scheduler, runner: FakeRunner) -> tuple[ScheduledStep, list[Request]]:
@@ -334,6 +348,8 @@ class Workload:
     aborts: dict[int, list[int]] = field(default_factory=dict)  # step -> request indices
     # request index -> the output token whose text is the request's stop string
     stop_at: dict[int, int] = field(default_factory=dict)
+    # request index -> its pooling: an embedding request (prefill only) instead of a generation
+    pooling: dict[int, str] = field(default_factory=dict)
 
 
 @st.composite
@@ -347,7 +363,9 @@ def workloads(draw):
     for i in draw(st.lists(st.integers(0, n - 1), max_size=3)):
         aborts.setdefault(draw(st.integers(0, 60)), []).append(i)
     stop_at = {i: draw(st.integers(1, 16)) for i in draw(st.lists(st.integers(0, n - 1), max_size=3))}
-    return Workload(arrivals, aborts, stop_at)
+    methods = st.sampled_from(["last", "mean", "cls"])
+    pooling = {i: draw(methods) for i in draw(st.lists(st.integers(0, n - 1), max_size=3))}
+    return Workload(arrivals, aborts, {i: k for i, k in stop_at.items() if i not in pooling}, pooling)
 
 
 def stop_point(tokens: Sequence[int], stop: str) -> int | None:
@@ -369,13 +387,7 @@ def stop_point(tokens: Sequence[int], stop: str) -> int | None:
 )
 def test_random_workloads_keep_every_invariant(wl, config, block_size, extra_blocks):
     longest = max(p + m for _, p, m in wl.arrivals)
-    num_blocks = blocks_for_tokens(longest, block_size) + extra_blocks  # small: preemption is common
-    runner = FakeRunner(
-        num_kv_blocks=num_blocks,
-        block_size=block_size,
-        max_model_len=num_blocks * block_size,
-        draft_fn=mostly_right_draft,  # speculative decoding, when the config has it on
-    )
+    runner = cramped_runner(longest, block_size, extra_blocks)
     sched = make(runner, config)
     max_num_seqs, budget, chunked = config.max_num_seqs, config.max_num_batched_tokens, config.chunked_prefill
     scheduling, kv_policy = config.scheduling, config.kv_policy
@@ -385,7 +397,9 @@ def test_random_workloads_keep_every_invariant(wl, config, block_size, extra_blo
         for i, k in wl.stop_at.items()
     }
     reqs = [
-        req(f"r{i}", p, max_tokens=m, stop=(stops[i],) if i in stops else ())
+        embedding_req(f"r{i}", p, wl.pooling[i])
+        if i in wl.pooling
+        else req(f"r{i}", p, max_tokens=m, stop=(stops[i],) if i in stops else ())
         for i, (_, p, m) in enumerate(wl.arrivals)
     ]
     index = {r.request_id: i for i, r in enumerate(reqs)}
@@ -405,7 +419,7 @@ def test_random_workloads_keep_every_invariant(wl, config, block_size, extra_blo
         # budgets
         assert step.num_seqs <= max_num_seqs and len(sched.running) <= max_num_seqs
         assert step.num_tokens <= budget or (not chunked and step.num_seqs == 1)
-        assert sched.allocator.num_used == used_blocks(sched) <= num_blocks
+        assert sched.allocator.num_used == used_blocks(sched) <= runner.num_kv_blocks
         if kv_policy == "reserve":
             assert not step.preempted
         # lazy preempts the newest running requests first: victims are a suffix of the admission order
@@ -431,10 +445,15 @@ def test_random_workloads_keep_every_invariant(wl, config, block_size, extra_blo
         assert step_no < 5000, "no progress"
     assert admitted == sorted(admitted)
     # no leaks: every block back, every request handed back exactly once
-    assert sched.allocator.num_free == num_blocks and not sched.requests and not sched.running
+    assert sched.allocator.num_free == runner.num_kv_blocks and not sched.requests and not sched.running
     assert sorted(r.request_id for r in released) == sorted(r.request_id for r in reqs)
     for r in reqs:
         assert r.is_finished
+        if r.pooling is not None:  # an embedding: no output, its whole prompt pooled (unless aborted)
+            assert r.output_token_ids == [] and r.status is not RequestStatus.FINISHED_ERROR
+            if r.status is RequestStatus.FINISHED_STOPPED:
+                assert r.embedding == pytest.approx(pooled(runner, r.prompt_token_ids, r.pooling), rel=1e-9)
+            continue
         want = expected_outputs(r.prompt_token_ids, r.num_output_tokens)
         assert r.output_token_ids == want  # the fake model's sequence, preempted or not
         # A stop string ends its request at the token that completes it (the fake model never says EOS).
