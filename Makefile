@@ -16,7 +16,7 @@ else
 EXTRAS := dev,triton
 endif
 
-.PHONY: install browser serve test test-slow test-all lint bench bench-peers bench-paper clean
+.PHONY: install browser serve test test-slow test-all lint bench bench-tpot bench-peers bench-paper clean
 
 $(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -61,6 +61,10 @@ lint: install
 
 bench: install
 	$(PY) -m engine.bench
+
+# TPOT at one stream next to the bare forward step, overlapped scheduling off and on (loadtest/tpot.py).
+bench-tpot: install
+	$(PY) -m loadtest.tpot
 
 # orca-serve against llama.cpp's llama-server on the same GGUF file (../shared/peers/llama.cpp/), in one
 # run: closed-loop streaming chat at concurrency 1, 8 and 32 and a 512-token prefill run, as ratios.

@@ -52,6 +52,14 @@ def size_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def on_off(text: str) -> bool:
+    """'on' -> True, 'off' -> False, as an argparse `type`."""
+    value = {"on": True, "off": False}.get(text.strip().lower())
+    if value is None:
+        raise argparse.ArgumentTypeError(f"expected on or off, got {text!r}")
+    return value
+
+
 # ---- flags declared on config dataclasses -----------------------------------------------------------
 #
 # A config field that the command line sets says so where it is defined:

@@ -76,6 +76,12 @@ class SamplingParams:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
 
+# Overlapped scheduling (scheduler/overlap.py): the token id of a decode row scheduled while the step
+# that samples its token is still running. The loop replaces it with that token before the row is
+# submitted: an executor never sees it.
+PENDING_TOKEN = -1
+
+
 @dataclass
 class ScheduledSequence:
     """One request's share of a step: a whole prompt, a prompt chunk, or one decode token."""

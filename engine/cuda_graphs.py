@@ -30,8 +30,9 @@ graphs reuse the largest one's intermediate memory; each graph writes its logits
 [max size, vocab] float32 buffer, whose first B rows are the step's logits.
 
 Which runs capture graphs: engine.executor decides (one process, CUDA, a backend that can be captured:
-the triton backend, whose launches read host-side sizes only and never synchronise; `--enforce-eager`
-turns them off). Which steps replay one: engine.model_runner.ModelRunner.run_step, the one step path.
+the triton backend, whose launches read host-side sizes only and never synchronise; a family whose steps
+decide on the host what runs, a mixture of experts, opts out; `--enforce-eager` turns them off). Which
+steps replay one: engine.model_runner.ModelRunner.run_step, the one step path.
 Before each capture the size is run once eagerly on a side stream: that compiles the Triton variants
 and lets cuBLAS pick its kernels outside the capture.
 """

@@ -84,6 +84,10 @@ class GGUFShape:
     # one transformers' GGUF reader expects of a gemma3 file).
     tokenizer: str = "bpe"
     metadata: dict[str, Any] = field(default_factory=dict)  # more "<arch>.<key>" values
+    # A mixture of experts (qwen3moe, olmoe): `experts` of `expert_ff` each, `experts_used` per token.
+    experts: int = 0
+    experts_used: int = 0
+    expert_ff: int = 0
 
     @property
     def d(self) -> int:
@@ -178,9 +182,29 @@ SHAPES: dict[str, GGUFShape] = {
         tokenizer="spm",
         metadata={"attention.sliding_window": 512},
     ),
+    # allenai/OLMoE-1B-7B-0924's: 64 experts of 1024, 8 per token, 16 layers of 2048, MHA, q/k norms
+    # over the whole projections, 50304 tokens, untied: 6.9B parameters, 1.3B active.
+    "olmoe-1b-7b": GGUFShape(
+        arch="olmoe",
+        hidden=2048,
+        ff=1024,
+        layers=16,
+        heads=16,
+        kv_heads=16,
+        vocab=50304,
+        context=4096,
+        rope_theta=10000.0,
+        rms_eps=1e-5,
+        tied=False,
+        eos="<|im_end|>",
+        experts=64,
+        experts_used=8,
+        expert_ff=1024,
+    ),
 }
 
-# One layer's tensors: (name, shape in HF orientation: (rows, cols) for a linear, (size,) for a norm).
+# One layer's tensors: (name, shape in HF orientation: (rows, cols) for a linear, (experts, rows, cols)
+# for an expert stack, (size,) for a norm).
 Tensors = list[tuple[str, tuple[int, ...]]]
 
 
@@ -211,6 +235,33 @@ def _qwen3_layer(s: GGUFShape, i: int) -> Tensors:
     return [*_attention(s, i, fused=False), *norms, *_mlp(s, i, fused=False)]
 
 
+def _experts(s: GGUFShape, i: int) -> Tensors:
+    """The router (F32 in llama.cpp's mixes) and the 3-D expert stacks."""
+    e, ff = s.experts, s.expert_ff
+    return [
+        (f"blk.{i}.ffn_norm.weight", (s.hidden,)),
+        (f"blk.{i}.ffn_gate_inp.weight", (e, s.hidden)),
+        (f"blk.{i}.ffn_gate_exps.weight", (e, ff, s.hidden)),
+        (f"blk.{i}.ffn_up_exps.weight", (e, ff, s.hidden)),
+        (f"blk.{i}.ffn_down_exps.weight", (e, s.hidden, ff)),
+    ]
+
+
+def _qwen3moe_layer(s: GGUFShape, i: int) -> Tensors:
+    """Qwen3's attention (per-head q/k norms) and experts."""
+    norms = [(f"blk.{i}.attn_q_norm.weight", (s.d,)), (f"blk.{i}.attn_k_norm.weight", (s.d,))]
+    return [*_attention(s, i, fused=False), *norms, *_experts(s, i)]
+
+
+def _olmoe_layer(s: GGUFShape, i: int) -> Tensors:
+    """Llama's attention with q/k norms over the whole projections, and experts."""
+    norms = [
+        (f"blk.{i}.attn_q_norm.weight", (s.heads * s.d,)),
+        (f"blk.{i}.attn_k_norm.weight", (s.kv_heads * s.d,)),
+    ]
+    return [*_attention(s, i, fused=False), *norms, *_experts(s, i)]
+
+
 def _phi3_layer(s: GGUFShape, i: int) -> Tensors:
     return [*_attention(s, i, fused=True), *_mlp(s, i, fused=True)]
 
@@ -228,6 +279,8 @@ def _gemma3_layer(s: GGUFShape, i: int) -> Tensors:
 LAYER_TENSORS: dict[str, Callable[[GGUFShape, int], Tensors]] = {
     "llama": _llama_layer,
     "qwen3": _qwen3_layer,
+    "qwen3moe": _qwen3moe_layer,
+    "olmoe": _olmoe_layer,
     "phi3": _phi3_layer,
     "gemma3": _gemma3_layer,
 }
@@ -245,10 +298,10 @@ K_QUANT_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 def q4_k_m_type(name: str, dims: tuple[int, ...], shape: GGUFShape) -> str:
     """The type llama.cpp's Q4_K_M gives a tensor (llama_tensor_get_type, for these architectures)."""
-    if len(dims) == 1:
+    if len(dims) == 1 or ".ffn_gate_inp." in name:  # norms; the router llama.cpp never quantizes
         return "F32"
     chosen = _q4_k_m_choice(name, shape)
-    return chosen if dims[1] % 256 == 0 else K_QUANT_FALLBACK[chosen]
+    return chosen if dims[-1] % 256 == 0 else K_QUANT_FALLBACK[chosen]
 
 
 def _q4_k_m_choice(name: str, shape: GGUFShape) -> str:
@@ -256,7 +309,7 @@ def _q4_k_m_choice(name: str, shape: GGUFShape) -> str:
         return "Q6_K"
     if ".attn_qkv." in name:
         return "Q5_K"
-    if ".attn_v." in name or ".ffn_down." in name:
+    if ".attn_v." in name or ".ffn_down." in name or ".ffn_down_exps." in name:
         return "Q6_K" if use_more_bits(int(name.split(".")[1]), shape.layers) else "Q4_K"
     return "Q4_K"
 
@@ -423,7 +476,10 @@ def tensor_data(
         return rope_factors(shape, long="long" in name)
     if len(dims) == 1:
         return (1.0 + 0.05 * rng.standard_normal(dims[0])).astype(np.float32)
-    return random_blocks(ggml_type, dims[0], dims[1], rng)
+    if ggml_type == "F32":  # the router: logits of about 1, so every expert gets picked
+        return (rng.standard_normal(dims) / np.sqrt(dims[-1])).astype(np.float32)
+    rows = int(np.prod(dims[:-1]))  # an expert stack's experts one after another
+    return random_blocks(ggml_type, rows, dims[-1], rng).reshape(*dims[:-1], -1)
 
 
 # --------------------------------------------------------------------------------------- the file
@@ -447,6 +503,10 @@ def _metadata(w: Any, shape: GGUFShape, vocab: Vocabulary, name: str) -> None:
     if shape.head_dim is not None:
         w.add_key_length(shape.head_dim)
         w.add_value_length(shape.head_dim)
+    if shape.experts:
+        w.add_expert_count(shape.experts)
+        w.add_expert_used_count(shape.experts_used)
+        w.add_expert_feed_forward_length(shape.expert_ff)
     if shape.longrope_original:
         scale = shape.context / shape.longrope_original
         w.add_rope_scaling_orig_ctx_len(shape.longrope_original)
@@ -492,9 +552,10 @@ def write_gguf(shape: GGUFShape, path: Path, name: str = "bench", seed: int = 0)
             else:
                 qtype = gguf.GGMLQuantizationType[ggml_type]
                 block, size = gguf.GGML_QUANT_SIZES[qtype]
-                row_bytes = dims[1] // block * size
+                row_bytes = dims[-1] // block * size
+                rows = int(np.prod(dims[:-1]))
                 w.add_tensor_info(
-                    tensor_name, (dims[0], row_bytes), np.dtype(np.uint8), dims[0] * row_bytes, qtype
+                    tensor_name, (*dims[:-1], row_bytes), np.dtype(np.uint8), rows * row_bytes, qtype
                 )
         w.write_header_to_file()
         w.write_kv_data_to_file()
@@ -532,6 +593,10 @@ def tiny(shape: GGUFShape) -> GGUFShape:
         vocab=4096 + len(shape.chat_tokens),
         base_vocab=4096,
         longrope_original=None if shape.longrope_original is None else 1024,
+        # 8 experts of 256, as many per token as the shape takes up to 4.
+        experts=min(shape.experts, 8),
+        experts_used=min(shape.experts_used, 4),
+        expert_ff=256 if shape.experts else 0,
     )
 
 

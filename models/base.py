@@ -61,6 +61,8 @@ class CausalLMBase(nn.Module):
     vocab_size: int
     tie_word_embeddings: bool
     lm_head: ParallelLMHead | None
+    # The size of the files the weights were read from (set by the loader; None: random weights).
+    weight_file_bytes: int | None = None
 
     def __init__(
         self,

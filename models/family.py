@@ -54,6 +54,13 @@ class WeightNames:
     # checkpoint's language model under its own prefix: ("language_model.model.", "model.")); a
     # prefix replaced by None marks tensors this server does not use (a vision tower), skipped.
     renamed: tuple[tuple[str, str | None], ...] = ()
+    # Name fragments replaced wherever they occur, before stacking (Mixtral's ".block_sparse_moe." ->
+    # ".mlp.", ".w2." -> ".down_proj.").
+    replaced: tuple[tuple[str, str], ...] = ()
+    # A mixture of experts' stacked tensors [experts, rows, cols] (transformers 5's fused parameters,
+    # a GGUF file's ffn_*_exps), unstacked into one tensor per expert: (name suffix, per-expert
+    # suffix with {} for the expert's index), e.g. (".experts.down_proj", ".experts.{}.down_proj.weight").
+    experts: tuple[tuple[str, str], ...] = ()
 
 
 class GGUFMetadata(Protocol):
@@ -69,6 +76,9 @@ class GGUFMetadata(Protocol):
 
     def tensor(self, name: str) -> Any:
         """A small tensor's values (float32 numpy array; rope factors), or None if the file has none."""
+
+    def has_tensor(self, name: str) -> bool:
+        """Whether the file has a tensor of that name (any size; nothing is read)."""
 
 
 @dataclass(frozen=True)
@@ -88,6 +98,18 @@ class GGUFSupport:
     # file's metadata and the config transformers read (not changed: the entries returned are set on
     # the converted config), as llama.cpp reads them.
     config: Callable[[GGUFMetadata, Any], dict[str, Any]] | None = None
+    # Tensors of a block named here rather than by transformers' mapping: (name within block i,
+    # "ffn_gate_exps.weight", -> parameter name within layer i, "mlp.experts.gate_proj"). The expert
+    # stacks: transformers merges ffn_gate_exps and ffn_up_exps into one parameter, which a
+    # manifest could not tell apart; here each stays its own tensor, cut into one weight per expert.
+    block_tensors: tuple[tuple[str, str], ...] = ()
+    # transformers' model type of a file whose metadata makes it another model than transformers'
+    # reader takes it for (a `llama` file with experts is a Mixtral), or None: as read.
+    model_type: Callable[[GGUFMetadata], str | None] | None = None
+    # The whole config from the metadata (with its "model_type"), for an architecture transformers'
+    # GGUF reader does not read at all (olmoe); its tokenizer is then transformers' reading of the
+    # file's tokenizer metadata alone (PreTrainedTokenizerFast), which needs no architecture.
+    metadata_config: Callable[[GGUFMetadata], dict[str, Any]] | None = None
 
 
 def no_sliding_window(config: Any) -> int | None:
@@ -131,6 +153,10 @@ class ModelFamily:
     # The attention window the (text) config turns on (None: full attention); `layer_windows` says
     # which layers use it.
     sliding_window: Callable[[Any], int | None] = field(default=no_sliding_window)
+    # Whether CUDA graphs may capture its decode steps (engine/cuda_graphs.py): not where a step
+    # decides on the host what runs (a mixture of experts reads back which experts its tokens chose,
+    # which a capture cannot do and a replay would freeze).
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         # The class learns its family, so a built model reads its own declaration (model.family).

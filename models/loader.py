@@ -137,6 +137,7 @@ def load_model(
         if str(where) in str(e):
             raise
         raise ModelLoadError(f"{where}: {e}") from None
+    model.weight_file_bytes = reader.file_bytes  # what the start-up log weighs memory against
     if pack:
         pack_model_weights(model, linear_precision(weight_packing))
     model.set_attention_backend(attention_backend, device)

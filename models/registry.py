@@ -13,7 +13,19 @@ from models.errors import ModelLoadError
 from models.family import GGUFSupport, ModelFamily
 
 # models/families/<name>.py, each defining FAMILY. Adding a family: its file and its name here.
-FAMILY_MODULES = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gpt2", "gemma3")
+FAMILY_MODULES = (
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "phi3",
+    "gpt2",
+    "gemma3",
+    "qwen2_moe",
+    "qwen3_moe",
+    "mixtral",
+    "olmoe",
+)
 
 FAMILIES: tuple[ModelFamily, ...] = tuple(
     importlib.import_module(f"models.families.{name}").FAMILY for name in FAMILY_MODULES

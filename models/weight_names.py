@@ -3,18 +3,19 @@
     for hf_name, name, tensor, shard in map_weight_names(model, weights): ...
 
 The one place that knows about fused parameters (q/k/v, gate/up), fused checkpoint tensors cut into
-shards, transposed Conv1D weights, recomputed buffers, tied heads and pipeline stages; the families only
-declare their names (models/family.py).
+shards, stacked expert tensors cut into experts, transposed Conv1D weights, recomputed buffers, tied
+heads and pipeline stages; the families only declare their names (models/family.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
 from torch import nn
 
+from models.errors import ModelLoadError
 from models.family import ShardId, WeightNames
 from models.layers.parallel import PPContext
 
@@ -53,7 +54,28 @@ def map_weight_names(
             continue
         if name.endswith(names.transposed) and isinstance(tensor, torch.Tensor) and tensor.dim() == 2:
             tensor = tensor.t()
-        yield from _fused(model, names, hf_name, name, tensor)
+        for old, new in names.replaced:
+            name = name.replace(old, new)
+        stack = next(((old, new) for old, new in names.experts if name.endswith(old)), None)
+        if stack is None:
+            yield from _fused(model, names, hf_name, name, tensor)
+            continue
+        old, new = stack
+        for e, part in enumerate(_unstacked(hf_name, tensor)):
+            yield from _fused(model, names, hf_name, name[: -len(old)] + new.format(e), part)
+
+
+def _unstacked(hf_name: str, tensor: Any) -> Sequence[Any]:
+    """An expert stack's per-expert tensors: a 3-D tensor's slices along dim 0, or the sequence of
+    per-expert 2-D tensors (raw blocks included) a GGUF reader yields for one."""
+    if isinstance(tensor, torch.Tensor):
+        if tensor.dim() != 3:
+            raise ModelLoadError(
+                f"weight {hf_name!r}: an expert stack must be 3-D [experts, rows, cols], "
+                f"got shape {tuple(tensor.shape)}"
+            )
+        return tensor.unbind(0)
+    return tensor
 
 
 def _renamed(names: WeightNames, hf_name: str) -> str | None:

@@ -85,13 +85,13 @@ def pack_model_weights(model: nn.Module, precision: Precision = "int8") -> Packi
 
 def describe_cpu_setup(model: nn.Module) -> str:
     """One line for the server's start-up log: the kernels' ISA variant, the linear layers' precision
-    and formats, and the bytes of weights a decode step reads."""
+    and formats, the bytes of weights a decode step reads, and all weights in memory against their file."""
     k = cpu_kernels.kernels()
     layers = packable_layers(model)
     packed = [layer for layer in layers if layer.packed is not None]
     isa = f"{k.name} kernels ({k.variant.description})" if k else "no native kernels (torch ops)"
     if not packed:
-        return f"CPU: {isa}; linear layers: torch float matmuls"
+        return f"CPU: {isa}; linear layers: torch float matmuls; {describe_weight_memory(model)}"
     formats = Counter(f for layer in packed for f in layer.packed.formats)
     precisions = sorted({layer.precision for layer in packed})
     # A tied LM head and its embedding share one packed table: count its bytes once.
@@ -107,5 +107,21 @@ def describe_cpu_setup(model: nn.Module) -> str:
         f"CPU: {isa}; {len(packed)} of {len(layers)} linear layers on the quantized kernel "
         f"({', '.join(f'{n} {name}' for name, n in sorted(formats.items()))}) with "
         f"{'/'.join(precisions)} activations; linear weights {(packed_bytes + float_bytes) / 1e6:.1f} MB"
-        f"{decode}"
+        f"{decode}; {describe_weight_memory(model)}"
     )
+
+
+def weight_memory_bytes(model: nn.Module) -> int:
+    """Bytes every weight of the model holds: packed block-quantized weights and float parameters
+    (each shared one counted once)."""
+    packed = {id(layer.packed): layer.packed.nbytes for layer in packable_layers(model) if layer.packed}
+    params = {p.data_ptr(): p.numel() * p.element_size() for p in model.parameters()}
+    return sum(packed.values()) + sum(params.values())
+
+
+def describe_weight_memory(model: nn.Module) -> str:
+    """All weights in memory, against the size of the file(s) they came from."""
+    held = weight_memory_bytes(model)
+    file_bytes = getattr(model, "weight_file_bytes", None)
+    against = f" ({held / file_bytes:.2f}x the {file_bytes / 1e6:.1f} MB weight file)" if file_bytes else ""
+    return f"all weights {held / 1e6:.1f} MB in memory{against}"

@@ -42,6 +42,11 @@ class SafetensorsReader:
         self.device = str(torch.device(device))
         self.current: Path | None = None
 
+    @property
+    def file_bytes(self) -> int:
+        """The weight files' size on disk."""
+        return sum(p.stat().st_size for p in self.files)
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor]]:
         for path in self.files:
             self.current = path

@@ -7,7 +7,7 @@ import argparse
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from engine.cli_args import FlagGroup, flag
+from engine.cli_args import FlagGroup, flag, on_off
 from scheduler.speculation import SPECULATIVE_METHODS, SpeculativeMethod
 
 Scheduling = Literal["iteration", "request"]
@@ -70,6 +70,17 @@ class SchedulerConfig(FlagGroup):
     # CPU, by context length and load (docs/architecture.md, "Speculative decoding").
     speculative_token_cost: float = flag(
         0.12, "cost of one more token in a decode step, as a fraction of a one-token step"
+    )
+
+    # Overlapped scheduling (docs/architecture.md, "Overlapped scheduling"): the loop schedules the next
+    # step, applies the last one's tokens and sends its deltas while the forward pass runs; a decoding
+    # request's finish is seen one step late (its extra row is discarded).
+    overlap_schedule: bool = flag(
+        True,
+        "overlap the loop's CPU work (scheduling, applying tokens, detokenizing, stop checks, sending "
+        "deltas) with the next forward pass: on or off",
+        type=on_off,
+        metavar="on|off",
     )
 
     def __post_init__(self) -> None:

@@ -12,6 +12,7 @@ from collections.abc import Sequence, Set
 from dataclasses import dataclass, field, replace
 
 from engine.contract import (
+    PENDING_TOKEN,
     Executor,
     PooledState,
     PromptLogprobs,
@@ -221,24 +222,41 @@ class Scheduler:
 
     # ---- one iteration ----------------------------------------------------------------------------
 
-    def schedule(self, in_flight: Set[str] = frozenset(), max_seqs: int | None = None) -> ScheduledStep:
+    def schedule(
+        self,
+        in_flight: Set[str] = frozenset(),
+        max_seqs: int | None = None,
+        pending: ScheduledStep | None = None,
+    ) -> ScheduledStep:
         """Pick this iteration's work: running decodes, then prompt chunks in progress, then new
         requests in arrival order, under max_num_seqs, max_num_batched_tokens and the KV blocks.
 
         `in_flight`: ids of requests in batches that are still running (pipeline parallelism keeps
         several batches in flight, as ORCA does). They are neither scheduled again nor preempted until
         their batch's tokens are applied: a request is in at most one in-flight batch. `max_seqs` caps
-        this batch below max_num_seqs (the pipelined loop spreads the requests over its batches)."""
+        this batch below max_num_seqs (the pipelined loop spreads the requests over its batches).
+
+        `pending`: overlapped scheduling (docs/architecture.md, "Overlapped scheduling"): the step that
+        is running while this one is scheduled, its tokens not applied yet. Its requests are in flight
+        as above, except that a plain decode continues in this step as if it had emitted its token:
+        one row at the next position whose token id is PENDING_TOKEN (the loop puts the token the
+        pending step sampled there before the forward: scheduler/overlap.py), and a prompt chunk that
+        samples nothing continues with its next chunk (`_carry`)."""
         step = ScheduledStep()
         # Tokens each scheduled request runs, in batch order (a dict: a victim can be taken out again).
         chosen: dict[Request, int] = {}
         budget = self.config.max_num_batched_tokens
+        carried: dict[Request, tuple[int, int]] = {}  # request -> start and tokens of its row
+        if pending is not None:
+            in_flight = in_flight | {r.request_id for r in pending.requests}
+            carried = self._carry(pending, max_seqs, budget)
+            budget -= sum(n for _, n in carried.values())
 
         ready = [r for r in self.running if r.request_id not in in_flight] if in_flight else self.running
         decodes = [r for r in ready if r.num_uncomputed_tokens == 1]
         prefills = [r for r in ready if r.num_uncomputed_tokens > 1]
         for req in decodes + prefills:
-            if max_seqs is not None and len(chosen) >= max_seqs:
+            if max_seqs is not None and len(chosen) + len(carried) >= max_seqs:
                 break
             if req.status is not RequestStatus.RUNNING:  # preempted as a victim earlier in this loop
                 continue
@@ -250,19 +268,22 @@ class Scheduler:
             if n == 0:
                 continue
             while not self.kv.grow(req, n):
-                if not self.kv.preempts or len(self.running) == 1:
+                # The most recently admitted (that is not in flight: its batch still writes its blocks).
+                victim = next((r for r in reversed(self.running) if r.request_id not in in_flight), None)
+                if victim is None and in_flight:
+                    n = 0  # every other request is in flight: try again once their tokens are applied
+                    break
+                if not self.kv.preempts or len(self.running) == 1 or victim is None:
                     # Cannot happen when max_model_len fits the cache (IterationLoop ensures it); fail
                     # the request rather than loop forever.
                     req.error = "out of KV cache blocks"
                     step.released += self._finish(req, RequestStatus.FINISHED_ERROR, hold=False)
                     break
-                # The most recently admitted (that is not in flight: its batch still writes its blocks).
-                victim = next(r for r in reversed(self.running) if r.request_id not in in_flight)
                 budget += chosen.pop(victim, 0)
                 self._preempt(victim, step)
                 if victim is req:
                     break
-            if req.status is RequestStatus.RUNNING:
+            if req.status is RequestStatus.RUNNING and n:
                 chosen[req] = n
                 budget -= n
                 self._claim(req)
@@ -270,42 +291,97 @@ class Scheduler:
         # No admission in a step that preempted: the blocks just freed would otherwise go to the next
         # waiting request and the victim would be preempted again at once (thrashing).
         if not step.preempted and self.batching.may_admit():
-            budget = self._admit(step, chosen, budget, max_seqs)
+            cap = None if max_seqs is None else max_seqs - len(carried)
+            budget = self._admit(step, chosen, budget, cap)
         # Proposals last, from what is left of the budget and the free blocks: they never preempt nor
         # hold back anybody's own tokens.
         spec = self._propose([r for r in decodes if chosen.get(r) == 1 and r.pooling is None], budget)
 
         now = time.monotonic()
-        for req, n in chosen.items():
-            start = req.num_computed_tokens
-            end = start + n
-            proposal = spec.get(req)
-            k = proposal.count if proposal is not None else 0
-            step.seqs.append(
-                ScheduledSequence(
-                    request_id=req.request_id,
-                    token_ids=req.token_slice(start, end),
-                    start_position=start,
-                    block_table=req.block_ids[: blocks_for_tokens(end + k, self.allocator.block_size)],
-                    sample=end == req.num_tokens and req.pooling is None,
-                    sampling=req.sampling,
-                    prompt_token_ids=req.prompt_token_ids,
-                    output_token_ids=req.output_token_ids,
-                    num_prompt_scored=req.prompt_tokens_to_score(start, end),
-                    spec_token_ids=proposal.token_ids if proposal is not None else (),
-                    num_spec_tokens=k,
-                    pooling=req.pooling,
-                )
-            )
+        # Carried rows first (decodes of the step in flight: their token is the pending one; prompt
+        # chunks: the next chunk), then the chosen ones with their proposals.
+        rows = [(req, start, n, None, start >= req.num_tokens) for req, (start, n) in carried.items()]
+        rows += [(req, req.num_computed_tokens, n, spec.get(req), False) for req, n in chosen.items()]
+        for req, start, n, proposal, pending in rows:
+            step.seqs.append(self._row(req, start, start + n, proposal, pending))
             step.requests.append(req)
             if n == 1 and start >= req.num_prompt_tokens:
                 step.num_decode_tokens += 1
             else:
                 step.num_prompt_tokens += n
-            step.num_spec_tokens += k
+            step.num_spec_tokens += proposal.count if proposal is not None else 0
             if req.first_scheduled_time is None:
                 req.first_scheduled_time = now
         return step
+
+    def _row(
+        self, req: Request, start: int, end: int, proposal: Proposal | None, pending: bool
+    ) -> ScheduledSequence:
+        """Request `req`'s row for positions [start, end): its tokens, or PENDING_TOKEN for a carried
+        decode whose token the step in flight samples; `proposal`'s tokens to verify after them."""
+        k = proposal.count if proposal is not None else 0
+        return ScheduledSequence(
+            request_id=req.request_id,
+            token_ids=(PENDING_TOKEN,) if pending else req.token_slice(start, end),
+            start_position=start,
+            block_table=req.block_ids[: blocks_for_tokens(end + k, self.allocator.block_size)],
+            sample=(pending or end == req.num_tokens) and req.pooling is None,
+            sampling=req.sampling,
+            prompt_token_ids=req.prompt_token_ids,
+            output_token_ids=req.output_token_ids,
+            num_prompt_scored=0 if pending else req.prompt_tokens_to_score(start, end),
+            spec_token_ids=proposal.token_ids if proposal is not None else (),
+            num_spec_tokens=k,
+            pooling=req.pooling,
+        )
+
+    def _carry(
+        self, pending: ScheduledStep, max_seqs: int | None, budget: int
+    ) -> dict[Request, tuple[int, int]]:
+        """The pending step's requests that continue in the next step before its tokens are applied
+        (overlapped scheduling), each with the start and length of its row there, within `budget`
+        tokens: decodes first, then prompt chunks, as schedule() orders them.
+
+        A sampled row is carried only where the pending step certainly leaves the request one token
+        further and the next row needs nothing but that token: no proposals to verify (how many are
+        accepted is unknown), not ending by length at that token, and not a request speculation would
+        rather propose for. (A grammar is no obstacle: its matcher is advanced past the token on the
+        worker's side, when the row's mask is made, after the token is put in.) A
+        prompt chunk that samples nothing is continued by its next chunk, unless a block it would
+        compute is another request's to compute (it waits for it, as in schedule()). The others
+        wait for the step's tokens, as in a synchronous loop. A carried request whose pending token
+        ends it (EOS, a stop string) has run one row for nothing: the loop discards it. A carried row
+        never preempts (every other request may be in flight): without free blocks it waits."""
+        out: dict[Request, tuple[int, int]] = {}
+        limit = max_seqs if max_seqs is not None else self.config.max_num_seqs
+        rows = [
+            (req, seq)
+            for req, seq in zip(pending.requests, pending.seqs, strict=True)
+            if req.status is RequestStatus.RUNNING and not seq.num_spec_tokens
+        ]
+        for req, seq in [r for r in rows if r[1].sample] + [r for r in rows if not r[1].sample]:
+            if len(out) >= limit or budget <= 0:
+                break
+            start = seq.start_position + seq.num_tokens
+            if seq.sample:
+                n = 1
+                if (
+                    req.num_output_tokens + 1 >= req.sampling.max_tokens
+                    or req.num_tokens + 1 >= self.max_model_len
+                    or (
+                        self.speculation is not None
+                        and self.speculation.worth_waiting(req, len(self.running))
+                    )
+                ):
+                    continue
+            else:
+                n = self._prompt_share(req.num_tokens - start, budget, alone=False)
+                if n == 0 or (self.allocator.enable_caching and self._waits_for_prefix(req, start)):
+                    continue
+            if self.kv.grow(req, start + n - req.num_computed_tokens):
+                out[req] = (start, n)
+                budget -= n
+        return out
 
     def _propose(self, decodes: list[Request], spare: int) -> dict[Request, Proposal]:
         """This step's proposals for its decoding requests (none with speculation off), within `spare`

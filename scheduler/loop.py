@@ -10,6 +10,11 @@ There is one loop for every executor: it keeps up to `pipeline_depth` batches in
 pipeline parallelism, one batch per stage) and the single-process case is depth 1. Each turn makes one
 trip to the worker thread, which submits the new batch and, when the pipeline is full (always, at depth
 1), collects the oldest one.
+
+At depth 1 with `overlap_schedule` (the default) the loop overlaps instead (_iterate_overlapped): the
+next step is scheduled and queued on the worker thread while the current one runs, its decodes carried
+one token further (scheduler/overlap.py), and the current step's tokens are applied and sent while the
+next one runs. Finishes are seen one step late (docs/architecture.md, "Overlapped scheduling").
 """
 
 from __future__ import annotations
@@ -29,12 +34,14 @@ from engine.contract import (
     Pooling,
     SampledToken,
     SamplingParams,
+    ScheduledSequence,
     StepResult,
 )
 from scheduler.config import SchedulerConfig
 from scheduler.core import ScheduledStep, Scheduler
 from scheduler.output_text import Detokenizer, OutputText, start_output
 from scheduler.outputs import FinishReason, RequestDelta, SchedulerStats, StepReport
+from scheduler.overlap import kept_rows, last_tokens, resolve
 from scheduler.request import Request
 
 logger = logging.getLogger(__name__)
@@ -100,10 +107,16 @@ class _InFlight:
     """A batch handed to the executor and not yet applied."""
 
     step: ScheduledStep
-    started: float  # perf_counter() at submission
+    started: float  # perf_counter() at submission (overlapped: when the worker starts it)
     handle: Any = None  # the executor's, from submit()
     sampled: list[StepResult] | None = None  # from collect()
     error: Exception | None = None  # submit() or collect() raised
+    # Overlapped scheduling: the step that runs before this one and samples its carried rows' tokens,
+    # the rows the worker kept of this one (None: all; scheduler.overlap.resolve), and its run time.
+    after: _InFlight | None = None
+    kept: list[int] | None = None
+    submitted: Sequence[ScheduledSequence] = ()  # the rows as submitted, tokens put in
+    duration: float | None = None
 
 
 class IterationLoop:
@@ -323,6 +336,9 @@ class IterationLoop:
             self._fail_all(FinishReason.ERROR, f"the scheduler loop died: {type(exc).__name__}: {exc}")
 
     async def _iterate(self) -> None:
+        if self.config.overlap_schedule and self._executor.pipeline_depth == 1:
+            await self._iterate_overlapped()
+            return
         loop = asyncio.get_running_loop()
         assert self._thread is not None
         sched = self._scheduler
@@ -364,6 +380,68 @@ class IterationLoop:
                 in_flight.popleft()
                 busy.difference_update(r.request_id for r in oldest.step.requests)
                 self._step_done(oldest)
+
+    async def _iterate_overlapped(self) -> None:
+        """The loop with overlapped scheduling (one batch at a time on the executor, as at depth 1):
+        while step N runs on the worker thread, this schedules step N+1 (its decodes carried one token
+        further: Scheduler.schedule(pending=...)) and queues it behind N, then applies N's tokens and
+        sends its deltas. So the worker starts N+1 as soon as N is done, and what the loop does between
+        steps is hidden behind the forward pass. Finishes are seen one step late: a request that N's
+        token ended has run a row in N+1 for nothing, whose token is dropped (Scheduler.update skips
+        finished requests). Requests that cannot be carried (scheduler.core.Scheduler._carry) wait for
+        N's tokens: when nothing can be carried, N+1 is scheduled after N is applied, as without
+        overlap."""
+        loop = asyncio.get_running_loop()
+        sched = self._scheduler
+        pending: _InFlight | None = None  # queued or running on the worker, not applied
+        running: asyncio.Future[None] | None = None  # its trip to the worker thread
+        while pending is not None or not self._stopping:
+            self._drain_aborts()
+            if pending is None and not self._stopping and self._is_down():
+                await self._recover(loop)
+                continue
+            new: _InFlight | None = None
+            if not self._stopping and self._down is None and sched.has_work():
+                step = sched.schedule(pending=pending.step if pending is not None else None)
+                self._emit_all(step.released)
+                if step.seqs:
+                    new = _InFlight(step, time.perf_counter(), after=pending)
+                elif (step.released or step.preempted) and pending is None:
+                    continue
+            if pending is None:
+                if new is None:
+                    if sched.has_work() and not self._stopping and self._down is None:
+                        raise RuntimeError("the scheduler has work but scheduled nothing")
+                    self._wake.clear()
+                    if not self._aborts and not self._stopping:
+                        await self._idle()
+                    continue
+                # Nothing to overlap with: schedule the step after this one while it runs.
+                pending, running = new, loop.run_in_executor(self._thread, self._run_step, new)
+                continue
+            queued = loop.run_in_executor(self._thread, self._run_step, new) if new is not None else None
+            assert running is not None
+            await running
+            if pending.kept != []:  # else every row was dropped: nothing ran
+                self._step_done(pending)
+            pending, running = new, queued
+
+    def _run_step(self, flight: _InFlight) -> None:
+        """The worker thread's share of an overlapped step: put the step before's tokens into the
+        carried rows (scheduler/overlap.py), run the step."""
+        flight.started = time.perf_counter()
+        before, flight.after = flight.after, None  # the chain of steps must not keep every step alive
+        try:
+            seqs = flight.step.seqs
+            if before is not None:
+                sampled = before.sampled if before.error is None else None
+                tokens = last_tokens(before.submitted, sampled) if sampled is not None else {}
+                seqs, flight.kept = resolve(seqs, flight.step.requests, tokens)
+            flight.submitted = seqs
+            flight.sampled = self._executor.collect(self._executor.submit(seqs)) if seqs else []
+        except Exception as exc:
+            flight.error = exc
+        flight.duration = time.perf_counter() - flight.started
 
     async def _idle(self) -> None:
         """Sleep until there is work; an executor that can restart is checked meanwhile (IDLE_WATCH_S)."""
@@ -439,6 +517,8 @@ class IterationLoop:
         """Apply a finished batch's tokens (or fail its requests), count it, tell the listeners.
         A FatalRunnerError marks the executor down: no new batch until _recover()."""
         step, exc = done.step, done.error
+        if done.kept is not None:  # the worker dropped carried rows of finished requests
+            step = kept_rows(step, done.kept)
         updated: list[Request] = []
         if exc is None:
             assert done.sampled is not None
@@ -459,7 +539,8 @@ class IterationLoop:
         self._emit_all(updated)
         if self._listeners:
             results = done.sampled if exc is None else None
-            self._report(step, updated, results, time.perf_counter() - done.started, exc is not None)
+            duration = done.duration if done.duration is not None else time.perf_counter() - done.started
+            self._report(step, updated, results, duration, exc is not None)
         if isinstance(exc, FatalRunnerError) and self._down is None:
             self._down = exc
 

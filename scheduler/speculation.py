@@ -212,6 +212,28 @@ class SpeculationPolicy:
             out[i] = Proposal(k, c[:k]) if isinstance(c, list) else Proposal(k)
         return out
 
+    def worth_waiting(self, req: Proposing, batch: int) -> bool:
+        """Whether a decoding request whose next token is not known yet should wait for it so that it
+        can propose (overlapped scheduling carries it to the next step without proposals otherwise):
+        whether the first token of a proposal would pay in a step of `batch` decodes, at the
+        acceptance of the kind of proposal it would likely make. For n-gram lookup that is one token
+        longer than the match its known tokens make (the pending token likely continues it). Without
+        such a match, the pending token alone may match (the weakest kind): a request that has
+        verified before waits if that kind pays; one that never has (its tokens have not repeated so
+        far) is carried."""
+        if batch > self.max_batch or max_proposal(req, self.max_tokens, 1 << 62) == 0:
+            return False
+        if self.method == "ngram":
+            n, _ = ngram_index(req).propose(1)
+            if not n and req.spec.last == "none":
+                return False
+            kind: tuple[int, Outcome] = (min(n + 1, NGRAM_MAX), req.spec.last)
+        else:
+            kind = (0, req.spec.last)
+        # The first proposal token pays when alpha * C > c * G, with G = batch and C = 1 + c (batch - 1).
+        cost = self.token_cost
+        return self.acceptance.rate(kind) * (1.0 + cost * (batch - 1)) > cost * batch
+
     def record(self, req: Proposing, proposed: int, accepted: int) -> None:
         """A verification of the request's proposal: the model accepted `accepted` of `proposed` tokens."""
         kind = req.spec.pending

@@ -59,6 +59,68 @@ def tiny_qwen3_config(**overrides):
     return tiny_config("Qwen3Config", "Qwen3ForCausalLM", family, overrides)
 
 
+# Every tiny mixture of experts: 8 experts, 2 per token, 32 wide each (hidden 64).
+TINY_EXPERTS = dict(num_experts_per_tok=2, norm_topk_prob=False)
+
+
+def tiny_qwen3_moe_config(**overrides):
+    """Qwen3-MoE at toy sizes: Qwen3's attention (head_dim 32, q/k norms), 8 experts of 32, top 2
+    renormalised, the second of 3 layers a dense MLP (`mlp_only_layers`)."""
+    family = dict(
+        head_dim=32,
+        rms_norm_eps=1e-6,
+        rope_theta=1000000.0,
+        tie_word_embeddings=False,
+        num_hidden_layers=3,
+        num_experts=8,
+        moe_intermediate_size=32,
+        mlp_only_layers=[1],
+        **{**TINY_EXPERTS, "norm_topk_prob": True},
+    )
+    return tiny_config("Qwen3MoeConfig", "Qwen3MoeForCausalLM", family, overrides)
+
+
+def tiny_qwen2_moe_config(**overrides):
+    """Qwen2-MoE at toy sizes: q/k/v biases, 8 experts of 32, top 2 not renormalised, a shared expert
+    of 48 behind its sigmoid gate, the first of 3 layers a dense MLP."""
+    family = dict(
+        tie_word_embeddings=False,
+        num_hidden_layers=3,
+        num_experts=8,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=48,
+        mlp_only_layers=[0],
+        **TINY_EXPERTS,
+    )
+    return tiny_config("Qwen2MoeConfig", "Qwen2MoeForCausalLM", family, overrides)
+
+
+def tiny_mixtral_config(**overrides):
+    """Mixtral at toy sizes: GQA, 8 experts of 32, top 2 (always renormalised)."""
+    family = dict(
+        num_local_experts=8,
+        intermediate_size=32,
+        num_experts_per_tok=2,
+        sliding_window=None,
+        tie_word_embeddings=False,
+    )
+    return tiny_config("MixtralConfig", "MixtralForCausalLM", family, overrides)
+
+
+def tiny_olmoe_config(**overrides):
+    """OLMoE at toy sizes: q/k norms over the whole projections, 8 experts of 32, top 2 not
+    renormalised (as OLMoE-1B-7B), q/k/v clipped."""
+    family = dict(
+        num_experts=8,
+        intermediate_size=32,
+        clip_qkv=8.0,
+        tie_word_embeddings=False,
+        pad_token_id=0,
+        **TINY_EXPERTS,
+    )
+    return tiny_config("OlmoeConfig", "OlmoeForCausalLM", family, overrides)
+
+
 def tiny_phi3_config(**overrides):
     """Phi-3's layout at toy sizes: fused qkv (GQA: q, k and v of different sizes) and gate/up."""
     family = dict(
@@ -359,6 +421,11 @@ def write_tiny_gguf(
     add_bos: bool | None = None,
     chat_template: str = CHATML_TEMPLATE,
     rope_freqs: list[float] | None = None,
+    experts: int = 0,
+    experts_used: int = 2,
+    expert_ff: int | None = None,
+    shared_ff: int = 0,
+    metadata: dict[str, object] | None = None,
     pooling_type: int | None = None,
 ) -> None:
     """A GGUF of a llama, qwen3 or phi3 model with a byte-level BPE tokenizer and a chat template, laid
@@ -367,8 +434,15 @@ def write_tiny_gguf(
     attention.key_length and q/k norms are added; phi3: `rotary_dim` as rope.dimension_count, and
     `longrope` = {"original": context, "short": [...], "long": [...], "attn_factor": f} as llama.cpp
     writes LongRoPE (factors as tensors); llama: `rope_freqs`, Llama 3.1's per-frequency divisors.
-    `extra_tokens` are control tokens after the vocabulary; `pooling_type` (llama.cpp's enum) makes it an
-    embedding model's file."""
+    `extra_tokens` are control tokens after the vocabulary. qwen3moe and llama (Mixtral): `experts` of
+    `expert_ff` each
+    (`experts_used` per token) in llama.cpp's 3-D stacks (ffn_gate_exps [E, ff, hidden] ...) with an
+    F32 router (ffn_gate_inp), in place of the dense MLP; the expert stacks take the types of the
+    dense tensors' fragments ("ffn_gate" -> ffn_gate_exps). qwen2moe: as qwen3moe without q/k norms,
+    with q/k/v biases and a shared expert of `shared_ff` (ffn_*_shexp, its gate the vector
+    ffn_gate_inp_shexp). olmoe: experts as qwen3moe's, q/k norms over the whole projections.
+    `metadata` adds `<arch>.*` keys (name without the prefix -> value).
+    `pooling_type` (llama.cpp's enum) makes it an embedding model's file."""
     import gguf
     import numpy as np
 
@@ -403,6 +477,16 @@ def write_tiny_gguf(
         w.add_rope_scaling_attn_factors(longrope["attn_factor"])
     if sliding_window is not None:
         w.add_sliding_window(sliding_window)
+    if experts:
+        w.add_expert_count(experts)
+        w.add_expert_used_count(experts_used)
+        w.add_expert_feed_forward_length(expert_ff or ff)
+    if shared_ff:
+        w.add_expert_shared_feed_forward_length(shared_ff)
+    if metadata:
+        from models.gguf.encode import add_arch_metadata
+
+        add_arch_metadata(w, arch, metadata)
     if pooling_type is not None:
         w.add_pooling_type(gguf.PoolingType(pooling_type))
     w.add_file_type(0)
@@ -431,6 +515,12 @@ def write_tiny_gguf(
     def norm(name: str, size: int) -> None:
         w.add_tensor(name, (1 + 0.1 * rng.standard_normal(size)).astype(np.float32))
 
+    def add_experts(name: str, rows: int, cols: int) -> None:
+        qtype = next((t for frag, t in types.items() if frag in name), "F32")
+        values = (rng.standard_normal((experts, rows, cols)) * 0.1).astype(np.float32)
+        data = np.stack([gguf_blocks(v, qtype, rng) for v in values])
+        w.add_tensor(name, data, raw_dtype=None if qtype == "F32" else gguf.GGMLQuantizationType[qtype])
+
     add("token_embd.weight", vocab, hidden)
     if not tied:
         add("output.weight", vocab, hidden)
@@ -444,10 +534,36 @@ def write_tiny_gguf(
         norm(f"blk.{i}.attn_norm.weight", hidden)
         norm(f"blk.{i}.ffn_norm.weight", hidden)
         for name, (rows, cols) in _layer_tensors(i, hidden, ff, heads, kv_heads, head_dim, arch).items():
+            if experts and ".ffn_" in name:
+                continue
             add(name, rows, cols)
-        if arch == "qwen3":
+        if experts:
+            e_ff = expert_ff or ff
+            w.add_tensor(
+                f"blk.{i}.ffn_gate_inp.weight",
+                (rng.standard_normal((experts, hidden)) * 0.3).astype(np.float32),
+            )
+            add_experts(f"blk.{i}.ffn_gate_exps.weight", e_ff, hidden)
+            add_experts(f"blk.{i}.ffn_up_exps.weight", e_ff, hidden)
+            add_experts(f"blk.{i}.ffn_down_exps.weight", hidden, e_ff)
+        if shared_ff:
+            w.add_tensor(
+                f"blk.{i}.ffn_gate_inp_shexp.weight", (rng.standard_normal(hidden) * 0.3).astype(np.float32)
+            )
+            add(f"blk.{i}.ffn_gate_shexp.weight", shared_ff, hidden)
+            add(f"blk.{i}.ffn_up_shexp.weight", shared_ff, hidden)
+            add(f"blk.{i}.ffn_down_shexp.weight", hidden, shared_ff)
+        if arch == "qwen2moe":
+            for proj, rows in (("q", heads * d), ("k", kv_heads * d), ("v", kv_heads * d)):
+                w.add_tensor(
+                    f"blk.{i}.attn_{proj}.bias", (rng.standard_normal(rows) * 0.1).astype(np.float32)
+                )
+        if arch in ("qwen3", "qwen3moe"):
             norm(f"blk.{i}.attn_q_norm.weight", d)
             norm(f"blk.{i}.attn_k_norm.weight", d)
+        if arch == "olmoe":  # over the whole projections
+            norm(f"blk.{i}.attn_q_norm.weight", heads * d)
+            norm(f"blk.{i}.attn_k_norm.weight", kv_heads * d)
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()

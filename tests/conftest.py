@@ -17,8 +17,12 @@ from builders import (
     tiny_gpt2_config,
     tiny_llama_config,
     tiny_mistral_config,
+    tiny_mixtral_config,
+    tiny_olmoe_config,
     tiny_phi4_mini_config,
+    tiny_qwen2_moe_config,
     tiny_qwen3_config,
+    tiny_qwen3_moe_config,
 )
 
 TEST_CACHE = Path(os.environ.get("ORCA_TEST_CACHE", Path.home() / ".cache" / "orca-serve" / "tests"))
@@ -90,6 +94,14 @@ tiny_qwen3_dir = tiny_model_dir("tiny_qwen3_dir", tiny_qwen3_config)
 # server does not (models/layers/rotary.py says why).
 tiny_phi3_dir = tiny_model_dir("tiny_phi3_dir", lambda: tiny_phi4_mini_config(original=64))
 tiny_gpt2_dir = tiny_model_dir("tiny_gpt2_dir", tiny_gpt2_config)
+# Mixtures of experts, saved as transformers 5 saves them (one tensor per expert): Qwen3-MoE (8 experts,
+# 2 per token; a dense layer between two sparse ones), Qwen2-MoE (routed experts and a gated shared
+# expert), Mixtral (block_sparse_moe.experts.N.w1/w2/w3 in its files), OLMoE (q/k norms over the whole
+# projections, clipped q/k/v).
+tiny_qwen3_moe_dir = tiny_model_dir("tiny_qwen3_moe_dir", tiny_qwen3_moe_config)
+tiny_qwen2_moe_dir = tiny_model_dir("tiny_qwen2_moe_dir", tiny_qwen2_moe_config)
+tiny_mixtral_dir = tiny_model_dir("tiny_mixtral_dir", tiny_mixtral_config)
+tiny_olmoe_dir = tiny_model_dir("tiny_olmoe_dir", tiny_olmoe_config)
 
 
 @pytest.fixture(scope="session")
@@ -144,3 +156,22 @@ def thinking_tokenizer(smollm2_tokenizer_dir):
     hf = AutoTokenizer.from_pretrained(str(smollm2_tokenizer_dir))
     hf.chat_template = THINKING_TEMPLATE
     return ServerTokenizer(hf)
+
+
+@pytest.fixture(params=[True, False], ids=["overlap", "sync"])
+def both_overlap_modes(request, monkeypatch) -> bool:
+    """Every IterationLoop the test makes runs with overlapped scheduling on, then off (whatever its
+    config says): a module marks itself with `pytestmark = pytest.mark.usefixtures(...)`."""
+    import dataclasses
+
+    from scheduler.config import SchedulerConfig
+    from scheduler.loop import IterationLoop
+
+    init = IterationLoop.__init__
+
+    def with_mode(self, executor, config=None, *args, **kwargs):
+        config = dataclasses.replace(config or SchedulerConfig(), overlap_schedule=request.param)
+        init(self, executor, config, *args, **kwargs)
+
+    monkeypatch.setattr(IterationLoop, "__init__", with_mode)
+    return request.param

@@ -21,7 +21,7 @@ from waiting import wait_for, wait_until
 from engine.config import EngineConfig
 from engine.contract import SamplingParams
 from engine.ports import LOOPBACK, free_tcp_port
-from scheduler import fake_runner
+from scheduler import fake_runner, overlap
 from scheduler.config import SchedulerConfig
 from scheduler.loop import IterationLoop
 from server.config import ServerConfig
@@ -208,6 +208,41 @@ def run_to_end(sched: Any, executor: Any, requests: Sequence[Any], max_steps: in
         if step.seqs:
             sched.update(step, executor.step(step.seqs))
     assert not sched.has_work(), f"requests still running after {max_steps} steps"
+
+
+def run_overlapped(
+    sched: Any,
+    executor: Any,
+    requests: Sequence[Any],
+    max_steps: int = 3000,
+    each_step: Callable[[int], bool] | None = None,
+) -> int:
+    """As run_to_end, but overlapped as IterationLoop does it (scheduler/overlap.py), at its worst: each
+    step is scheduled and run before the step before it is applied, so every finish is seen one step
+    late. `each_step(n)`, called before the n-th schedule, may add and abort requests and says whether
+    more will come. Returns the carried rows run (decodes scheduled before their token was known)."""
+    for r in requests:
+        sched.add(r)
+    pending: tuple[Any, Any, list[Any], Any] | None = None  # step, rows run, their tokens, rows kept
+    carried = 0
+    for n in range(max_steps):
+        more = each_step(n) if each_step is not None else False
+        if not more and not sched.has_work() and pending is None:
+            return carried
+        step = (
+            sched.schedule(pending=pending[0] if pending is not None else None) if sched.has_work() else None
+        )
+        new = None
+        if step is not None and step.seqs:
+            carried += sum(overlap.is_carried(s) for s in step.seqs)
+            tokens = overlap.last_tokens(pending[1], pending[2]) if pending is not None else {}
+            seqs, kept = overlap.resolve(step.seqs, step.requests, tokens)
+            new = (step, seqs, executor.step(seqs) if seqs else [], kept)
+        if pending is not None:
+            done, _, results, kept = pending
+            sched.update(overlap.kept_rows(done, kept) if kept is not None else done, results)
+        pending = new
+    raise AssertionError(f"requests still running after {max_steps} steps")
 
 
 async def leave_mid_stream(client: httpx.AsyncClient, path: str, body: dict, marker: str) -> None:

@@ -7,8 +7,10 @@ step; only the attention op splits per request. q/k/v and gate/up are fused into
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -25,6 +27,7 @@ from models.layers.linear import (
 )
 from models.layers.metadata import KVCache
 from models.layers.mlp import GatedMLP
+from models.layers.moe import MoESizes, Routing, SparseMoE
 from models.layers.native_decode import DecodeLayerParts
 from models.layers.norm import RMSNorm, qk_rms_norm
 from models.layers.parallel import SINGLE_STAGE, PPContext, TPContext
@@ -45,6 +48,24 @@ LLAMA_WEIGHT_NAMES = WeightNames(
     ),
     # Buffers some checkpoints carry that are recomputed here.
     ignored=("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached"),
+)
+
+
+# The mixture-of-experts families' (models/layers/moe.py's SparseMoE in place of the MLP). Checkpoints
+# name experts two ways, both read: per expert (the hub's files and what transformers 5's
+# save_pretrained writes: `mlp.experts.3.gate_proj.weight`) and stacked (transformers 5's in-memory
+# parameters `mlp.experts.gate_up_proj` [E, 2 I, H] and `down_proj` [E, H, I]; a GGUF file's
+# `ffn_*_exps`), cut into experts as they load.
+MOE_WEIGHT_NAMES = dataclasses.replace(
+    LLAMA_WEIGHT_NAMES,
+    experts=(
+        (".experts.gate_up_proj", ".experts.{}.gate_up_proj.weight"),
+        (".experts.down_proj", ".experts.{}.down_proj.weight"),
+        (".experts.gate_proj", ".experts.{}.gate_proj.weight"),
+        (".experts.up_proj", ".experts.{}.up_proj.weight"),
+    ),
+    # An expert's slice of a stacked gate_up_proj holds gate | up.
+    split=((".gate_up_proj.", (0, 1)),),
 )
 
 
@@ -119,14 +140,31 @@ def llama_mlp(spec: LayerSpec, layout: LlamaLayout) -> GatedMLP:
     )
 
 
+# Decoder layer i's MLP: the gated MLP, or a family's own (a mixture of experts: sparse_mlp).
+MLPBuilder = Callable[[LayerSpec, LlamaLayout, int], nn.Module]
+
+
+def dense_mlp(spec: LayerSpec, layout: LlamaLayout, index: int) -> nn.Module:
+    return llama_mlp(spec, layout)
+
+
+def sparse_mlp(
+    spec: LayerSpec, expert_inter: int, routing: Routing, shared_inter: int = 0, shared_gate: bool = False
+) -> SparseMoE:
+    """A mixture of experts in place of the MLP: `routing.num_experts` of `expert_inter`, and a shared
+    expert of `shared_inter` (0: none), behind a sigmoid gate where `shared_gate`."""
+    sizes = MoESizes(spec.config.hidden_size, expert_inter, shared_inter, shared_gate)
+    return SparseMoE(sizes, routing, spec.dtype, spec.tp)
+
+
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, spec: LayerSpec, layout: LlamaLayout):
+    def __init__(self, spec: LayerSpec, layout: LlamaLayout, mlp: nn.Module, attention: type[nn.Module]):
         super().__init__()
         config = spec.config
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, spec.dtype)
-        self.self_attn = LlamaAttention(spec, layout)
+        self.self_attn = attention(spec, layout)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps, spec.dtype)
-        self.mlp = llama_mlp(spec, layout)
+        self.mlp = mlp
 
     def forward(self, positions, hidden, kv_cache: KVCache, step: AttentionStep) -> torch.Tensor:
         attn_out = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, step)
@@ -146,6 +184,8 @@ class LlamaModel(nn.Module):
         tp: TPContext,
         pp: PPContext = SINGLE_STAGE,
         windows: tuple[int | None, ...] | None = None,  # each layer's sliding window (None: none)
+        mlp: MLPBuilder = dense_mlp,
+        attention: type[nn.Module] | None = None,  # LlamaAttention unless a family has its own
     ):
         super().__init__()
         self.embed_tokens = (
@@ -155,23 +195,29 @@ class LlamaModel(nn.Module):
             layout.head_dim, config.max_position_embeddings, rope_params_from_config(config), dtype
         )
         windows = windows or (None,) * config.num_hidden_layers
-        self.layers = stage_layers(
-            config.num_hidden_layers,
-            pp,
-            lambda i: LlamaDecoderLayer(LayerSpec(config, rotary, dtype, tp, windows[i]), layout),
-        )
+
+        def layer(i: int) -> LlamaDecoderLayer:
+            spec = LayerSpec(config, rotary, dtype, tp, windows[i])
+            return LlamaDecoderLayer(spec, layout, mlp(spec, layout, i), attention or LlamaAttention)
+
+        self.layers = stage_layers(config.num_hidden_layers, pp, layer)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, dtype) if pp.is_last else None
 
 
 class LlamaForCausalLM(CausalLMBase):
     """The Llama graph; a family with the same layers and other config flags subclasses it and
-    overrides `layout`."""
+    overrides `layout` (and `layer_mlp` for another MLP, `layer_attention` for another attention module)."""
 
     layout = staticmethod(LlamaLayout.of)
+    layer_mlp: ClassVar[MLPBuilder] = staticmethod(dense_mlp)
+    layer_attention: ClassVar[type[nn.Module] | None] = None
 
     def build(self, config: PretrainedConfig, dtype: torch.dtype) -> None:
         tp, pp = self.tp, self.pp
-        self.model = LlamaModel(config, self.layout(config), dtype, tp, pp, self.family.layer_windows(config))
+        windows = self.family.layer_windows(config)
+        self.model = LlamaModel(
+            config, self.layout(config), dtype, tp, pp, windows, self.layer_mlp, self.layer_attention
+        )
         self.tie_word_embeddings = bool(getattr(config, "tie_word_embeddings", False))
         tie_to = self.model.embed_tokens if self.tie_word_embeddings else None
         self.lm_head = self.build_lm_head(config.hidden_size, dtype, tp, pp, tie_to=tie_to)
@@ -197,16 +243,17 @@ def llama_decode_parts(layer: nn.Module) -> DecodeLayerParts:
 
 
 def llama_gguf_config(meta: GGUFMetadata, config: Any) -> dict[str, Any]:
-    """Llama 3.1+ files carry their llama3 rope scaling as per-frequency divisors (the rope_freqs
-    tensor llama.cpp's converter computes from factor, low/high_freq_factor and the original context),
-    which transformers' GGUF reader drops. Kept as one LongRoPE set for every position (its original
-    context the whole context, so no long set and an attention factor of 1): the frequencies
-    llama.cpp turns with, inv_freq / factor."""
+    """A Mixtral file's experts (llama_gguf_experts). Llama 3.1+ files carry their llama3 rope scaling
+    as per-frequency divisors (the rope_freqs tensor llama.cpp's converter computes from factor,
+    low/high_freq_factor and the original context), which transformers' GGUF reader drops. Kept as
+    one LongRoPE set for every position (its original context the whole context, so no long set and
+    an attention factor of 1): the frequencies llama.cpp turns with, inv_freq / factor."""
     factors = meta.tensor("rope_freqs.weight")
     if factors is None:
-        return {}
+        return llama_gguf_experts(meta)
     per_frequency = [float(f) for f in factors]
     return {
+        **llama_gguf_experts(meta),
         "rope_parameters": {
             "rope_type": "longrope",
             "rope_theta": float(meta.arch_value("rope.freq_base", 10000.0)),
@@ -214,7 +261,36 @@ def llama_gguf_config(meta: GGUFMetadata, config: Any) -> dict[str, Any]:
             "long_factor": per_frequency,
             "original_max_position_embeddings": int(meta.arch_value("context_length")),
             "attention_factor": 1.0,
-        }
+        },
+    }
+
+
+# llama.cpp's expert stacks [experts, rows, cols] under the names MOE_WEIGHT_NAMES unstacks, in every
+# MoE architecture's files (a llama one's: Mixtral's).
+GGUF_EXPERT_TENSORS = (
+    ("ffn_gate_exps.weight", "mlp.experts.gate_proj"),
+    ("ffn_up_exps.weight", "mlp.experts.up_proj"),
+    ("ffn_down_exps.weight", "mlp.experts.down_proj"),
+)
+
+
+def llama_gguf_model_type(meta: GGUFMetadata) -> str | None:
+    """A `llama` file with experts (expert_count) is a Mixtral: llama.cpp writes Mixtral under the
+    llama architecture, and transformers' reader would take it for a dense Llama."""
+    return "mixtral" if meta.arch_value("expert_count") else None
+
+
+def llama_gguf_experts(meta: GGUFMetadata) -> dict[str, Any]:
+    """A Mixtral file's experts: their count, how many a token takes, and their width (llama.cpp
+    writes it as feed_forward_length, or expert_feed_forward_length where it states one)."""
+    experts = meta.arch_value("expert_count")
+    if not experts:
+        return {}
+    width = meta.arch_value("expert_feed_forward_length") or meta.arch_value("feed_forward_length")
+    return {
+        "num_local_experts": int(experts),
+        "num_experts_per_tok": int(meta.arch_value("expert_used_count", 2)),
+        "intermediate_size": int(width),
     }
 
 
@@ -228,14 +304,33 @@ def llama_like_family(
         architectures=(model.__name__,),
         model=model,
         weights=weights,
-        native_decode=llama_decode_parts,
-        **declared,
+        **{"native_decode": llama_decode_parts, **declared},
     )
+
+
+def moe_family(
+    name: str, model: type[LlamaForCausalLM], weights: WeightNames = MOE_WEIGHT_NAMES, **declared: Any
+) -> ModelFamily:
+    """A family with Llama's layers and a mixture of experts for MLPs: no CUDA graphs (the experts a
+    step runs are read back to the host) and no fused native decode (it runs dense MLPs only; the
+    modules run the experts)."""
+    return llama_like_family(name, model, weights, cuda_graphs=False, native_decode=None, **declared)
+
+
+def expert_gguf(architectures: tuple[str, ...], **declared: Any) -> GGUFSupport:
+    """GGUF support for a mixture-of-experts architecture: its 3-D expert stacks read as block tensors."""
+    return GGUFSupport(architectures=architectures, block_tensors=GGUF_EXPERT_TENSORS, **declared)
 
 
 FAMILY = llama_like_family(
     "llama",
     LlamaForCausalLM,
     # llama.cpp's converter permutes q/k rows for rotary; transformers' GGUF loader undoes it.
-    gguf=GGUFSupport(architectures=("llama",), permute_qk=True, config=llama_gguf_config),
+    gguf=GGUFSupport(
+        architectures=("llama",),
+        permute_qk=True,
+        config=llama_gguf_config,
+        block_tensors=GGUF_EXPERT_TENSORS,
+        model_type=llama_gguf_model_type,
+    ),
 )

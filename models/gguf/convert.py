@@ -128,13 +128,22 @@ def _read_config(gguf: Path, meta: GGUFFile, support: GGUFSupport | None) -> Any
         f"reads as one of {', '.join(SUPPORTED_ARCHITECTURES)}"
     )
     try:
-        config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        if support is not None and support.metadata_config is not None:
+            config = AutoConfig.for_model(**support.metadata_config(meta))
+        else:
+            config = AutoConfig.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except ValueError as e:  # "GGUF model with architecture ... is not supported yet"
         raise ModelLoadError(
             f"{gguf}: unsupported GGUF architecture {meta.architecture!r} ({e}); {supported}"
         ) from None
     if support is not None and support.config is not None:
         config = type(config).from_dict({**config.to_dict(), **support.config(meta, config)})
+    model_type = support.model_type(meta) if support is not None and support.model_type else None
+    if model_type is not None and model_type != config.model_type:
+        entries = {
+            k: v for k, v in config.to_dict().items() if k not in ("model_type", "transformers_version")
+        }
+        config = AutoConfig.for_model(model_type, **entries)
     architecture = MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
     config.architectures = [architecture] if architecture else []
     try:
@@ -162,7 +171,7 @@ def _write_generation_config(out: Path, config: Any, meta: GGUFFile) -> None:
 def _write_manifest_dir(gguf: Path, out: Path, meta: GGUFFile, config: Any, support: GGUFSupport) -> None:
     """Config, tokenizer and the tensor manifest: no weights are read."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer, PreTrainedTokenizerFast
     from transformers.modeling_gguf_pytorch_utils import (
         TENSOR_PROCESSORS,
         TensorProcessor,
@@ -170,11 +179,14 @@ def _write_manifest_dir(gguf: Path, out: Path, meta: GGUFFile, config: Any, supp
     )
 
     from models.gguf.reader import write_manifest
+    from models.registry import family_for
 
     with torch.device("meta"):  # only the parameter names are needed
         hf = AutoModelForCausalLM.from_config(config)
     processor = TENSOR_PROCESSORS.get(meta.architecture, TensorProcessor)(config=config.to_dict())
-    mapping = get_gguf_hf_weights_map(hf, processor)
+    # Named as the file's architecture names its tensors (a Mixtral file's are llama's).
+    mapping = get_gguf_hf_weights_map(hf, processor, model_type=meta.architecture)
+    mapping.update(_block_tensor_names(meta, support, family_for(config).weights.layers))
     # transformers' LlamaTensorProcessor un-permutes q (over the heads) and k (over the KV heads).
     permute: dict[str, int] = {}
     if support.permute_qk:
@@ -188,8 +200,32 @@ def _write_manifest_dir(gguf: Path, out: Path, meta: GGUFFile, config: Any, supp
     # Gemma's norms are stored as w + 1; transformers' tensor processor subtracts the 1 from each.
     offsets = {n: support.norm_offset for n in mapping if support.norm_offset and "norm.weight" in n}
     config.save_pretrained(out)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    # Where transformers does not read the architecture, its tokenizer class for the file is unknown
+    # too: the file's tokenizer metadata alone (vocabulary, merges, specials, chat template) makes one.
+    tokenizer_class = AutoTokenizer if support.metadata_config is None else PreTrainedTokenizerFast
+    tokenizer_class.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
     write_manifest(gguf, out, mapping, permute, meta.architecture, meta.reader, offsets)
+
+
+def _block_tensor_names(meta: GGUFFile, support: GGUFSupport, layers: str) -> dict[str, str]:
+    """GGUF name -> HF name of the block tensors the family names itself (GGUFSupport.block_tensors).
+    A file whose metadata counts experts but holds none of the expert stacks named there stores
+    them in a layout not read here (one tensor per expert, llama.cpp's before 2024; a fused gate/up
+    stack): a ModelLoadError naming it."""
+    names = dict(support.block_tensors)
+    out = {}
+    for name in meta.tensors:
+        block, _, rest = name.partition(".")[2].partition(".")
+        if name.startswith("blk.") and block.isdigit() and rest in names:
+            out[name] = f"{layers}{block}.{names[rest]}"
+    if names and meta.arch_value("expert_count") and not out:
+        found = sorted(n for n in meta.tensors if n.startswith("blk.0.ffn"))
+        raise ModelLoadError(
+            f"{meta.path}: unsupported expert tensor layout: {meta.arch_value('expert_count')} experts "
+            f"but none of the stacks {', '.join(f'blk.N.{n}' for n in names)} (block 0 has "
+            f"{', '.join(found) or 'no ffn tensors'}); convert it again with a current llama.cpp"
+        )
+    return out
 
 
 def _write_float_dir(gguf: Path, out: Path) -> None:

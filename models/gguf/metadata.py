@@ -115,6 +115,9 @@ class GGUFFile:
     def arch_value(self, name: str, default: Any = None) -> Any:
         return self.value(f"{self.architecture}.{name}", default)
 
+    def has_tensor(self, name: str) -> bool:
+        return name in self.tensors
+
     def tensor(self, name: str) -> np.ndarray | None:
         from gguf import quants
 

@@ -12,6 +12,8 @@ tokenizer's 100k strings). `GGUFWeights` yields
     (hf_name, torch.Tensor)       F32 / F16 / BF16 tensors, and quantized ones that are not kept
     (hf_name, QuantizedTensor)    quantized tensors of a type packed_weight.py stores, when the
                                   caller keeps quantized weights (the native kernels run them)
+    (hf_name, [QuantizedTensor])  the same for a mixture of experts' 3-D stack (ffn_*_exps): one
+                                  per expert, which models/weight_names.py names expert by expert
 
 so a Q4_K_M file loads at its own size instead of being expanded to float32 first. Dequantized
 tensors are gguf-py's values, as transformers' are: the two paths give the same weights.
@@ -150,6 +152,11 @@ class GGUFWeights:
                 f"{self.gguf}: changed since it was converted; delete {model_dir} to convert again"
             )
 
+    @property
+    def file_bytes(self) -> int:
+        """The GGUF file's size on disk."""
+        return int(self.manifest["size"])
+
     def __iter__(self) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
         from gguf import GGMLQuantizationType, quants
 
@@ -176,7 +183,10 @@ class GGUFWeights:
             q = QuantizedTensor(qtype, (rows, hf_shape[-1]), raw.reshape(rows, -1))
             if heads:
                 q = QuantizedTensor(qtype, q.shape, reverse_permute_rows(q.raw, heads))
-            if self.keep_quantized and decodable(qtype) and len(shape) == 2:
-                yield info["hf"], q
-            else:
+            if not (self.keep_quantized and decodable(qtype) and len(shape) in (2, 3)):
                 yield info["hf"], q.dequantize().reshape(hf_shape)
+            elif len(shape) == 2:
+                yield info["hf"], q
+            else:  # an expert stack [experts, rows, cols]: each expert's rows, still as blocks
+                n = hf_shape[1]
+                yield info["hf"], [q.narrow(0, e * n, n) for e in range(hf_shape[0])]

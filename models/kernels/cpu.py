@@ -6,7 +6,8 @@
     elementwise.c             RMSNorm (with the residual add fused in), per-head q/k RMSNorm, SiLU-and-mul,
                               GELU(tanh)-and-mul, and rotary + KV cache write, one call each
     decode_layers.c           a decode step's decoder layers in one call, out of the kernels above
-                              (models/layers/native_decode.py)
+                              (models/layers/native_decode.py); a mixture of experts' chosen experts
+                              over their grouped tokens in one call (models/layers/moe.py)
     variant.c                 what a build was compiled for; the AMX permission request
     simd.h, vec.h             shared vector helpers (vec.h: one vector type per variant)
     kv_types.h                the KV cache's element types (float32, float16, bfloat16, q8_0): row
@@ -156,6 +157,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.orca_rope_and_cache.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i32]
     lib.orca_decode_layers.restype = ctypes.c_int
     lib.orca_decode_layers.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64]
+    lib.orca_moe_experts.restype = ctypes.c_int
+    lib.orca_moe_experts.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ptr]
 
 
 @functools.cache

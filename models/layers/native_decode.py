@@ -36,7 +36,7 @@ MAX_SEGMENTS = 4  # decode_layers.c: row segments (block formats) a weight may h
 _p, _i64, _i32, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 
 
-class _QWeight(ctypes.Structure):
+class QWeight(ctypes.Structure):
     _fields_ = [
         ("tiles", _p * MAX_SEGMENTS),
         ("fmt", _i32 * MAX_SEGMENTS),
@@ -54,10 +54,10 @@ class _Layer(ctypes.Structure):
     _fields_ = [
         ("input_norm", _p),
         ("post_norm", _p),
-        ("qkv", _QWeight),
-        ("o", _QWeight),
-        ("gate_up", _QWeight),
-        ("down", _QWeight),
+        ("qkv", QWeight),
+        ("o", QWeight),
+        ("gate_up", QWeight),
+        ("down", QWeight),
         ("k_cache", _p),
         ("v_cache", _p),
         ("cos_sin", _p),
@@ -94,13 +94,13 @@ def _is_cache(t: torch.Tensor, dtype: torch.dtype) -> bool:
     return t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
 
 
-def _qweight(layer: PackableLinear) -> _QWeight | None:
+def qweight(layer: PackableLinear) -> QWeight | None:
     """The C description of a packed layer, or None if it is not one the C code takes."""
     w = layer.packed
     bias = getattr(layer, "bias", None)
     if w is None or len(w.kernel_args) > MAX_SEGMENTS or (bias is not None and not _is_f32(bias)):
         return None
-    q = _QWeight()
+    q = QWeight()
     for i, (tiles, fmt_id, rows, byte_offset) in enumerate(w.kernel_args):
         q.tiles[i], q.fmt[i], q.rows[i], q.row_start[i] = tiles, fmt_id, rows, byte_offset // 4
     q.num_segments = len(w.kernel_args)
@@ -191,7 +191,7 @@ class NativeDecodeLayers:
                 or layer.activation not in ACTIVATIONS
             ):
                 return None
-            weights = [_qweight(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
+            weights = [qweight(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
             if any(w is None for w in weights):
                 return None
             s = structs[i]

@@ -190,7 +190,9 @@ class ResponsesRequest(OpenAIModel):
     @field_validator("tools", mode="before")
     @classmethod
     def _function_tools(cls, v: Any) -> Any:
-        for i, tool in enumerate(v or []):
+        if not isinstance(v, list):  # None, or not a list: pydantic's own type error says so (a 400)
+            return v
+        for i, tool in enumerate(v):
             kind = tool.get("type") if isinstance(tool, dict) else None
             if kind != "function":
                 raise ValueError(f"tools[{i}] is a {kind!r} tool; this server runs function tools only")

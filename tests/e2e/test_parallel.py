@@ -517,6 +517,19 @@ async def test_sliding_window_model_equals_one_process(tp: int, pp: int, tiny_ge
         runner.close()
 
 
+@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+async def test_mixture_of_experts_equals_one_process(tp: int, pp: int, tiny_qwen3_moe_dir: Path) -> None:
+    """Qwen3-MoE over 2 processes: a slice of every expert per rank, routed alike on both (one
+    all-reduce of all experts' partial sums per layer); or its stages, sparse and dense layers
+    apart. The server's greedy tokens, prompts chunked and batched, are one process's."""
+    want = await greedy_through_loop(LocalExecutor(engine_config(tiny_qwen3_moe_dir)), PROMPTS, 12, SCHED)
+    runner = DistributedExecutor(engine_config(tiny_qwen3_moe_dir, tp, pp))
+    try:
+        assert await greedy_through_loop(runner, PROMPTS, 12, SCHED) == want
+    finally:
+        runner.close()
+
+
 @pytest.mark.slow
 async def test_tp2_pp2_four_processes(uneven_llama_dir: Path, reference_tokens: list[list[int]]) -> None:
     runner = DistributedExecutor(engine_config(uneven_llama_dir, tp=2, pp=2))

@@ -167,3 +167,22 @@ async def test_new_families_from_the_cache_equal_cold_runs(family: str, request:
         batched = await run.together([b, c])
     assert run.cached["r1"] == 44 and run.cached["r2"] == run.cached["r3"] == 36
     assert [first, again, *batched] == await cold(runner, [a, a, b, c])
+
+
+@pytest.mark.parametrize(
+    "model", ["tiny_qwen3_moe_dir", "tiny_mixtral_dir", "tiny_olmoe_dir", "tiny_qwen2_moe_dir"]
+)
+async def test_mixture_of_experts_from_the_cache_batched_with_others(model: str, request) -> None:
+    """A mixture of experts' tokens grouped by expert with other requests' (chunked prefills and
+    decodes) and started from cached blocks: the tokens of each prompt run cold and alone."""
+    moe = LocalExecutor(
+        cpu_engine_config(request.getfixturevalue(model), block_size=BLOCK_SIZE, num_kv_blocks=256)
+    )
+    system = prompt(29, seed=11)
+    prompts = [[*system, *prompt(2 + 5 * i, seed=50 + i)] for i in range(3)]
+    strangers = [prompt(13 + 7 * i, seed=60 + i) for i in range(2)]
+    async with Run(moe, caching=True, max_num_batched_tokens=64) as run:
+        await run.generate(system, max_tokens=1)
+        got = await run.together([*prompts, *strangers])
+    assert got == await cold(moe, [*prompts, *strangers])
+    assert all(run.cached[f"r{i}"] == 28 for i in range(1, 4))

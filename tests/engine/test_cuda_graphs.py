@@ -248,12 +248,18 @@ def test_graphs_are_off_unless_cuda_a_capturable_backend_and_a_batch_bound(tiny_
     assert not cpu.runner.use_cuda_graphs and cpu.runner.decode_graphs is None
     assert cuda_graphs_off_reason(cpu.config, cpu.runner) == "the device is cpu"
 
-    def on_cuda(capturable: bool) -> SimpleNamespace:  # what the policy reads of a runner
+    def on_cuda(capturable: bool, family=cpu.runner.model.family) -> SimpleNamespace:  # what the policy reads
         backend = SimpleNamespace(name="triton" if capturable else "sdpa", capturable=capturable)
-        return SimpleNamespace(device=torch.device("cuda"), model=SimpleNamespace(attn_backend=backend))
+        model = SimpleNamespace(attn_backend=backend, family=family)
+        return SimpleNamespace(device=torch.device("cuda"), model=model)
 
     config = cpu.config
     assert cuda_graphs_off_reason(config, on_cuda(True)) is None
+    # A mixture of experts picks its experts on the host every step.
+    from models.registry import family_for
+
+    moe = family_for(SimpleNamespace(architectures=["Qwen3MoeForCausalLM"]))
+    assert "qwen3_moe family" in (cuda_graphs_off_reason(config, on_cuda(True, moe)) or "")
     assert "'sdpa' attention backend" in (cuda_graphs_off_reason(config, on_cuda(False)) or "")
     assert cuda_graphs_off_reason(replace(config, enforce_eager=True), on_cuda(True)) == "--enforce-eager"
     assert "max_num_seqs" in (cuda_graphs_off_reason(replace(config, max_num_seqs=None), on_cuda(True)) or "")

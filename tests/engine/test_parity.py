@@ -43,14 +43,30 @@ def hf_generate(model, prompt: Sequence[int], new_tokens: int) -> list[int]:
     return out[0, len(prompt) :].tolist()
 
 
-@pytest.fixture(params=["llama", "gpt2", "gguf-llama", "gemma3", "mistral-window", "qwen3", "phi3"])
+@pytest.fixture(
+    params=[
+        "llama",
+        "gpt2",
+        "gguf-llama",
+        "gemma3",
+        "mistral-window",
+        "qwen3",
+        "phi3",
+        "qwen3-moe",
+        "mixtral",
+        "olmoe",
+        "qwen2-moe",
+    ]
+)
 def model_dir(request) -> Path:
     """gguf-llama and gemma3 have GGUF-structured weights, so the runner packs them
     (models/weight_packing.py) and the quantized-linear kernel runs every matmul where it builds
     (float32 activations: the parity reference; int8 activations are checked against float32 in
     test_quantized_accuracy.py). gemma3's local layers and mistral-window's layers have windows (8 and
     6 tokens) shorter than most prompts here, and the generations run past them. qwen3 has q/k norms;
-    phi3 is Phi-4-mini-like (fused qkv and gate/up, partial rotary, LongRoPE)."""
+    phi3 is Phi-4-mini-like (fused qkv and gate/up, partial rotary, LongRoPE). The mixtures of experts
+    (qwen3-moe, mixtral, olmoe, qwen2-moe with its shared expert) group every request's tokens by
+    expert: batching must not change any request's tokens."""
     fixture = {
         "llama": "tiny_llama_dir",
         "gpt2": "tiny_gpt2_dir",
@@ -59,6 +75,10 @@ def model_dir(request) -> Path:
         "mistral-window": "tiny_mistral_window_dir",
         "qwen3": "tiny_qwen3_dir",
         "phi3": "tiny_phi3_dir",
+        "qwen3-moe": "tiny_qwen3_moe_dir",
+        "mixtral": "tiny_mixtral_dir",
+        "olmoe": "tiny_olmoe_dir",
+        "qwen2-moe": "tiny_qwen2_moe_dir",
     }[request.param]
     return request.getfixturevalue(fixture)
 

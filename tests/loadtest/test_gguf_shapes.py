@@ -26,6 +26,8 @@ from loadtest.gguf_shapes import SHAPES, main, tensors, tiny, use_more_bits, wri
         ("qwen3-0.6b", 0.596e9, 0.4405e9),
         ("phi-4-mini", 3.836e9, 3.2214e9),
         ("gemma-3-1b", 0.9999e9, 0.6979e9),
+        # 6.9B (OLMoE's card), 1.3B of them active (test_moe_shape_types_and_active_parameters).
+        ("olmoe-1b-7b", 6.919e9, 6.816e9),
     ],
 )
 def test_full_shapes_have_the_checkpoints_sizes(name: str, params: float, non_embedding: float) -> None:
@@ -48,7 +50,20 @@ def test_q4_k_m_types_follow_llama_cpp() -> None:
     assert phi["rope_factors_long.weight"] == "F32"
 
 
-@pytest.mark.parametrize("name", ["qwen3-0.6b", "phi-4-mini", "gemma-3-1b", "llama-3.2-1b"])
+def test_moe_shape_types_and_active_parameters() -> None:
+    """llama.cpp's Q4_K_M for the expert stacks (ffn_down_exps follows ffn_down's rule) and an F32
+    router; 8 of 64 experts per token make OLMoE's 1.3B active parameters."""
+    shape = SHAPES["olmoe-1b-7b"]
+    types = {name: t for name, _, t in tensors(shape)}
+    assert types["blk.0.ffn_gate_inp.weight"] == "F32" and types["blk.3.ffn_gate_exps.weight"] == "Q4_K"
+    assert types["blk.0.ffn_down_exps.weight"] == "Q6_K" and types["blk.3.ffn_down_exps.weight"] == "Q4_K"
+    total = sum(int(np.prod(dims)) for _, dims, _ in tensors(shape))
+    experts = sum(int(np.prod(dims)) for name, dims, _ in tensors(shape) if "_exps." in name)
+    active = total - experts + experts * shape.experts_used // shape.experts
+    assert active == pytest.approx(1.28e9, rel=1e-2)
+
+
+@pytest.mark.parametrize("name", ["qwen3-0.6b", "phi-4-mini", "gemma-3-1b", "llama-3.2-1b", "olmoe-1b-7b"])
 def test_tiny_files_load_on_the_native_kernels(name: str, tmp_path: Path, monkeypatch) -> None:
     from gguf import GGUFReader
 
@@ -63,6 +78,8 @@ def test_tiny_files_load_on_the_native_kernels(name: str, tmp_path: Path, monkey
     config = load_config(model_dir)
     if name == "qwen3-0.6b":
         assert config.head_dim == 64 and config.tie_word_embeddings
+    elif name == "olmoe-1b-7b":  # 8 experts of 256, 4 per token
+        assert (config.num_experts, config.num_experts_per_tok, config.intermediate_size) == (8, 4, 256)
     elif name == "llama-3.2-1b":
         assert config.rope_parameters["rope_theta"] == 500000.0 and config.tie_word_embeddings
     elif name == "gemma-3-1b":  # the 2 layers local (every sixth is global), with their window
@@ -75,7 +92,7 @@ def test_tiny_files_load_on_the_native_kernels(name: str, tmp_path: Path, monkey
     model = load_model(model_dir, torch.float32, "cpu")
     formats = {f for m in model.modules() if getattr(m, "packed", None) is not None for f in m.packed.formats}
     assert formats == {t for _, _, t in tensors(shape) if t != "F32"}
-    assert model.native_decode is not None
+    assert (model.native_decode is not None) == (not shape.experts)  # experts run as modules
     logits = single_seq_logits(model, [1, 5, 400, 2000, 3000])
     assert torch.isfinite(logits).all() and logits.std() > 0.1
 

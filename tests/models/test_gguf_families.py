@@ -1,13 +1,15 @@
-"""Qwen3 and Phi-3 GGUF files in the common quantization mixes, through our converter, loader and
+"""Qwen3, Qwen3-MoE and Phi-3 GGUF files in the common quantization mixes, through our converter, loader and
 engine: transformers' weights and greedy tokens on float32 activations (the native kernels running
 every K-quant and IQ4_XS weight at its file's size), the config completed from the metadata where
-transformers' GGUF reader leaves it out (Qwen3's head_dim, Phi-4-mini's partial rotary and LongRoPE),
+transformers' GGUF reader leaves it out (Qwen3's head_dim, Qwen3-MoE's expert width, Phi-4-mini's partial
+rotary and LongRoPE), a mixture of experts' 3-D expert stacks packed one weight per expert,
 generation stopped by every end-of-turn id, BOS only where the file asks for it, and bad files
 failing with one clear error before anything is cached."""
 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -32,6 +34,18 @@ SIZES = {
     # files it reads right have that head_dim (every published Qwen3 does).
     "qwen3": dict(hidden=256, heads=2, kv_heads=1, head_dim=128, ff=512),
     "phi3": dict(hidden=256, heads=4, kv_heads=2, ff=512, extra_tokens=PHI3_TOKENS, eos=0, eot=END),
+    # 8 experts of 256 (expert_feed_forward_length; transformers' reader leaves Qwen3MoeConfig's 768),
+    # 2 per token.
+    "qwen3moe": dict(hidden=256, heads=2, kv_heads=1, head_dim=128, ff=512, experts=8, expert_ff=256),
+    # 8 experts of 256 and a shared expert of 512 (both widths left at Qwen2MoeConfig's defaults by
+    # transformers' reader), q/k/v biases.
+    "qwen2moe": dict(hidden=256, heads=2, kv_heads=1, ff=512, experts=8, expert_ff=256, shared_ff=512),
+    # Mixtral as llama.cpp writes it: the llama architecture, q/k rows permuted, experts of
+    # feed_forward_length (no expert_feed_forward_length).
+    # OLMoE as llama.cpp writes it: MHA, q/k norms over the whole projections, experts of
+    # expert_feed_forward_length.
+    "olmoe": dict(hidden=256, heads=4, kv_heads=4, ff=512, experts=8, expert_ff=256),
+    "mixtral": dict(arch="llama", hidden=256, heads=4, kv_heads=2, ff=256, experts=8),
 }
 PROMPT = [1, 70, 80, 90, 100, 7, 8, 200, 2, 3, 44]
 
@@ -45,8 +59,8 @@ def cache(tmp_path: Path, monkeypatch) -> Path:
 
 def write(tmp_path: Path, arch: str, mix: str, name: str | None = None, **overrides) -> Path:
     path = tmp_path / (name or f"{arch}-{mix}.gguf")
-    kwargs = {**SIZES[arch], **overrides}
-    write_tiny_gguf(path, seed=4, layers=2, types=GGUF_MIXES[mix], tied=False, arch=arch, **kwargs)
+    kwargs = {"arch": arch, **SIZES[arch], **overrides}
+    write_tiny_gguf(path, seed=4, layers=2, types=GGUF_MIXES[mix], tied=False, **kwargs)
     return path
 
 
@@ -72,6 +86,15 @@ def transformers_greedy(hf, prompt: list[int], n: int) -> list[int]:
         for _ in range(n):
             seq.append(int(hf(torch.tensor([seq])).logits[0, -1].argmax()))
     return seq[len(prompt) :]
+
+
+def assert_same_as(hf, model, gguf: Path) -> None:
+    """Our model's logits of PROMPT are transformers' (float32 summation order aside), and the
+    engine's greedy tokens from the file are its."""
+    with torch.no_grad():
+        expect = hf(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(single_seq_logits(model, PROMPT), expect, atol=tolerance(expect), rtol=1e-4)
+    assert engine_greedy(gguf, PROMPT, 12) == transformers_greedy(hf, PROMPT, 12)
 
 
 def engine_greedy(source: Path, prompt: list[int], n: int) -> list[int]:
@@ -122,6 +145,204 @@ def test_qwen3_head_dim_comes_from_the_file(tmp_path: Path, cache: Path) -> None
     with torch.no_grad():
         expect = hf(torch.tensor([PROMPT])).logits[0]
     torch.testing.assert_close(single_seq_logits(model, PROMPT), expect, atol=tolerance(expect), rtol=1e-4)
+
+
+@needs_native_kernels
+@pytest.mark.parametrize("mix", ["Q4_K_M", "Q3_K_M"])
+def test_qwen3_moe_gguf_stays_packed_and_matches_transformers(tmp_path: Path, cache: Path, mix: str) -> None:
+    """Every expert of the file's 3-D stacks (ffn_gate_exps, ffn_up_exps, ffn_down_exps) packed from
+    its own blocks, in the file's formats: the weights in memory within the kernels' storage of
+    those formats of the file's size, and transformers' logits and greedy tokens on float32
+    activations (transformers given the config completed from the metadata: its reader leaves the
+    experts' width at Qwen3MoeConfig's default)."""
+    from models.layers.moe import SparseMoE
+    from models.weight_packing import describe_cpu_setup, weight_memory_bytes
+
+    gguf = write(tmp_path, "qwen3moe", mix)
+    path = resolve_model(str(gguf))
+    config = load_config(path)
+    assert config.architectures == ["Qwen3MoeForCausalLM"]
+    assert (config.num_experts, config.num_experts_per_tok, config.moe_intermediate_size) == (8, 2, 256)
+    assert config.norm_topk_prob and config.head_dim == 128
+    model = load_model(path, torch.float32, "cpu", weight_packing="float32")
+    moe = [layer.mlp for layer in model.model.layers]
+    assert all(isinstance(m, SparseMoE) and len(m.experts) == 8 for m in moe)
+    experts = [linear for m in moe for e in m.experts for linear in (e.gate_up_proj, e.down_proj)]
+    assert all(linear.packed is not None and linear.weight is None for linear in experts)
+    assert {f for linear in experts for f in linear.packed.formats} == {
+        GGUF_MIXES[mix]["ffn_gate"],
+        GGUF_MIXES[mix]["ffn_down"],
+    }
+    assert all(layer.packed is not None for layer in packable_layers(model))
+    # The kernels keep 4-bit formats at ~4.6 bits and 5- and 6-bit ones in 8-bit codes (8.6 bits).
+    file_bytes = gguf.stat().st_size
+    assert weight_memory_bytes(model) < 1.6 * file_bytes
+    assert f"the {file_bytes / 1e6:.1f} MB weight file" in describe_cpu_setup(model)
+    hf = transformers_model(gguf, config)
+    assert_same_as(hf, model, gguf)
+
+
+def moe_from_file(gguf: Path, config, permuted: bool):
+    """transformers' model for `config` with the file's weights as llama.cpp's converter wrote them
+    back: gguf-py's dequantized values, q/k rows un-permuted where `permuted` (a llama file: with
+    transformers' own LlamaTensorProcessor), each layer's gate and up stacks side by side in
+    gate_up_proj. transformers' GGUF loader cannot read these files (it takes a llama file with
+    experts for a dense Llama, and has no olmoe reader), so this is the reference."""
+    from gguf import GGUFReader, quants
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import LlamaTensorProcessor
+
+    def value(t) -> torch.Tensor:
+        shape = tuple(reversed([int(d) for d in t.shape]))
+        return torch.from_numpy(np.array(quants.dequantize(t.data, t.tensor_type), np.float32).reshape(shape))
+
+    file = {t.name: value(t) for t in GGUFReader(gguf).tensors}
+    heads, kv = config.num_attention_heads, config.num_key_value_heads
+    unpermute = LlamaTensorProcessor()._reverse_permute_weights if permuted else lambda w, *_: w
+    state = {
+        "model.embed_tokens.weight": file["token_embd.weight"],
+        "model.norm.weight": file["output_norm.weight"],
+        "lm_head.weight": file["output.weight"],
+    }
+    for i in range(config.num_hidden_layers):
+        blk, layer = f"blk.{i}.", f"model.layers.{i}."
+        state |= {
+            layer + "input_layernorm.weight": file[blk + "attn_norm.weight"],
+            layer + "post_attention_layernorm.weight": file[blk + "ffn_norm.weight"],
+            layer + "self_attn.q_proj.weight": unpermute(file[blk + "attn_q.weight"].numpy(), heads, heads),
+            layer + "self_attn.k_proj.weight": unpermute(file[blk + "attn_k.weight"].numpy(), heads, kv),
+            layer + "self_attn.v_proj.weight": file[blk + "attn_v.weight"],
+            layer + "self_attn.o_proj.weight": file[blk + "attn_output.weight"],
+            layer + "mlp.gate.weight": file[blk + "ffn_gate_inp.weight"],
+            layer + "mlp.experts.gate_up_proj": torch.cat(
+                [file[blk + "ffn_gate_exps.weight"], file[blk + "ffn_up_exps.weight"]], dim=1
+            ),
+            layer + "mlp.experts.down_proj": file[blk + "ffn_down_exps.weight"],
+        }
+        if blk + "attn_q_norm.weight" in file:
+            state[layer + "self_attn.q_norm.weight"] = file[blk + "attn_q_norm.weight"]
+            state[layer + "self_attn.k_norm.weight"] = file[blk + "attn_k_norm.weight"]
+    hf = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    hf.load_state_dict({k: torch.as_tensor(v) for k, v in state.items()}, strict=True)
+    return hf.eval()
+
+
+@needs_native_kernels
+def test_qwen2_moe_gguf_shared_expert(tmp_path: Path, cache: Path) -> None:
+    """The shared expert's tensors (ffn_*_shexp) packed, its gate read from a vector, the widths from
+    the metadata; transformers' logits and greedy tokens."""
+    gguf = write(tmp_path, "qwen2moe", "Q4_K_M")
+    path = resolve_model(str(gguf))
+    config = load_config(path)
+    assert config.architectures == ["Qwen2MoeForCausalLM"]
+    assert (config.moe_intermediate_size, config.shared_expert_intermediate_size) == (256, 512)
+    model = load_model(path, torch.float32, "cpu", weight_packing="float32")
+    moe = model.model.layers[1].mlp
+    assert moe.shared_expert.gate_up_proj.packed is not None and moe.shared_expert_gate.weight.shape == (
+        1,
+        256,
+    )
+    assert all(layer.packed is not None for layer in packable_layers(model))
+    hf = transformers_model(gguf, config)
+    assert_same_as(hf, model, gguf)
+
+
+@needs_native_kernels
+def test_a_llama_file_with_experts_is_a_mixtral(tmp_path: Path, cache: Path) -> None:
+    """llama.cpp writes Mixtral under the llama architecture: the expert_count makes it one (the llama
+    family's declaration), its experts are packed per expert, and it matches transformers' Mixtral
+    holding the file's weights."""
+    from models.layers.moe import SparseMoE
+
+    gguf = write(tmp_path, "mixtral", "Q4_K_M")
+    path = resolve_model(str(gguf))
+    config = load_config(path)
+    assert config.architectures == ["MixtralForCausalLM"]
+    assert (config.num_local_experts, config.num_experts_per_tok, config.intermediate_size) == (8, 2, 256)
+    model = load_model(path, torch.float32, "cpu", weight_packing="float32")
+    assert all(isinstance(layer.mlp, SparseMoE) for layer in model.model.layers)
+    assert all(layer.packed is not None for layer in packable_layers(model))
+    hf = moe_from_file(gguf, config, permuted=True)
+    assert_same_as(hf, model, gguf)
+    # A llama file without experts stays a Llama.
+    dense = resolve_model(str(write(tmp_path, "mixtral", "Q4_K_M", name="dense.gguf", experts=0)))
+    assert load_config(dense).architectures == ["LlamaForCausalLM"]
+
+
+@needs_native_kernels
+def test_olmoe_gguf_which_transformers_does_not_read(tmp_path: Path, cache: Path) -> None:
+    """An `olmoe` file: the config from its metadata (the family's, as llama.cpp reads it), the
+    tokenizer from its tokenizer metadata, experts packed per expert, q/k norms over the whole
+    projections; transformers' OLMoE holding the file's weights gives the same logits and greedy
+    tokens. The clipping bound is read (30: above these activations; clipping that bites is held to
+    transformers in test_models.py, where a clipped model's logits move with the summation order
+    more than this file's tolerance allows)."""
+    gguf = write(tmp_path, "olmoe", "Q4_K_M", metadata={"attention.clamp_kqv": 30.0})
+    path = resolve_model(str(gguf))
+    config = load_config(path)
+    assert config.architectures == ["OlmoeForCausalLM"] and not config.tie_word_embeddings
+    assert (config.num_experts, config.num_experts_per_tok, config.intermediate_size) == (8, 2, 256)
+    assert config.clip_qkv == 30.0 and config.norm_topk_prob is False
+    tok = load_tokenizer(path)
+    assert tok.chat_template == CHATML_TEMPLATE and tok("the")["input_ids"] == [86, 260]
+    assert read_eos_token_ids(path, config) == {0, 2}
+    model = load_model(path, torch.float32, "cpu", weight_packing="float32")
+    assert all(layer.packed is not None for layer in packable_layers(model))
+    hf = moe_from_file(gguf, config, permuted=False)
+    assert_same_as(hf, model, gguf)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "named"),
+    [
+        ("expert_gating_func", 2, "scoring_func='sigmoid'"),
+        ("expert_shared_count", 1, "n_shared_experts=1"),
+        ("expert_weights_scale", 2.5, "routed_scaling_factor=2.5"),
+    ],
+)
+def test_qwen3_moe_gguf_routing_this_server_does_not_run(
+    tmp_path: Path, cache: Path, key: str, value: float, named: str
+) -> None:
+    source = write(tmp_path, "qwen3moe", "Q4_K_M", metadata={key: value})
+    with pytest.raises(ModelLoadError, match=re.escape(named)):
+        load_model(resolve_model(str(source)), torch.float32, "cpu")
+
+
+def test_experts_stored_one_tensor_each_are_refused_naming_the_layout(tmp_path: Path, cache: Path) -> None:
+    """Mixtral files from llama.cpp before its expert stacks held one tensor per expert
+    (blk.N.ffn_gate.E.weight): not read here, and said so before anything is cached."""
+    import gguf as gguf_py
+
+    real = gguf_py.GGUFWriter.add_tensor
+
+    def per_expert(self, name, tensor, *args, **kwargs):
+        return real(self, name.replace("_exps.weight", ".0.weight"), tensor, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf_py.GGUFWriter, "add_tensor", per_expert)
+        source = write(tmp_path, "mixtral", "Q4_K_M")
+    _expect_error(
+        source,
+        cache,
+        "unsupported expert tensor layout: 8 experts",
+        "blk.N.ffn_gate_exps.weight",
+        "blk.0.ffn_gate.0.weight",
+    )
+
+
+def test_qwen3_moe_gguf_expert_count_that_disagrees_with_its_stacks(tmp_path: Path, cache: Path) -> None:
+    """A file whose expert_count says 4 where its router and stacks hold 8 experts fails naming the
+    first tensor that disagrees."""
+    import gguf as gguf_py
+
+    real = gguf_py.GGUFWriter.add_expert_count
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(gguf_py.GGUFWriter, "add_expert_count", lambda self, n: real(self, 4))
+        source = write(tmp_path, "qwen3moe", "Q4_K_M")
+    with pytest.raises(
+        ModelLoadError, match=re.escape("mlp.gate.weight' has shape (8, 256), expected (4, 256)")
+    ):
+        load_model(resolve_model(str(source)), torch.float32, "cpu")
 
 
 def test_phi4_mini_rotary_and_longrope_come_from_the_file(tmp_path: Path, cache: Path) -> None:

@@ -18,10 +18,14 @@ from builders import (
     tiny_gpt2_config,
     tiny_llama_config,
     tiny_mistral_config,
+    tiny_mixtral_config,
+    tiny_olmoe_config,
     tiny_phi3_config,
     tiny_phi4_mini_config,
     tiny_qwen2_config,
+    tiny_qwen2_moe_config,
     tiny_qwen3_config,
+    tiny_qwen3_moe_config,
 )
 from paged_cache import PagedCacheHarness, reference_attention
 
@@ -81,6 +85,15 @@ CONFIGS = {
         num_hidden_layers=3,
     ),
     "gpt2": lambda: tiny_gpt2_config(vocab_size=SMALL_VOCAB),
+    # Mixtures of experts: every prompt's tokens spread over the experts, grouped by expert in the
+    # flat batch of all four prompts.
+    "qwen3-moe": lambda: tiny_qwen3_moe_config(vocab_size=SMALL_VOCAB),
+    "qwen3-moe-unnormalised-every-second-layer": lambda: tiny_qwen3_moe_config(
+        vocab_size=SMALL_VOCAB, norm_topk_prob=False, mlp_only_layers=[], decoder_sparse_step=2
+    ),
+    "mixtral": lambda: tiny_mixtral_config(vocab_size=SMALL_VOCAB),
+    "olmoe": lambda: tiny_olmoe_config(vocab_size=SMALL_VOCAB),
+    "qwen2-moe-shared-expert": lambda: tiny_qwen2_moe_config(vocab_size=SMALL_VOCAB),
     # Local layers with a window of 5 (prompts below run to 14 tokens) and global ones.
     "gemma3": lambda: tiny_gemma3_config(vocab_size=SMALL_VOCAB, sliding_window=5),
     # Linear rope scaling on the global layers only, an untied head, a final logit soft-cap, a
@@ -274,6 +287,34 @@ def test_tp_shards_partition_the_checkpoint() -> None:
         assert torch.equal(emb, full["model.embed_tokens.weight"])
 
 
+def test_tp_ranks_hold_a_slice_of_every_expert() -> None:
+    """Each rank holds its share of EVERY expert's intermediate columns (gate/up rows, down columns;
+    models/layers/moe.py says why) and the whole router: the ranks' shards put back together are the
+    checkpoint's experts."""
+    from models.layers.parallel import TPContext
+
+    config = tiny_qwen3_moe_config(vocab_size=SMALL_VOCAB)  # 8 experts of 32
+    full = build_hf_model(config).state_dict()
+    ranks = []
+    for rank in range(2):
+        model = model_class_for(config)(config, dtype=torch.float32, tp=TPContext(rank, 2))
+        model.load_weights(full.items())
+        ranks.append(dict(model.named_parameters()))
+    pre, inter = "model.layers.0.mlp.", config.moe_intermediate_size
+    gate_up, down = (
+        full[pre + "experts.gate_up_proj"],
+        full[pre + "experts.down_proj"],
+    )  # [E, 2I, H], [E, H, I]
+    for e in range(config.num_experts):
+        shards = [r[f"{pre}experts.{e}.gate_up_proj.weight"] for r in ranks]  # [gate_r | up_r] each
+        half = inter // 2
+        assert torch.equal(torch.cat([s[:half] for s in shards]), gate_up[e, :inter])
+        assert torch.equal(torch.cat([s[half:] for s in shards]), gate_up[e, inter:])
+        cols = torch.cat([r[f"{pre}experts.{e}.down_proj.weight"] for r in ranks], dim=1)
+        assert torch.equal(cols, down[e])
+    assert all(torch.equal(r[pre + "gate.weight"], full[pre + "gate.weight"]) for r in ranks)
+
+
 def _tp_worker(rank: int, world: int, port: int, name: str) -> None:
     import torch.distributed as dist
 
@@ -305,6 +346,14 @@ TP_CONFIGS = {
     "qwen3": lambda: tiny_qwen3_config(vocab_size=SMALL_VOCAB),
     "phi4-mini": lambda: tiny_phi4_mini_config(vocab_size=SMALL_VOCAB, tie_word_embeddings=False),
     "gpt2-odd-vocab": lambda: tiny_gpt2_config(vocab_size=SMALL_VOCAB - 3),  # padded vocab shards
+    # Every expert sliced across the ranks (models/layers/moe.py says why), routed alike on both.
+    "qwen3-moe": lambda: tiny_qwen3_moe_config(vocab_size=SMALL_VOCAB),
+    "mixtral": lambda: tiny_mixtral_config(vocab_size=SMALL_VOCAB),
+    "qwen2-moe-shared-expert": lambda: tiny_qwen2_moe_config(vocab_size=SMALL_VOCAB),
+    # q/k norms over whole projections whose heads are split (sums of squares all-reduced); with one
+    # KV head, replicated on both ranks.
+    "olmoe": lambda: tiny_olmoe_config(vocab_size=SMALL_VOCAB),
+    "olmoe-one-kv-head": lambda: tiny_olmoe_config(vocab_size=SMALL_VOCAB, num_key_value_heads=1),
 }
 
 

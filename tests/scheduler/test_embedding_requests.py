@@ -19,6 +19,9 @@ from engine.contract import Pooling, SamplingParams
 from scheduler.fake_runner import FakeRunner
 from scheduler.outputs import FinishReason, RequestDelta
 
+# Embeddings in the overlapped loop too: a carried prompt chunk of an embedding pools, never samples.
+pytestmark = pytest.mark.usefixtures("both_overlap_modes")
+
 
 async def embed_one(engine, tokens: list[int], pooling: Pooling, rid: str) -> RequestDelta:
     [delta] = await collect(engine.embed(tokens, pooling, rid))

@@ -19,6 +19,9 @@ from scheduler.fake_runner import FakeDetokenizer, FakeRunner, hash_next_token
 from scheduler.loop import IterationLoop, LoopStoppedError, new_step_thread
 from scheduler.outputs import FinishReason, RequestDelta, StepReport
 
+# The loop's tests hold with overlapped scheduling on and off.
+pytestmark = pytest.mark.usefixtures("both_overlap_modes")
+
 GUARD_S = 20  # a hang fails the test instead of stalling the suite
 
 
@@ -102,7 +105,10 @@ async def test_generate_rejects_bad_requests_at_once(make_engine):
     assert engine.max_model_len == 32
 
 
-async def test_abort_frees_blocks_before_the_next_step(make_engine):
+async def test_abort_frees_blocks_before_the_next_step(make_engine, both_overlap_modes):
+    """Without overlap the step after the abort no longer has the request; with overlap, that step
+    was scheduled before the abort (it may run the request's row for nothing), and the one after it
+    no longer has the request."""
     gate = threading.Event()
     runner = FakeRunner(gate=gate)
     engine = await make_engine(runner)
@@ -129,9 +135,12 @@ async def test_abort_frees_blocks_before_the_next_step(make_engine):
     await collect(b)
     assert deltas_a[-1].finish_reason is FinishReason.ABORT
     assert seen[0][0] == {"a", "b"}
-    # From the next step on, a is gone and only b's blocks are in use.
-    for ids, used, in_batch in seen[1:]:
-        assert ids == {"b"} and used == in_batch
+    # From the next step on (overlapped: the one after), a is gone and only b's blocks are in use.
+    if both_overlap_modes:
+        assert all(ids == {"b"} for ids, _, _ in seen[2:])
+    else:
+        for ids, used, in_batch in seen[1:]:
+            assert ids == {"b"} and used == in_batch
     assert engine.stats().kv_blocks_used == 0
 
 
@@ -266,7 +275,7 @@ def finished_event(engine: IterationLoop, request_id: str) -> tuple[asyncio.Even
     return done, reports
 
 
-async def test_a_stop_string_frees_the_request_in_the_iteration_that_produced_it():
+async def test_a_stop_string_frees_the_request_in_the_iteration_that_produced_it(both_overlap_modes):
     runner = FakeRunner(script=[30, 31, 32, 33, 34, 35, 35, 35])
     engine = await start_with_text(runner)
     try:
@@ -275,9 +284,12 @@ async def test_a_stop_string_frees_the_request_in_the_iteration_that_produced_it
         await asyncio.wait_for(done.wait(), GUARD_S)
         # The 5th token completes the stop string: the step that sampled it (the 5th; the prompt's
         # step sampled the first) finished the request and its report already sees its blocks free.
-        last = reports[-1]
+        last = next(r for r in reports if r.finished_ids)
         assert (last.step, last.finished_ids, last.kv_blocks_used) == (5, ["a"], 0)
-        assert sum("a" in r.request_ids for r in reports) == 5 == runner.num_steps  # no step after it
+        if both_overlap_modes:  # the step after it was scheduled before: it may run one row for nothing
+            assert reports[-1].step <= 6 and runner.num_steps <= 6
+        else:
+            assert sum("a" in r.request_ids for r in reports) == 5 == runner.num_steps  # no step after it
         deltas = await collect(stream)
         assert "".join(d.text for d in deltas) == "one two"
         assert deltas[-1].finish_reason is FinishReason.STOP and deltas[-1].num_output_tokens == 5

@@ -266,6 +266,7 @@ def test_blocks_written_by_a_batch_in_flight_are_not_reused_before_it_is_applied
     assert b.output_token_ids == a.output_token_ids == expected_outputs(prompt, 4)
 
 
+@pytest.mark.usefixtures("both_overlap_modes")
 async def test_the_pipelined_loop_shares_prefixes_only_once_computed():
     """Prompts sharing a stem, and repeated prompts (n choices), through 2 batches in flight: the tokens
     of a run without caching, cache hits, and (the fake checks it at every submit) no request reads a

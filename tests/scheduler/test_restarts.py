@@ -17,6 +17,9 @@ from scheduler.fake_runner import FakeRunner
 from scheduler.loop import IterationLoop, LoopStoppedError, RestartBudget
 from scheduler.outputs import FinishReason, RequestDelta
 
+# The loop's tests hold with overlapped scheduling on and off.
+pytestmark = pytest.mark.usefixtures("both_overlap_modes")
+
 GUARD_S = 20
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import pytest
@@ -378,13 +378,20 @@ def stop_point(tokens: Sequence[int], stop: str) -> int | None:
     return None
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    wl=workloads(),
-    config=scheduler_configs(max_extra_budget=30),
-    block_size=st.sampled_from([1, 2, 4]),
-    extra_blocks=st.integers(0, 12),
-)
+def over_random_workloads(test: Callable[..., None]) -> Callable[..., None]:
+    """A property test over random workloads (`wl`), scheduler configs, block sizes and a few blocks
+    past the longest request (`extra_blocks`: preemption is common)."""
+    return settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])(
+        given(
+            wl=workloads(),
+            config=scheduler_configs(max_extra_budget=30),
+            block_size=st.sampled_from([1, 2, 4]),
+            extra_blocks=st.integers(0, 12),
+        )(test)
+    )
+
+
+@over_random_workloads
 def test_random_workloads_keep_every_invariant(wl, config, block_size, extra_blocks):
     longest = max(p + m for _, p, m in wl.arrivals)
     runner = cramped_runner(longest, block_size, extra_blocks)

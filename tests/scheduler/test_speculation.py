@@ -345,6 +345,7 @@ def test_logprobs_come_with_every_accepted_token():
     assert len(b) == 25
 
 
+@pytest.mark.usefixtures("both_overlap_modes")
 async def test_the_loop_reports_acceptance_and_keeps_pipelined_batches_right():
     """Through the iteration loop, pipeline depth 2 included: the same tokens, and every step report
     says what was proposed and accepted, request by request."""

@@ -5,11 +5,16 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from engine.contract import SamplingParams
 from scheduler.config import SchedulerConfig
 from scheduler.fake_runner import FakeRunner
 from scheduler.loop import IterationLoop
 from scheduler.outputs import FinishReason, StepReport
+
+# The loop's tests hold with overlapped scheduling on and off.
+pytestmark = pytest.mark.usefixtures("both_overlap_modes")
 
 GUARD_S = 20  # a hang fails the test instead of stalling the suite
 
@@ -59,12 +64,13 @@ def batch(report: StepReport) -> list[tuple[str, int, int, bool]]:
     )
 
 
-async def test_a_request_joins_the_running_batch_and_leaves_it_the_step_it_finishes():
+async def test_a_request_joins_the_running_batch_and_leaves_it_the_step_it_finishes(both_overlap_modes):
     runner = FakeRunner(num_kv_blocks=64, block_size=4)
-    # "a": a 12-token prompt in chunks of 8, then decodes; "b" arrives once "a" is decoding.
+    # "a": a 12-token prompt in chunks of 8, then decodes; "b" arrives once "a" is decoding (and "a"
+    # still is when "b" joins: with overlapped scheduling the loop has scheduled a step ahead).
     reports, _ = await run_engine(
         runner,
-        [("a", prompt(12), 5, 0), ("b", prompt(3, seed=1), 2, 3)],
+        [("a", prompt(12), 8, 0), ("b", prompt(3, seed=1), 2, 3)],
         max_num_batched_tokens=8,
         max_num_seqs=4,
     )
@@ -80,7 +86,8 @@ async def test_a_request_joins_the_running_batch_and_leaves_it_the_step_it_finis
         (last,) = [k for k, r in enumerate(reports) if rid in r.finished_ids]
         assert rid in reports[last].request_ids and all(rid not in r.request_ids for r in reports[last + 1 :])
     assert all(r.kv_blocks_total == 64 and r.preempted_ids == [] for r in reports)
-    assert reports[-1].kv_blocks_used == 0 and reports[0].kv_blocks_used == 2  # 8 tokens in blocks of 4
+    # 8 tokens in blocks of 4; overlapped, the next chunk (4 tokens) was scheduled before the report.
+    assert reports[-1].kv_blocks_used == 0 and reports[0].kv_blocks_used == (3 if both_overlap_modes else 2)
 
 
 async def test_preempted_requests_are_named_and_recompute_from_position_zero():

@@ -118,6 +118,15 @@ def test_reasoning_and_responses_store_flags(monkeypatch, tmp_path):
             parse_args(bad)
 
 
+def test_overlap_schedule_flag(capsys):
+    assert parse_args([]).scheduler.overlap_schedule is True
+    assert parse_args(["--overlap-schedule", "off"]).scheduler.overlap_schedule is False
+    assert parse_args(["--overlap-schedule", "ON"]).scheduler.overlap_schedule is True
+    with pytest.raises(SystemExit):
+        parse_args(["--overlap-schedule", "maybe"])
+    assert "expected on or off" in capsys.readouterr().err
+
+
 def test_speculative_decoding_flags(capsys):
     c = parse_args(
         "--speculative draft --draft-model small.gguf --num-speculative-tokens 3 --speculative-max-batch 2 "

@@ -161,6 +161,8 @@ async def test_input_items_and_their_errors(tokenizer):
             await client.post("/v1/responses", json={"input": "Hi", "tools": [{"type": "web_search"}]})
         )
         assert err["param"] == "tools" and "web_search" in err["message"]
+        err = error_of(await client.post("/v1/responses", json={"input": "Hi", "tools": 5}))  # not a list
+        assert err["param"] == "tools"
         err = error_of(await client.post("/v1/responses", json={"input": "Hi", "max_output_tokens": 10**6}))
         assert err["code"] == "context_length_exceeded"
         err = error_of(await client.post("/v1/responses", json={"input": "Hi", "top_logprobs": 2}))

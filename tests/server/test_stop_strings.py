@@ -54,9 +54,11 @@ async def test_stop_string_frees_the_request(tokenizer):
         ).json()
         assert body["choices"][0] == {"index": 0, "text": "a b c", "logprobs": None, "finish_reason": "stop"}
         # It ended at the token that completed " STOP", whose step also freed its blocks: both before
-        # the final delta, so before the response.
+        # the final delta, so before the response. (With overlapped scheduling the step after it was
+        # scheduled before that token was known: it may run the request's row for nothing.)
         stopped_at = len(tokenizer.encode("a b c STOP", add_special_tokens=False))
-        assert body["usage"]["completion_tokens"] == stopped_at == runner.num_steps
+        assert body["usage"]["completion_tokens"] == stopped_at
+        assert runner.num_steps in (stopped_at, stopped_at + 1)
         stats = app.state.server.loop.stats()
         assert (stats.running, stats.waiting, stats.kv_blocks_used) == (0, 0, 0)
 

@@ -1,0 +1,285 @@
+"""A mixture-of-experts MLP in the selective-batching style.
+
+One step's tokens of every request arrive flat, [T, hidden]. The router scores every token against
+every expert in float32; each token keeps its top-k experts and their routing weights. The T x k
+(token, expert) pairs are then sorted by expert, so each chosen expert's weights run ONCE per step,
+over all the tokens (of whatever requests) that chose it, and the results are added back into their
+tokens' rows, weighted (index_add). An expert no token chose is never read: a decode step of one
+request reads only its k experts' weights per layer.
+
+Every expert is a gate/up + down pair of the same linear layers the dense MLP uses, so block-quantized
+weights stay packed per expert (a GGUF file's 3-D expert stacks are cut into one packed weight per
+expert), and tensor parallelism shards every expert the way it shards a dense MLP: each rank holds a
+slice of EVERY expert's intermediate columns (gate/up column-parallel, down row-parallel), and one
+all-reduce sums the partial outputs of all experts (and the shared expert) at the end. Why a slice of
+every expert rather than whole experts per rank: the router is replicated and sees the same
+(all-reduced) input on every rank, so every rank routes identically and does an equal share of every
+chosen expert's work whatever the routing; whole experts per rank would leave a rank idle whenever no
+token picks its experts (a decode step picks only k of them) and need an all-to-all of the tokens.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.errors import ModelLoadError
+from models.kernels import cpu as cpu_kernels
+from models.layers.activation import SiluAndMul
+from models.layers.linear import (
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    check_shape,
+)
+from models.layers.native_decode import QWeight, qweight
+from models.layers.packed_weight import QuantizedBlocks
+from models.layers.parallel import TPContext
+
+
+@dataclass(frozen=True)
+class Routing:
+    """How a token's experts and their weights come from its router logits.
+
+    softmax_first: softmax over all experts, then the top k of those probabilities (Qwen3-MoE, OLMoE,
+        and Mixtral as transformers 5 writes it); with `normalize` the k are divided by their sum.
+    otherwise: the top k logits, then a softmax over those k (Mixtral's original formulation, equal to
+        softmax-first with normalize)."""
+
+    num_experts: int
+    top_k: int
+    normalize: bool  # norm_topk_prob
+    softmax_first: bool = True
+
+    def __post_init__(self) -> None:
+        if not 0 < self.top_k <= self.num_experts:
+            raise ModelLoadError(
+                f"mixture of experts: {self.top_k} experts per token out of {self.num_experts} is not a "
+                "routing this server runs"
+            )
+
+    def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """float32 logits [T, E] -> (weights [T, k] float32, experts [T, k] int64)."""
+        if self.softmax_first:
+            probs = torch.softmax(logits, dim=-1)
+            weights, experts = torch.topk(probs, self.top_k, dim=-1)
+            if self.normalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return weights, experts
+        top, experts = torch.topk(logits, self.top_k, dim=-1)
+        return torch.softmax(top, dim=-1), experts
+
+
+class Router(nn.Module):
+    """The replicated [experts, hidden] gate; its logits are computed in float32 whatever the model
+    dtype (routing decisions flip on small differences). A block-quantized router (a GGUF
+    `ffn_gate_inp` in a K-quant) is dequantized: it is small, and stays off the int8 kernels."""
+
+    def __init__(self, hidden: int, num_experts: int, dtype: torch.dtype) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor | QuantizedBlocks, shard: object
+    ) -> None:
+        if isinstance(loaded, QuantizedBlocks):
+            loaded = loaded.dequantize()
+        check_shape(loaded, param.shape)
+        param.data.copy_(loaded)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight.float())
+
+
+class Expert(nn.Module):
+    """One expert's gated MLP, down(silu(gate) * up); its output is this rank's partial sum (the
+    all-reduce is the whole layer's, once)."""
+
+    def __init__(self, hidden: int, inter: int, dtype: torch.dtype, tp: TPContext) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden, [inter, inter], False, dtype, tp)
+        self.down_proj = RowParallelLinear(inter, hidden, False, dtype, tp)
+        self.act = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj.matmul(self.act(self.gate_up_proj(x)))
+
+
+class SharedExpertGate(Router):
+    """sigmoid(x . w): how much of the shared expert a token takes (Qwen2-MoE's `shared_expert_gate`,
+    [1, hidden]); replicated, float32 like the router."""
+
+    def __init__(self, hidden: int, dtype: torch.dtype) -> None:
+        super().__init__(hidden, 1, dtype)
+
+    def weight_loader(
+        self, param: nn.Parameter, loaded: torch.Tensor | QuantizedBlocks, shard: object
+    ) -> None:
+        # A GGUF file stores it as a vector (ffn_gate_inp_shexp [hidden]).
+        if isinstance(loaded, torch.Tensor) and loaded.dim() == 1:
+            loaded = loaded.unsqueeze(0)
+        super().weight_loader(param, loaded, shard)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(super().forward(x))
+
+
+@dataclass(frozen=True)
+class MoESizes:
+    hidden: int
+    expert_inter: int  # each routed expert's intermediate size
+    shared_inter: int = 0  # the shared expert's (0: none)
+    shared_gate: bool = False  # a sigmoid gate on the shared expert
+
+
+class NativeExperts:
+    """Every expert's packed gate_up and down, described to decode_layers.c once, so a step runs its
+    chosen experts in one call (orca_moe_experts: the same kernels in the same order as the module's
+    loop, bit-identical to it, without the Python and torch calls around them)."""
+
+    def __init__(self, gate_up: list[QWeight], down: list[QWeight], hidden: int, inter: int) -> None:
+        self.gate_up, self.down = gate_up, down
+        self.hidden, self.inter = hidden, inter
+        self._lib = cpu_kernels.kernels().lib  # type: ignore[union-attr]
+
+    @classmethod
+    def build(cls, experts: nn.ModuleList) -> NativeExperts | None:
+        """The description, or None where the experts are not all packed for the native kernels."""
+        if not cpu_kernels.available():
+            return None
+        gate_up = [qweight(e.gate_up_proj) for e in experts]
+        down = [qweight(e.down_proj) for e in experts]
+        if any(w is None or w.bias for w in (*gate_up, *down)):
+            return None
+        hidden, inter = down[0].N, down[0].K
+        if inter % 8 or any(
+            (g.N, g.K, d.N, d.K) != (2 * inter, hidden, hidden, inter)
+            for g, d in zip(gate_up, down, strict=True)
+        ):
+            return None
+        return cls(gate_up, down, hidden, inter)
+
+    def run(
+        self,
+        x: torch.Tensor,  # [T, hidden] float32, contiguous
+        active: list[int],  # the chosen experts, in order
+        starts: list[int],  # their groups' first pair, and the end: len(active) + 1
+        token_of: torch.Tensor,  # [pairs] int64: each pair's token, grouped by expert
+        weight: torch.Tensor,  # [pairs] float32: each pair's routing weight
+        out: torch.Tensor,  # [T, hidden] float32, added to
+    ) -> None:
+        n = len(active)
+        gate_up = (QWeight * n)(*(self.gate_up[e] for e in active))
+        down = (QWeight * n)(*(self.down[e] for e in active))
+        group_start = (ctypes.c_int64 * (n + 1))(*starts)
+        rc = self._lib.orca_moe_experts(
+            ctypes.addressof(gate_up),
+            ctypes.addressof(down),
+            n,
+            ctypes.addressof(group_start),
+            token_of.data_ptr(),
+            weight.data_ptr(),
+            x.data_ptr(),
+            self.hidden,
+            self.inter,
+            out.data_ptr(),
+        )
+        if rc:
+            raise RuntimeError(f"native experts failed (rc {rc}) on {x.shape[0]} tokens")
+
+
+class SparseMoE(nn.Module):
+    """The MoE MLP over flat tokens [T, hidden] -> [T, hidden]. Parameter names follow the HF
+    checkpoints': `gate` (the router), `experts.<e>.{gate_up_proj,down_proj}`, `shared_expert`,
+    `shared_expert_gate`."""
+
+    def __init__(self, sizes: MoESizes, routing: Routing, dtype: torch.dtype, tp: TPContext) -> None:
+        super().__init__()
+        self.routing = routing
+        self.tp = tp
+        self.gate = Router(sizes.hidden, routing.num_experts, dtype)
+        self.experts = nn.ModuleList(
+            Expert(sizes.hidden, sizes.expert_inter, dtype, tp) for _ in range(routing.num_experts)
+        )
+        self.shared_expert = (
+            Expert(sizes.hidden, sizes.shared_inter, dtype, tp) if sizes.shared_inter else None
+        )
+        self.shared_expert_gate = SharedExpertGate(sizes.hidden, dtype) if sizes.shared_gate else None
+        # The experts described to the native kernels, once they are packed (native_experts).
+        self._native: tuple[object, NativeExperts | None] | None = None
+
+    def native_experts(self) -> NativeExperts | None:
+        """The native description of the experts as they are now packed (rebuilt if they were packed
+        again), or None where the module loop runs them."""
+        packed = self.experts[0].gate_up_proj.packed
+        if packed is None:
+            return None
+        if self._native is None or self._native[0] is not packed:
+            self._native = (packed, NativeExperts.build(self.experts))
+        return self._native[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, chosen = self.routing.route(self.gate(x))  # [T, k] each
+        k = self.routing.top_k
+        flat = chosen.reshape(-1)
+        # The (token, expert) pairs grouped by expert, token order kept within each group.
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.routing.num_experts).tolist()
+        token_of = order // k
+        pair_weight = weights.reshape(-1)[order].to(x.dtype)
+        out = torch.zeros_like(x)
+        native = self.native_experts() if x.dtype == torch.float32 and x.is_contiguous() else None
+        if native is not None:
+            active = [e for e, n in enumerate(counts) if n]
+            starts = [0]
+            for e in active:
+                starts.append(starts[-1] + counts[e])
+            native.run(x, active, starts, token_of, pair_weight, out)
+        else:
+            start = 0
+            for expert, n in zip(self.experts, counts, strict=True):
+                if n:
+                    rows = token_of[start : start + n]
+                    y = expert(x.index_select(0, rows))
+                    out.index_add_(0, rows, y * pair_weight[start : start + n].unsqueeze(1))
+                    start += n
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = shared * self.shared_expert_gate(x).to(x.dtype)
+            out += shared
+        return self.tp.all_reduce(out)
+
+
+# Routing settings of other MoE configs that change which experts a token takes or how their outputs
+# are weighed, with the value under which this layer's routing is what they describe. A config that
+# states another value is refused rather than run with the wrong routing.
+ROUTING_DEFAULTS: dict[str, tuple[Any, ...]] = {
+    "scoring_func": ("softmax",),
+    "topk_method": ("greedy",),
+    "n_group": (None, 1),
+    "topk_group": (None, 1),
+    "routed_scaling_factor": (None, 1, 1.0),
+    "n_shared_experts": (None, 0),
+    "router_bias": (None, False),
+    "moe_router_bias": (None, False),
+}
+
+
+def check_routing(config: Any, family: str) -> None:
+    """A ModelLoadError naming the first setting of `config` this server's routing does not run."""
+    for key, accepted in ROUTING_DEFAULTS.items():
+        if hasattr(config, key) and getattr(config, key) not in accepted:
+            raise ModelLoadError(
+                f"unsupported mixture-of-experts routing for {family}: {key}={getattr(config, key)!r} "
+                f"(this server routes by softmax, then the top k, only: {key} must be "
+                f"{' or '.join(repr(a) for a in accepted)})"
+            )
+    act = getattr(config, "hidden_act", "silu")
+    if act != "silu":
+        raise ModelLoadError(f"unsupported expert activation hidden_act={act!r} for {family} (only 'silu')")

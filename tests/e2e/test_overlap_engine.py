@@ -1,0 +1,156 @@
+"""Overlapped scheduling over the real engine (LocalExecutor, a tiny random Llama): byte-identical
+output with --overlap-schedule on and off, request for request, in one batch of everything the loop
+treats differently (carried decodes, sampler penalties and seeds that read the carried outputs,
+logprobs, stop tokens seen one step late, grammars (their matchers advanced past carried tokens), speculation,
+preemption, shared prefixes), and every KV block back."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from builders import cpu_engine_config
+
+from engine.contract import SamplingParams
+from engine.executor import LocalExecutor
+from engine.grammar import GrammarCompiler, GrammarSpec
+from scheduler.config import SchedulerConfig
+from scheduler.loop import IterationLoop
+from scheduler.outputs import FinishReason
+
+GUARD_S = 300
+# A finite JSON language (bounded length): even a random model's output ends within max_tokens.
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "colour": {"enum": ["red", "green", "blue"]},
+        "n": {"type": "integer", "minimum": 0, "maximum": 999},
+    },
+    "required": ["colour", "n"],
+    "additionalProperties": False,
+}
+
+
+def prompt(n: int, seed: int) -> list[int]:
+    return [20 + (seed * 977 + i * 131) % 40000 for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def runners(tiny_llama_dir: Path) -> dict[str, LocalExecutor]:
+    return {
+        "roomy": LocalExecutor(cpu_engine_config(tiny_llama_dir, block_size=4, num_kv_blocks=256)),
+        "tight": LocalExecutor(cpu_engine_config(tiny_llama_dir, block_size=4, num_kv_blocks=24)),
+    }
+
+
+async def run(runner: LocalExecutor, config: SchedulerConfig, specs) -> list[tuple]:
+    loop = IterationLoop(runner, config)
+    await loop.start()
+
+    async def one(rid: str, tokens: list[int], params: SamplingParams) -> tuple:
+        deltas = [d async for d in loop.generate(tokens, params, rid)]
+        logprobs = [(t.token_id, round(t.logprob, 5)) for d in deltas for t in d.logprobs or ()]
+        return [t for d in deltas for t in d.token_ids], deltas[-1].finish_reason, deltas[-1].error, logprobs
+
+    try:
+        out = await asyncio.wait_for(asyncio.gather(*(one(*s) for s in specs)), GUARD_S)
+        assert loop.stats().kv_blocks_used == 0
+        return list(out)
+    finally:
+        await loop.shutdown()
+
+
+def mixed_batch(
+    stop_id: int, grammar_params: tuple[SamplingParams, SamplingParams]
+) -> list[tuple[str, list[int], SamplingParams]]:
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    shared = prompt(13, 9)
+    return [
+        ("plain", prompt(7, 0), greedy),
+        ("short", prompt(11, 1), replace(greedy, max_tokens=3)),
+        ("stop id", prompt(7, 0), replace(greedy, stop_token_ids=(stop_id,))),
+        ("logprobs", prompt(9, 2), replace(greedy, logprobs=3)),
+        ("penalties", prompt(9, 3), replace(greedy, repetition_penalty=1.3, frequency_penalty=0.7)),
+        ("seeded", prompt(8, 4), replace(greedy, temperature=0.9, seed=7)),
+        ("grammar", prompt(6, 5), grammar_params[0]),
+        ("schema", prompt(6, 6), grammar_params[1]),
+        ("shared a", [*shared, 5], greedy),
+        ("shared b", [*shared, 6], greedy),
+    ]
+
+
+@pytest.mark.parametrize(
+    "runner_name, config",
+    [
+        ("roomy", SchedulerConfig(speculative="off")),
+        ("roomy", SchedulerConfig(speculative="ngram", max_num_batched_tokens=64, max_num_seqs=8)),
+        ("tight", SchedulerConfig(speculative="off", max_num_seqs=5)),  # preemptions
+    ],
+    ids=["plain", "ngram-chunked", "preemption"],
+)
+async def test_the_same_output_with_overlap_on_and_off(runners, tokenizer, runner_name, config):
+    runner = runners[runner_name]
+    (reference,) = await run(
+        runner,
+        replace(config, overlap_schedule=False),
+        mixed_batch(-1, (SamplingParams(), SamplingParams()))[:1],
+    )
+    plain = reference[0]
+    # The first token of "plain" that is not its first: "stop id" stops there, in the middle of the run.
+    stop_id = next(t for t in plain if t != plain[0])
+    stop_at = plain.index(stop_id) + 1
+    compiler = GrammarCompiler(tokenizer.hf, runner.vocab_size, sorted(runner.eos_token_ids))
+    specs = [
+        GrammarSpec.choice(["alpha", "beta gamma", "delta"]),
+        GrammarSpec.json_schema(SCHEMA, any_whitespace=False),
+    ]
+
+    def batch():
+        # Fresh matchers for every run: a matcher keeps its request's position in the grammar.
+        grammars = [
+            SamplingParams(temperature=0.0, max_tokens=40, grammar=compiler.compile(spec).new_matcher())
+            for spec in specs
+        ]
+        return mixed_batch(stop_id, (grammars[0], grammars[1]))
+
+    sync = await run(runner, replace(config, overlap_schedule=False), batch())
+    overlapped = await run(runner, replace(config, overlap_schedule=True), batch())
+    assert overlapped == sync
+    by_id = dict(zip([s[0] for s in batch()], sync, strict=True))
+    assert by_id["plain"][0] == plain and by_id["stop id"][0] == plain[:stop_at] and stop_at < len(plain)
+    assert all(r[2] is None for r in sync)
+    assert by_id["schema"][1] is FinishReason.STOP and json.loads(tokenizer.decode(by_id["schema"][0]))
+
+
+def test_the_tpot_tool_prints_the_bare_step_and_both_modes(tiny_llama_dir: Path, tmp_path: Path, capsys):
+    from loadtest import tpot
+
+    out = tmp_path / "rows.json"
+    tpot.main(
+        ["--model", str(tiny_llama_dir), "--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "64"]
+        + [
+            "--block-size",
+            "4",
+            "--new-tokens",
+            "6",
+            "--prompt-len",
+            "5",
+            "--repeats",
+            "1",
+            "--concurrency",
+            "2",
+        ]
+        + ["--json", str(out)]
+    )
+    rows = json.loads(out.read_text())
+    assert [r["label"] for r in rows] == [
+        "bare step (engine.bench)",
+        "TPOT, --overlap-schedule off",
+        "TPOT, --overlap-schedule on",
+    ]
+    assert all(r["tpot_ms"] > 0 and r["ratio"] > 0 for r in rows)
+    assert rows[0]["idle_ms"] is None and all(r["idle_ms"] >= 0 for r in rows[1:])
+    assert "/ bare" in capsys.readouterr().out
