@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from engine.cli_args import FlagGroup, flag, size_arg
-from models.options import ATTENTION_BACKEND_NAMES, LOAD_FORMATS, WEIGHT_PACKING_MODES
+from models.options import ATTENTION_BACKEND_NAMES, KV_CACHE_DTYPE_NAMES, LOAD_FORMATS, WEIGHT_PACKING_MODES
 
 if TYPE_CHECKING:
     import torch
@@ -40,6 +40,14 @@ class EngineConfig(FlagGroup):
         "KV cache bytes, suffixes allowed: 512MiB, 2GiB (default: 1 GiB on CPU, most of the free memory on CUDA)",
         type=size_arg,
         exclusive="kv",
+    )
+    # What the KV cache stores (engine/kv_cache.py resolves "auto"; models/layers/kv_format.py).
+    kv_cache_dtype: str = flag(
+        "auto",
+        "KV cache element type: auto (16-bit on CPU: bfloat16 for a bfloat16 model, else float16; the "
+        "model's dtype on CUDA), float32, float16, bfloat16, or q8_0 (llama.cpp's blocks of 32 int8 "
+        "values and one fp16 scale; CPU only). Smaller types fit more tokens in the same memory",
+        choices=KV_CACHE_DTYPE_NAMES,
     )
     # None: the model's own maximum (a value may only lower it).
     max_model_len: int | None = flag(None, "cap on prompt + output tokens (default: the model's)")
@@ -98,6 +106,10 @@ class EngineConfig(FlagGroup):
         if self.weight_packing not in WEIGHT_PACKING_MODES:
             raise ValueError(
                 f"weight_packing must be one of {WEIGHT_PACKING_MODES}, got {self.weight_packing!r}"
+            )
+        if self.kv_cache_dtype not in KV_CACHE_DTYPE_NAMES:
+            raise ValueError(
+                f"kv_cache_dtype must be one of {list(KV_CACHE_DTYPE_NAMES)}, got {self.kv_cache_dtype!r}"
             )
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")

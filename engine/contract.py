@@ -221,6 +221,7 @@ class Executor(Protocol):
 
     num_kv_blocks: int
     block_size: int  # tokens per KV block
+    kv_cache_dtype: str  # what the KV cache stores (--kv-cache-dtype, resolved: "float16", "q8_0", ...)
     max_model_len: int  # prompt + output tokens the model takes
     vocab_size: int  # token ids are in [0, vocab_size)
     hidden_size: int  # the length of a PooledState's values (the model's hidden size)

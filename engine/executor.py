@@ -72,6 +72,7 @@ class ExecutorBase(ABC):
         self.dtype = runner.dtype
         self.num_kv_blocks: int = runner.num_kv_blocks
         self.block_size: int = runner.block_size
+        self.kv_cache_dtype: str = runner.kv_cache.spec.format.name
         self.max_model_len: int = runner.max_model_len
         self.vocab_size: int = runner.vocab_size
         self.hidden_size: int = runner.hidden_size

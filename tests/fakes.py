@@ -333,7 +333,17 @@ async def greedy_through_loop(
 # --- a real `python -m server` process ----------------------------------------------------------------
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
-TINY_SERVER_FLAGS = ("--dtype", "float32", "--device", "cpu", "--num-kv-blocks", "512")
+# The parity setting (as builders.cpu_engine_config): the model and its KV cache in float32.
+TINY_SERVER_FLAGS = (
+    "--dtype",
+    "float32",
+    "--kv-cache-dtype",
+    "float32",
+    "--device",
+    "cpu",
+    "--num-kv-blocks",
+    "512",
+)
 
 
 def server_process(model: str, log: Path, served_name: str, *flags: str) -> Iterator[str]:

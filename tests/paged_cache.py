@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from models.layers.kv_format import kv_format
 from models.layers.metadata import AttentionMetadata, KVCache
 
 BLOCK_SIZE = 4  # small, so sequences cross many block boundaries
@@ -37,10 +38,16 @@ class PagedCacheHarness:
         block_size: int = BLOCK_SIZE,
         num_blocks: int = NUM_BLOCKS,
         dtype: torch.dtype = torch.float32,
+        kv_cache_dtype: str | None = None,
     ) -> None:
+        """`kv_cache_dtype` (a --kv-cache-dtype name) overrides `dtype` with that format's storage."""
         g = torch.Generator().manual_seed(seed)
         self.block_size = block_size
-        shape = (num_blocks, block_size, model.num_kv_heads, model.head_dim)
+        row = model.head_dim
+        if kv_cache_dtype is not None:
+            fmt = kv_format(kv_cache_dtype)
+            dtype, row = fmt.storage, fmt.row_width(model.head_dim)
+        shape = (num_blocks, block_size, model.num_kv_heads, row)
         self.kv_caches: list[KVCache] = [
             (torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype))
             for _ in range(model.num_layers)

@@ -10,6 +10,8 @@
                               over their grouped tokens in one call (models/layers/moe.py)
     variant.c                 what a build was compiled for; the AMX permission request
     simd.h, vec.h             shared vector helpers (vec.h: one vector type per variant)
+    kv_types.h                the KV cache's element types (float32, float16, bfloat16, q8_0): row
+                              sizes, widening loads and narrowing stores
 
 The C files are compiled together on first use with the system C compiler (`cc`, OpenMP) into one
 library per ISA variant (isa.py: avx2, avx512, avx512_vnni, amx), each with its own -m flags, in the
@@ -142,7 +144,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.orca_qdequant_rows.restype = ctypes.c_int
     lib.orca_qdequant_rows.argtypes = [ptr, i32, i64, i64, ptr, i64, ptr]
     lib.orca_paged_decode_attention.restype = ctypes.c_int
-    lib.orca_paged_decode_attention.argtypes = [ptr] * 5 + [i64] * 6 + [ctypes.c_float, i64, ptr]
+    lib.orca_paged_decode_attention.argtypes = [ptr] * 5 + [i64] * 6 + [ctypes.c_float, i64, i32, ptr]
     lib.orca_rms_norm.restype = None
     lib.orca_rms_norm.argtypes = [ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr]
     lib.orca_qk_norm.restype = None
@@ -152,7 +154,7 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.orca_gelu_tanh_and_mul.restype = None
     lib.orca_gelu_tanh_and_mul.argtypes = [ptr, i64, i64, ptr]
     lib.orca_rope_and_cache.restype = None
-    lib.orca_rope_and_cache.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr]
+    lib.orca_rope_and_cache.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i32]
     lib.orca_decode_layers.restype = ctypes.c_int
     lib.orca_decode_layers.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64]
     lib.orca_moe_experts.restype = ctypes.c_int
@@ -215,6 +217,38 @@ def build_all() -> list[str]:
         except (RuntimeError, subprocess.SubprocessError, OSError) as e:
             log.warning("could not build the %s kernels: %s", v.name, e)
     return built
+
+
+# The KV cache's element types (kv_types.h), by the dtype of the cache tensor: uint8 is llama.cpp's
+# q8_0 (blocks of 32 int8 codes after one half scale, 34 bytes).
+KV_TYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 0,
+    torch.float16: 1,
+    torch.bfloat16: 2,
+    torch.uint8: 3,
+}
+Q8_0_VALUES, Q8_0_BYTES = 32, 34
+
+
+def kv_row_width(dtype: torch.dtype, head_dim: int) -> int | None:
+    """Elements of a cache row of head_dim values in `dtype`, or None for a layout the kernels lack."""
+    if dtype == torch.uint8:
+        return head_dim // Q8_0_VALUES * Q8_0_BYTES if head_dim % Q8_0_VALUES == 0 else None
+    return head_dim if dtype in KV_TYPE_CODES else None
+
+
+def _require_cache(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> int:
+    """A KV cache tensor the kernels read in place: contiguous, on the CPU, [..., Hkv, row] with rows of
+    head_dim values (shape's last entry) in one of KV_TYPE_CODES. Returns its type code."""
+    row = kv_row_width(t.dtype, shape[-1])
+    if row is None or t.device.type != "cpu" or not t.is_contiguous():
+        raise ValueError(
+            f"{name}: expected a contiguous CPU cache of float32, float16, bfloat16 or uint8 (q8_0, head_dim "
+            f"a multiple of {Q8_0_VALUES}), got {t.dtype} on {t.device}"
+        )
+    if tuple(t.shape) != (*shape[:-1], row):
+        raise ValueError(f"{name}: expected shape {(*shape[:-1], row)}, got {tuple(t.shape)}")
+    return KV_TYPE_CODES[t.dtype]
 
 
 def _require_f32(name: str, t: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
@@ -305,8 +339,10 @@ class Kernels:
         num_blocks, block_size, hkv, _ = k_cache.shape
         q = q.contiguous()
         _require_f32("q", q)
-        _require_f32("k_cache", k_cache, (num_blocks, block_size, hkv, d))
-        _require_f32("v_cache", v_cache, (num_blocks, block_size, hkv, d))
+        kv_type = _require_cache("k_cache", k_cache, (num_blocks, block_size, hkv, d))
+        if v_cache.dtype != k_cache.dtype:
+            raise ValueError(f"v_cache: {v_cache.dtype}, but k_cache is {k_cache.dtype}")
+        _require_cache("v_cache", v_cache, (num_blocks, block_size, hkv, d))
         tables = block_tables.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
         if tables.dim() != 2 or tables.shape[0] != n or tuple(lens.shape) != (n,):
@@ -328,6 +364,7 @@ class Kernels:
             tables.shape[1],
             scale,
             window or 0,
+            kv_type,
             out.data_ptr(),
         )
         if rc:
@@ -404,11 +441,14 @@ class Kernels:
         num_heads: int,
     ) -> None:
         t = qkv.shape[0]
-        hkv, d = k_cache.shape[-2:]
+        hkv = k_cache.shape[-2]
+        d = qkv.shape[1] // (num_heads + 2 * hkv)
         _require_f32("qkv", qkv, (t, (num_heads + 2 * hkv) * d))
         _require_f32("cos_sin", cos_sin)
-        _require_f32("k_cache", k_cache)
-        _require_f32("v_cache", v_cache, tuple(k_cache.shape))
+        kv_type = _require_cache("k_cache", k_cache, (*k_cache.shape[:-1], d))
+        if v_cache.dtype != k_cache.dtype:
+            raise ValueError(f"v_cache: {v_cache.dtype}, but k_cache is {k_cache.dtype}")
+        _require_cache("v_cache", v_cache, (*k_cache.shape[:-1], d))
         r = cos_sin.shape[-1]  # the rotary dims (partial rotary: fewer than head_dim)
         if r > d or r % 16 or d % 16 or tuple(positions.shape) != (t,) or tuple(slots.shape) != (t,):
             raise ValueError("rope_and_cache: head_dim, cos_sin, positions or slots do not match qkv")
@@ -428,6 +468,7 @@ class Kernels:
             slot.data_ptr(),
             k_cache.data_ptr(),
             v_cache.data_ptr(),
+            kv_type,
         )
 
 
@@ -463,15 +504,24 @@ def paged_decode_attention(
     """[n, Hq, D] attention of one query token per sequence over its cached history: the whole of it,
     or with a sliding `window` its last `window` tokens (the query's own among them).
 
-    q [n, Hq, D] float32; caches [num_blocks, block_size, Hkv, D] float32; block_tables [n, max_blocks]
-    and seq_lens [n] int32. Sequence i's token t is at block block_tables[i, t // block_size].
+    q [n, Hq, D] float32; caches [num_blocks, block_size, Hkv, row]: float32, float16 or bfloat16 rows of
+    D values, or uint8 rows of D / 32 q8_0 blocks (KV_TYPE_CODES), read in place in their own type;
+    block_tables [n, max_blocks] and seq_lens [n] int32. Sequence i's token t is at block
+    block_tables[i, t // block_size].
     """
     return _checked().paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window)
 
 
-def supports_decode_attention(head_dim: int, num_heads: int, num_kv_heads: int) -> bool:
-    """Shapes the attention kernel takes (orca_paged_decode_attention's checks)."""
-    return head_dim % 8 == 0 and head_dim <= 256 and num_heads % num_kv_heads == 0
+def supports_decode_attention(
+    head_dim: int, num_heads: int, num_kv_heads: int, kv_dtype: torch.dtype = torch.float32
+) -> bool:
+    """Shapes and cache types the attention kernel takes (orca_paged_decode_attention's checks)."""
+    return (
+        head_dim % 8 == 0
+        and head_dim <= 256
+        and num_heads % num_kv_heads == 0
+        and kv_row_width(kv_dtype, head_dim) is not None
+    )
 
 
 def fits_rowwise(x: torch.Tensor, width: int) -> bool:
@@ -515,14 +565,19 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _checked().gelu_tanh_and_mul(x)
 
 
-def fits_rope_and_cache(qkv: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    head_dim = k_cache.shape[-1]
+def fits_rope_and_cache(
+    qkv: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, head_dim: int | None = None
+) -> bool:
+    """Whether rope_and_cache takes these: float32 qkv and table, a cache of any KV_TYPE_CODES type
+    whose rows hold head_dim values (default: the cache's last dim, a float cache)."""
+    head_dim = k_cache.shape[-1] if head_dim is None else head_dim
     return (
         fits_rowwise(qkv, head_dim)
         and head_dim % 16 == 0
         and cos_sin.shape[-1] % 16 == 0
         and cos_sin.shape[-1] <= head_dim
-        and cos_sin.dtype == k_cache.dtype == torch.float32
+        and cos_sin.dtype == torch.float32
+        and kv_row_width(k_cache.dtype, head_dim) == k_cache.shape[-1]
         and cos_sin.is_contiguous()
         and k_cache.is_contiguous()
     )
@@ -533,11 +588,12 @@ def rope_and_cache(
     positions: torch.Tensor,  # [T] int64
     cos_sin: torch.Tensor,  # [max_pos, R]: cos | sin of the R <= D rotated dims
     slots: torch.Tensor,  # [T] int64
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, row]: rows of D values (KV_TYPE_CODES)
     v_cache: torch.Tensor,
     num_heads: int,
 ) -> None:
-    """Rotary on q and k (in place in qkv), then k and v of every token into its cache slot."""
+    """Rotary on q and k (in place in qkv), then k and v of every token into its cache slot, in the
+    cache's element type."""
     _checked().rope_and_cache(qkv, positions, cos_sin, slots, k_cache, v_cache, num_heads)
 
 

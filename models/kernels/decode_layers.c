@@ -40,12 +40,12 @@ void orca_gelu_tanh_and_mul(const float *x, int64_t T, int64_t d, float *out);
 void orca_qk_norm(float *qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, const float *q_w, const float *k_w,
                   float eps);
 void orca_rope_and_cache(float *qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t R,
-                         const int64_t *positions, const float *cos_sin, const int64_t *slots, float *k_cache,
-                         float *v_cache);
-int orca_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+                         const int64_t *positions, const float *cos_sin, const int64_t *slots, void *k_cache,
+                         void *v_cache, int kv_type);
+int orca_paged_decode_attention(const float *q, const void *k_cache, const void *v_cache,
                                 const int32_t *block_tables, const int32_t *seq_lens, int64_t n, int64_t Hq,
                                 int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, float scale,
-                                int64_t window, float *out);
+                                int64_t window, int kv_type, float *out);
 
 /* One packed weight [N, K]: its row segments (each one block format), as PackedWeight.kernel_args. */
 typedef struct {
@@ -59,11 +59,12 @@ typedef struct {
     const float *bias; /* [N] or NULL */
 } orca_qweight;
 
-/* One decoder layer's weights and its KV cache ([num_blocks, block_size, Hkv, D] each). */
+/* One decoder layer's weights and its KV cache ([num_blocks, block_size, Hkv, row] each, rows of D values
+ * in the shape's kv_type). */
 typedef struct {
     const float *input_norm, *post_norm; /* [H] */
     orca_qweight qkv, o, gate_up, down;
-    float *k_cache, *v_cache;
+    void *k_cache, *v_cache;
     const float *cos_sin; /* [max_pos, R]: this layer's rotary table, cos | sin */
     /* What not every family has (NULL / 0: none). */
     int64_t window;                           /* sliding window; 0: full attention */
@@ -78,6 +79,7 @@ typedef struct {
     float eps, scale;
     int64_t block_size;
     int64_t rotary_dim; /* R: the leading dims of a head that rotary turns (R <= D; every layer's table) */
+    int32_t kv_type;    /* the KV cache's element type (kv_types.h), the same for every layer */
 } orca_decode_shape;
 
 static int linear(const orca_qweight *w, const float *x, int64_t T, float *y) {
@@ -113,13 +115,13 @@ int orca_decode_layers(const orca_decode_layer *layers, int64_t num_layers, cons
         if ((rc = linear(&L->qkv, normed, T, qkv))) break;
         if (L->q_norm) orca_qk_norm(qkv, T, Hq, Hkv, D, L->q_norm, L->k_norm, shape->eps);
         orca_rope_and_cache(qkv, T, Hq, Hkv, D, shape->rotary_dim, positions, L->cos_sin, slots, L->k_cache,
-                            L->v_cache);
+                            L->v_cache, shape->kv_type);
         /* Attention reads q as [T, Hq, D]: one token's q heads already are; more are gathered. */
         if (T > 1)
             for (int64_t t = 0; t < T; t++)
                 memcpy(q + t * q_width, qkv + t * qkv_width, (size_t)q_width * sizeof(float));
         if ((rc = orca_paged_decode_attention(T > 1 ? q : qkv, L->k_cache, L->v_cache, block_tables, seq_lens, T, Hq, Hkv, D,
-                                              shape->block_size, max_blocks, shape->scale, L->window, attn)))
+                                              shape->block_size, max_blocks, shape->scale, L->window, shape->kv_type, attn)))
             break;
         if ((rc = linear(&L->o, attn, T, o))) break;
         if (L->attn_out_norm) orca_rms_norm(o, NULL, L->attn_out_norm, shape->eps, T, H, o);

@@ -4,6 +4,7 @@
 #include <math.h>
 #include <stdint.h>
 
+#include "kv_types.h"
 #include "simd.h"
 
 /* Rows per thread below which OpenMP's fork costs more than it saves. */
@@ -67,12 +68,13 @@ void orca_silu_and_mul(const float *x, int64_t T, int64_t d, float *out) {
 /* The attention prologue of a rotary model in one call: rotate the q and k heads of the fused qkv
  * projection in place (neox layout over the first R dims of each head: pairs (i, i + R/2);
  * cos_sin[pos] = [cos | sin], R/2 each; dims R..D-1 pass unchanged: partial rotary), then copy each
- * token's k and v heads into the paged cache at its slot. qkv is [T, (Hq + 2 Hkv) * D], caches
- * [num_slots, Hkv, D]. D and R must be multiples of 16, R <= D. */
+ * token's k and v heads into the paged cache at its slot, stored as the cache's kv_type (kv_types.h:
+ * float32, float16, bfloat16 or q8_0). qkv is [T, (Hq + 2 Hkv) * D], caches [num_slots, Hkv, row].
+ * D and R must be multiples of 16 (of 32 for q8_0), R <= D. */
 void orca_rope_and_cache(float *qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t D, int64_t R,
-                         const int64_t *positions, const float *cos_sin, const int64_t *slots, float *k_cache,
-                         float *v_cache) {
-    const int64_t width = (Hq + 2 * Hkv) * D, half = R / 2;
+                         const int64_t *positions, const float *cos_sin, const int64_t *slots, void *k_cache,
+                         void *v_cache, int kv_type) {
+    const int64_t width = (Hq + 2 * Hkv) * D, half = R / 2, row_bytes = kv_row_bytes(kv_type, D);
 #pragma omp parallel for schedule(static) if (T >= PARALLEL_MIN_ROWS)
     for (int64_t t = 0; t < T; t++) {
         float *row = qkv + t * width;
@@ -86,11 +88,11 @@ void orca_rope_and_cache(float *qkv, int64_t T, int64_t Hq, int64_t Hkv, int64_t
                 _mm256_storeu_ps(x + half + i, _mm256_fmadd_ps(x2, c, _mm256_mul_ps(x1, s)));
             }
         }
-        float *kd = k_cache + slots[t] * Hkv * D, *vd = v_cache + slots[t] * Hkv * D;
+        uint8_t *kd = (uint8_t *)k_cache + slots[t] * Hkv * row_bytes, *vd = (uint8_t *)v_cache + slots[t] * Hkv * row_bytes;
         const float *ks = row + Hq * D, *vs = row + (Hq + Hkv) * D;
-        for (int64_t i = 0; i < Hkv * D; i += 8) {
-            _mm256_storeu_ps(kd + i, _mm256_loadu_ps(ks + i));
-            _mm256_storeu_ps(vd + i, _mm256_loadu_ps(vs + i));
+        for (int64_t h = 0; h < Hkv; h++) {
+            kv_store_row(ks + h * D, D, kd + h * row_bytes, kv_type);
+            kv_store_row(vs + h * D, D, vd + h * row_bytes, kv_type);
         }
     }
 }

@@ -19,6 +19,13 @@
  * absolute positions (span c covers [64c, 64c + 64)); the first one is cut at the window's start and
  * spans wholly before it are skipped, so the split still depends on the sequence alone.
  *
+ * The cache's element type (--kv-cache-dtype: float32, float16, bfloat16 or q8_0, kv_types.h) is read in
+ * place: a span's rows are read from memory in that type and widened to float32 once, into a buffer
+ * that stays in L1/L2 (q8_0: int8 codes times the block's half scale), so a 16-bit cache moves half
+ * the bytes of float32 and q8_0 about 0.27 of them, and the result equals this kernel run on the same
+ * values stored as float32, bit for bit. (Widening in the inner loops instead converted each K and V
+ * row once per query head of the group: 0.7x float32's time at a third to half of its bytes.)
+ *
  * Within a span: the scores of every head (8 tokens at a time, as 8 independent multiply-add chains),
  * the softmax (max, exp, sum), then the weighted V rows; nothing grows with the context. AVX2 + FMA;
  * OpenMP over (span, group of query heads) tasks. Measured on a 2-core AVX2 EPYC, 30 layers from
@@ -28,6 +35,7 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#include "kv_types.h"
 #include "simd.h"
 
 /* The 8 horizontal sums of a[0..7], in order, as one vector. */
@@ -48,11 +56,11 @@ static inline __m256 hsum8x8(const __m256 *a) {
  * and l[h] the sum of e^(s_j - m). Three passes over the span, each a tight loop: the scores (a K row
  * read once into L1 serves every head), the softmax, the weighted V rows. */
 static inline __attribute__((always_inline)) void group_span(
-    const float *q, const float *k_cache, const float *v_cache, const int32_t *table, int64_t t_begin,
-    int64_t t_end, int64_t block_size, int64_t token_stride, const int64_t DV, int64_t g, float *acc, float *m,
-    float *l) {
-    const int64_t n = t_end - t_begin, n8 = (n + 7) & ~(int64_t)7;
-    const float *kr[SPAN_TOKENS], *vr[SPAN_TOKENS];
+    const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const int32_t *table, int64_t t_begin,
+    int64_t t_end, int64_t block_size, int64_t token_stride, const int64_t DV, const int kvt, int64_t g, float *acc,
+    float *m, float *l) {
+    const int64_t n = t_end - t_begin, n8 = (n + 7) & ~(int64_t)7, row_bytes = kv_row_bytes(kvt, DV * 8);
+    const uint8_t *kr[SPAN_TOKENS], *vr[SPAN_TOKENS];
     int64_t block = t_begin / block_size, offset = t_begin % block_size;
     for (int64_t j = 0; j < n; j++) {
         /* Walk the block table without a division per token. */
@@ -64,24 +72,57 @@ static inline __attribute__((always_inline)) void group_span(
             block++;
         }
     }
-    /* Rows are scattered over blocks: while the first head's scores read K, the V rows of the same
-     * tokens are fetched for the last pass, and the K rows a few tiles ahead. */
-    for (int64_t j = 0; j < n && j < PREFETCH_TOKENS; j++)
-        for (int64_t c = 0; c < DV * 8; c += 16) _mm_prefetch((const char *)(kr[j] + c), _MM_HINT_T0);
+    const int64_t D = DV * 8;
+    const float *kf[SPAN_TOKENS], *vf[SPAN_TOKENS];
+    /* A narrow cache (16-bit, q8_0) is widened once per span into float32 rows that stay in L1/L2
+     * (64 tokens x D floats for K and for V), so each row is converted once, not once per query head
+     * of the group; the passes below then run exactly as over a float32 cache. The rows are read
+     * from memory in their own type, in token order, fetched PREFETCH_TOKENS ahead. */
+    float wide[kvt == KV_F32 ? 1 : 2 * SPAN_TOKENS * DV * 8] __attribute__((aligned(32)));
+    if (kvt == KV_F32) {
+        for (int64_t j = 0; j < n; j++) {
+            kf[j] = (const float *)kr[j];
+            vf[j] = (const float *)vr[j];
+        }
+        /* Rows are scattered over blocks: while the first head's scores read K, the V rows of the
+         * same tokens are fetched for the last pass, and the K rows a few tiles ahead. */
+        for (int64_t j = 0; j < n && j < PREFETCH_TOKENS; j++)
+            for (int64_t c = 0; c < D; c += 16) _mm_prefetch((const char *)(kf[j] + c), _MM_HINT_T0);
+    } else {
+        for (int64_t j = 0; j < n && j < PREFETCH_TOKENS; j++)
+            for (int64_t c = 0; c < row_bytes; c += 64) {
+                _mm_prefetch((const char *)(kr[j] + c), _MM_HINT_T0);
+                _mm_prefetch((const char *)(vr[j] + c), _MM_HINT_T0);
+            }
+        for (int64_t j = 0; j < n; j++) {
+            if (j + PREFETCH_TOKENS < n)
+                for (int64_t c = 0; c < row_bytes; c += 64) {
+                    _mm_prefetch((const char *)(kr[j + PREFETCH_TOKENS] + c), _MM_HINT_T0);
+                    _mm_prefetch((const char *)(vr[j + PREFETCH_TOKENS] + c), _MM_HINT_T0);
+                }
+            float *kw = wide + j * D, *vw = wide + (SPAN_TOKENS + j) * D;
+            for (int64_t d = 0; d < DV; d++) {
+                _mm256_store_ps(kw + 8 * d, kv_load8(kr[j], 8 * d, kvt));
+                _mm256_store_ps(vw + 8 * d, kv_load8(vr[j], 8 * d, kvt));
+            }
+            kf[j] = kw;
+            vf[j] = vw;
+        }
+    }
     /* Tiles of 8 tokens; the last one's missing rows point at the first (their scores are masked). */
-    for (int64_t j = n; j < n8; j++) kr[j] = kr[0];
+    for (int64_t j = n; j < n8; j++) kf[j] = kf[0];
     float s[MAX_GROUP][SPAN_TOKENS] __attribute__((aligned(32)));
     for (int64_t h = 0; h < g; h++) {
-        const float *qh = q + h * DV * 8;
+        const float *qh = q + h * D;
         for (int64_t t0 = 0; t0 < n; t0 += 8) {
-            if (h == 0)
+            if (h == 0 && kvt == KV_F32)
                 for (int64_t j = t0; j < t0 + 8 && j < n; j++)
-                    for (int64_t c = 0; c < DV * 8; c += 16) {
-                        if (j + PREFETCH_TOKENS < n) _mm_prefetch((const char *)(kr[j + PREFETCH_TOKENS] + c), _MM_HINT_T0);
-                        _mm_prefetch((const char *)(vr[j] + c), _MM_HINT_T1);
+                    for (int64_t c = 0; c < D; c += 16) {
+                        if (j + PREFETCH_TOKENS < n) _mm_prefetch((const char *)(kf[j + PREFETCH_TOKENS] + c), _MM_HINT_T0);
+                        _mm_prefetch((const char *)(vf[j] + c), _MM_HINT_T1);
                     }
             /* k outer, token inner: 8 independent multiply-add chains, not one chain per token. */
-            const float *const *kt = kr + t0;
+            const float *const *kt = kf + t0;
             __m256 dots[8];
             for (int j = 0; j < 8; j++) dots[j] = _mm256_setzero_ps();
             for (int64_t d = 0; d < DV; d++) {
@@ -112,7 +153,7 @@ static inline __attribute__((always_inline)) void group_span(
             for (int64_t d = 0; d < dn; d++) a[d] = _mm256_setzero_ps();
             for (int64_t j = 0; j < n; j++) {
                 const __m256 pj = _mm256_set1_ps(s[h][j]);
-                for (int64_t d = 0; d < dn; d++) a[d] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vr[j] + 8 * (d0 + d)), a[d]);
+                for (int64_t d = 0; d < dn; d++) a[d] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vf[j] + 8 * (d0 + d)), a[d]);
             }
             for (int64_t d = 0; d < dn; d++) _mm256_storeu_ps(acc + h * DV * 8 + 8 * (d0 + d), a[d]);
         }
@@ -122,10 +163,10 @@ static inline __attribute__((always_inline)) void group_span(
  * of one span (`single`) writes its output (acc / l) directly; otherwise the span's partial goes to
  * part (per head: acc [D], m, l). */
 static inline __attribute__((always_inline)) void run_task(
-    const float *q, const float *k_cache, const float *v_cache, const int32_t *table, int64_t t_begin,
+    const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const int32_t *table, int64_t t_begin,
     int64_t t_end, int single, int64_t h0, int64_t g, int64_t group, int64_t Hkv, int64_t block_size,
-    const int64_t DV, float scale, float *out, float *part) {
-    const int64_t D = DV * 8, kvh = h0 / group;
+    const int64_t DV, const int kvt, float scale, float *out, float *part) {
+    const int64_t D = DV * 8, kvh = h0 / group, row_bytes = kv_row_bytes(kvt, D);
     float qs[MAX_GROUP * MAX_HEAD_DIM] __attribute__((aligned(32)));
     float acc[MAX_GROUP * MAX_HEAD_DIM] __attribute__((aligned(32)));
     float m[MAX_GROUP], l[MAX_GROUP];
@@ -133,7 +174,8 @@ static inline __attribute__((always_inline)) void run_task(
         for (int64_t d = 0; d < DV; d++)
             _mm256_store_ps(qs + h * D + 8 * d,
                             _mm256_mul_ps(_mm256_loadu_ps(q + (h0 + h) * D + 8 * d), _mm256_set1_ps(scale)));
-    group_span(qs, k_cache + kvh * D, v_cache + kvh * D, table, t_begin, t_end, block_size, Hkv * D, DV, g, acc, m, l);
+    group_span(qs, k_cache + kvh * row_bytes, v_cache + kvh * row_bytes, table, t_begin, t_end, block_size,
+               Hkv * row_bytes, DV, kvt, g, acc, m, l);
     if (single) {
         for (int64_t h = 0; h < g; h++) {
             const __m256 inv = _mm256_set1_ps(1.0f / l[h]);
@@ -179,14 +221,44 @@ static inline int64_t window_start(int64_t seq_len, int64_t window) {
     return window > 0 && seq_len > window ? seq_len - window : 0;
 }
 
-/* q, out: [n, Hq, D]; caches: [num_blocks, block_size, Hkv, D]; block_tables: [n, max_blocks] int32;
+/* One task, specialised on the head size (64 and 128 unrolled) and the cache's element type (each type
+ * its own loops, with the widening to float32 inlined). */
+#define RUN_TYPES(DV)                                                                                           \
+    switch (kvt) {                                                                                              \
+    case KV_F32:                                                                                                \
+        run_task(q, k, v, table, t_begin, t_end, single, h0, g, group, Hkv, bs, DV, KV_F32, scale, out, part);  \
+        break;                                                                                                  \
+    case KV_F16:                                                                                                \
+        run_task(q, k, v, table, t_begin, t_end, single, h0, g, group, Hkv, bs, DV, KV_F16, scale, out, part);  \
+        break;                                                                                                  \
+    case KV_BF16:                                                                                               \
+        run_task(q, k, v, table, t_begin, t_end, single, h0, g, group, Hkv, bs, DV, KV_BF16, scale, out, part); \
+        break;                                                                                                  \
+    default:                                                                                                    \
+        run_task(q, k, v, table, t_begin, t_end, single, h0, g, group, Hkv, bs, DV, KV_Q8_0, scale, out, part); \
+    }
+static void run_typed(const float *q, const uint8_t *k, const uint8_t *v, const int32_t *table, int64_t t_begin,
+                      int64_t t_end, int single, int64_t h0, int64_t g, int64_t group, int64_t Hkv, int64_t bs,
+                      int64_t D, int kvt, float scale, float *out, float *part) {
+    if (D == 64) {
+        RUN_TYPES(8)
+    } else if (D == 128) {
+        RUN_TYPES(16)
+    } else {
+        RUN_TYPES(D / 8)
+    }
+}
+
+/* q, out: [n, Hq, D] float32; caches: [num_blocks, block_size, Hkv, row] with rows of D values of
+ * kv_type (kv_types.h: float32, float16, bfloat16 or q8_0); block_tables: [n, max_blocks] int32;
  * seq_lens: [n] int32 (>= 1); window: the sliding window (0: every key). Returns nonzero for shapes it
- * does not handle (D not a multiple of 8 or > 256) or when memory runs out. */
-int orca_paged_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+ * does not handle (D not a multiple of 8 or > 256; of 32 for q8_0) or when memory runs out. */
+int orca_paged_decode_attention(const float *q, const void *k_cache_, const void *v_cache_,
                                 const int32_t *block_tables, const int32_t *seq_lens, int64_t n, int64_t Hq,
                                 int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, float scale,
-                                int64_t window, float *out) {
-    if (D % 8 != 0 || D > MAX_HEAD_DIM || Hq % Hkv != 0 || n <= 0 || window < 0) return 1;
+                                int64_t window, int kv_type, float *out) {
+    if (D % 8 != 0 || D > MAX_HEAD_DIM || Hq % Hkv != 0 || n <= 0 || window < 0 || !kv_type_ok(kv_type, D)) return 1;
+    const uint8_t *k_cache = k_cache_, *v_cache = v_cache_;
     const int64_t group = Hq / Hkv, g = heads_per_task(group), groups = Hq / g;
     /* span_start[i]: the index of sequence i's first span among all; part_start: where its partials
      * go (sequences of one span need none). */
@@ -232,15 +304,8 @@ int orca_paged_decode_attention(const float *q, const float *k_cache, const floa
             float *p = single ? NULL : part + (part_start[i] + span) * span_stride;
             const float *qi = q + i * Hq * D;
             float *oi = out + i * Hq * D;
-            if (D == 64)
-                run_task(qi, k_cache, v_cache, table, t_begin, t_end, single, h0, g, group, Hkv, block_size, 8,
-                         scale, oi, p);
-            else if (D == 128)
-                run_task(qi, k_cache, v_cache, table, t_begin, t_end, single, h0, g, group, Hkv, block_size, 16,
-                         scale, oi, p);
-            else
-                run_task(qi, k_cache, v_cache, table, t_begin, t_end, single, h0, g, group, Hkv, block_size,
-                         D / 8, scale, oi, p);
+            run_typed(qi, k_cache, v_cache, table, t_begin, t_end, single, h0, g, group, Hkv, block_size, D, kv_type,
+                      scale, oi, p);
         }
         if (parts) {
 #pragma omp for schedule(static)

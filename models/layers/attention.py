@@ -25,6 +25,7 @@ from models.layers.attention_backends import (
     TorchVarlenBackend,
     TritonBackend,
 )
+from models.layers.kv_format import write_kv
 from models.layers.metadata import AttentionMetadata, KVCache
 from models.layers.rotary import RotaryEmbedding
 from models.options import ATTENTION_BACKEND_NAMES, ATTENTION_BACKENDS, CUDA_ONLY_ATTENTION_BACKENDS
@@ -176,9 +177,10 @@ class Attention(nn.Module):
     ) -> torch.Tensor:  # [T, Hq * D]
         k_cache, v_cache = kv_cache
         slots = step.metadata.slot_mapping
-        # k_cache.view(-1, H, D)[slot_mapping] = k, without the advanced-indexing temporaries.
-        k_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, k)
-        v_cache.view(-1, self.num_kv_heads, self.head_dim).index_copy_(0, slots, v)
+        # k_cache.view(-1, H, row)[slot_mapping] = k in the cache's format (index_copy_, without the
+        # advanced-indexing temporaries; a q8_0 cache quantizes the rows first).
+        write_kv(k_cache, slots, k)
+        write_kv(v_cache, slots, v)
         return self.attend(q, kv_cache, step)
 
     def forward_rotary_qkv(
@@ -194,7 +196,7 @@ class Attention(nn.Module):
         engine has already checked every position against the model's maximum."""
         t, d = qkv.shape[0], self.head_dim
         k_cache, v_cache = kv_cache
-        if cpu_kernels.fits_rope_and_cache(qkv, rotary.cos_sin_cache, k_cache):
+        if cpu_kernels.fits_rope_and_cache(qkv, rotary.cos_sin_cache, k_cache, d):
             slots = step.metadata.slot_mapping
             cpu_kernels.rope_and_cache(
                 qkv, positions, rotary.cos_sin_cache, slots, k_cache, v_cache, self.num_heads

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 
 from models.kernels import cpu as cpu_kernels
+from models.layers.kv_format import decode, gather_kv
 from models.layers.metadata import AttentionMetadata
 
 
@@ -156,14 +157,17 @@ class SdpaBackend(AttentionBackend):
         return SdpaPlan(md, first)
 
     def forward(self, q, k_cache, v_cache, md, plan, scale, window=None):
-        h_kv, d = k_cache.shape[-2:]
+        h_kv, row = k_cache.shape[-2:]
+        d = q.shape[-1]
         bs = k_cache.shape[1]
         outs = []
         for p in plan.seqs(window):
             lo = p.k_start % bs  # the first gathered key's offset in its block
             n = p.seq_len - p.k_start
-            k = k_cache[p.block_ids].view(-1, h_kv, d)[lo : lo + n].transpose(0, 1)  # [Hkv, S, D]
-            v = v_cache[p.block_ids].view(-1, h_kv, d)[lo : lo + n].transpose(0, 1)
+            # The blocks read, in the queries' dtype (a 16-bit or q8_0 cache is widened here, these
+            # rows only).
+            k = decode(k_cache[p.block_ids].view(-1, h_kv, row)[lo : lo + n], d, q.dtype).transpose(0, 1)
+            v = decode(v_cache[p.block_ids].view(-1, h_kv, row)[lo : lo + n], d, q.dtype).transpose(0, 1)
             qi = q[p.q_start : p.q_end].transpose(0, 1)  # [Hq, q_len, D]
             # With a batch dimension: torch's CPU flash kernel takes 4-D inputs only, and 3-D ones fall
             # to the math path (it materializes the scores): 3.3x slower on a 512-token prompt.
@@ -201,9 +205,10 @@ class BatchedDecodeBackend(AttentionBackend):
 
     Per-request Python work is what dominates small-batch decode on a CPU; here a decode step costs a
     fixed handful of ops per layer whatever the batch size. The engine puts decode tokens first, so the
-    leading run of one-token requests is batched. Float32 on a CPU with the native kernels
-    (models/kernels/cpu.py) reads K/V in place from the paged cache; otherwise every history is
-    gathered into a padded [B, Hkv, max_len, D] tensor for one masked sdpa.
+    leading run of one-token requests is batched. Float32 queries on a CPU with the native kernels
+    (models/kernels/cpu.py) read K/V in place from the paged cache, in the cache's own element type
+    (float32, float16, bfloat16 or q8_0); otherwise every history is gathered (and widened to the
+    queries' dtype) into a padded [B, Hkv, max_len, D] tensor for one masked sdpa.
     """
 
     name = "cpu-decode"
@@ -242,13 +247,13 @@ class BatchedDecodeBackend(AttentionBackend):
         return plan.slots, mask
 
     def _native_fits(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-        h_kv, d = k_cache.shape[-2:]
+        h_kv, d = k_cache.shape[-2], q.shape[-1]
         return (
             self._native
             and q.device.type == "cpu"
-            and q.dtype == k_cache.dtype == torch.float32
+            and q.dtype == torch.float32
             and k_cache.is_contiguous()
-            and cpu_kernels.supports_decode_attention(d, q.shape[1], h_kv)
+            and cpu_kernels.supports_decode_attention(d, q.shape[1], h_kv, k_cache.dtype)
         )
 
     def forward(self, q, k_cache, v_cache, md, plan, scale, window=None):
@@ -261,10 +266,10 @@ class BatchedDecodeBackend(AttentionBackend):
                 )
             )
         elif n:
-            h_kv, d = k_cache.shape[-2:]
+            d = q.shape[-1]
             slots, mask = self._padded(plan, md.block_size, window)
-            k = k_cache.view(-1, h_kv, d)[slots].transpose(1, 2)  # [n, Hkv, L, D]
-            v = v_cache.view(-1, h_kv, d)[slots].transpose(1, 2)
+            k = gather_kv(k_cache, slots, d, q.dtype).transpose(1, 2)  # [n, Hkv, L, D]
+            v = gather_kv(v_cache, slots, d, q.dtype).transpose(1, 2)
             qd = q[:n].unsqueeze(2)  # [n, Hq, 1, D]
             o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
             outs.append(o.squeeze(2))  # [n, Hq, D]

@@ -10,7 +10,8 @@ kernels in the same order, so the output is bit-identical to the module-by-modul
 It applies to a step in which every sequence has one new token (decode only), on the cpu-decode
 attention backend with the native kernels, in one process per stage (no tensor parallelism: the C
 code has no all-reduce), when every linear of the layers is packed (GGUF blocks) and all tensors are
-float32. Anything else, including a mixed step with a prompt chunk, runs the modules as before.
+float32 but the KV cache, which may hold any --kv-cache-dtype (float32, float16, bfloat16, q8_0: the C
+code writes and reads it in its own type). Anything else, including a mixed step with a prompt chunk, runs the modules as before.
 """
 
 from __future__ import annotations
@@ -80,11 +81,17 @@ class _Shape(ctypes.Structure):
         ("scale", _f),
         ("block_size", _i64),
         ("rotary_dim", _i64),
+        ("kv_type", _i32),
     ]
 
 
 def _is_f32(t: torch.Tensor | None) -> bool:
     return t is not None and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
+
+
+def _is_cache(t: torch.Tensor, dtype: torch.dtype) -> bool:
+    """A KV cache tensor the C code reads in place (rows in any of the kernels' element types)."""
+    return t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
 
 
 def qweight(layer: PackableLinear) -> QWeight | None:
@@ -218,13 +225,22 @@ class NativeDecodeLayers:
         ):
             return True
         a = self.layers[0].attention
+        kv_dtype = kv_caches[0][0].dtype
+        row = cpu_kernels.kv_row_width(kv_dtype, a.head_dim)
+        if row is None or not cpu_kernels.supports_decode_attention(
+            a.head_dim, a.num_heads, a.num_kv_heads, kv_dtype
+        ):
+            return False
         for i, (k, v) in enumerate(kv_caches):
-            if not (_is_f32(k) and _is_f32(v) and k.shape == v.shape and k.dim() == 4):
+            if not (
+                _is_cache(k, kv_dtype) and _is_cache(v, kv_dtype) and k.shape == v.shape and k.dim() == 4
+            ):
                 return False
-            if tuple(k.shape[2:]) != (a.num_kv_heads, a.head_dim):
+            if tuple(k.shape[2:]) != (a.num_kv_heads, row):
                 return False
             self.structs[i].k_cache, self.structs[i].v_cache = k.data_ptr(), v.data_ptr()
         self.shape.block_size = kv_caches[0][0].shape[1]
+        self.shape.kv_type = cpu_kernels.KV_TYPE_CODES[kv_dtype]
         self._caches = [tuple(c) for c in kv_caches]  # type: ignore[misc]
         return True
 

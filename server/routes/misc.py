@@ -24,7 +24,7 @@ router = APIRouter()
 async def health(request: Request) -> Response:
     state = get_state(request)
     if state.ready:
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok", "kv_cache": state.kv_cache_capacity})
     if state.draining:  # load balancers take this replica out while in-flight requests finish
         return draining(state.config.retry_after_s).response()
     if state.loop is not None and state.loop.is_restarting:  # back in seconds; requests queue meanwhile

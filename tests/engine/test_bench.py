@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 from fake_graphs import ReplayByCalling
+from kernel_marks import needs_native_kernels
 
 from engine import bench
 from engine.config import EngineConfig
@@ -88,6 +89,8 @@ def test_the_gpu_benchmark_runs_end_to_end_on_a_tiny_shape(
             "cpu",
             "--dtype",
             "float32",
+            "--kv-cache-dtype",
+            "float32",
             "--batch-sizes",
             "1,3",
             "--new-tokens",
@@ -121,3 +124,24 @@ def test_the_gpu_benchmark_runs_end_to_end_on_a_tiny_shape(
     assert all(p["engine_tok_s"] > 0 and p["hf_tok_s"] > 0 for p in result["prefill"])
     printed = capsys.readouterr().out
     assert "graphs / eager" in printed and "of roofline" in printed and "prefill throughput" in printed
+
+
+@needs_native_kernels
+def test_the_kv_cache_benchmark_runs_every_type(tmp_path: Path, capsys) -> None:
+    from engine import kv_bench
+
+    out = tmp_path / "kv.json"
+    kv_bench.main(
+        ["--context", "70", "--rounds", "1", "--memory", "64MiB", "--read-bytes", "8MiB", "--json", str(out)]
+    )
+    result = json.loads(out.read_text())
+    rows = result["rows"]
+    assert [r["dtype"] for r in rows] == ["float32", "float16", "bfloat16", "q8_0"]
+    assert all(r["gb_s"] > 0 and r["context"] == 70 for r in rows)
+    # K and V of 30 layers x 3 heads for 70 tokens: 64 floats, 64 halves, or two q8_0 blocks a row.
+    assert [round(r["kv_gb_per_step"] * 1e9) for r in rows] == [
+        70 * 2 * 30 * 3 * b for b in (256, 128, 128, 68)
+    ]
+    fit = result["tokens_that_fit"]
+    assert fit["float16"] == fit["bfloat16"] == 2 * fit["float32"] and fit["q8_0"] > 3.7 * fit["float32"]
+    assert "tokens that fit in 64MiB" in capsys.readouterr().out

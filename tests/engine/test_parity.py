@@ -195,7 +195,12 @@ def test_default_model_batched_greedy_equals_solo_generate():
     # tests/models/test_quantized_accuracy.py instead).
     runner = LocalExecutor(
         EngineConfig(
-            model="default", dtype="float32", device="cpu", num_kv_blocks=256, weight_packing="float32"
+            model="default",
+            dtype="float32",
+            device="cpu",
+            num_kv_blocks=256,
+            weight_packing="float32",
+            kv_cache_dtype="float32",
         )
     )
     hf = hf_model(runner.model_path)

@@ -122,6 +122,7 @@ def test_eos_ids_from_generation_config_and_kv_budget(tiny_llama_dir: Path, tmp_
             device="cpu",
             kv_cache_memory=10 * bytes_per_block + 5,
             max_model_len=128,
+            kv_cache_dtype="float32",
         )
     )
     assert r.eos_token_ids == frozenset({2, 7, 9})

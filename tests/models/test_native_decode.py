@@ -31,11 +31,13 @@ def native_calls(monkeypatch) -> list[bool]:
     return calls
 
 
-def _run(model, steps: list[list[list[int]]], native: bool) -> tuple[list[torch.Tensor], PagedCacheHarness]:
+def _run(
+    model, steps: list[list[list[int]]], native: bool, kv_cache_dtype: str = "float32"
+) -> tuple[list[torch.Tensor], PagedCacheHarness]:
     """Hidden states of every step (prompts first, then decode tokens) with or without the native call."""
     saved = model.native_decode
     model.native_decode = saved if native else None
-    harness = PagedCacheHarness(model, num_seqs=len(steps[0]))
+    harness = PagedCacheHarness(model, num_seqs=len(steps[0]), kv_cache_dtype=kv_cache_dtype)
     outs = []
     try:
         with torch.no_grad():
@@ -72,6 +74,30 @@ def test_native_layers_equal_the_modules(packed_dir: Path, precision: str) -> No
     for a, b in zip(fast, slow, strict=True):
         assert torch.equal(a, b)
     for (k1, v1), (k2, v2) in zip(fast_cache.kv_caches, slow_cache.kv_caches, strict=True):
+        assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16", "q8_0"])
+def test_native_layers_equal_the_modules_with_a_smaller_kv_cache(
+    tmp_path: Path, monkeypatch, kv_cache_dtype: str
+) -> None:
+    """The fused call writes and reads a 16-bit or q8_0 cache in place, bit-identical to the modules.
+    (Torch's cache write stores the same bytes as the native one: tests/models/test_kv_dtypes.py.)"""
+    monkeypatch.setenv("ORCA_CACHE_DIR", str(tmp_path / "cache"))
+    gguf_file = tmp_path / "llama-d32.gguf"
+    types = {"attn": "Q8_0", "ffn": "Q4_1", "token_embd": "Q8_0"}
+    write_tiny_gguf(gguf_file, hidden=128, ff=256, layers=2, heads=4, kv_heads=2, types=types)  # head_dim 32
+    model = load_model(resolve_model(str(gguf_file)), torch.float32, "cpu")
+    assert isinstance(model.native_decode, NativeDecodeLayers)
+    taken = native_calls(monkeypatch)
+    steps = _decode_steps([[5, 9, 12, 40, 41], [3] * 11, [77, 78]], 9)
+    fast, fast_cache = _run(model, steps, native=True, kv_cache_dtype=kv_cache_dtype)
+    assert taken == [False] + [True] * 9
+    slow, slow_cache = _run(model, steps, native=False, kv_cache_dtype=kv_cache_dtype)
+    for a, b in zip(fast, slow, strict=True):
+        assert torch.equal(a, b)
+    for (k1, v1), (k2, v2) in zip(fast_cache.kv_caches, slow_cache.kv_caches, strict=True):
+        assert k1.dtype != torch.float32
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
 
 

@@ -42,14 +42,15 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=10_000, ignore_eos=True)
 INT8_FORCED_AGREEMENT = 0.96
 
 
-def perplexity(model, ids: list[int], window: int = 1024) -> float:
-    """exp(mean NLL) over the text in consecutive windows (each scored from its second token)."""
+def perplexity(model, ids: list[int], window: int = 1024, kv_cache_dtype: str | None = None) -> float:
+    """exp(mean NLL) over the text in consecutive windows (each scored from its second token), with
+    the KV cache in the model's dtype or in a --kv-cache-dtype."""
     nll, count = 0.0, 0
     for start in range(0, len(ids) - 1, window):
         chunk = ids[start : start + window]
         if len(chunk) < 2:
             break
-        logp = torch.log_softmax(single_seq_logits(model, chunk).double(), dim=-1)
+        logp = torch.log_softmax(single_seq_logits(model, chunk, kv_cache_dtype).double(), dim=-1)
         target = torch.tensor(chunk[1:])
         nll -= float(logp[:-1].gather(1, target.unsqueeze(1)).sum())
         count += len(chunk) - 1
@@ -85,11 +86,13 @@ def agreement(a: list[list[int]], b: list[list[int]]) -> tuple[float, float]:
     return sum(p == 1.0 for p in prefixes) / len(prefixes), sum(prefixes) / len(prefixes)
 
 
-def teacher_forced_agreement(model, prompts: list[list[int]], reference: list[list[int]]) -> float:
+def teacher_forced_agreement(
+    model, prompts: list[list[int]], reference: list[list[int]], kv_cache_dtype: str | None = None
+) -> float:
     """Share of reference tokens that are `model`'s argmax after the reference's own prefix."""
     same = total = 0
     for prompt, out in zip(prompts, reference, strict=True):
-        logits = single_seq_logits(model, prompt + out)
+        logits = single_seq_logits(model, prompt + out, kv_cache_dtype)
         predicted = logits[len(prompt) - 1 : len(prompt) + len(out) - 1].argmax(-1).tolist()
         same += sum(a == b for a, b in zip(predicted, out, strict=True))
         total += len(out)

@@ -43,7 +43,10 @@ async def test_503_while_loading_then_ready(tokenizer):
         assert (await client.get("/metrics")).status_code == 200
         release.set()
         await app.state.server.wait_ready()
-        assert (await client.get("/health")).json() == {"status": "ok"}
+        health = (await client.get("/health")).json()
+        assert health["status"] == "ok"
+        kv = health["kv_cache"]  # the capacity the KV cache's type and memory give
+        assert kv["dtype"] and kv["tokens"] == kv["blocks"] * kv["block_size"] > 0
 
 
 async def test_the_container_health_check_follows_health(tokenizer):

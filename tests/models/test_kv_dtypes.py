@@ -1,0 +1,207 @@
+"""The KV cache's element types (--kv-cache-dtype float32 | float16 | bfloat16 | q8_0) in the kernels and
+the attention backends: the native decode-attention kernel reads each type in place on every ISA variant
+this CPU runs, the native cache write and the torch one store the same bytes, and the torch paths widen
+what they gather."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from kernel_marks import EVERY_VARIANT, kernels_for, needs_native_kernels
+from paged_cache import reference_attention
+from test_cpu_kernels import paged_case, reference
+
+from models.kernels import cpu as cpu_kernels
+from models.layers.attention_backends import BatchedDecodeBackend, SdpaBackend
+from models.layers.kv_format import (
+    Q8_0_BYTES,
+    decode,
+    dequantize_q8_0,
+    encode,
+    format_of,
+    kv_format,
+    quantize_q8_0,
+)
+from models.layers.metadata import AttentionMetadata
+
+KV_DTYPES = ("float32", "float16", "bfloat16", "q8_0")
+# Largest error against attention over the float32 values, per type, for unit-variance q and V and K of
+# standard deviation 2 (scores of a few units): half keeps 11 bits, bfloat16 8, q8_0 ~7 per block.
+TOLERANCE = {"float32": 2e-6, "float16": 5e-3, "bfloat16": 4e-2, "q8_0": 4e-2}
+
+
+def stored(x: torch.Tensor, dtype: str) -> torch.Tensor:
+    """x [..., D] as a cache of `dtype` stores it."""
+    return encode(x, torch.empty(0, dtype=kv_format(dtype).storage))
+
+
+def widened(cache: torch.Tensor, d: int) -> torch.Tensor:
+    return decode(cache, d, torch.float32)
+
+
+def test_q8_0_block_layout() -> None:
+    # llama.cpp's block_q8_0: a half scale d = max|x| / 127, then 32 int8 codes round(x / d).
+    x = torch.arange(-16, 16, dtype=torch.float32) / 4  # max |x| = 4
+    raw = quantize_q8_0(x)
+    assert raw.dtype == torch.uint8 and raw.shape == (Q8_0_BYTES,)
+    assert raw[:2].view(torch.float16).item() == pytest.approx(4 / 127, rel=1e-3)
+    codes = raw[2:].view(torch.int8)
+    assert codes[0].item() == -127 and codes[16].item() == 0
+    assert torch.equal(codes, torch.round(x * (127 / 4)).to(torch.int8))
+    torch.testing.assert_close(dequantize_q8_0(raw, 32), x, atol=4 / 127 / 2 + 1e-3, rtol=0)
+    zeros = quantize_q8_0(torch.zeros(64))  # a block of zeros: scale 0, codes 0, no NaN
+    assert torch.equal(dequantize_q8_0(zeros, 64), torch.zeros(64))
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+def test_formats_size_their_rows(dtype: str) -> None:
+    f = kv_format(dtype)
+    assert (
+        f.row_width(64) * torch.empty((), dtype=f.storage).element_size()
+        == {
+            "float32": 256,
+            "float16": 128,
+            "bfloat16": 128,
+            "q8_0": 68,
+        }[dtype]
+    )
+    assert format_of(torch.empty(0, dtype=f.storage)) == f
+
+
+def test_bad_kv_dtypes_are_refused_clearly() -> None:
+    with pytest.raises(ValueError, match="unknown KV cache dtype 'fp8'.*q8_0"):
+        kv_format("fp8")
+    with pytest.raises(ValueError, match="head_dim that is a multiple of 32; this model.s is 48"):
+        kv_format("q8_0").check_head_dim(48)
+
+
+@pytest.mark.parametrize("variant", EVERY_VARIANT)
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+@pytest.mark.parametrize(
+    ("seq_lens", "hq", "hkv", "d", "block_size", "window"),
+    [
+        ([1, 7, 8, 9, 40], 4, 2, 32, 16, None),  # tile edges of 8 tokens, GQA 2
+        ([5, 100, 33, 64, 129], 9, 3, 64, 16, None),  # SmolLM2's heads, span edges
+        ([300, 1, 129], 8, 8, 128, 32, None),  # head_dim 128, long history
+        ([17, 3], 6, 1, 96, 1, None),  # MQA, block size 1, head_dim neither 64 nor 128
+        ([1, 64, 65, 200, 300], 6, 2, 32, 16, 70),  # a sliding window across spans
+    ],
+)
+def test_kernel_reads_each_dtype_in_place(
+    variant: str,
+    dtype: str,
+    seq_lens: list[int],
+    hq: int,
+    hkv: int,
+    d: int,
+    block_size: int,
+    window: int | None,
+) -> None:
+    q, k32, v32, tables, lens = paged_case(seq_lens, hq, hkv, d, block_size, seed=len(seq_lens) + d)
+    k, v = stored(k32, dtype), stored(v32, dtype)
+    kern = kernels_for(variant)
+    got = kern.paged_decode_attention(q, k, v, tables, lens, d**-0.5, window)
+    # Exactly the kernel over the same values held as float32: the widening is exact, nothing else moves.
+    same_values = kern.paged_decode_attention(q, widened(k, d), widened(v, d), tables, lens, d**-0.5, window)
+    assert torch.equal(got, same_values)
+    # And close to attention over the original float32 values, within what the type keeps.
+    if window is None:
+        expect = reference(q, k32, v32, tables, lens, d**-0.5)
+    else:
+        md = _decode_metadata(seq_lens, tables, block_size)
+        expect = reference_attention(q, k32, v32, md, d**-0.5, window)
+    torch.testing.assert_close(got, expect, atol=TOLERANCE[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("variant", EVERY_VARIANT)
+def test_kernel_on_q8_0_is_batch_invariant(variant: str) -> None:
+    q, k32, v32, tables, lens = paged_case([200, 3, 64, 130, 1], 9, 3, 64, 16, seed=5)
+    k, v = stored(k32, "q8_0"), stored(v32, "q8_0")
+    kern = kernels_for(variant)
+    batched = kern.paged_decode_attention(q, k, v, tables, lens, 0.125)
+    for i in range(len(lens)):
+        alone = kern.paged_decode_attention(q[i : i + 1], k, v, tables[i : i + 1], lens[i : i + 1], 0.125)
+        assert torch.equal(alone[0], batched[i]), f"sequence {i} changed with its batch"
+
+
+@pytest.mark.parametrize("variant", EVERY_VARIANT)
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+@pytest.mark.parametrize("tokens", [1, 40])  # 40: the rows go parallel
+def test_native_and_torch_cache_writes_store_the_same_bytes(variant: str, dtype: str, tokens: int) -> None:
+    from models.layers.rotary import RopeParams, RotaryEmbedding
+
+    hq, hkv, d, block_size, num_blocks = 4, 2, 64, 4, 16
+    rotary = RotaryEmbedding(d, 256, RopeParams(theta=10000.0))
+    g = torch.Generator().manual_seed(tokens)
+    qkv = torch.randn(tokens, (hq + 2 * hkv) * d, generator=g) * 3
+    qkv[0, hq * d : (hq + 1) * d] = 0  # a head of zeros: q8_0's scale 0
+    positions = torch.randint(0, 256, (tokens,), generator=g)
+    slots = torch.randperm(num_blocks * block_size, generator=g)[:tokens]
+    storage = kv_format(dtype).storage
+    row = kv_format(dtype).row_width(d)
+    k_cache = torch.zeros(num_blocks, block_size, hkv, row, dtype=storage)
+    v_cache = torch.zeros_like(k_cache)
+    kernels_for(variant).rope_and_cache(qkv, positions, rotary.cos_sin_cache, slots, k_cache, v_cache, hq)
+    # qkv now holds the rotated k: the torch write of the same rows must give the same bytes.
+    k_ref, v_ref = torch.zeros_like(k_cache), torch.zeros_like(v_cache)
+    from models.layers.kv_format import write_kv
+
+    write_kv(k_ref, slots, qkv[:, hq * d : (hq + hkv) * d].view(tokens, hkv, d))
+    write_kv(v_ref, slots, qkv[:, (hq + hkv) * d :].view(tokens, hkv, d))
+    assert torch.equal(k_cache.view(torch.uint8), k_ref.view(torch.uint8))
+    assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
+
+
+def _decode_metadata(seq_lens: list[int], tables: torch.Tensor, block_size: int) -> AttentionMetadata:
+    n = len(seq_lens)
+    starts = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(n, dtype=torch.int64),
+        query_start_loc=torch.arange(n + 1, dtype=torch.int32),
+        seq_start_loc=starts,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=tables,
+        query_lens_cpu=[1] * n,
+        seq_lens_cpu=seq_lens,
+        max_query_len=1,
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+    )
+
+
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+@pytest.mark.parametrize("native", [True, False])
+@pytest.mark.parametrize("window", [None, 6])
+def test_backends_read_every_dtype(dtype: str, native: bool, window: int | None) -> None:
+    """cpu-decode with the kernel and with its torch fallback, and sdpa, over a 16-bit or q8_0 cache:
+    each equals attention over the cache's values widened to float32."""
+    seq_lens, d, bs = [4, 19, 1], 32, 8
+    q, k32, v32, tables, _ = paged_case(seq_lens, 4, 2, d, bs)
+    k, v = stored(k32, dtype), stored(v32, dtype)
+    md = _decode_metadata(seq_lens, tables, bs)
+    expect = reference_attention(q, widened(k, d), widened(v, d), md, d**-0.5, window)
+    backend = BatchedDecodeBackend()
+    backend._native = native and cpu_kernels.available()
+    got = backend.forward(q, k, v, md, backend.plan(md), d**-0.5, window)
+    torch.testing.assert_close(got, expect, atol=2e-6, rtol=1e-5)
+    sdpa = SdpaBackend()
+    got = sdpa.forward(q, k, v, md, sdpa.plan(md), d**-0.5, window)
+    torch.testing.assert_close(got, expect, atol=2e-6, rtol=1e-5)
+
+
+@needs_native_kernels
+def test_wrappers_refuse_caches_the_kernel_would_misread() -> None:
+    q, k32, v32, tables, lens = paged_case([5, 9], 4, 2, 48, 4)
+    with pytest.raises(ValueError, match="q8_0, head_dim a multiple of 32"):
+        # 48 values a row are not whole q8_0 blocks: no layout the kernel knows.
+        cpu_kernels.paged_decode_attention(q, k32.to(torch.uint8), v32.to(torch.uint8), tables, lens, 0.25)
+    with pytest.raises(ValueError, match="v_cache: torch.bfloat16, but k_cache is torch.float16"):
+        cpu_kernels.paged_decode_attention(q, k32.half(), v32.bfloat16(), tables, lens, 0.25)
+    with pytest.raises(ValueError, match="expected shape"):
+        q64, k64, v64, t64, l64 = paged_case([5, 9], 4, 2, 64, 4)
+        cpu_kernels.paged_decode_attention(
+            q64, stored(k64, "q8_0")[..., :-2].contiguous(), stored(v64, "q8_0"), t64, l64, 0.25
+        )
+    assert cpu_kernels.supports_decode_attention(64, 9, 3, torch.uint8)
+    assert not cpu_kernels.supports_decode_attention(48, 4, 2, torch.uint8)
+    assert not cpu_kernels.supports_decode_attention(64, 4, 2, torch.int8)
