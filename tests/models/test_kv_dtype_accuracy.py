@@ -21,15 +21,15 @@ import torch
 from kernel_marks import needs_native_kernels
 from test_quantized_accuracy import (
     INT8_FORCED_AGREEMENT,
-    PROMPTS,
-    TEXT,
+    default_model_inputs,
     greedy_tokens,
     perplexity,
     runner_for,
     teacher_forced_agreement,
+    tiny_model_inputs,
 )
 
-from models.loader import load_model, load_tokenizer, resolve_model
+from models.loader import load_model
 
 NARROW = ("float16", "bfloat16", "q8_0")
 
@@ -49,9 +49,7 @@ def figures(path: Path, source, prompts, text_ids, new_tokens: int, window: int,
 
 @needs_native_kernels
 def test_narrow_caches_close_to_float32_on_a_tiny_model(tiny_gguf_llama_d32_dir: Path) -> None:
-    tok = load_tokenizer(tiny_gguf_llama_d32_dir)
-    text_ids = tok(TEXT.read_text())["input_ids"][:768]  # windows within its 512 positions
-    prompts = [tok(p)["input_ids"] for p in PROMPTS[:4]]
+    text_ids, prompts = tiny_model_inputs(tiny_gguf_llama_d32_dir)
     got = figures(tiny_gguf_llama_d32_dir, tiny_gguf_llama_d32_dir, prompts, text_ids, 8, 256, "float32")
     for kv in NARROW:
         ratio, forced = got[kv]
@@ -63,13 +61,7 @@ def test_narrow_caches_close_to_float32_on_a_tiny_model(tiny_gguf_llama_d32_dir:
 @needs_native_kernels
 @pytest.mark.parametrize("mode", ["float32", "int8"])
 def test_narrow_caches_close_to_float32_on_the_default_model(mode: str) -> None:
-    path = resolve_model("default")
-    tok = load_tokenizer(path)
-    text_ids = tok(TEXT.read_text())["input_ids"]
-    chats = [
-        tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS
-    ]
-    prompts = [list(c["input_ids"] if hasattr(c, "keys") else c) for c in chats]
+    path, text_ids, prompts = default_model_inputs()
     got = figures(path, "default", prompts, text_ids, 32, 1024, mode)
     print(f"\n{mode} activations, perplexity over {len(text_ids)} tokens and teacher-forced top-1 agreement:")
     for kv, (ratio, forced) in got.items():

@@ -103,6 +103,24 @@ def runner_for(source: str | Path, mode: str) -> LocalExecutor:
     return LocalExecutor(cpu_engine_config(source, num_kv_blocks=256, weight_packing=mode))
 
 
+def tiny_model_inputs(path: Path) -> tuple[list[int], list[list[int]]]:
+    """A tiny model's perplexity text (768 tokens: windows within its 512 positions) and the first four
+    PROMPTS, as its tokenizer reads them."""
+    tok = load_tokenizer(path)
+    return tok(TEXT.read_text())["input_ids"][:768], [tok(p)["input_ids"] for p in PROMPTS[:4]]
+
+
+def default_model_inputs() -> tuple[Path, list[int], list[list[int]]]:
+    """The default model's path, its perplexity text and PROMPTS as chats (its template applied)."""
+    path = resolve_model("default")
+    tok = load_tokenizer(path)
+    chats = [
+        tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS
+    ]
+    prompts = [list(c["input_ids"] if hasattr(c, "keys") else c) for c in chats]
+    return path, tok(TEXT.read_text())["input_ids"], prompts
+
+
 def compare(
     source: str | Path,
     path: Path,
@@ -126,9 +144,7 @@ def compare(
 
 @needs_native_kernels
 def test_int8_close_to_float32_on_a_tiny_gguf_model(tiny_gguf_llama_dir: Path) -> None:
-    tok = load_tokenizer(tiny_gguf_llama_dir)
-    text_ids = tok(TEXT.read_text())["input_ids"][:768]  # windows within its 512 positions
-    prompts = [tok(p)["input_ids"] for p in PROMPTS[:4]]
+    text_ids, prompts = tiny_model_inputs(tiny_gguf_llama_dir)
     ppl, (identical, prefix), forced = compare(
         tiny_gguf_llama_dir, tiny_gguf_llama_dir, prompts, text_ids, 8, 256
     )
@@ -139,13 +155,7 @@ def test_int8_close_to_float32_on_a_tiny_gguf_model(tiny_gguf_llama_dir: Path) -
 @pytest.mark.slow
 @needs_native_kernels
 def test_int8_close_to_float32_on_the_default_model() -> None:
-    path = resolve_model("default")
-    tok = load_tokenizer(path)
-    text_ids = tok(TEXT.read_text())["input_ids"]
-    chats = [
-        tok.apply_chat_template([{"role": "user", "content": p}], add_generation_prompt=True) for p in PROMPTS
-    ]
-    prompts = [list(c["input_ids"] if hasattr(c, "keys") else c) for c in chats]
+    path, text_ids, prompts = default_model_inputs()
     ppl, (identical, prefix), forced = compare("default", path, prompts, text_ids, 32, 1024)
     print(
         f"\nperplexity over {len(text_ids)} tokens: float32 {ppl['float32']:.4f}, int8 {ppl['int8']:.4f} "
