@@ -75,16 +75,20 @@ def test_kernel_is_stable_for_large_scores(variant: str) -> None:
     torch.testing.assert_close(got, expect, atol=1e-5, rtol=1e-5)
 
 
+def assert_batch_invariant(kern, q, k, v, tables, lens) -> None:
+    """Every sequence's decode attention, bit for bit, the same alone as in the batch."""
+    batched = kern.paged_decode_attention(q, k, v, tables, lens, 0.125)
+    for i in range(len(lens)):
+        alone = kern.paged_decode_attention(q[i : i + 1], k, v, tables[i : i + 1], lens[i : i + 1], 0.125)
+        assert torch.equal(alone[0], batched[i]), f"sequence {i} changed with its batch"
+
+
 @pytest.mark.parametrize("variant", EVERY_VARIANT)
 def test_kernel_is_batch_invariant(variant: str) -> None:
     # A sequence's output, bit for bit, is the same alone and among others of every length: the
     # split of a history into spans depends on its own length only.
     q, k, v, tables, lens = paged_case([200, 3, 64, 130, 1], 9, 3, 64, 16, seed=5)
-    kern = kernels_for(variant)
-    batched = kern.paged_decode_attention(q, k, v, tables, lens, 0.125)
-    for i in range(len(lens)):
-        alone = kern.paged_decode_attention(q[i : i + 1], k, v, tables[i : i + 1], lens[i : i + 1], 0.125)
-        assert torch.equal(alone[0], batched[i]), f"sequence {i} changed with its batch"
+    assert_batch_invariant(kernels_for(variant), q, k, v, tables, lens)
 
 
 @pytest.mark.parametrize("variant", EVERY_VARIANT)

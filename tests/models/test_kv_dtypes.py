@@ -9,7 +9,7 @@ import pytest
 import torch
 from kernel_marks import EVERY_VARIANT, kernels_for, needs_native_kernels
 from paged_cache import reference_attention
-from test_cpu_kernels import paged_case, reference
+from test_cpu_kernels import assert_batch_invariant, paged_case, reference
 
 from models.kernels import cpu as cpu_kernels
 from models.layers.attention_backends import BatchedDecodeBackend, SdpaBackend
@@ -116,12 +116,7 @@ def test_kernel_reads_each_dtype_in_place(
 @pytest.mark.parametrize("variant", EVERY_VARIANT)
 def test_kernel_on_q8_0_is_batch_invariant(variant: str) -> None:
     q, k32, v32, tables, lens = paged_case([200, 3, 64, 130, 1], 9, 3, 64, 16, seed=5)
-    k, v = stored(k32, "q8_0"), stored(v32, "q8_0")
-    kern = kernels_for(variant)
-    batched = kern.paged_decode_attention(q, k, v, tables, lens, 0.125)
-    for i in range(len(lens)):
-        alone = kern.paged_decode_attention(q[i : i + 1], k, v, tables[i : i + 1], lens[i : i + 1], 0.125)
-        assert torch.equal(alone[0], batched[i]), f"sequence {i} changed with its batch"
+    assert_batch_invariant(kernels_for(variant), q, stored(k32, "q8_0"), stored(v32, "q8_0"), tables, lens)
 
 
 @pytest.mark.parametrize("variant", EVERY_VARIANT)
