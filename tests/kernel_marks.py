@@ -1,4 +1,4 @@
-"""Marks for tests of the native CPU kernels (models/kernels/). Without AVX2/FMA or a C compiler the
+"""Marks and probes for tests of the native CPU kernels (models/kernels/). Without AVX2/FMA or a C compiler the
 kernels are not built, the code falls back to torch ops, and these tests are skipped; a test over
 `EVERY_VARIANT` runs each ISA variant this CPU supports and skips the others, saying which flag is
 missing."""
@@ -32,3 +32,20 @@ def kernels_for(name: str) -> cpu_kernels.Kernels:
         return cpu_kernels.for_variant(name)
     except RuntimeError as e:
         pytest.skip(str(e))
+
+
+def native_calls(monkeypatch) -> list[bool]:
+    """Whether each decode-layers forward from now on ran its layers in the native call (True) or the
+    modules (models/layers/native_decode.py)."""
+    from models.layers.native_decode import NativeDecodeLayers
+
+    calls: list[bool] = []
+    forward = NativeDecodeLayers.forward
+
+    def spy(self, *args):
+        out = forward(self, *args)
+        calls.append(out is not None)
+        return out
+
+    monkeypatch.setattr(NativeDecodeLayers, "forward", spy)
+    return calls

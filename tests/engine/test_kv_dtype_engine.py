@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 from builders import cpu_engine_config
+from kernel_marks import native_calls
 from test_speculative import PROMPTS, SCENARIOS, greedy, run, same_as_without, tokens
 
 from engine.config import EngineConfig
@@ -53,21 +54,11 @@ def _drop_executors():
 
 
 def test_decode_steps_read_the_q8_0_cache_in_the_native_call(executor, monkeypatch) -> None:
-    from models.layers.native_decode import NativeDecodeLayers
-
     q8 = executor("q8_0")
     cache = q8.runner.kv_cache
     assert cache.k_cache.dtype.itemsize == 1 and cache.k_cache.shape[-1] == 34  # one q8_0 block a head
     assert executor("float16").runner.kv_cache.k_cache.shape[-1] == 32
-    taken: list[bool] = []
-    forward = NativeDecodeLayers.forward
-
-    def spy(self, *args):
-        out = forward(self, *args)
-        taken.append(out is not None)
-        return out
-
-    monkeypatch.setattr(NativeDecodeLayers, "forward", spy)
+    taken = native_calls(monkeypatch)
     run(q8, [(PROMPTS[0], greedy(4))], "off")
     assert taken == [False, True, True, True]  # the prompt step runs the modules, every decode step is native
 

@@ -8,27 +8,13 @@ from pathlib import Path
 import pytest
 import torch
 from builders import write_tiny_gguf
-from kernel_marks import needs_native_kernels
+from kernel_marks import native_calls, needs_native_kernels
 from paged_cache import PagedCacheHarness
 
 from models.layers.native_decode import NativeDecodeLayers
 from models.loader import load_model, resolve_model
 
 pytestmark = needs_native_kernels
-
-
-def native_calls(monkeypatch) -> list[bool]:
-    """Whether each forward from now on ran its layers in the native call (True) or the modules."""
-    calls: list[bool] = []
-    forward = NativeDecodeLayers.forward
-
-    def spy(self, *args):
-        out = forward(self, *args)
-        calls.append(out is not None)
-        return out
-
-    monkeypatch.setattr(NativeDecodeLayers, "forward", spy)
-    return calls
 
 
 def _run(
