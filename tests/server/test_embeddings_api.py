@@ -265,11 +265,19 @@ async def test_embeddings_batch_with_a_generation(tokenizer) -> None:
     ids = [101, 7, 99, 3000, 12, 55]
     async with running_app(app) as http:
         alone = (await http.post("/v1/embeddings", json={"input": ids, "encoding_format": "float"})).json()
+        # The completion's steps are held at the gate until the embedding waits beside it, so the two share
+        # a step however slowly this machine serves the second request.
+        runner.gate.clear()
         completion = asyncio.create_task(
             http.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 40, "ignore_eos": True})
         )
         await wait_until(lambda: app.state.server.loop.stats().running == 1)
-        beside = (await http.post("/v1/embeddings", json={"input": ids, "encoding_format": "float"})).json()
+        embedding = asyncio.create_task(
+            http.post("/v1/embeddings", json={"input": ids, "encoding_format": "float"})
+        )
+        await wait_until(lambda: (stats := app.state.server.loop.stats()).running + stats.waiting == 2)
+        runner.gate.set()
+        beside = (await embedding).json()
         assert (await completion).status_code == 200
         await drained(app)
     assert beside["data"] == alone["data"]
