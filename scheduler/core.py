@@ -295,7 +295,10 @@ class Scheduler:
             budget = self._admit(step, chosen, budget, cap)
         # Proposals last, from what is left of the budget and the free blocks: they never preempt nor
         # hold back anybody's own tokens.
-        spec = self._propose([r for r in decodes if chosen.get(r) == 1 and r.pooling is None], budget)
+        carried_decodes = sum(1 for req, (start, _) in carried.items() if start >= req.num_tokens)
+        spec = self._propose(
+            [r for r in decodes if chosen.get(r) == 1 and r.pooling is None], budget, carried_decodes
+        )
 
         now = time.monotonic()
         # Carried rows first (decodes of the step in flight: their token is the pending one; prompt
@@ -383,14 +386,19 @@ class Scheduler:
                 budget -= n
         return out
 
-    def _propose(self, decodes: list[Request], spare: int) -> dict[Request, Proposal]:
+    def _propose(
+        self, decodes: list[Request], spare: int, carried_decodes: int = 0
+    ) -> dict[Request, Proposal]:
         """This step's proposals for its decoding requests (none with speculation off), within `spare`
-        tokens of budget, each with the blocks for its positions if they are free (else none)."""
+        tokens of budget, each with the blocks for its positions if they are free (else none). The
+        policy weighs them against the whole decode batch: `carried_decodes` more rows (overlapped
+        scheduling's, which cannot propose) share the step."""
         if self.speculation is None or not decodes:
             return {}
         out: dict[Request, Proposal] = {}
         bs = self.allocator.block_size
-        for i, proposal in self.speculation.plan(decodes, spare, self.max_model_len).items():
+        batch = len(decodes) + carried_decodes
+        for i, proposal in self.speculation.plan(decodes, spare, self.max_model_len, batch).items():
             req = decodes[i]
             # Cut to the positions its blocks and the free ones hold.
             room = (len(req.block_ids) + self.allocator.num_free) * bs - req.num_computed_tokens - 1

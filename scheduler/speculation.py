@@ -185,10 +185,14 @@ class SpeculationPolicy:
         self.token_cost = token_cost + (draft_cost if method == "draft" else 0.0)
         self.acceptance = AcceptanceTable()
 
-    def plan(self, decodes: Sequence[Proposing], spare: int, max_model_len: int) -> dict[int, Proposal]:
-        """Proposals for this step's decoding requests (by index into `decodes`), `spare` tokens at most."""
-        b = len(decodes)
-        if not b or b > self.max_batch:
+    def plan(
+        self, decodes: Sequence[Proposing], spare: int, max_model_len: int, batch: int | None = None
+    ) -> dict[int, Proposal]:
+        """Proposals for this step's decoding requests (by index into `decodes`), `spare` tokens at most.
+        `batch`: the step's decode rows, `decodes` and any others that cannot propose (rows carried from
+        the step in flight under overlapped scheduling); the cost of verifying grows with all of them."""
+        b = len(decodes) if batch is None else batch
+        if not decodes or b > self.max_batch:
             return {}
         candidates: dict[int, list[int] | int] = {}  # index -> n-gram tokens, or a count for drafts
         rates: dict[int, float] = {}

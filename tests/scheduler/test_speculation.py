@@ -145,6 +145,19 @@ def test_policy_turns_speculation_down_as_the_batch_grows_and_off_past_max_batch
     assert per_request == sorted(per_request, reverse=True)
 
 
+def test_rows_that_cannot_propose_count_in_the_batch():
+    """Under overlapped scheduling most decodes of a large batch are carried (they cannot propose): the
+    few that can must not propose as if they were the whole batch."""
+    policy = SpeculationPolicy("draft", max_tokens=4, max_batch=8, token_cost=0.1)
+    for _ in range(10):
+        policy.acceptance.record((0, "none"), 4, 3)
+    reqs = [decoding([1, 2, 3]) for _ in range(2)]
+    assert policy.plan(reqs, spare=1000, max_model_len=100)
+    assert policy.plan(reqs, spare=1000, max_model_len=100, batch=32) == {}
+    alone = sum(p.count for p in policy.plan(reqs, 1000, 100).values())
+    assert sum(p.count for p in policy.plan(reqs, 1000, 100, batch=6).values()) < alone
+
+
 def test_policy_follows_acceptance_and_stays_within_the_budget():
     """A request whose last proposal was all accepted proposes more than one whose last was rejected at
     once, as the table has learnt; and the budget caps them together."""
