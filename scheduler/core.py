@@ -293,17 +293,18 @@ class Scheduler:
         if not step.preempted and self.batching.may_admit():
             cap = None if max_seqs is None else max_seqs - len(carried)
             budget = self._admit(step, chosen, budget, cap)
+        # Carried rows first (decodes of the step in flight, whose token is the pending one; prompt
+        # chunks: the next chunk), then the chosen ones with their proposals.
+        rows = [(req, start, n, None, start >= req.num_tokens) for req, (start, n) in carried.items()]
         # Proposals last, from what is left of the budget and the free blocks: they never preempt nor
         # hold back anybody's own tokens.
-        carried_decodes = sum(1 for req, (start, _) in carried.items() if start >= req.num_tokens)
         spec = self._propose(
-            [r for r in decodes if chosen.get(r) == 1 and r.pooling is None], budget, carried_decodes
+            [r for r in decodes if chosen.get(r) == 1 and r.pooling is None],
+            budget,
+            carried_decodes=sum(1 for *_, pending in rows if pending),
         )
 
         now = time.monotonic()
-        # Carried rows first (decodes of the step in flight: their token is the pending one; prompt
-        # chunks: the next chunk), then the chosen ones with their proposals.
-        rows = [(req, start, n, None, start >= req.num_tokens) for req, (start, n) in carried.items()]
         rows += [(req, req.num_computed_tokens, n, spec.get(req), False) for req, n in chosen.items()]
         for req, start, n, proposal, pending in rows:
             step.seqs.append(self._row(req, start, start + n, proposal, pending))
