@@ -19,10 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
+from models.kernels.cpu import Q8_0_BYTES, Q8_0_VALUES  # the layout kv_types.h reads
 from models.options import KV_CACHE_DTYPES
-
-Q8_0_VALUES = 32  # values per q8_0 block
-Q8_0_BYTES = 34  # a half scale + 32 int8 codes
 
 
 @dataclass(frozen=True)
@@ -116,7 +114,7 @@ def decode(rows: torch.Tensor, head_dim: int, dtype: torch.dtype) -> torch.Tenso
 
 def write_kv(cache: torch.Tensor, slots: torch.Tensor, x: torch.Tensor) -> None:
     """cache.view(-1, Hkv, row)[slots] = x ([T, Hkv, D]) in the cache's format."""
-    t, hkv = x.shape[:2]
+    hkv = x.shape[1]
     cache.view(-1, hkv, cache.shape[-1]).index_copy_(0, slots, encode(x, cache))
 
 
