@@ -81,7 +81,10 @@ class Router(nn.Module):
 
     def __init__(self, hidden: int, num_experts: int, dtype: torch.dtype) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=dtype), requires_grad=False)
+        # Held in float32, the dtype its logits are computed in, with the model dtype's values (the
+        # loader rounds through it): no conversion of the weight in every step.
+        self.dtype = dtype
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden, dtype=torch.float32), requires_grad=False)
         self.weight.weight_loader = self.weight_loader  # type: ignore[attr-defined]
 
     def weight_loader(
@@ -90,10 +93,10 @@ class Router(nn.Module):
         if isinstance(loaded, QuantizedBlocks):
             loaded = loaded.dequantize()
         check_shape(loaded, param.shape)
-        param.data.copy_(loaded)
+        param.data.copy_(loaded.to(self.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight.float())
+        return F.linear(x.float(), self.weight)
 
 
 class Expert(nn.Module):
