@@ -436,22 +436,21 @@ def random_blocks(ggml_type: str, rows: int, cols: int, rng: np.random.Generator
     out = []
     for start in range(0, rows, ROWS_PER_CHUNK):
         n = min(ROWS_PER_CHUNK, rows - start)
-        lo, hi = (-32, 31) if ggml_type == "Q6_K" else (0, 31 if ggml_type == "Q5_K" else 15)
-        codes = rng.integers(lo, hi + 1, (n, cols), dtype=np.int16)
+        hi = {"Q6_K": 63, "Q5_K": 31}.get(ggml_type, 15)
+        codes = rng.integers(0, hi + 1, (n, cols), dtype=np.int16).astype(np.uint8)
         d = (rng.random((n, supers)) * 2e-4 + 1e-5).astype(np.float16)
         if ggml_type == "Q6_K":
             sc = rng.integers(-64, 64, (n, cols // 16), dtype=np.int8)
             c = BlockComponents(
-                fmt, torch.from_numpy(codes.astype(np.int8)), torch.from_numpy(d), None, torch.from_numpy(sc)
+                fmt, torch.from_numpy(codes), torch.from_numpy(d), None, torch.from_numpy(sc)
             )
         else:
             sc = rng.integers(16, 64, (n, cols // 32), dtype=np.uint8)
             m = rng.integers(0, 64, (n, cols // 32), dtype=np.uint8)
             dmin = (d.astype(np.float32) * (hi / 2) * 0.6).astype(np.float16)  # centres the weights near 0
-            dtype = np.uint8 if fmt.bits == 4 else np.int8
             c = BlockComponents(
                 fmt,
-                torch.from_numpy(codes.astype(dtype)),
+                torch.from_numpy(codes),
                 torch.from_numpy(d),
                 torch.from_numpy(dmin),
                 torch.from_numpy(sc),

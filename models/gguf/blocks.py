@@ -75,7 +75,7 @@ def decode_blocks(ggml_type: str, raw: np.ndarray, k: int) -> BlockComponents:
     b = np.ascontiguousarray(raw).reshape(n, k // block, size)
 
     def out(codes: np.ndarray, **parts: torch.Tensor | None) -> BlockComponents:
-        dtype = np.uint8 if fmt.bits == 4 else np.int8
+        dtype = np.uint8 if fmt.unsigned_codes else np.int8
         c = torch.from_numpy(np.ascontiguousarray(codes.reshape(n, k).astype(dtype)))
         return BlockComponents(fmt, c, **parts)
 
@@ -87,7 +87,7 @@ def decode_blocks(ggml_type: str, raw: np.ndarray, k: int) -> BlockComponents:
         return out(b[..., 2:34].view(np.int8), scale=_f16(b[..., 0:2]))
     if ggml_type == "Q5_0":
         q = _nibbles(b[..., 6:22]) | (_bit5(b[..., 2:6]) << 4)
-        return out(q.astype(np.int16) - 16, scale=_f16(b[..., 0:2]))
+        return out(q, scale=_f16(b[..., 0:2]))
     if ggml_type == "Q5_1":
         q = _nibbles(b[..., 8:24]) | (_bit5(b[..., 4:8]) << 4)
         return out(q, scale=_f16(b[..., 0:2]), minimum=_f16(b[..., 2:4]))
@@ -110,7 +110,7 @@ def decode_blocks(ggml_type: str, raw: np.ndarray, k: int) -> BlockComponents:
         ql = (ql & 0x0F).reshape(n, nb, 8, 32)
         qh = b[..., 128:192].reshape(n, nb, 2, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(4, 1)
         qh = (qh & 0x03).reshape(n, nb, 8, 32)
-        q = (ql | (qh << 4)).astype(np.int16) - 32
+        q = ql | (qh << 4)
         sc = torch.from_numpy(np.ascontiguousarray(b[..., 192:208]).view(np.int8).reshape(n, -1).copy())
         return out(q, scale=_f16(b[..., 208:210]), sub_scale=sc)
     if ggml_type == "Q2_K":

@@ -52,7 +52,7 @@ def encode(ggml_type: str, c: BlockComponents) -> np.ndarray:
     codes = c.codes.numpy().astype(np.int16).reshape(n, nb, 8, 32)
     d = _f16_bytes(c.scale.numpy())  # [n, nb, 2]
     if ggml_type == "Q6_K":
-        q = (codes + 32).astype(np.uint8).reshape(n, nb, 2, 2, 64)  # (128-chunk, nibble shift, l)
+        q = codes.astype(np.uint8).reshape(n, nb, 2, 2, 64)  # (128-chunk, nibble shift, l)
         ql = (q[:, :, :, 0] & 0x0F) | ((q[:, :, :, 1] & 0x0F) << 4)  # [n, nb, 2, 64]
         high = (q >> 4).reshape(n, nb, 2, 4, 32)  # (128-chunk, 2-bit shift, l)
         qh = high[:, :, :, 0] | (high[:, :, :, 1] << 2) | (high[:, :, :, 2] << 4) | (high[:, :, :, 3] << 6)

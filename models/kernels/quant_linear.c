@@ -130,12 +130,24 @@ static inline __attribute__((always_inline)) bscale block_scales(const uint8_t *
     return r;
 }
 
-/* Unit u (k = 4u..4u+3) of half h of a block's codes, as bytes: 4-bit codes unpacked to 0..15, or,
- * for a codebook format, to the codebook's int8 values. */
+/* Unit u (k = 4u..4u+3) of half h of a block's codes, as bytes: codes below 8 bits unpacked to their
+ * unsigned value (the nibble, and for 5- and 6-bit codes the high bits from their plane), or, for a
+ * codebook format, to the codebook's int8 values. */
 static inline __attribute__((always_inline)) vi code_unit(const uint8_t *codes, const int fmt, int u, int h) {
-    if (qf_bits(fmt) == 8) return vi_loadu(codes + 64 * u + UNIT_BYTES * h);
+    const int bits = qf_bits(fmt);
+    if (bits == 8) return vi_loadu(codes + 64 * u + UNIT_BYTES * h);
     const vi p = vi_loadu(codes + 64 * (u & 3) + UNIT_BYTES * h);
-    const vi n = vi_and(u < 4 ? p : vi_srli16(p, 4), vi_set1_8(0x0f));
+    vi n = vi_and(u < 4 ? p : vi_srli16(p, 4), vi_set1_8(0x0f));
+    if (bits > 4) {
+        const int hb = bits - 4, per = 8 / hb; /* high bits a code; units a byte of the plane holds */
+        const vi hp = vi_loadu(codes + 256 + 64 * (u / per) + UNIT_BYTES * h);
+        /* Unit u's high bits (at bit hb * (u % per)) moved to bit 4. The shifts are 16-bit, so bits of
+         * the neighbouring byte move in, but only at bits 0..sh-1 (left) or 8-sh..7 (right, sh <= 3),
+         * never at the 4 .. 3 + hb that the mask keeps. */
+        const int sh = 4 - hb * (u % per);
+        const vi hs = sh > 0 ? vi_slli16(hp, sh) : sh < 0 ? vi_srli16(hp, -sh) : hp;
+        n = vi_or_and(n, hs, vi_set1_8((char)(((1 << hb) - 1) << 4)));
+    }
     return qf_codebook(fmt) ? vi_table16(n, IQ4_NL_VALUES) : n;
 }
 
@@ -176,7 +188,8 @@ static inline __attribute__((always_inline)) void int_tile(const uint8_t *tile, 
             _mm_prefetch((const char *)pf, _MM_HINT_T0);
 #endif
 #if DOT_US16 && HALVES == 2
-        if (!sgn) { /* 4-bit codes: one broadcast of x feeds both halves; sums in 16 bits (vec.h) */
+        if (!sgn && qf_bits(fmt) == 4) { /* one broadcast of x feeds both halves; 4-bit codes keep 8 units'
+                                            sums within 16 bits (vec.h) */
             const bscale sc[2] = {block_scales(hdr, sub, fmt, 0), block_scales(hdr, sub, fmt, 1)};
             const int parts = k16 ? 2 : 1, units = 8 / parts;
             for (int p = 0; p < parts; p++) {
@@ -348,7 +361,7 @@ static inline int tile_rows(int64_t N, int64_t t) {
  *
  * Per block: C = A B in tmm0/tmm1 alternately, stored to L1 and folded into 16 accumulators while
  * the next block's multiply runs. The K16 formats' 16-k scales take two multiplies of K = 16; 4-bit
- * codes are unpacked to bytes (codebook values for IQ4_XS) once per tile. */
+ * codes (and 5-, 6-bit) are unpacked to bytes (codebook values for IQ4_XS) once per tile. */
 
 #define AMX_ROWS 16
 
@@ -371,8 +384,8 @@ static void amx_configure(int gs) {
     _tile_loadconfig(&c);
 }
 
-/* One tile's scales (a and z per scale group: per block, or per 16 k for K16 formats) and, for 4-bit
- * codes, its codes unpacked to bytes (8-bit codes are used in place). */
+/* One tile's scales (a and z per scale group: per block, or per 16 k for K16 formats) and, for codes
+ * below 8 bits, its codes unpacked to bytes (8-bit codes are used in place). */
 static inline __attribute__((always_inline)) void amx_prepare(const uint8_t *tile, const int fmt, int64_t G,
                                                               float *abuf, float *zbuf, uint8_t *bbuf) {
     const int k16 = qf_kind(fmt) == KIND_K16;
@@ -389,16 +402,16 @@ static inline __attribute__((always_inline)) void amx_prepare(const uint8_t *til
             vf_storeu(abuf + g * 16, sc.a0);
             vf_storeu(zbuf + g * 16, sc.z0);
         }
-        if (qf_bits(fmt) == 4)
+        if (qf_bits(fmt) < 8)
             for (int u = 0; u < 8; u++) _mm512_storeu_si512(bbuf + g * 512 + 64 * u, code_unit(codes, fmt, u, 0));
     }
 }
 
-/* Pointer to scale group j's B operand (8-bit codes: in the tile stream; 4-bit: the unpacked copy). */
+/* Pointer to scale group j's B operand (8-bit codes: in the tile stream; narrower: the unpacked copy). */
 static inline const uint8_t *amx_b(const uint8_t *tile, const uint8_t *bbuf, const int fmt, int64_t j) {
     const int k16 = qf_kind(fmt) == KIND_K16;
     const int64_t g = k16 ? j / 2 : j, half = k16 ? j % 2 : 0;
-    return qf_bits(fmt) == 4 ? bbuf + g * 512 + half * 256 : qf_block(tile, fmt, g).codes + half * 256;
+    return qf_bits(fmt) < 8 ? bbuf + g * 512 + half * 256 : qf_block(tile, fmt, g).codes + half * 256;
 }
 
 /* acc[i] += the float steps of scale group j for rows m0 + i, from its int32 products c [16][16]. */
@@ -492,7 +505,7 @@ static void amx_gemm(const uint8_t *w, int fmt, int64_t N, const qx_t *x, int64_
 #pragma omp parallel
     {
         float *abuf = malloc((size_t)(2 * G * 16 + 2 * G * 16) * sizeof(float)); /* a, z per scale group */
-        uint8_t *bbuf = qf_bits(fmt) == 4 ? aligned_alloc(64, (size_t)G * 512) : NULL;
+        uint8_t *bbuf = qf_bits(fmt) < 8 ? aligned_alloc(64, (size_t)G * 512) : NULL;
         int32_t *cbuf = aligned_alloc(64, (size_t)(2 * G) * 256 * sizeof(int32_t)); /* one 16 x 16 product per sub-group */
         float *zbuf = abuf + 2 * G * 16;
         amx_configure(gs);
@@ -639,12 +652,17 @@ int orca_qdequant_rows(const uint8_t *w, int fmt, int64_t K, int64_t N, const in
             for (int k = 0; k < QBLOCK; k++) {
                 const int u = k / 4, t = k % 4, part = k < 16 ? 0 : 1;
                 int c;
-                if (qf_bits(fmt) == 8)
+                const int bits = qf_bits(fmt);
+                if (bits == 8)
                     c = (int8_t)codes[64 * u + 4 * l + t];
                 else {
                     const uint8_t byte = codes[64 * (u & 3) + 4 * l + t];
-                    const int nibble = u < 4 ? byte & 15 : byte >> 4;
-                    c = qf_codebook(fmt) ? IQ4_NL_VALUES[nibble] : nibble + qf_offset(fmt);
+                    int q = u < 4 ? byte & 15 : byte >> 4;
+                    if (bits > 4) { /* the high bits' plane (quant_tiles.h) */
+                        const int hb = bits - 4, per = 8 / hb;
+                        q |= ((codes[256 + 64 * (u / per) + 4 * l + t] >> (hb * (u % per))) & ((1 << hb) - 1)) << 4;
+                    }
+                    c = qf_codebook(fmt) ? IQ4_NL_VALUES[q] : q + qf_offset(fmt);
                 }
                 float a, z = 0.0f;
                 if (kind == KIND_F16) {

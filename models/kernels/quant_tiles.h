@@ -10,7 +10,11 @@
  *           row r's 4 codes at 4r..4r+3; the VNNI/AMX B-operand layout: one vpdpbusd per unit).
  *           8-bit codes: 8 x 64 bytes, signed. 4-bit codes: 4 x 64 bytes, unit u in the low
  *           nibbles of byte group u and unit u + 4 in the high nibbles (GGUF's own nibble order:
- *           k and k + 16 share a byte), unsigned 0..15.
+ *           k and k + 16 share a byte), unsigned 0..15. 5- and 6-bit codes (Q5_*, Q6_K): the low 4
+ *           bits exactly as 4-bit codes, then a plane of the high bits, (bits - 4) x 64 bytes: the
+ *           h = bits - 4 high bits of unit u lie in byte group u / (8 / h) at bit h * (u % (8 / h))
+ *           (6-bit: 2 groups, units 0..3 and 4..7 at bits 0, 2, 4, 6; 5-bit: 1 group, unit u at bit
+ *           u), so a block holds exactly the file's 5 or 6 bits a weight.
  *
  * Every weight is w = a * q + z, with a * q exact in float32 for every format (so fma(a, q, z)
  * rounds once, as gguf-py's (a * q) + z does) and:
@@ -22,9 +26,8 @@
  *   kind K16 (Q6_K Q3_K Q2_K): header = d [, dmin] as 16 x f16; sub-scales per block: 2 x 16 x s8
  *                         (Q2_K: u8) sc for k 0..15 and 16..31 [+ 2 x 16 x u8 m]; a = d * sc and
  *                         z = -(dmin * m) per 16 k; 8 blocks per super
- * Q4_0's codes are stored unsigned (0..15) and offset by -8, Q3_K's (-4..3) by -4; Q2_K's 2-bit codes
- * are 4-bit codes 0..3. The 5- and 6-bit formats are kept as 8-bit codes (Q5_0 as q - 16, Q6_K as
- * q - 32, Q5_1 and Q5_K as 0..31). IQ4_XS's 4-bit codes index a 16-entry codebook of int8 values
+ * Codes below 8 bits are stored unsigned, as in the file: Q4_0's (0..15) offset by -8, Q3_K's by -4,
+ * Q5_0's (0..31) by -16, Q6_K's (0..63) by -32; Q2_K's 2-bit codes are 4-bit codes 0..3. IQ4_XS's 4-bit codes index a 16-entry codebook of int8 values
  * (IQ4_NL_VALUES: llama.cpp's kvalues_iq4nl); the kernels turn a unit of them into those int8 values
  * with one byte shuffle, and from there on treat them as 8-bit signed codes (llama.cpp's route).
  */
@@ -43,7 +46,10 @@ enum { KIND_F16 = 0, KIND_K, KIND_K16 };
 static const int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 static inline int qf_bits(int f) {
-    return f == QF_Q4_0 || f == QF_Q4_1 || f == QF_Q4_K || f == QF_Q2_K || f == QF_Q3_K || f == QF_IQ4_XS ? 4 : 8;
+    return f == QF_Q8_0                                  ? 8
+           : f == QF_Q6_K                                ? 6
+           : f == QF_Q5_0 || f == QF_Q5_1 || f == QF_Q5_K ? 5
+                                                         : 4;
 }
 static inline int qf_kind(int f) {
     return f == QF_Q4_K || f == QF_Q5_K || f == QF_IQ4_XS             ? KIND_K
@@ -53,13 +59,15 @@ static inline int qf_kind(int f) {
 static inline int qf_has_min(int f) {
     return f == QF_Q4_1 || f == QF_Q5_1 || f == QF_Q4_K || f == QF_Q5_K || f == QF_Q2_K;
 }
-static inline int qf_offset(int f) { return f == QF_Q4_0 ? -8 : f == QF_Q3_K ? -4 : 0; }
+static inline int qf_offset(int f) {
+    return f == QF_Q4_0 ? -8 : f == QF_Q3_K ? -4 : f == QF_Q5_0 ? -16 : f == QF_Q6_K ? -32 : 0;
+}
 /* The 4-bit codes index IQ4_NL_VALUES. */
 static inline int qf_codebook(int f) { return f == QF_IQ4_XS; }
 /* Sub-scales stored signed (s8) rather than unsigned (u8). */
 static inline int qf_sub_signed(int f) { return f == QF_Q6_K || f == QF_Q3_K || f == QF_IQ4_XS; }
 /* A unit of codes, as the kernels use it, holds signed int8 values (8-bit codes, codebook values)
- * rather than unsigned 4-bit codes. */
+ * rather than unsigned codes of 4 to 6 bits. */
 static inline int qf_signed_units(int f) { return qf_bits(f) == 8 || qf_codebook(f); }
 static inline int qf_blocks_per_super(int f) { return qf_kind(f) == KIND_F16 ? 1 : 8; }
 static inline int64_t qf_code_bytes(int f) { return (int64_t)qf_bits(f) * 64; }

@@ -13,19 +13,23 @@ The formats (`FORMATS`, ids shared with the C code):
     Q4_0  4-bit, q - 8    a: f16 per 32                                               4.5
     Q4_1  4-bit           a, z: f16 per 32                                            5.0
     Q8_0  8-bit signed    a: f16 per 32                                               8.5
-    Q5_0  8-bit, q - 16   a: f16 per 32                                               5.5 (kept in 8.5)
-    Q5_1  8-bit           a, z: f16 per 32                                            6.0 (kept in 9.0)
+    Q5_0  5-bit, q - 16   a: f16 per 32                                               5.5
+    Q5_1  5-bit           a, z: f16 per 32                                            6.0
     Q4_K  4-bit           d, dmin: f16 per 256; sc, m: u8 per 32; a = d sc, z = -dmin m   4.5 (4.63)
-    Q5_K  8-bit           as Q4_K                                                     5.5 (kept in 8.6)
-    Q6_K  8-bit, q - 32   d: f16 per 256; sc: s8 per 16; a = d sc                     6.56 (kept in 8.6)
+    Q5_K  5-bit           as Q4_K                                                     5.5 (5.63)
+    Q6_K  6-bit, q - 32   d: f16 per 256; sc: s8 per 16; a = d sc                     6.56
     Q2_K  4-bit, 0..3     d, dmin: f16 per 256; sc, m: u8 per 16; a = d sc, z = -dmin m   2.63 (kept in 5.13)
     Q3_K  4-bit, q - 4    d: f16 per 256; sc: s8 per 16; a = d sc                     3.44 (kept in 4.56)
     IQ4_XS 4-bit index    d: f16 per 256; sc: s8 per 32; a = d sc; q = IQ4_NL_VALUES[code]  4.25 (4.31)
 
-Q2_K's and Q3_K's 2- and 3-bit codes take a nibble each: the 4-bit kernels run them unchanged, where
-packing them tighter would need kernels of their own for 1 to 2 bits a weight. IQ4_XS's codes index
-a 16-entry int8 codebook; the kernels look a unit of them up with one byte shuffle (llama.cpp's route)
-and multiply the int8 values exactly as 8-bit codes.
+(In brackets: the packed size where it differs from the file's.) Codes below 8 bits are stored unsigned,
+as in the file, with the format's offset; 5- and 6-bit codes keep their low nibble as 4-bit codes do and
+their high bits in a plane of their own, so Q6_K's output heads and down projections (a Q4_K_M file's
+largest 6-bit tensors) are read at the file's 6.56 bits a weight, not as bytes. Q2_K's and Q3_K's 2- and
+3-bit codes take a nibble each: the 4-bit kernels run them unchanged, where packing them tighter would
+need kernels of their own for 1 to 2 bits a weight. IQ4_XS's codes index a 16-entry int8 codebook; the
+kernels look a unit of them up with one byte shuffle (llama.cpp's route) and multiply the int8 values
+exactly as 8-bit codes.
 
 Two ways in: `pack_components` from a format's codes and scales (models/gguf/blocks.py decodes them from a
 GGUF file's raw blocks), and `pack_exact`, which recognises Q4_0 / Q4_1 / Q8_0 structure in float32
@@ -52,10 +56,10 @@ class BlockFormat:
 
     name: str
     id: int  # QF_* in quant_tiles.h
-    bits: int  # 4 or 8 bits a code
+    bits: int  # bits a code: 4, 5, 6 or 8
     kind: str  # "f16": scale (and min) f16 per 32; "k": K-quant super-blocks; "k16": scales per 16
     has_min: bool
-    offset: int = 0  # added to the stored (unsigned 4-bit) code: Q4_0's -8, Q3_K's -4
+    offset: int = 0  # added to the stored (unsigned) code: Q4_0's -8, Q3_K's -4, Q5_0's -16, Q6_K's -32
     file_bits: float = 0.0  # bits per weight in a GGUF file
     sub_signed: bool = False  # sub-scales stored s8 (else u8)
     codebook: tuple[int, ...] | None = None  # 4-bit codes index these int8 values (IQ4_XS)
@@ -67,6 +71,11 @@ class BlockFormat:
     @property
     def super_k(self) -> int:
         return GROUP_SIZE * self.blocks_per_super
+
+    @property
+    def unsigned_codes(self) -> bool:
+        """Codes stored as uint8 values below 2**bits (all but Q8_0's int8)."""
+        return self.bits < 8
 
     @property
     def code_bytes(self) -> int:
@@ -99,11 +108,11 @@ FORMATS: dict[str, BlockFormat] = {
         BlockFormat("Q4_0", 0, 4, "f16", False, -8, 4.5),
         BlockFormat("Q4_1", 1, 4, "f16", True, 0, 5.0),
         BlockFormat("Q8_0", 2, 8, "f16", False, 0, 8.5),
-        BlockFormat("Q5_0", 3, 8, "f16", False, 0, 5.5),
-        BlockFormat("Q5_1", 4, 8, "f16", True, 0, 6.0),
+        BlockFormat("Q5_0", 3, 5, "f16", False, -16, 5.5),
+        BlockFormat("Q5_1", 4, 5, "f16", True, 0, 6.0),
         BlockFormat("Q4_K", 5, 4, "k", True, 0, 4.5),
-        BlockFormat("Q5_K", 6, 8, "k", True, 0, 5.5),
-        BlockFormat("Q6_K", 7, 8, "k16", False, 0, 6.5625, sub_signed=True),
+        BlockFormat("Q5_K", 6, 5, "k", True, 0, 5.5),
+        BlockFormat("Q6_K", 7, 6, "k16", False, -32, 6.5625, sub_signed=True),
         BlockFormat("Q2_K", 8, 4, "k16", True, 0, 2.625),
         BlockFormat("Q3_K", 9, 4, "k16", False, -4, 3.4375, sub_signed=True),
         BlockFormat("IQ4_XS", 10, 4, "k", False, 0, 4.25, sub_signed=True, codebook=IQ4_NL_VALUES),
@@ -115,8 +124,8 @@ FORMATS: dict[str, BlockFormat] = {
 class BlockComponents:
     """One format's codes and scales for rows of a weight, before tiling.
 
-    codes [N, K]: uint8 0..15 for 4-bit formats (stored code, before Q4_0's / Q3_K's offset; IQ4_XS:
-        the codebook index), int8 otherwise.
+    codes [N, K]: uint8 below 2**bits for the formats under 8 bits (the stored code, before the
+        format's offset; IQ4_XS: the codebook index), int8 for Q8_0.
     scale [N, K / super_k] float16: "f16" kind: a per block; "k"/"k16": d per super-block.
     minimum [N, K / super_k] float16: "f16": z per block; "k"/"k16": dmin per super-block; else None.
     sub_scale: "k": sc [N, K / 32]; "k16": sc [N, K / 16]; int8 where the format's are signed, else
@@ -271,6 +280,18 @@ def _byte_values(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.uint8) if x.dtype == torch.int8 else x.to(torch.uint8)
 
 
+def _high_plane(codes: torch.Tensor, hb: int, t: int, g: int) -> torch.Tensor:
+    """The high `hb` bits of 5- or 6-bit codes [T, 16, K] as quant_tiles.h lays them out: unit u's
+    (k = 4u..4u+3) in byte group u // (8 // hb) at bit hb * (u % (8 // hb)), bytes (row, k % 4)
+    as in a unit. -> [T, G, hb * 64]."""
+    per = 8 // hb
+    hi = (codes >> 4).reshape(t, TILE_ROWS, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(t, g, hb, per, 64)
+    plane = torch.zeros(t, g, hb, 64, dtype=torch.uint8)
+    for j in range(per):
+        plane |= hi[:, :, :, j] << (hb * j)
+    return plane.reshape(t, g, hb * 64)
+
+
 def pack_components(c: BlockComponents, row_start: int = 0) -> PackedSegment:
     """Lay one format's codes and scales out as 16-row tiles (quant_tiles.h)."""
     f = c.fmt
@@ -279,11 +300,13 @@ def pack_components(c: BlockComponents, row_start: int = 0) -> PackedSegment:
         raise ValueError(f"{f.name}: {k} columns are not a whole number of {f.super_k}-blocks")
     t, g, s = -(-n // TILE_ROWS), k // GROUP_SIZE, k // f.super_k
     codes = _tiled(c.codes.view(torch.uint8), t)  # [T, 16, K]
-    if f.bits == 4:
+    if f.unsigned_codes:
         # byte (unit u, row r, t) of a block: low nibble k = 4u + t, high nibble k = 16 + 4u + t
-        q = codes.reshape(t, TILE_ROWS, g, 2, 4, 4)
+        q = (codes & 0x0F).reshape(t, TILE_ROWS, g, 2, 4, 4)
         q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [T, 16, G, 4, 4]
         blocks = q.permute(0, 2, 3, 1, 4).reshape(t, g, 256)
+        if f.bits > 4:
+            blocks = torch.cat([blocks, _high_plane(codes, f.bits - 4, t, g)], dim=-1)
     else:
         blocks = codes.reshape(t, TILE_ROWS, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(t, g, 512)
 
@@ -310,16 +333,16 @@ def pack_components(c: BlockComponents, row_start: int = 0) -> PackedSegment:
     return PackedSegment(f, row_start, n, k, supers.reshape(t, -1).contiguous())
 
 
-# The range of the stored codes of each format (8-bit formats store the true signed value).
+# The range of the stored codes of each format (Q8_0 stores the true signed value).
 CODE_RANGE = {
     "Q4_0": (0, 15),
     "Q4_1": (0, 15),
     "Q8_0": (-127, 127),
-    "Q5_0": (-16, 15),
+    "Q5_0": (0, 31),
     "Q5_1": (0, 31),
     "Q4_K": (0, 15),
     "Q5_K": (0, 31),
-    "Q6_K": (-32, 31),
+    "Q6_K": (0, 63),
     "Q2_K": (0, 3),
     "Q3_K": (0, 7),
     "IQ4_XS": (0, 15),
@@ -330,7 +353,7 @@ def random_components(fmt: BlockFormat, n: int, k: int, seed: int = 0) -> BlockC
     """Random but valid codes and scales of a format (kernel tests and micro-benchmarks)."""
     g = torch.Generator().manual_seed(seed)
     lo, hi = CODE_RANGE[fmt.name]
-    dtype = torch.uint8 if fmt.bits == 4 else torch.int8
+    dtype = torch.uint8 if fmt.unsigned_codes else torch.int8
     codes = torch.randint(lo, hi + 1, (n, k), generator=g).to(dtype)
     per = k // fmt.super_k
     scale = (torch.rand(n, per, generator=g) * 0.02 + 1e-3).half()

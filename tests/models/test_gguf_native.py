@@ -84,17 +84,17 @@ def test_blocks_decode_to_gguf_py_values(qtype: str) -> None:
     expect = torch.from_numpy(quants.dequantize(raw, GGMLQuantizationType[qtype]).copy())
     packed = PackedWeight((pack_components(decode_blocks(qtype, raw, k)),))
     assert torch.equal(packed.dequantize(), expect)
-    # Bits per weight as stored (21 rows pad to two 16-row tiles): the file's for the 4-bit formats
-    # (Q4_K: its 6-bit sub-scales kept as bytes) and Q8_0; 5- and 6-bit codes are kept in a byte.
+    # Bits per weight as stored (21 rows pad to two 16-row tiles): the file's, but for the K-quants'
+    # 6-bit sub-scales and minimums kept as bytes (Q4_K, Q5_K) and Q2_K's / Q3_K's codes in a nibble.
     stored = {
         "Q4_0": 4.5,
         "Q4_1": 5.0,
         "Q8_0": 8.5,
-        "Q5_0": 8.5,
-        "Q5_1": 9.0,
+        "Q5_0": 5.5,
+        "Q5_1": 6.0,
         "Q4_K": 4.625,
-        "Q5_K": 8.625,
-        "Q6_K": 8.5625,
+        "Q5_K": 5.625,
+        "Q6_K": 6.5625,
         "Q2_K": 5.125,  # 2-bit codes in a nibble, sc and m per 16 as bytes
         "Q3_K": 4.5625,  # 3-bit codes in a nibble
         "IQ4_XS": 4.3125,
