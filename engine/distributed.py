@@ -30,8 +30,11 @@ from engine.contract import POOLING_METHODS, FatalRunnerError, ScheduledSequence
 # A worker may wait this long for the next step of an idle server.
 CONTROL_TIMEOUT = timedelta(days=365)
 
-# Step message header: [op, num_seqs, num_tokens, max_blocks, num_logit_rows, payload_len, 0, 0] int64.
+# Step message header: these int64 values in this order, then zeros up to HEADER_LEN (StepMessage
+# reads them by name).
+HEADER_FIELDS = ("op", "num_seqs", "num_tokens", "max_blocks", "num_logit_rows", "payload_len")
 HEADER_LEN = 8
+_PAYLOAD_LEN = HEADER_FIELDS.index("payload_len")
 OP_STEP = 1
 OP_SHUTDOWN = 2
 
@@ -165,6 +168,16 @@ def agree_on_min(value: int, group: dist.ProcessGroup | None) -> int:
 # ---- the step message --------------------------------------------------------------------------------
 
 
+class _HeaderField:
+    """A StepMessage property: the int at its name's place in HEADER_FIELDS."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.index = HEADER_FIELDS.index(name)
+
+    def __get__(self, msg: StepMessage, owner: type | None = None) -> int:
+        return int(msg.header[self.index])
+
+
 @dataclass
 class StepMessage:
     """One step's batch as two int64 CPU tensors: what every rank needs to build the same flat inputs
@@ -179,22 +192,12 @@ class StepMessage:
     header: torch.Tensor  # [HEADER_LEN] int64
     payload: torch.Tensor  # [payload_len] int64
 
-    @property
-    def op(self) -> int:
-        return int(self.header[0])
-
-    @property
-    def num_seqs(self) -> int:
-        return int(self.header[1])
-
-    @property
-    def num_tokens(self) -> int:
-        return int(self.header[2])
-
-    @property
-    def num_logit_rows(self) -> int:
-        """Rows of logits the last stage sends back: sampling entries and scored prompt tokens."""
-        return int(self.header[4])
+    op = _HeaderField()  # OP_STEP or OP_SHUTDOWN
+    num_seqs = _HeaderField()
+    num_tokens = _HeaderField()
+    max_blocks = _HeaderField()  # of a block table (the rows are padded to it)
+    num_logit_rows = _HeaderField()  # the rows of logits the last stage sends back: samples, scored prompts
+    payload_len = _HeaderField()
 
     @property
     def nbytes(self) -> int:
@@ -202,9 +205,11 @@ class StepMessage:
 
 
 def _header(
-    op: int, num_seqs: int, num_tokens: int, max_blocks: int, num_logit_rows: int, n: int
+    op: int, num_seqs: int, num_tokens: int, max_blocks: int, num_logit_rows: int, payload_len: int
 ) -> torch.Tensor:
-    return torch.tensor([op, num_seqs, num_tokens, max_blocks, num_logit_rows, n, 0, 0], dtype=torch.int64)
+    """The values in HEADER_FIELDS' order."""
+    values = [op, num_seqs, num_tokens, max_blocks, num_logit_rows, payload_len]
+    return torch.tensor(values + [0] * (HEADER_LEN - len(values)), dtype=torch.int64)
 
 
 def shutdown_message() -> StepMessage:
@@ -238,7 +243,7 @@ def _pooling_code(seq: ScheduledSequence) -> int:
 
 def decode_batch(msg: StepMessage) -> list[ScheduledSequence]:
     """The batch as the driver saw it, minus what only the driver needs (ids are "0", "1", ...)."""
-    b, t, m = int(msg.header[1]), int(msg.header[2]), int(msg.header[3])
+    b, t, m = msg.num_seqs, msg.num_tokens, msg.max_blocks
     values: list[int] = msg.payload.tolist()
     tokens = values[:t]
     query_lens = values[t : t + b]
@@ -273,7 +278,7 @@ def send_message(msg: StepMessage, dst: int, group: dist.ProcessGroup) -> None:
 def recv_message(src: int, group: dist.ProcessGroup) -> StepMessage:
     header = torch.empty(HEADER_LEN, dtype=torch.int64)
     dist.recv(header, src, group=group)
-    payload = torch.empty(int(header[5]), dtype=torch.int64)
+    payload = torch.empty(int(header[_PAYLOAD_LEN]), dtype=torch.int64)
     if payload.numel():
         dist.recv(payload, src, group=group)
     return StepMessage(header, payload)
@@ -283,7 +288,7 @@ def broadcast_message(msg: StepMessage | None, src: int, group: dist.ProcessGrou
     """From src (which passes msg) to every rank of group (which pass None)."""
     header = msg.header if msg is not None else torch.empty(HEADER_LEN, dtype=torch.int64)
     dist.broadcast(header, src, group=group)
-    payload = msg.payload if msg is not None else torch.empty(int(header[5]), dtype=torch.int64)
+    payload = msg.payload if msg is not None else torch.empty(int(header[_PAYLOAD_LEN]), dtype=torch.int64)
     if payload.numel():
         dist.broadcast(payload, src, group=group)
     return StepMessage(header, payload)

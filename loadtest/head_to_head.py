@@ -21,6 +21,7 @@ class Named(Protocol):
 
 
 S = TypeVar("S", bound=Named)
+F = TypeVar("F")  # one server's figures in one scenario
 
 
 def add_run_args(p: argparse.ArgumentParser, output_dir: Path) -> None:
@@ -51,18 +52,38 @@ def closed_loop_args(
 
 def run_scenarios(
     scenarios: Sequence[S],
-    duration: float,
+    a: argparse.Namespace,
     args_of: Callable[[S, Path], list[str]],
-    out_of: Callable[[S], Path],
-) -> list[tuple[S, BenchmarkResults | None]]:
-    """Run each scenario's load test; None where it failed (the table shows a dash, the run goes on)."""
-    rows: list[tuple[S, BenchmarkResults | None]] = []
+    file_of: Callable[[S], str],
+    figures_of: Callable[[BenchmarkResults], dict[str, F]],
+) -> list[tuple[S, dict[str, F]]]:
+    """Run each scenario's load test for a.duration seconds a server, its results in a.output_dir under
+    `file_of(s)`, and read each server's figures from them: {} where it failed (the table shows
+    dashes, the run goes on)."""
+    a.output_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[tuple[S, dict[str, F]]] = []
     for s in scenarios:
-        out = out_of(s)
-        print(f"== {s.name}: {duration:g} s per server", flush=True)
+        out = a.output_dir / file_of(s)
+        print(f"== {s.name}: {a.duration:g} s per server", flush=True)
         rc = cli.main(args_of(s, out))
-        rows.append((s, BenchmarkResults.load(out) if rc == 0 and out.is_file() else None))
+        rows.append((s, figures_of(BenchmarkResults.load(out)) if rc == 0 and out.is_file() else {}))
     return rows
+
+
+def scenario_table(
+    header: str,
+    rows: Sequence[tuple[S, dict[str, F]]],
+    labels: tuple[str, str],
+    line: Callable[[S, F, F], str],
+    missing: Callable[[S], str],
+) -> str:
+    """Markdown: `header` (its column names and alignment rows), then a line per scenario out of both
+    servers' figures (`labels`' order), or `missing(s)` where either server's run failed."""
+    lines = [header]
+    for s, f in rows:
+        first, second = f.get(labels[0]), f.get(labels[1])
+        lines.append(missing(s) if first is None or second is None else line(s, first, second))
+    return "\n".join(lines)
 
 
 def publish(report: str, path: Path) -> None:

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loadtest.cli import doc_parser
-from loadtest.head_to_head import add_run_args, closed_loop_args, publish, run_scenarios
+from loadtest.head_to_head import add_run_args, closed_loop_args, publish, run_scenarios, scenario_table
 from loadtest.results import BenchmarkResults, isa_flags
 from models.options import cache_root
 
@@ -151,34 +151,36 @@ def ratio(a: float | None, b: float | None) -> str:
 
 def table(rows: list[tuple[Scenario, dict[str, Figures]]], prefill_len: int) -> str:
     """Markdown: each scenario's figures for both servers, orca-serve as a ratio of llama-server."""
-    lines = [
+    header = (
         "| scenario | llama-server tok/s | orca-serve tok/s | orca / llama | TTFT p50 orca vs llama (ms) "
-        "| TPOT p50 orca vs llama (ms) |",
-        "|---|---:|---:|---:|---|---|",
-    ]
-    for s, f in rows:
-        o, ll = f.get(ORCA), f.get(LLAMA)
-        if o is None or ll is None:
-            lines.append(f"| {s.name} | - | - | - | - | - |")
-            continue
-        if s.name.startswith("prefill"):
-            # Prefill throughput of one request at a time: prompt tokens over the time to first token.
-            o_tok, l_tok = prefill_len / (o.ttft_p50_ms / 1e3), prefill_len / (ll.ttft_p50_ms / 1e3)
-            lines.append(
-                f"| {s.name} (prefill tok/s) | {l_tok:.0f} | {o_tok:.0f} | **{ratio(o_tok, l_tok)}** "
-                f"| {o.ttft_p50_ms:.0f} vs {ll.ttft_p50_ms:.0f} | - |"
-            )
-            continue
-        tpot = (
-            f"{o.tpot_p50_ms:.1f} vs {ll.tpot_p50_ms:.1f}"
-            if o.tpot_p50_ms is not None and ll.tpot_p50_ms is not None
-            else "-"
+        "| TPOT p50 orca vs llama (ms) |\n|---|---:|---:|---:|---|---|"
+    )
+    return scenario_table(
+        header,
+        rows,
+        (ORCA, LLAMA),
+        lambda s, o, ll: _line(s, o, ll, prefill_len),
+        lambda s: f"| {s.name} | - | - | - | - | - |",
+    )
+
+
+def _line(s: Scenario, o: Figures, ll: Figures, prefill_len: int) -> str:
+    if s.name.startswith("prefill"):
+        # Prefill throughput of one request at a time: prompt tokens over the time to first token.
+        o_tok, l_tok = prefill_len / (o.ttft_p50_ms / 1e3), prefill_len / (ll.ttft_p50_ms / 1e3)
+        return (
+            f"| {s.name} (prefill tok/s) | {l_tok:.0f} | {o_tok:.0f} | **{ratio(o_tok, l_tok)}** "
+            f"| {o.ttft_p50_ms:.0f} vs {ll.ttft_p50_ms:.0f} | - |"
         )
-        lines.append(
-            f"| {s.name} | {ll.output_tok_s:.1f} | {o.output_tok_s:.1f} | **{ratio(o.output_tok_s, ll.output_tok_s)}** "
-            f"| {o.ttft_p50_ms:.0f} vs {ll.ttft_p50_ms:.0f} | {tpot} |"
-        )
-    return "\n".join(lines)
+    tpot = (
+        f"{o.tpot_p50_ms:.1f} vs {ll.tpot_p50_ms:.1f}"
+        if o.tpot_p50_ms is not None and ll.tpot_p50_ms is not None
+        else "-"
+    )
+    return (
+        f"| {s.name} | {ll.output_tok_s:.1f} | {o.output_tok_s:.1f} | **{ratio(o.output_tok_s, ll.output_tok_s)}** "
+        f"| {o.ttft_p50_ms:.0f} vs {ll.ttft_p50_ms:.0f} | {tpot} |"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -217,14 +219,13 @@ def main(argv: list[str] | None = None) -> int:
         f"{shlex.quote(str(llama_server))} -m {shlex.quote(str(gguf))} -t {a.threads} -np 32 -c 65536 "
         "--host 127.0.0.1 --port {port}"
     )
-    a.output_dir.mkdir(parents=True, exist_ok=True)
-    runs = run_scenarios(
+    rows = run_scenarios(
         scenarios([int(c) for c in a.concurrency.split(",")], a.prefill_len),
-        a.duration,
+        a,
         lambda s, out: loadtest_args(s, a, orca_cmd, llama_cmd, out),
-        lambda s: a.output_dir / f"{s.name.replace(' ', '-').replace('=', '')}.json",
+        lambda s: f"{s.name.replace(' ', '-').replace('=', '')}.json",
+        figures,
     )
-    rows = [(s, figures(r) if r else {}) for s, r in runs]
     report = (
         f"Same GGUF ({gguf.name}), both servers measured in one run. CPU ISA: {' '.join(isa_flags()) or 'unknown'}; "
         f"{os.cpu_count()} cores; llama-server -t {a.threads} -np 32 (its {variant} CPU kernels); orca-serve `python -m server` "

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loadtest.cli import doc_parser
-from loadtest.head_to_head import add_run_args, closed_loop_args, publish, run_scenarios
+from loadtest.head_to_head import add_run_args, closed_loop_args, publish, run_scenarios, scenario_table
 from loadtest.results import BenchmarkResults, isa_flags
 
 REPO = Path(__file__).resolve().parent.parent
@@ -87,24 +87,24 @@ def _num(value: float | None, fmt: str) -> str:
 
 
 def table(rows: list[tuple[Scenario, dict[str, Figures]]]) -> str:
-    lines = [
-        "| scenario | off tok/s | on tok/s | on / off | target | TPOT p50 off vs on (ms) | acceptance | tokens / step off vs on |",
-        "|---|---:|---:|---:|---:|---|---:|---|",
-    ]
-    for s, f in rows:
-        off, on = f.get(OFF), f.get(ON)
-        if off is None or on is None:
-            lines.append(f"| {s.name} | - | - | - | {s.target:.2f}x | - | - | - |")
-            continue
-        ratio = on.output_tok_s / off.output_tok_s if off.output_tok_s else float("nan")
-        mark = "" if ratio >= s.target else " (below)"
-        lines.append(
-            f"| {s.name} | {off.output_tok_s:.1f} | {on.output_tok_s:.1f} | **{ratio:.2f}x**{mark} | "
-            f"{s.target:.2f}x | {_num(off.tpot_p50_ms, '.1f')} vs {_num(on.tpot_p50_ms, '.1f')} | "
-            f"{_num(on.acceptance and on.acceptance * 100, '.0f')}% | "
-            f"{_num(off.tokens_per_step, '.2f')} vs {_num(on.tokens_per_step, '.2f')} |"
-        )
-    return "\n".join(lines)
+    header = (
+        "| scenario | off tok/s | on tok/s | on / off | target | TPOT p50 off vs on (ms) | acceptance "
+        "| tokens / step off vs on |\n|---|---:|---:|---:|---:|---|---:|---|"
+    )
+    return scenario_table(
+        header, rows, (OFF, ON), _line, lambda s: f"| {s.name} | - | - | - | {s.target:.2f}x | - | - | - |"
+    )
+
+
+def _line(s: Scenario, off: Figures, on: Figures) -> str:
+    ratio = on.output_tok_s / off.output_tok_s if off.output_tok_s else float("nan")
+    mark = "" if ratio >= s.target else " (below)"
+    return (
+        f"| {s.name} | {off.output_tok_s:.1f} | {on.output_tok_s:.1f} | **{ratio:.2f}x**{mark} | "
+        f"{s.target:.2f}x | {_num(off.tpot_p50_ms, '.1f')} vs {_num(on.tpot_p50_ms, '.1f')} | "
+        f"{_num(on.acceptance and on.acceptance * 100, '.0f')}% | "
+        f"{_num(off.tokens_per_step, '.2f')} vs {_num(on.tokens_per_step, '.2f')} |"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,20 +124,19 @@ def main(argv: list[str] | None = None) -> int:
     a = build_parser().parse_args(argv)
     base = a.server_command.strip()
     off_cmd, on_cmd = f"{base} --speculative off", base
-    a.output_dir.mkdir(parents=True, exist_ok=True)
     scenarios = [
         Scenario(w.strip(), int(c))
         for c in a.concurrency.split(",")
         for w in a.workloads.split(",")
         if w.strip()
     ]
-    runs = run_scenarios(
+    rows = run_scenarios(
         scenarios,
-        a.duration,
+        a,
         lambda s, out: loadtest_args(s, a, off_cmd, on_cmd, out),
-        lambda s: a.output_dir / f"{s.workload}-c{s.concurrency}.json",
+        lambda s: f"{s.workload}-c{s.concurrency}.json",
+        figures,
     )
-    rows = [(s, figures(r) if r else {}) for s, r in runs]
     report = (
         f"`{base}` with `--speculative off` and without, in one run ({a.duration:g} s per server and "
         f"scenario). CPU ISA: {' '.join(isa_flags()) or 'unknown'}.\n\n" + table(rows)

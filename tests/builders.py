@@ -4,6 +4,7 @@ file: plain functions the tests import (`from builders import ...`); conftest.py
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -176,6 +177,24 @@ def tiny_gemma3_config(**overrides):
         pad_token_id=0,
     )
     return tiny_config("Gemma3TextConfig", "Gemma3ForCausalLM", family, overrides)
+
+
+# A tiny config for every model family, by its name in models/registry.py's FAMILY_MODULES, and
+# Phi-4-mini's rotary on Phi-3's layout: what the parity tests and conftest.py's model fixtures build.
+TINY_CONFIGS: dict[str, Callable[..., Any]] = {
+    "llama": tiny_llama_config,
+    "mistral": tiny_mistral_config,
+    "qwen2": tiny_qwen2_config,
+    "qwen3": tiny_qwen3_config,
+    "phi3": tiny_phi3_config,
+    "phi4_mini": tiny_phi4_mini_config,
+    "gpt2": tiny_gpt2_config,
+    "gemma3": tiny_gemma3_config,
+    "qwen2_moe": tiny_qwen2_moe_config,
+    "qwen3_moe": tiny_qwen3_moe_config,
+    "mixtral": tiny_mixtral_config,
+    "olmoe": tiny_olmoe_config,
+}
 
 
 def cpu_engine_config(model: Path | str, **overrides):

@@ -4,26 +4,11 @@ from __future__ import annotations
 
 import glob
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
-from builders import (
-    build_hf_model,
-    default_gguf_path,
-    gguf_structured,
-    tiny_gemma3_config,
-    tiny_gpt2_config,
-    tiny_llama_config,
-    tiny_mistral_config,
-    tiny_mixtral_config,
-    tiny_olmoe_config,
-    tiny_phi4_mini_config,
-    tiny_qwen2_moe_config,
-    tiny_qwen3_config,
-    tiny_qwen3_moe_config,
-)
+from builders import TINY_CONFIGS, build_hf_model, default_gguf_path, gguf_structured
 
 TEST_CACHE = Path(os.environ.get("ORCA_TEST_CACHE", Path.home() / ".cache" / "orca-serve" / "tests"))
 
@@ -56,14 +41,15 @@ def _save_with_tokenizer(model, out: Path, tokenizer_dir: Path) -> Path:
     return out
 
 
-def tiny_model_dir(name: str, config: Callable[[], Any], quantized: bool = False) -> Any:
-    """A session fixture `name`: a random model from `config()` saved as an HF directory (config.json,
-    safetensors) with the default model's tokenizer; `quantized`: its weights went through GGUF
-    quantization (builders.gguf_structured), so they pack and the native decode call runs its layers."""
+def tiny_model_dir(name: str, family: str, quantized: bool = False, **overrides: Any) -> Any:
+    """A session fixture `name`: a random model from the family's tiny config (builders.TINY_CONFIGS,
+    with `overrides`) saved as an HF directory (config.json, safetensors) with the default model's
+    tokenizer; `quantized`: its weights went through GGUF quantization (builders.gguf_structured), so
+    they pack and the native decode call runs its layers."""
 
     @pytest.fixture(scope="session", name=name)
     def fixture(tmp_path_factory, smollm2_tokenizer_dir) -> Path:
-        model = build_hf_model(config())
+        model = build_hf_model(TINY_CONFIGS[family](**overrides))
         if quantized:
             model = gguf_structured(model)
         return _save_with_tokenizer(model, tmp_path_factory.mktemp(name), smollm2_tokenizer_dir)
@@ -71,37 +57,33 @@ def tiny_model_dir(name: str, config: Callable[[], Any], quantized: bool = False
     return fixture
 
 
-tiny_llama_dir = tiny_model_dir("tiny_llama_dir", tiny_llama_config)
+tiny_llama_dir = tiny_model_dir("tiny_llama_dir", "llama")
 # Q4_1 projections and a Q8_0 (tied) embedding like the default model's, stored dequantized as float32.
-tiny_gguf_llama_dir = tiny_model_dir("tiny_gguf_llama_dir", tiny_llama_config, quantized=True)
+tiny_gguf_llama_dir = tiny_model_dir("tiny_gguf_llama_dir", "llama", quantized=True)
 # The same with head_dim 32 (2 query heads over 1 KV head): whole q8_0 blocks, so its KV cache can be
 # q8_0 (--kv-cache-dtype).
 tiny_gguf_llama_d32_dir = tiny_model_dir(
-    "tiny_gguf_llama_d32_dir",
-    lambda: tiny_llama_config(num_attention_heads=2, num_key_value_heads=1),
-    quantized=True,
+    "tiny_gguf_llama_d32_dir", "llama", quantized=True, num_attention_heads=2, num_key_value_heads=1
 )
 # Local layers with a window of 8 tokens, global ones between them.
-tiny_gemma3_dir = tiny_model_dir("tiny_gemma3_dir", tiny_gemma3_config, quantized=True)
+tiny_gemma3_dir = tiny_model_dir("tiny_gemma3_dir", "gemma3", quantized=True)
 # A sliding window (6 tokens) that every test prompt outgrows.
-tiny_mistral_window_dir = tiny_model_dir(
-    "tiny_mistral_window_dir", lambda: tiny_mistral_config(sliding_window=6)
-)
+tiny_mistral_window_dir = tiny_model_dir("tiny_mistral_window_dir", "mistral", sliding_window=6)
 # q/k norms, head_dim apart from hidden / heads.
-tiny_qwen3_dir = tiny_model_dir("tiny_qwen3_dir", tiny_qwen3_config)
+tiny_qwen3_dir = tiny_model_dir("tiny_qwen3_dir", "qwen3")
 # Phi-4-mini-like (fused qkv/gate_up, partial rotary, LongRoPE). Its original context (64) holds every
 # test sequence: transformers recomputes a sequence that outgrows it with the long factors, which this
 # server does not (models/layers/rotary.py says why).
-tiny_phi3_dir = tiny_model_dir("tiny_phi3_dir", lambda: tiny_phi4_mini_config(original=64))
-tiny_gpt2_dir = tiny_model_dir("tiny_gpt2_dir", tiny_gpt2_config)
+tiny_phi3_dir = tiny_model_dir("tiny_phi3_dir", "phi4_mini", original=64)
+tiny_gpt2_dir = tiny_model_dir("tiny_gpt2_dir", "gpt2")
 # Mixtures of experts, saved as transformers 5 saves them (one tensor per expert): Qwen3-MoE (8 experts,
 # 2 per token; a dense layer between two sparse ones), Qwen2-MoE (routed experts and a gated shared
 # expert), Mixtral (block_sparse_moe.experts.N.w1/w2/w3 in its files), OLMoE (q/k norms over the whole
 # projections, clipped q/k/v).
-tiny_qwen3_moe_dir = tiny_model_dir("tiny_qwen3_moe_dir", tiny_qwen3_moe_config)
-tiny_qwen2_moe_dir = tiny_model_dir("tiny_qwen2_moe_dir", tiny_qwen2_moe_config)
-tiny_mixtral_dir = tiny_model_dir("tiny_mixtral_dir", tiny_mixtral_config)
-tiny_olmoe_dir = tiny_model_dir("tiny_olmoe_dir", tiny_olmoe_config)
+tiny_qwen3_moe_dir = tiny_model_dir("tiny_qwen3_moe_dir", "qwen3_moe")
+tiny_qwen2_moe_dir = tiny_model_dir("tiny_qwen2_moe_dir", "qwen2_moe")
+tiny_mixtral_dir = tiny_model_dir("tiny_mixtral_dir", "mixtral")
+tiny_olmoe_dir = tiny_model_dir("tiny_olmoe_dir", "olmoe")
 
 
 @pytest.fixture(scope="session")

@@ -40,7 +40,7 @@ import sys
 import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar
 
 import torch
 
@@ -74,6 +74,8 @@ class TiledWeight(Protocol):
 __all__ = ["cpu_flags", "available", "kernels", "for_variant", "Kernels", "Precision"]
 
 log = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
 
 SOURCES = tuple(sorted(Path(__file__).parent.glob("*.c")))
 HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
@@ -276,7 +278,8 @@ class Kernels:
         return int(self.lib.orca_qtile_bytes(fmt_id, k))
 
     def quant_linear(self, x: torch.Tensor, w: TiledWeight, precision: Precision = "int8") -> torch.Tensor:
-        """x [..., K] float32 @ W^T for a packed weight (validated when it was built)."""
+        """x [..., K] float32 @ W^T for a packed weight (validated when it was built), with int8 or
+        float32 activations."""
         n, k = w.shape
         # The forward pass's own case (2-D, contiguous, float32, CPU) goes straight through: this runs
         # 121 times a decode step for the default model, and the generic reshaping and checks cost
@@ -335,6 +338,14 @@ class Kernels:
         scale: float,
         window: int | None = None,
     ) -> torch.Tensor:
+        """[n, Hq, D] attention of one query token per sequence over its cached history: the whole of it,
+        or with a sliding `window` its last `window` tokens (the query's own among them).
+
+        q [n, Hq, D] float32; caches [num_blocks, block_size, Hkv, row]: float32, float16 or bfloat16 rows
+        of D values, or uint8 rows of D / 32 q8_0 blocks (KV_TYPE_CODES), read in place in their own type;
+        block_tables [n, max_blocks] and seq_lens [n] int32. Sequence i's token t is at block
+        block_tables[i, t // block_size].
+        """
         n, hq, d = q.shape
         num_blocks, block_size, hkv, _ = k_cache.shape
         q = q.contiguous()
@@ -376,6 +387,9 @@ class Kernels:
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
+        """x / rms(x) * weight over the last dim. With `residual`, x + residual is normalised and also
+        written into `residual` (in place: the caller's next residual stream), as vLLM's
+        fused_add_rms_norm."""
         h = x.shape[-1]
         _require_f32("x", x)
         _require_f32("weight", weight, (h,))
@@ -392,13 +406,14 @@ class Kernels:
 
     def qk_norm(
         self,
-        qkv: torch.Tensor,
-        q_weight: torch.Tensor,
-        k_weight: torch.Tensor,
+        qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D], normalised in place
+        q_weight: torch.Tensor,  # [D]
+        k_weight: torch.Tensor,  # [D]
         eps: float,
         num_heads: int,
         num_kv_heads: int,
     ) -> None:
+        """RMSNorm of every q head (with q_weight) and k head (with k_weight) of a fused qkv, in place."""
         d = q_weight.shape[0]
         t = qkv.shape[0]
         _require_f32("qkv", qkv, (t, (num_heads + 2 * num_kv_heads) * d))
@@ -412,9 +427,11 @@ class Kernels:
             )
 
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., 2d] (gate | up) -> [..., d] = silu(gate) * up."""
         return self._gated(x, self.lib.orca_silu_and_mul, "silu_and_mul")
 
     def gelu_tanh_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """[..., 2d] (gate | up) -> [..., d] = gelu_tanh(gate) * up (Gemma's MLP)."""
         return self._gated(x, self.lib.orca_gelu_tanh_and_mul, "gelu_tanh_and_mul")
 
     @staticmethod
@@ -432,14 +449,16 @@ class Kernels:
 
     def rope_and_cache(
         self,
-        qkv: torch.Tensor,
-        positions: torch.Tensor,
-        cos_sin: torch.Tensor,
-        slots: torch.Tensor,
-        k_cache: torch.Tensor,
+        qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D], rotated in place
+        positions: torch.Tensor,  # [T] int64
+        cos_sin: torch.Tensor,  # [max_pos, R]: cos | sin of the R <= D rotated dims
+        slots: torch.Tensor,  # [T] int64
+        k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, row]: rows of D values (KV_TYPE_CODES)
         v_cache: torch.Tensor,
         num_heads: int,
     ) -> None:
+        """Rotary on q and k (in place in qkv), then k and v of every token into its cache slot, in the
+        cache's element type."""
         t = qkv.shape[0]
         hkv = k_cache.shape[-2]
         d = qkv.shape[1] // (num_heads + 2 * hkv)
@@ -479,37 +498,38 @@ def _checked() -> Kernels:
     return k
 
 
-# Module-level entry points: the chosen variant's. Callers look them up on this module at call time
-# (so labelled_for_profiler can wrap them).
+def _chosen(method: Callable[Concatenate[Kernels, P], R]) -> Callable[P, R]:
+    """A module-level entry point: `method` of the variant this process uses (kernels()), which must
+    be available. Callers look these up on this module at call time, so labelled_for_profiler can wrap
+    them."""
+
+    def call(*args: P.args, **kwargs: P.kwargs) -> R:
+        return method(_checked(), *args, **kwargs)
+
+    call.__name__ = call.__qualname__ = method.__name__
+    call.__doc__ = method.__doc__
+    return call
 
 
-def quant_linear(x: torch.Tensor, w: TiledWeight, precision: Precision = "int8") -> torch.Tensor:
-    """x [..., K] float32 @ W^T for a packed weight, with int8 or float32 activations."""
-    return _checked().quant_linear(x, w, precision)
-
-
-def dequant_rows(w: TiledWeight, rows: torch.Tensor) -> torch.Tensor:
-    return _checked().dequant_rows(w, rows)
-
-
-def paged_decode_attention(
-    q: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    window: int | None = None,
-) -> torch.Tensor:
-    """[n, Hq, D] attention of one query token per sequence over its cached history: the whole of it,
-    or with a sliding `window` its last `window` tokens (the query's own among them).
-
-    q [n, Hq, D] float32; caches [num_blocks, block_size, Hkv, row]: float32, float16 or bfloat16 rows of
-    D values, or uint8 rows of D / 32 q8_0 blocks (KV_TYPE_CODES), read in place in their own type;
-    block_tables [n, max_blocks] and seq_lens [n] int32. Sequence i's token t is at block
-    block_tables[i, t // block_size].
-    """
-    return _checked().paged_decode_attention(q, k_cache, v_cache, block_tables, seq_lens, scale, window)
+quant_linear = _chosen(Kernels.quant_linear)
+dequant_rows = _chosen(Kernels.dequant_rows)
+paged_decode_attention = _chosen(Kernels.paged_decode_attention)
+rms_norm = _chosen(Kernels.rms_norm)
+qk_norm = _chosen(Kernels.qk_norm)
+silu_and_mul = _chosen(Kernels.silu_and_mul)
+gelu_tanh_and_mul = _chosen(Kernels.gelu_tanh_and_mul)
+rope_and_cache = _chosen(Kernels.rope_and_cache)
+# The entry points above, by name (labelled_for_profiler wraps them).
+NATIVE_OPS = (
+    "quant_linear",
+    "dequant_rows",
+    "paged_decode_attention",
+    "rms_norm",
+    "qk_norm",
+    "silu_and_mul",
+    "gelu_tanh_and_mul",
+    "rope_and_cache",
+)
 
 
 def supports_decode_attention(
@@ -535,36 +555,6 @@ def fits_rowwise(x: torch.Tensor, width: int) -> bool:
     )
 
 
-def rms_norm(
-    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
-) -> torch.Tensor:
-    """x / rms(x) * weight over the last dim. With `residual`, x + residual is normalised and also
-    written into `residual` (in place: the caller's next residual stream), as vLLM's fused_add_rms_norm."""
-    return _checked().rms_norm(x, weight, eps, residual)
-
-
-def qk_norm(
-    qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D], normalised in place
-    q_weight: torch.Tensor,  # [D]
-    k_weight: torch.Tensor,  # [D]
-    eps: float,
-    num_heads: int,
-    num_kv_heads: int,
-) -> None:
-    """RMSNorm of every q head (with q_weight) and k head (with k_weight) of a fused qkv, in place."""
-    _checked().qk_norm(qkv, q_weight, k_weight, eps, num_heads, num_kv_heads)
-
-
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """[..., 2d] (gate | up) -> [..., d] = silu(gate) * up."""
-    return _checked().silu_and_mul(x)
-
-
-def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """[..., 2d] (gate | up) -> [..., d] = gelu_tanh(gate) * up (Gemma's MLP)."""
-    return _checked().gelu_tanh_and_mul(x)
-
-
 def fits_rope_and_cache(
     qkv: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, head_dim: int | None = None
 ) -> bool:
@@ -581,32 +571,6 @@ def fits_rope_and_cache(
         and cos_sin.is_contiguous()
         and k_cache.is_contiguous()
     )
-
-
-def rope_and_cache(
-    qkv: torch.Tensor,  # [T, (Hq + 2 Hkv) * D], rotated in place
-    positions: torch.Tensor,  # [T] int64
-    cos_sin: torch.Tensor,  # [max_pos, R]: cos | sin of the R <= D rotated dims
-    slots: torch.Tensor,  # [T] int64
-    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, row]: rows of D values (KV_TYPE_CODES)
-    v_cache: torch.Tensor,
-    num_heads: int,
-) -> None:
-    """Rotary on q and k (in place in qkv), then k and v of every token into its cache slot, in the
-    cache's element type."""
-    _checked().rope_and_cache(qkv, positions, cos_sin, slots, k_cache, v_cache, num_heads)
-
-
-NATIVE_OPS = (
-    "quant_linear",
-    "dequant_rows",
-    "paged_decode_attention",
-    "rms_norm",
-    "qk_norm",
-    "silu_and_mul",
-    "gelu_tanh_and_mul",
-    "rope_and_cache",
-)
 
 
 @contextlib.contextmanager

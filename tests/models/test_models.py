@@ -15,19 +15,11 @@ from typing import Any
 import pytest
 import torch
 from builders import (
+    TINY_CONFIGS,
     build_hf_model,
     single_seq_logits,
     tiny_gemma3_config,
-    tiny_gpt2_config,
-    tiny_llama_config,
-    tiny_mistral_config,
-    tiny_mixtral_config,
-    tiny_olmoe_config,
-    tiny_phi3_config,
     tiny_phi4_mini_config,
-    tiny_qwen2_config,
-    tiny_qwen2_moe_config,
-    tiny_qwen3_config,
     tiny_qwen3_moe_config,
 )
 from paged_cache import PagedCacheHarness, reference_attention
@@ -53,18 +45,17 @@ def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
         return hf(torch.tensor([tokens])).logits[0].float()  # [len, vocab]
 
 
-def small(builder: Callable[..., Any], **overrides: Any) -> Callable[[], Any]:
-    """A tiny config from `builder` with the small vocabulary and `overrides`, built when called."""
-    return partial(builder, vocab_size=SMALL_VOCAB, **overrides)
+def small(family: str, **overrides: Any) -> Callable[[], Any]:
+    """The family's tiny config (builders.TINY_CONFIGS) with the small vocabulary and `overrides`,
+    built when called."""
+    return partial(TINY_CONFIGS[family], **{"vocab_size": SMALL_VOCAB, **overrides})
 
 
 CONFIGS = {
-    "llama-gqa-tied": small(tiny_llama_config),
-    "llama-untied-attn-bias": small(
-        tiny_llama_config, tie_word_embeddings=False, attention_bias=True, mlp_bias=True
-    ),
+    "llama-gqa-tied": small("llama"),
+    "llama-untied-attn-bias": small("llama", tie_word_embeddings=False, attention_bias=True, mlp_bias=True),
     "llama3-rope-scaling": small(
-        tiny_llama_config,
+        "llama",
         rope_theta=500000.0,
         rope_scaling={
             "rope_type": "llama3",
@@ -74,38 +65,38 @@ CONFIGS = {
             "original_max_position_embeddings": 64,
         },
     ),
-    "qwen2-qkv-bias": small(tiny_qwen2_config),
-    "qwen3-qk-norm": small(tiny_qwen3_config),
-    "qwen3-tied-attn-bias": small(tiny_qwen3_config, tie_word_embeddings=True, attention_bias=True),
-    "phi3-fused-qkv-gqa": small(tiny_phi3_config),
+    "qwen2-qkv-bias": small("qwen2"),
+    "qwen3-qk-norm": small("qwen3"),
+    "qwen3-tied-attn-bias": small("qwen3", tie_word_embeddings=True, attention_bias=True),
+    "phi3-fused-qkv-gqa": small("phi3"),
     # Sequences here stay within the original context (64): transformers' short factors throughout.
-    "phi4-mini-partial-longrope": small(tiny_phi4_mini_config),
-    "mistral": small(tiny_mistral_config),
+    "phi4-mini-partial-longrope": small("phi4_mini"),
+    "mistral": small("mistral"),
     # Windows shorter than the prompts below: every attention path must drop the older keys.
-    "mistral-window-5": small(tiny_mistral_config, sliding_window=5),
+    "mistral-window-5": small("mistral", sliding_window=5),
     "qwen2-window-6-from-layer-1": small(
-        tiny_qwen2_config,
+        "qwen2",
         use_sliding_window=True,
         sliding_window=6,
         max_window_layers=1,
         num_hidden_layers=3,
     ),
-    "gpt2": small(tiny_gpt2_config),
+    "gpt2": small("gpt2"),
     # Mixtures of experts: every prompt's tokens spread over the experts, grouped by expert in the
     # flat batch of all four prompts.
-    "qwen3-moe": small(tiny_qwen3_moe_config),
+    "qwen3-moe": small("qwen3_moe"),
     "qwen3-moe-unnormalised-every-second-layer": small(
-        tiny_qwen3_moe_config, norm_topk_prob=False, mlp_only_layers=[], decoder_sparse_step=2
+        "qwen3_moe", norm_topk_prob=False, mlp_only_layers=[], decoder_sparse_step=2
     ),
-    "mixtral": small(tiny_mixtral_config),
-    "olmoe": small(tiny_olmoe_config),
-    "qwen2-moe-shared-expert": small(tiny_qwen2_moe_config),
+    "mixtral": small("mixtral"),
+    "olmoe": small("olmoe"),
+    "qwen2-moe-shared-expert": small("qwen2_moe"),
     # Local layers with a window of 5 (prompts below run to 14 tokens) and global ones.
-    "gemma3": small(tiny_gemma3_config, sliding_window=5),
+    "gemma3": small("gemma3", sliding_window=5),
     # Linear rope scaling on the global layers only, an untied head, a final logit soft-cap, a
     # query_pre_attn_scalar that is not head_dim, MQA, every third layer global.
     "gemma3-scaled-softcap": small(
-        tiny_gemma3_config,
+        "gemma3",
         sliding_window=6,
         rope_scaling={"rope_type": "linear", "factor": 8.0},
         tie_word_embeddings=False,
@@ -116,6 +107,13 @@ CONFIGS = {
         sliding_window_pattern=3,
     ),
 }
+
+
+def test_every_family_has_a_tiny_config_and_a_parity_case() -> None:
+    from models.registry import FAMILIES, FAMILY_MODULES, family_for
+
+    assert set(FAMILY_MODULES) <= set(TINY_CONFIGS)
+    assert {family_for(config()).name for config in CONFIGS.values()} == {f.name for f in FAMILIES}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
@@ -347,19 +345,19 @@ def _tp_worker(rank: int, world: int, port: int, name: str) -> None:
 
 
 TP_CONFIGS = {
-    "llama": small(tiny_llama_config, tie_word_embeddings=False),
-    "gemma3-window": small(tiny_gemma3_config, sliding_window=4),
-    "qwen3": small(tiny_qwen3_config),
-    "phi4-mini": small(tiny_phi4_mini_config, tie_word_embeddings=False),
-    "gpt2-odd-vocab": partial(tiny_gpt2_config, vocab_size=SMALL_VOCAB - 3),  # padded vocab shards
+    "llama": small("llama", tie_word_embeddings=False),
+    "gemma3-window": small("gemma3", sliding_window=4),
+    "qwen3": small("qwen3"),
+    "phi4-mini": small("phi4_mini", tie_word_embeddings=False),
+    "gpt2-odd-vocab": small("gpt2", vocab_size=SMALL_VOCAB - 3),  # padded vocab shards
     # Every expert sliced across the ranks (models/layers/moe.py says why), routed alike on both.
-    "qwen3-moe": small(tiny_qwen3_moe_config),
-    "mixtral": small(tiny_mixtral_config),
-    "qwen2-moe-shared-expert": small(tiny_qwen2_moe_config),
+    "qwen3-moe": small("qwen3_moe"),
+    "mixtral": small("mixtral"),
+    "qwen2-moe-shared-expert": small("qwen2_moe"),
     # q/k norms over whole projections whose heads are split (sums of squares all-reduced); with one
     # KV head, replicated on both ranks.
-    "olmoe": small(tiny_olmoe_config),
-    "olmoe-one-kv-head": small(tiny_olmoe_config, num_key_value_heads=1),
+    "olmoe": small("olmoe"),
+    "olmoe-one-kv-head": small("olmoe", num_key_value_heads=1),
 }
 
 
