@@ -156,7 +156,7 @@ static inline __attribute__((always_inline)) vi code_unit(const uint8_t *codes, 
 
 /* The float steps of one scale group of block g for row r of x (part 0 / 1: the first / last 16 k of a
  * K16 block; -1: the whole block), from the group's integer dot products `is`: the integer
- * correction (Q4_0's and Q3_K's offsets, VNNI's bias, over the sum of x's codes), then
+ * correction (the unsigned codes' offsets, VNNI's bias, over the sum of x's codes), then
  * y += is * a * dx [+ z * dx * sum(xq)]. Every path of the int8 kernels (and AMX's) ends a scale
  * group with exactly these operations. */
 static inline __attribute__((always_inline)) vf group_epilogue(vf acc, vi is, vf a, vf z, const int fmt, const qx_t *x,
@@ -175,7 +175,8 @@ static inline __attribute__((always_inline)) void int_tile(const uint8_t *tile, 
                                                            int nvalid) {
     const int64_t K = x->K, G = x->G;
     const int k16 = qf_kind(fmt) == KIND_K16, sgn = qf_signed_units(fmt);
-    /* Integer corrections per scale group: Q4_0's / Q3_K's offsets, VNNI's +128 bias of signed codes. */
+    /* Integer corrections per scale group: the unsigned codes' offsets (Q4_0, Q3_K, Q5_0, Q6_K), VNNI's
+     * +128 bias of signed codes. */
     const int32_t per_sum = sgn ? -SIGNED_BIAS : qf_offset(fmt);
     vf acc[MR_INT][HALVES];
     for (int m = 0; m < mr; m++)
