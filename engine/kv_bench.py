@@ -26,9 +26,10 @@ import torch
 from engine.cli_args import parse_size
 from engine.kv_cache import KVCacheSpec
 from engine.model_shapes import SHAPES
+from engine.roofline import measure_read_bandwidth
 from models.kernels import cpu as cpu_kernels
 from models.kernels.isa import cpu_flags, supported_variants
-from models.layers.kv_format import kv_format
+from models.layers.kv_format import encode, kv_format
 from models.options import KV_CACHE_DTYPES
 
 BLOCK_SIZE = 16
@@ -47,18 +48,6 @@ class Row:
     of_read_bandwidth: float  # gb_s / the measured read bandwidth
 
 
-def measure_read_bandwidth(nbytes: int = 1 << 30, repeats: int = 10) -> float:
-    """Bytes per second of a float32 sum over `nbytes` (reads only), median of `repeats`."""
-    x = torch.rand(nbytes // 4)
-    x.sum()
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        x.sum()
-        times.append(time.perf_counter() - t0)
-    return nbytes / statistics.median(times)
-
-
 def random_caches(
     spec: KVCacheSpec, num_seqs: int, context: int, seed: int = 0
 ) -> tuple[list[tuple[torch.Tensor, torch.Tensor]], torch.Tensor, torch.Tensor]:
@@ -75,15 +64,21 @@ def random_caches(
         pair = []
         for _ in range(2):
             values = torch.randn(num_blocks, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, generator=g)
-            pair.append(values if fmt.name == "float32" else _encode(values, fmt.name))
+            pair.append(encode(values, torch.empty(0, dtype=fmt.storage)).contiguous())
         layers.append((pair[0], pair[1]))
     return layers, tables, lens
 
 
-def _encode(values: torch.Tensor, dtype: str) -> torch.Tensor:
-    from models.layers.kv_format import encode
-
-    return encode(values, torch.empty(0, dtype=kv_format(dtype).storage)).contiguous()
+def attention_dims(shape: str) -> tuple[int, int, int, int]:
+    """(layers, query heads, KV heads, head_dim) of an engine.model_shapes shape."""
+    cfg = SHAPES[shape]
+    hq = cfg["num_attention_heads"]
+    return (
+        cfg["num_hidden_layers"],
+        hq,
+        cfg["num_key_value_heads"],
+        cfg.get("head_dim") or cfg["hidden_size"] // hq,
+    )
 
 
 def bench_step(
@@ -110,15 +105,13 @@ def run(
     rounds: int,
     read_bw: float,
 ) -> list[Row]:
-    cfg = SHAPES[shape]
-    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = cfg.get("head_dim") or cfg["hidden_size"] // hq
+    layers, hq, hkv, d = attention_dims(shape)
     rows = []
     for b in batch_sizes:
         q = torch.randn(b, hq, d)
         setups = {}
         for name in dtypes:
-            spec = KVCacheSpec(cfg["num_hidden_layers"], hkv, d, BLOCK_SIZE, kv_format(name))
+            spec = KVCacheSpec(layers, hkv, d, BLOCK_SIZE, kv_format(name))
             setups[name] = (spec, random_caches(spec, b, context))
         times: dict[tuple[str, str], list[float]] = {(n, v): [] for n in dtypes for v in variants}
         for _ in range(rounds):  # interleaved: every (type, variant) once a round
@@ -138,15 +131,13 @@ def run(
 
 
 def tokens_that_fit(shape: str, memory: int) -> dict[str, int]:
-    cfg = SHAPES[shape]
-    hq, hkv = cfg["num_attention_heads"], cfg["num_key_value_heads"]
-    d = cfg.get("head_dim") or cfg["hidden_size"] // hq
+    layers, _, hkv, d = attention_dims(shape)
     fit = {}
     for name in KV_CACHE_DTYPES:
         fmt = kv_format(name)
         if fmt.quantized and d % 32:
             continue
-        spec = KVCacheSpec(cfg["num_hidden_layers"], hkv, d, BLOCK_SIZE, fmt)
+        spec = KVCacheSpec(layers, hkv, d, BLOCK_SIZE, fmt)
         fit[name] = spec.num_blocks_for(memory) * BLOCK_SIZE
     return fit
 

@@ -39,8 +39,7 @@ class KVCacheSpec:
     @property
     def bytes_per_token(self) -> int:
         """K and V of every layer for one token."""
-        elem = torch.empty((), dtype=self.dtype).element_size()
-        return 2 * self.num_layers * self.num_kv_heads * self.row_width * elem
+        return 2 * self.num_layers * self.num_kv_heads * self.row_width * self.dtype.itemsize
 
     @property
     def bytes_per_block(self) -> int:
@@ -67,9 +66,9 @@ def resolve_kv_format(
     is one vcvtph2ps or a shift; neither is where the time goes), and float16 keeps 3 more mantissa
     bits (the kernel's error against float32 attention: 1.3e-3 against 7.8e-3; with int8 activations
     the default model's teacher-forced agreement with float32 stays at 97.3% over a float16 cache and
-    falls to 94.9% over a bfloat16 one), as llama.cpp's default f16 cache does. On CUDA, and with an attention backend whose kernels read K/V in the
-    queries' dtype (Triton, flash-attn, torch varlen), it is the model's dtype, and another type is
-    refused there with the reason."""
+    falls to 94.9% over a bfloat16 one), as llama.cpp's default f16 cache does. On CUDA, and with an
+    attention backend whose kernels read K/V in the queries' dtype (Triton, flash-attn, torch varlen),
+    it is the model's dtype, and another type is refused there with the reason."""
     if device.type == "cuda" or attention_backend in SAME_DTYPE_BACKENDS:
         model_name = str(model_dtype).removeprefix("torch.")
         where = "on CUDA" if device.type == "cuda" else f"with the {attention_backend} attention backend"

@@ -83,3 +83,16 @@ def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats:
             dst.copy_(src)
             times.append(time.perf_counter() - t0)
     return 2 * nbytes / statistics.median(times)
+
+
+def measure_read_bandwidth(nbytes: int = 1 << 30, repeats: int = 10) -> float:
+    """Bytes per second of a float32 sum over `nbytes` on the CPU (reads only: the figure a decode
+    step's weight and KV streaming is held to), median of `repeats` after a warm-up."""
+    x = torch.rand(nbytes // 4)
+    x.sum()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return nbytes / statistics.median(times)

@@ -424,7 +424,7 @@ def random_blocks(ggml_type: str, rows: int, cols: int, rng: np.random.Generator
     import torch
 
     from models.gguf.encode import encode
-    from models.layers.packed_weight import FORMATS, BlockComponents
+    from models.layers.packed_weight import CODE_RANGE, FORMATS, BlockComponents
 
     if ggml_type not in ("Q4_K", "Q5_K", "Q6_K"):  # a legacy fallback type: gguf-py quantizes those
         from gguf import GGMLQuantizationType, quants
@@ -436,14 +436,12 @@ def random_blocks(ggml_type: str, rows: int, cols: int, rng: np.random.Generator
     out = []
     for start in range(0, rows, ROWS_PER_CHUNK):
         n = min(ROWS_PER_CHUNK, rows - start)
-        hi = {"Q6_K": 63, "Q5_K": 31}.get(ggml_type, 15)
-        codes = rng.integers(0, hi + 1, (n, cols), dtype=np.int16).astype(np.uint8)
+        lo, hi = CODE_RANGE[ggml_type]
+        codes = rng.integers(lo, hi + 1, (n, cols), dtype=np.int16).astype(np.uint8)
         d = (rng.random((n, supers)) * 2e-4 + 1e-5).astype(np.float16)
         if ggml_type == "Q6_K":
             sc = rng.integers(-64, 64, (n, cols // 16), dtype=np.int8)
-            c = BlockComponents(
-                fmt, torch.from_numpy(codes), torch.from_numpy(d), None, torch.from_numpy(sc)
-            )
+            c = BlockComponents(fmt, torch.from_numpy(codes), torch.from_numpy(d), None, torch.from_numpy(sc))
         else:
             sc = rng.integers(16, 64, (n, cols // 32), dtype=np.uint8)
             m = rng.integers(0, 64, (n, cols // 32), dtype=np.uint8)

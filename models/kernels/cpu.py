@@ -253,6 +253,15 @@ def _require_cache(name: str, t: torch.Tensor, shape: tuple[int, ...]) -> int:
     return KV_TYPE_CODES[t.dtype]
 
 
+def _require_caches(k_cache: torch.Tensor, v_cache: torch.Tensor, shape: tuple[int, ...]) -> int:
+    """A layer's K and V caches (_require_cache), of one type. Returns its code."""
+    kv_type = _require_cache("k_cache", k_cache, shape)
+    if v_cache.dtype != k_cache.dtype:
+        raise ValueError(f"v_cache: {v_cache.dtype}, but k_cache is {k_cache.dtype}")
+    _require_cache("v_cache", v_cache, shape)
+    return kv_type
+
+
 def _require_f32(name: str, t: torch.Tensor, shape: tuple[int, ...] | None = None) -> None:
     """The C code trusts its pointers: a wrong dtype, layout or shape would read out of bounds, so it
     is refused here (metadata-only checks, no pass over the data). Index contents (block tables,
@@ -350,10 +359,7 @@ class Kernels:
         num_blocks, block_size, hkv, _ = k_cache.shape
         q = q.contiguous()
         _require_f32("q", q)
-        kv_type = _require_cache("k_cache", k_cache, (num_blocks, block_size, hkv, d))
-        if v_cache.dtype != k_cache.dtype:
-            raise ValueError(f"v_cache: {v_cache.dtype}, but k_cache is {k_cache.dtype}")
-        _require_cache("v_cache", v_cache, (num_blocks, block_size, hkv, d))
+        kv_type = _require_caches(k_cache, v_cache, (num_blocks, block_size, hkv, d))
         tables = block_tables.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
         if tables.dim() != 2 or tables.shape[0] != n or tuple(lens.shape) != (n,):
@@ -464,10 +470,7 @@ class Kernels:
         d = qkv.shape[1] // (num_heads + 2 * hkv)
         _require_f32("qkv", qkv, (t, (num_heads + 2 * hkv) * d))
         _require_f32("cos_sin", cos_sin)
-        kv_type = _require_cache("k_cache", k_cache, (*k_cache.shape[:-1], d))
-        if v_cache.dtype != k_cache.dtype:
-            raise ValueError(f"v_cache: {v_cache.dtype}, but k_cache is {k_cache.dtype}")
-        _require_cache("v_cache", v_cache, (*k_cache.shape[:-1], d))
+        kv_type = _require_caches(k_cache, v_cache, (*k_cache.shape[:-1], d))
         r = cos_sin.shape[-1]  # the rotary dims (partial rotary: fewer than head_dim)
         if r > d or r % 16 or d % 16 or tuple(positions.shape) != (t,) or tuple(slots.shape) != (t,):
             raise ValueError("rope_and_cache: head_dim, cos_sin, positions or slots do not match qkv")
@@ -556,11 +559,10 @@ def fits_rowwise(x: torch.Tensor, width: int) -> bool:
 
 
 def fits_rope_and_cache(
-    qkv: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, head_dim: int | None = None
+    qkv: torch.Tensor, cos_sin: torch.Tensor, k_cache: torch.Tensor, head_dim: int
 ) -> bool:
     """Whether rope_and_cache takes these: float32 qkv and table, a cache of any KV_TYPE_CODES type
-    whose rows hold head_dim values (default: the cache's last dim, a float cache)."""
-    head_dim = k_cache.shape[-1] if head_dim is None else head_dim
+    whose rows hold head_dim values."""
     return (
         fits_rowwise(qkv, head_dim)
         and head_dim % 16 == 0

@@ -35,7 +35,6 @@ typedef __m512i vi;
 #define vi_xor _mm512_xor_si512
 #define vi_srli16 _mm512_srli_epi16
 #define vi_slli16 _mm512_slli_epi16
-#define vi_or _mm512_or_si512
 /* a | (b & mask) in one instruction */
 #define vi_or_and(a, b, mask) _mm512_ternarylogic_epi32(a, b, mask, 0xF8)
 #define vi_to_f _mm512_cvtepi32_ps
@@ -133,7 +132,6 @@ typedef __m256i vi;
 #define vi_xor _mm256_xor_si256
 #define vi_srli16 _mm256_srli_epi16
 #define vi_slli16 _mm256_slli_epi16
-#define vi_or _mm256_or_si256
 #define vi_or_and(a, b, mask) _mm256_or_si256(a, _mm256_and_si256(b, mask))
 #define vi_to_f _mm256_cvtepi32_ps
 #define vf_to_i _mm256_cvtps_epi32

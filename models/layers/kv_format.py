@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from models.kernels.cpu import Q8_0_BYTES, Q8_0_VALUES  # the layout kv_types.h reads
+from models.kernels.cpu import Q8_0_BYTES, Q8_0_VALUES, kv_row_width  # the layout kv_types.h reads
 from models.options import KV_CACHE_DTYPES
 
 
@@ -35,13 +35,11 @@ class KVFormat:
         return self.name == "q8_0"
 
     def row_width(self, head_dim: int) -> int:
-        """Elements of `storage` per KV head per token."""
-        if self.quantized:
-            return head_dim // Q8_0_VALUES * Q8_0_BYTES
-        return head_dim
-
-    def bytes_per_value(self, head_dim: int) -> float:
-        return self.row_width(head_dim) * torch.empty((), dtype=self.storage).element_size() / head_dim
+        """Elements of `storage` per KV head per token (the kernels' rule, kv_row_width)."""
+        self.check_head_dim(head_dim)
+        width = kv_row_width(self.storage, head_dim)
+        assert width is not None  # every format here is one the kernels lay out
+        return width
 
     def check_head_dim(self, head_dim: int) -> None:
         if self.quantized and head_dim % Q8_0_VALUES:

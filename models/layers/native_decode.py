@@ -11,7 +11,8 @@ It applies to a step in which every sequence has one new token (decode only), on
 attention backend with the native kernels, in one process per stage (no tensor parallelism: the C
 code has no all-reduce), when every linear of the layers is packed (GGUF blocks) and all tensors are
 float32 but the KV cache, which may hold any --kv-cache-dtype (float32, float16, bfloat16, q8_0: the C
-code writes and reads it in its own type). Anything else, including a mixed step with a prompt chunk, runs the modules as before.
+code writes and reads it in its own type). Anything else, including a mixed step with a prompt chunk,
+runs the modules as before.
 """
 
 from __future__ import annotations
