@@ -226,8 +226,9 @@ class LlamaForCausalLM(CausalLMBase):
 
 
 def llama_decode_parts(layer: nn.Module) -> DecodeLayerParts:
-    """A Llama decoder layer as the native decode call runs it."""
+    """A Llama decoder layer as the native decode call runs it; its MLP dense or a mixture of experts."""
     attn, mlp = layer.self_attn, layer.mlp
+    experts = mlp if isinstance(mlp, SparseMoE) else None
     return DecodeLayerParts(
         input_norm=layer.input_layernorm,
         qkv=attn.qkv_proj,
@@ -235,10 +236,11 @@ def llama_decode_parts(layer: nn.Module) -> DecodeLayerParts:
         attention=attn.attn,
         o=attn.o_proj,
         post_norm=layer.post_attention_layernorm,
-        gate_up=mlp.gate_up_proj,
-        down=mlp.down_proj,
+        gate_up=None if experts else mlp.gate_up_proj,
+        down=None if experts else mlp.down_proj,
         q_norm=attn.q_norm,
         k_norm=attn.k_norm,
+        experts=experts,
     )
 
 
@@ -312,9 +314,8 @@ def moe_family(
     name: str, model: type[LlamaForCausalLM], weights: WeightNames = MOE_WEIGHT_NAMES, **declared: Any
 ) -> ModelFamily:
     """A family with Llama's layers and a mixture of experts for MLPs: no CUDA graphs (the experts a
-    step runs are read back to the host) and no fused native decode (it runs dense MLPs only; the
-    modules run the experts)."""
-    return llama_like_family(name, model, weights, cuda_graphs=False, native_decode=None, **declared)
+    step runs are read back to the host)."""
+    return llama_like_family(name, model, weights, cuda_graphs=False, **declared)
 
 
 def expert_gguf(architectures: tuple[str, ...], **declared: Any) -> GGUFSupport:

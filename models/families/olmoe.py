@@ -6,6 +6,7 @@ each expert `intermediate_size` wide."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -17,13 +18,16 @@ from models.families.llama import (
     LlamaForCausalLM,
     LlamaLayout,
     expert_gguf,
+    llama_decode_parts,
     moe_family,
     sparse_mlp,
 )
 from models.family import GGUFMetadata
+from models.kernels import cpu as cpu_kernels
 from models.layers.attention import AttentionStep
 from models.layers.metadata import KVCache
 from models.layers.moe import Routing, check_routing
+from models.layers.native_decode import DecodeLayerParts
 from models.layers.parallel import TPContext
 
 
@@ -56,6 +60,10 @@ class ProjectionRMSNorm(nn.Module):
         param.data.copy_(loaded.narrow(0, self.start, param.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1 and x.dim() == 2 and cpu_kernels.fits_rowwise(x.contiguous(), x.shape[-1]):
+            # One process holds the whole projection: the native norm, the one the fused decode
+            # layers run on it (a token's q and k do not depend on which of the two ran its step).
+            return cpu_kernels.rms_norm(x.contiguous(), self.weight, self.eps)
         xf = x.float()
         sum_sq = self.tp.all_reduce(xf.pow(2).sum(dim=-1, keepdim=True))
         normed = xf * torch.rsqrt(sum_sq / self.reduced_width + self.eps)
@@ -122,6 +130,16 @@ def olmoe_mlp(spec: LayerSpec, layout: LlamaLayout, index: int) -> nn.Module:
     return sparse_mlp(spec, config.intermediate_size, routing)
 
 
+def olmoe_decode_parts(layer: nn.Module) -> DecodeLayerParts:
+    """Llama's layer with the norms over the whole q and k projections and the clipping before
+    rotary, and the experts as its MLP."""
+    attn = layer.self_attn
+    parts = llama_decode_parts(layer)  # which takes attn's q_norm / k_norm for per-head ones
+    return replace(
+        parts, q_norm=None, k_norm=None, q_proj_norm=attn.q_norm, k_proj_norm=attn.k_norm, clip=attn.clip
+    )
+
+
 class OlmoeForCausalLM(LlamaForCausalLM):
     layer_mlp = staticmethod(olmoe_mlp)
     layer_attention = OlmoeAttention
@@ -132,4 +150,5 @@ FAMILY = moe_family(
     OlmoeForCausalLM,
     # llama.cpp turns OLMoE's q/k halves as transformers does (NeoX order): nothing to un-permute.
     gguf=expert_gguf(("olmoe",), metadata_config=olmoe_gguf_config),
+    native_decode=olmoe_decode_parts,
 )

@@ -6,10 +6,12 @@
     elementwise.c             RMSNorm (with the residual add fused in), per-head q/k RMSNorm, SiLU-and-mul,
                               GELU(tanh)-and-mul, and rotary + KV cache write, one call each
     decode_layers.c           a decode step's decoder layers in one call, out of the kernels above
-                              (models/layers/native_decode.py); a mixture of experts' chosen experts
-                              over their grouped tokens in one call (models/layers/moe.py)
+                              (models/layers/native_decode.py)
+    moe.c                     a mixture of experts' MLP in one call: router, routing, each chosen
+                              expert once over its grouped tokens (models/layers/moe.py)
     variant.c                 what a build was compiled for; the AMX permission request
     simd.h, vec.h             shared vector helpers (vec.h: one vector type per variant)
+    layers.h                  packed weights and experts as decode_layers.c and moe.c read them
     kv_types.h                the KV cache's element types (float32, float16, bfloat16, q8_0): row
                               sizes, widening loads and narrowing stores
 
@@ -159,8 +161,10 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.orca_rope_and_cache.argtypes = [ptr, i64, i64, i64, i64, i64, ptr, ptr, ptr, ptr, ptr, i32]
     lib.orca_decode_layers.restype = ctypes.c_int
     lib.orca_decode_layers.argtypes = [ptr, i64, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64]
-    lib.orca_moe_experts.restype = ctypes.c_int
-    lib.orca_moe_experts.argtypes = [ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64, ptr]
+    lib.orca_moe.restype = ctypes.c_int
+    lib.orca_moe.argtypes = [ptr, ptr, i64, ptr]
+    lib.orca_router_logits.argtypes = [ptr, i64, i64, ptr, i64, ptr]
+    lib.orca_moe_route.argtypes = [ptr, i64, i64, i64, i32, i32, ptr, ptr]
 
 
 @functools.cache
@@ -432,6 +436,39 @@ class Kernels:
                 qkv.data_ptr(), t, num_heads, num_kv_heads, d, q_weight.data_ptr(), k_weight.data_ptr(), eps
             )
 
+    def router_logits(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """x [T, H] @ weight [E, H]^T in float32, each logit one dot product in a fixed order (the same
+        whatever T: a token's routing does not depend on its batch)."""
+        t, h = x.shape
+        e = weight.shape[0]
+        _require_f32("x", x)
+        _require_f32("weight", weight, (e, h))
+        if h % 8:
+            raise ValueError(f"router_logits: width {h} is not a multiple of 8")
+        out = torch.empty(t, e, dtype=torch.float32)
+        if t:
+            self.lib.orca_router_logits(x.data_ptr(), t, h, weight.data_ptr(), e, out.data_ptr())
+        return out
+
+    def moe_route(
+        self, logits: torch.Tensor, top_k: int, normalize: bool, softmax_first: bool
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Router logits [T, E] -> (weights [T, k] float32, experts [T, k] int64), highest first (ties
+        to the lower expert): softmax, top k, renormalised where `normalize`; or, not softmax_first,
+        the top k logits and a softmax over them."""
+        t, e = logits.shape
+        _require_f32("logits", logits)
+        if not 0 < top_k <= e:
+            raise ValueError(f"moe_route: top {top_k} of {e} experts")
+        weights = torch.empty(t, top_k, dtype=torch.float32)
+        experts = torch.empty(t, top_k, dtype=torch.int64)
+        if t:
+            self.lib.orca_moe_route(
+                logits.data_ptr(), t, e, top_k, int(normalize), int(softmax_first),
+                weights.data_ptr(), experts.data_ptr(),
+            )  # fmt: skip
+        return weights, experts
+
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """[..., 2d] (gate | up) -> [..., d] = silu(gate) * up."""
         return self._gated(x, self.lib.orca_silu_and_mul, "silu_and_mul")
@@ -519,6 +556,8 @@ dequant_rows = _chosen(Kernels.dequant_rows)
 paged_decode_attention = _chosen(Kernels.paged_decode_attention)
 rms_norm = _chosen(Kernels.rms_norm)
 qk_norm = _chosen(Kernels.qk_norm)
+router_logits = _chosen(Kernels.router_logits)
+moe_route = _chosen(Kernels.moe_route)
 silu_and_mul = _chosen(Kernels.silu_and_mul)
 gelu_tanh_and_mul = _chosen(Kernels.gelu_tanh_and_mul)
 rope_and_cache = _chosen(Kernels.rope_and_cache)
@@ -529,6 +568,8 @@ NATIVE_OPS = (
     "paged_decode_attention",
     "rms_norm",
     "qk_norm",
+    "router_logits",
+    "moe_route",
     "silu_and_mul",
     "gelu_tanh_and_mul",
     "rope_and_cache",

@@ -29,7 +29,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define MAX_SEGMENTS 4
+#include "layers.h"
 
 /* Kernels of the same library (quant_linear.c, elementwise.c, paged_decode_attention.c). */
 int orca_qlinear(const float *x, int64_t M, int64_t K, const uint8_t *w, int fmt, int64_t N, float *y, int64_t ldy,
@@ -47,18 +47,6 @@ int orca_paged_decode_attention(const float *q, const void *k_cache, const void 
                                 int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, float scale,
                                 int64_t window, int kv_type, float *out);
 
-/* One packed weight [N, K]: its row segments (each one block format), as PackedWeight.kernel_args. */
-typedef struct {
-    const uint8_t *tiles[MAX_SEGMENTS];
-    int32_t fmt[MAX_SEGMENTS];
-    int64_t rows[MAX_SEGMENTS];
-    int64_t row_start[MAX_SEGMENTS];
-    int32_t num_segments;
-    int32_t precision; /* 0 float32 activations, 1 int8 */
-    int64_t N, K;
-    const float *bias; /* [N] or NULL */
-} orca_qweight;
-
 /* One decoder layer's weights and its KV cache ([num_blocks, block_size, Hkv, row] each, rows of D values
  * in the shape's kv_type). */
 typedef struct {
@@ -71,6 +59,11 @@ typedef struct {
     const float *q_norm, *k_norm;             /* [D], on every q / k head before rotary */
     const float *attn_out_norm, *mlp_out_norm; /* [H], on the attention / MLP output before its residual add */
     int32_t gelu;                             /* the MLP's activation: 0 SiLU, 1 GELU (tanh) */
+    /* OLMoE's: an RMSNorm over the whole q ([Hq * D]) and k ([Hkv * D]) projections, both or neither,
+     * and q, k and v clipped to [-clip, clip] after them (0: no clipping). */
+    const float *q_proj_norm, *k_proj_norm;
+    float clip;
+    const orca_moe_layer *moe; /* a mixture of experts in place of gate_up / down; NULL: the dense MLP */
 } orca_decode_layer;
 
 /* The model's shape, the same for every layer. */
@@ -82,7 +75,7 @@ typedef struct {
     int32_t kv_type;    /* the KV cache's element type (kv_types.h), the same for every layer */
 } orca_decode_shape;
 
-static int linear(const orca_qweight *w, const float *x, int64_t T, float *y) {
+int orca_qweight_linear(const orca_qweight *w, const float *x, int64_t T, float *y) {
     for (int s = 0; s < w->num_segments; s++)
         if (orca_qlinear(x, T, w->K, w->tiles[s], w->fmt[s], w->rows[s], y + w->row_start[s], w->N, w->precision))
             return 1;
@@ -112,8 +105,17 @@ int orca_decode_layers(const orca_decode_layer *layers, int64_t num_layers, cons
     for (int64_t l = 0; l < num_layers && !rc; l++) {
         const orca_decode_layer *L = layers + l;
         orca_rms_norm(hidden, NULL, L->input_norm, shape->eps, T, H, normed);
-        if ((rc = linear(&L->qkv, normed, T, qkv))) break;
+        if ((rc = orca_qweight_linear(&L->qkv, normed, T, qkv))) break;
         if (L->q_norm) orca_qk_norm(qkv, T, Hq, Hkv, D, L->q_norm, L->k_norm, shape->eps);
+        if (L->q_proj_norm)
+            for (int64_t t = 0; t < T; t++) {
+                float *row = qkv + t * qkv_width;
+                orca_rms_norm(row, NULL, L->q_proj_norm, shape->eps, 1, q_width, row);
+                orca_rms_norm(row + q_width, NULL, L->k_proj_norm, shape->eps, 1, Hkv * D, row + q_width);
+            }
+        if (L->clip > 0)
+            for (int64_t i = 0; i < T * qkv_width; i++)
+                qkv[i] = qkv[i] < -L->clip ? -L->clip : (qkv[i] > L->clip ? L->clip : qkv[i]);
         orca_rope_and_cache(qkv, T, Hq, Hkv, D, shape->rotary_dim, positions, L->cos_sin, slots, L->k_cache,
                             L->v_cache, shape->kv_type);
         /* Attention reads q as [T, Hq, D]: one token's q heads already are; more are gathered. */
@@ -123,58 +125,22 @@ int orca_decode_layers(const orca_decode_layer *layers, int64_t num_layers, cons
         if ((rc = orca_paged_decode_attention(T > 1 ? q : qkv, L->k_cache, L->v_cache, block_tables, seq_lens, T, Hq, Hkv, D,
                                               shape->block_size, max_blocks, shape->scale, L->window, shape->kv_type, attn)))
             break;
-        if ((rc = linear(&L->o, attn, T, o))) break;
+        if ((rc = orca_qweight_linear(&L->o, attn, T, o))) break;
         if (L->attn_out_norm) orca_rms_norm(o, NULL, L->attn_out_norm, shape->eps, T, H, o);
         orca_rms_norm(o, hidden, L->post_norm, shape->eps, T, H, normed); /* hidden += o */
-        if ((rc = linear(&L->gate_up, normed, T, gate_up))) break;
-        if (L->gelu)
-            orca_gelu_tanh_and_mul(gate_up, T, I, act);
-        else
-            orca_silu_and_mul(gate_up, T, I, act);
-        if ((rc = linear(&L->down, act, T, down))) break;
+        if (L->moe) {
+            memset(down, 0, (size_t)(T * H) * sizeof(float));
+            if ((rc = orca_moe(L->moe, normed, T, down))) break;
+        } else {
+            if ((rc = orca_qweight_linear(&L->gate_up, normed, T, gate_up))) break;
+            if (L->gelu)
+                orca_gelu_tanh_and_mul(gate_up, T, I, act);
+            else
+                orca_silu_and_mul(gate_up, T, I, act);
+            if ((rc = orca_qweight_linear(&L->down, act, T, down))) break;
+        }
         if (L->mlp_out_norm) orca_rms_norm(down, NULL, L->mlp_out_norm, shape->eps, T, H, down);
         for (int64_t i = 0; i < T * H; i++) hidden[i] += down[i];
-    }
-    free(buf);
-    return rc;
-}
-
-/* A mixture of experts' chosen experts over their tokens (models/layers/moe.py, SparseMoE): for each
- * group g, one expert's gate_up[g] and down[g], over the tokens token[p] for p in
- * [group_start[g], group_start[g + 1]) (distinct tokens: a token takes an expert once):
- *
- *   rows = x[token[p]]      m = down(silu(gate) * up) of rows      out[token[p]] += weight[p] * m
- *
- * group after group, with the kernels and in the order the module's loop uses (index_select, the
- * quantized linears, SiLU-and-mul, the weighted index_add_): bit-identical to it. What it removes is
- * the loop's Python and torch calls around those kernels, about a millisecond a layer of a 64-expert
- * model at batch 1. x [T, H], out [T, H] (added to); I is each expert's width (a multiple of 8).
- * Returns 0, or nonzero if a kernel refused its shapes or memory ran out. */
-int orca_moe_experts(const orca_qweight *gate_up, const orca_qweight *down, int64_t n_groups,
-                     const int64_t *group_start, const int64_t *token, const float *weight, const float *x,
-                     int64_t H, int64_t I, float *out) {
-    int64_t most = 0;
-    for (int64_t g = 0; g < n_groups; g++)
-        if (group_start[g + 1] - group_start[g] > most) most = group_start[g + 1] - group_start[g];
-    if (most == 0) return 0;
-    /* rows [most, H], gate_up [most, 2I], act [most, I], m [most, H] */
-    float *buf = malloc((size_t)(most * (H + 2 * I + I + H)) * sizeof(float));
-    if (!buf) return 2;
-    float *rows = buf, *gu = rows + most * H, *act = gu + most * 2 * I, *m = act + most * I;
-    int rc = 0;
-    for (int64_t g = 0; g < n_groups && !rc; g++) {
-        const int64_t p0 = group_start[g], n = group_start[g + 1] - p0;
-        if (n <= 0) continue;
-        for (int64_t i = 0; i < n; i++) memcpy(rows + i * H, x + token[p0 + i] * H, (size_t)H * sizeof(float));
-        if ((rc = linear(gate_up + g, rows, n, gu))) break;
-        orca_silu_and_mul(gu, n, I, act);
-        if ((rc = linear(down + g, act, n, m))) break;
-        for (int64_t i = 0; i < n; i++) {
-            const float w = weight[p0 + i];
-            float *o = out + token[p0 + i] * H;
-            const float *mi = m + i * H;
-            for (int64_t h = 0; h < H; h++) o[h] += mi[h] * w;
-        }
     }
     free(buf);
     return rc;

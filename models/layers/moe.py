@@ -36,7 +36,7 @@ from models.layers.linear import (
     RowParallelLinear,
     check_shape,
 )
-from models.layers.native_decode import QWeight, qweight
+from models.layers.native_weights import MoELayer, QWeight, is_f32, qweight
 from models.layers.packed_weight import QuantizedBlocks
 from models.layers.parallel import TPContext
 
@@ -63,7 +63,11 @@ class Routing:
             )
 
     def route(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """float32 logits [T, E] -> (weights [T, k] float32, experts [T, k] int64)."""
+        """float32 logits [T, E] -> (weights [T, k] float32, experts [T, k] int64). On a CPU, the native
+        routing (moe.c), the one the native expert call runs: a token takes the same experts whichever
+        of the two ran its step."""
+        if cpu_kernels.fits_rowwise(logits, 8):
+            return cpu_kernels.moe_route(logits, self.top_k, self.normalize, self.softmax_first)
         if self.softmax_first:
             probs = torch.softmax(logits, dim=-1)
             weights, experts = torch.topk(probs, self.top_k, dim=-1)
@@ -96,7 +100,12 @@ class Router(nn.Module):
         param.data.copy_(loaded.to(self.dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x.float(), self.weight)
+        """float32 logits [T, E]; on a CPU the native router's (one fixed-order dot product per logit,
+        as the native expert call computes them), else torch's."""
+        xf = x.float()
+        if cpu_kernels.fits_rowwise(xf, xf.shape[-1]) and xf.dim() == 2:
+            return cpu_kernels.router_logits(xf, self.weight)
+        return F.linear(xf, self.weight)
 
 
 class Expert(nn.Module):
@@ -141,57 +150,54 @@ class MoESizes:
 
 
 class NativeExperts:
-    """Every expert's packed gate_up and down, described to decode_layers.c once, so a step runs its
-    chosen experts in one call (orca_moe_experts: the same kernels in the same order as the module's
-    loop, bit-identical to it, without the Python and torch calls around them)."""
+    """The router, routing and every expert's packed gate_up and down, described to moe.c once
+    (`struct`), so a step's whole MoE MLP runs in one call (orca_moe: the native router and routing
+    the module also uses, then the same kernels in the same order as the module's loop over the
+    chosen experts, bit-identical to it, without the Python and torch calls around them). The fused
+    decode layers (decode_layers.c) call the same function through `struct`."""
 
-    def __init__(self, gate_up: list[QWeight], down: list[QWeight], hidden: int, inter: int) -> None:
-        self.gate_up, self.down = gate_up, down
-        self.hidden, self.inter = hidden, inter
+    def __init__(self, router: Router, routing: Routing, gate_up: list[QWeight], down: list[QWeight]) -> None:
+        n = routing.num_experts
+        # Kept here: the struct holds their addresses.
+        self._gate_up, self._down = (QWeight * n)(*gate_up), (QWeight * n)(*down)
+        self._router = router.weight
+        self.struct = MoELayer(
+            router=router.weight.data_ptr(),
+            gate_up=ctypes.addressof(self._gate_up),
+            down=ctypes.addressof(self._down),
+            num_experts=n,
+            top_k=routing.top_k,
+            hidden=down[0].N,
+            inter=down[0].K,
+            normalize=int(routing.normalize),
+            softmax_first=int(routing.softmax_first),
+        )
         self._lib = cpu_kernels.kernels().lib  # type: ignore[union-attr]
 
     @classmethod
-    def build(cls, experts: nn.ModuleList) -> NativeExperts | None:
+    def build(cls, router: Router, routing: Routing, experts: nn.ModuleList) -> NativeExperts | None:
         """The description, or None where the experts are not all packed for the native kernels."""
-        if not cpu_kernels.available():
+        if not cpu_kernels.available() or not is_f32(router.weight):
             return None
         gate_up = [qweight(e.gate_up_proj) for e in experts]
         down = [qweight(e.down_proj) for e in experts]
         if any(w is None or w.bias for w in (*gate_up, *down)):
             return None
         hidden, inter = down[0].N, down[0].K
-        if inter % 8 or any(
-            (g.N, g.K, d.N, d.K) != (2 * inter, hidden, hidden, inter)
-            for g, d in zip(gate_up, down, strict=True)
+        if (
+            inter % 8
+            or hidden % 8
+            or any(
+                (g.N, g.K, d.N, d.K) != (2 * inter, hidden, hidden, inter)
+                for g, d in zip(gate_up, down, strict=True)
+            )
         ):
             return None
-        return cls(gate_up, down, hidden, inter)
+        return cls(router, routing, gate_up, down)
 
-    def run(
-        self,
-        x: torch.Tensor,  # [T, hidden] float32, contiguous
-        active: list[int],  # the chosen experts, in order
-        starts: list[int],  # their groups' first pair, and the end: len(active) + 1
-        token_of: torch.Tensor,  # [pairs] int64: each pair's token, grouped by expert
-        weight: torch.Tensor,  # [pairs] float32: each pair's routing weight
-        out: torch.Tensor,  # [T, hidden] float32, added to
-    ) -> None:
-        n = len(active)
-        gate_up = (QWeight * n)(*(self.gate_up[e] for e in active))
-        down = (QWeight * n)(*(self.down[e] for e in active))
-        group_start = (ctypes.c_int64 * (n + 1))(*starts)
-        rc = self._lib.orca_moe_experts(
-            ctypes.addressof(gate_up),
-            ctypes.addressof(down),
-            n,
-            ctypes.addressof(group_start),
-            token_of.data_ptr(),
-            weight.data_ptr(),
-            x.data_ptr(),
-            self.hidden,
-            self.inter,
-            out.data_ptr(),
-        )
+    def run(self, x: torch.Tensor, out: torch.Tensor) -> None:
+        """out [T, hidden] += the MoE MLP of x [T, hidden] (both float32, contiguous)."""
+        rc = self._lib.orca_moe(ctypes.addressof(self.struct), x.data_ptr(), x.shape[0], out.data_ptr())
         if rc:
             raise RuntimeError(f"native experts failed (rc {rc}) on {x.shape[0]} tokens")
 
@@ -223,27 +229,30 @@ class SparseMoE(nn.Module):
         if packed is None:
             return None
         if self._native is None or self._native[0] is not packed:
-            self._native = (packed, NativeExperts.build(self.experts))
+            self._native = (packed, NativeExperts.build(self.gate, self.routing, self.experts))
         return self._native[1]
 
+    def native_struct(self) -> MoELayer | None:
+        """The whole layer's C description for the fused decode layers (native_decode.NativeMLP), or
+        None where they cannot run it: a shared expert (its sigmoid gate is torch's) or experts the
+        native kernels do not take."""
+        native = self.native_experts() if self.shared_expert is None else None
+        return native.struct if native is not None else None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weights, chosen = self.routing.route(self.gate(x))  # [T, k] each
-        k = self.routing.top_k
-        flat = chosen.reshape(-1)
-        # The (token, expert) pairs grouped by expert, token order kept within each group.
-        order = torch.argsort(flat, stable=True)
-        counts = torch.bincount(flat, minlength=self.routing.num_experts).tolist()
-        token_of = order // k
-        pair_weight = weights.reshape(-1)[order].to(x.dtype)
         out = torch.zeros_like(x)
-        native = self.native_experts() if x.dtype == torch.float32 and x.is_contiguous() else None
+        native = self.native_experts() if is_f32(x) else None
         if native is not None:
-            active = [e for e, n in enumerate(counts) if n]
-            starts = [0]
-            for e in active:
-                starts.append(starts[-1] + counts[e])
-            native.run(x, active, starts, token_of, pair_weight, out)
+            native.run(x, out)
         else:
+            weights, chosen = self.routing.route(self.gate(x))  # [T, k] each
+            k = self.routing.top_k
+            flat = chosen.reshape(-1)
+            # The (token, expert) pairs grouped by expert, token order kept within each group.
+            order = torch.argsort(flat, stable=True)
+            counts = torch.bincount(flat, minlength=self.routing.num_experts).tolist()
+            token_of = order // k
+            pair_weight = weights.reshape(-1)[order].to(x.dtype)
             start = 0
             for expert, n in zip(self.experts, counts, strict=True):
                 if n:

@@ -20,35 +20,20 @@ from __future__ import annotations
 import ctypes
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
 from models.kernels import cpu as cpu_kernels
-from models.kernels.cpu import PRECISION_CODES
 from models.layers.attention import Attention, AttentionStep
 from models.layers.attention_backends import BatchedDecodeBackend
 from models.layers.linear import PackableLinear
 from models.layers.metadata import KVCache
+from models.layers.native_weights import MoELayer, QWeight, is_f32, qweight
 from models.layers.norm import RMSNorm
 from models.layers.rotary import RotaryEmbedding
 
-MAX_SEGMENTS = 4  # decode_layers.c: row segments (block formats) a weight may have
-
 _p, _i64, _i32, _f = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int32, ctypes.c_float
-
-
-class QWeight(ctypes.Structure):
-    _fields_ = [
-        ("tiles", _p * MAX_SEGMENTS),
-        ("fmt", _i32 * MAX_SEGMENTS),
-        ("rows", _i64 * MAX_SEGMENTS),
-        ("row_start", _i64 * MAX_SEGMENTS),
-        ("num_segments", _i32),
-        ("precision", _i32),
-        ("N", _i64),
-        ("K", _i64),
-        ("bias", _p),
-    ]
 
 
 class _Layer(ctypes.Structure):
@@ -68,6 +53,10 @@ class _Layer(ctypes.Structure):
         ("attn_out_norm", _p),
         ("mlp_out_norm", _p),
         ("gelu", _i32),
+        ("q_proj_norm", _p),
+        ("k_proj_norm", _p),
+        ("clip", _f),
+        ("moe", _p),
     ]
 
 
@@ -86,33 +75,28 @@ class _Shape(ctypes.Structure):
     ]
 
 
-def _is_f32(t: torch.Tensor | None) -> bool:
-    return t is not None and t.dtype == torch.float32 and t.device.type == "cpu" and t.is_contiguous()
-
-
 def _is_cache(t: torch.Tensor, dtype: torch.dtype) -> bool:
     """A KV cache tensor the C code reads in place (rows in any of the kernels' element types)."""
     return t.dtype == dtype and t.device.type == "cpu" and t.is_contiguous()
 
 
-def qweight(layer: PackableLinear) -> QWeight | None:
-    """The C description of a packed layer, or None if it is not one the C code takes."""
-    w = layer.packed
-    bias = getattr(layer, "bias", None)
-    if w is None or len(w.kernel_args) > MAX_SEGMENTS or (bias is not None and not _is_f32(bias)):
-        return None
-    q = QWeight()
-    for i, (tiles, fmt_id, rows, byte_offset) in enumerate(w.kernel_args):
-        q.tiles[i], q.fmt[i], q.rows[i], q.row_start[i] = tiles, fmt_id, rows, byte_offset // 4
-    q.num_segments = len(w.kernel_args)
-    q.precision = PRECISION_CODES[layer.precision]
-    q.N, q.K = w.shape
-    q.bias = bias.data_ptr() if bias is not None else None
-    return q
-
-
 # The MLP activations decode_layers.c runs (its `gelu` flag).
 ACTIVATIONS = ("silu", "gelu_tanh")
+
+
+class NormWeights(Protocol):
+    """A norm as the native call reads it: its weight (float32) and epsilon."""
+
+    weight: torch.Tensor
+    eps: float
+
+
+class NativeMLP(Protocol):
+    """An MLP that describes itself to the native calls (models/layers/moe.py's SparseMoE)."""
+
+    def native_struct(self) -> MoELayer | None:
+        """Its C description (kept alive by the module), or None where the modules must run it."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -123,10 +107,11 @@ class DecodeLayerParts:
     add. A family declares how its layer maps onto this (`ModelFamily.native_decode`); a layer that
     does not fit returns None from that function.
 
-    The optional parts: per-head q/k norms before rotary (Qwen3's, Gemma 3's), and Gemma 3's norm on
-    the attention output and on the MLP output before their residual adds (`post_norm` is then its
-    pre-feedforward norm), GELU-tanh, and per layer its own rotary table and window
-    (`attention.sliding_window`)."""
+    The optional parts: per-head q/k norms before rotary (Qwen3's, Gemma 3's); OLMoE's norms over the
+    whole q and k projections and its clipping of q, k and v; Gemma 3's norm on the attention output
+    and on the MLP output before their residual adds (`post_norm` is then its pre-feedforward norm),
+    GELU-tanh, and per layer its own rotary table and window (`attention.sliding_window`); and a
+    mixture of experts (`experts`) in place of gate_up and down."""
 
     input_norm: RMSNorm
     qkv: PackableLinear
@@ -134,19 +119,53 @@ class DecodeLayerParts:
     attention: Attention  # head counts (this rank's), head_dim, scale and sliding window
     o: PackableLinear
     post_norm: RMSNorm
-    gate_up: PackableLinear
-    down: PackableLinear
+    gate_up: PackableLinear | None  # None where `experts` is the MLP
+    down: PackableLinear | None
     # Per-head RMSNorm of q and k after the qkv projection (weights [head_dim]); both or neither.
     q_norm: RMSNorm | None = None
     k_norm: RMSNorm | None = None
+    # RMSNorm over the whole q and k projections (weights [heads * head_dim], [kv_heads * head_dim]),
+    # both or neither, then q, k and v clipped to [-clip, clip] (None: not clipped).
+    q_proj_norm: NormWeights | None = None
+    k_proj_norm: NormWeights | None = None
+    clip: float | None = None
     attn_out_norm: RMSNorm | None = None
     mlp_out_norm: RMSNorm | None = None
     activation: str = "silu"  # one of ACTIVATIONS
+    experts: NativeMLP | None = None
 
-    def norms(self) -> list[RMSNorm]:
+    def norms(self) -> list[NormWeights]:
         """Every norm of the layer (the optional ones it has)."""
-        optional = (self.q_norm, self.k_norm, self.attn_out_norm, self.mlp_out_norm)
+        optional = (self.q_norm, self.k_norm, self.q_proj_norm, self.k_proj_norm)
+        optional += (self.attn_out_norm, self.mlp_out_norm)
         return [self.input_norm, self.post_norm, *(n for n in optional if n is not None)]
+
+
+def _pair_fits(a: NormWeights | None, b: NormWeights | None, widths: tuple[int, int]) -> bool:
+    """Both norms or neither, of these widths."""
+    if a is None or b is None:
+        return a is b
+    return (tuple(a.weight.shape), tuple(b.weight.shape)) == ((widths[0],), (widths[1],))
+
+
+def _mlp_fits(layer: DecodeLayerParts, s: _Layer) -> bool:
+    """Describe the layer's MLP (dense or experts) in its struct; False where the C code cannot run it."""
+    if layer.experts is not None:
+        moe = layer.experts.native_struct()
+        s.moe = ctypes.addressof(moe) if moe is not None else None
+        return moe is not None
+    if layer.gate_up is None or layer.down is None or layer.activation not in ACTIVATIONS:
+        return False
+    gate_up, down = qweight(layer.gate_up), qweight(layer.down)
+    if gate_up is None or down is None:
+        return False
+    s.gate_up, s.down = gate_up, down
+    s.gelu = ACTIVATIONS.index(layer.activation)
+    return True
+
+
+def _ptr(norm: NormWeights | None) -> int | None:
+    return None if norm is None else norm.weight.data_ptr()
 
 
 class NativeDecodeLayers:
@@ -182,35 +201,34 @@ class NativeDecodeLayers:
         for i, layer in enumerate(layers):
             table = layer.rotary.cos_sin_cache
             a = layer.attention
-            head_norms = [n for n in (layer.q_norm, layer.k_norm) if n is not None]
+            s = structs[i]
             if (
-                not (_is_f32(table) and tuple(table.shape) == tuple(cos_sin.shape))
+                not (is_f32(table) and tuple(table.shape) == tuple(cos_sin.shape))
                 or (a.scale, a.head_dim, a.num_heads, a.num_kv_heads) != (attn.scale, d, hq, hkv)
-                or any(n.eps != first.input_norm.eps or not _is_f32(n.weight) for n in layer.norms())
-                or len(head_norms) == 1
-                or any(tuple(n.weight.shape) != (d,) for n in head_norms)
-                or layer.activation not in ACTIVATIONS
+                or any(n.eps != first.input_norm.eps or not is_f32(n.weight) for n in layer.norms())
+                or not _pair_fits(layer.q_norm, layer.k_norm, (d, d))
+                or not _pair_fits(layer.q_proj_norm, layer.k_proj_norm, (hq * d, hkv * d))
+                or not _mlp_fits(layer, s)
             ):
                 return None
-            weights = [qweight(x) for x in (layer.qkv, layer.o, layer.gate_up, layer.down)]
-            if any(w is None for w in weights):
+            qkv, o = qweight(layer.qkv), qweight(layer.o)
+            if qkv is None or o is None:
                 return None
-            s = structs[i]
             s.input_norm, s.post_norm = layer.input_norm.weight.data_ptr(), layer.post_norm.weight.data_ptr()
-            s.qkv, s.o, s.gate_up, s.down = weights
+            s.qkv, s.o = qkv, o
             s.cos_sin = table.data_ptr()
             s.window = a.sliding_window or 0
-            s.q_norm, s.k_norm, s.attn_out_norm, s.mlp_out_norm = (
-                None if n is None else n.weight.data_ptr()
-                for n in (layer.q_norm, layer.k_norm, layer.attn_out_norm, layer.mlp_out_norm)
-            )
-            s.gelu = ACTIVATIONS.index(layer.activation)
+            s.q_norm, s.k_norm = _ptr(layer.q_norm), _ptr(layer.k_norm)
+            s.q_proj_norm, s.k_proj_norm = _ptr(layer.q_proj_norm), _ptr(layer.k_proj_norm)
+            s.clip = layer.clip or 0.0
+            s.attn_out_norm, s.mlp_out_norm = _ptr(layer.attn_out_norm), _ptr(layer.mlp_out_norm)
         shape = _Shape(
             hidden=hidden,
             num_heads=hq,
             num_kv_heads=hkv,
             head_dim=d,
-            intermediate=first.down.packed.shape[1],
+            # The dense MLPs' width (the workspace's; experts have their own), 0 where every MLP is experts.
+            intermediate=max((x.down.packed.shape[1] for x in layers if x.down is not None), default=0),
             eps=first.input_norm.eps,
             scale=attn.scale,
             rotary_dim=rotary,
@@ -257,7 +275,7 @@ class NativeDecodeLayers:
             md.is_decode_only
             and type(step.backend) is BatchedDecodeBackend
             and plan.num_decodes == t
-            and _is_f32(hidden)
+            and is_f32(hidden)
             and hidden.shape[-1] == self.shape.hidden
             and positions.dtype == md.slot_mapping.dtype == torch.int64
             and self._point_at(kv_caches)

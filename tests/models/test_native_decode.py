@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import write_tiny_gguf
+from builders import GGUF_MIXES, write_tiny_gguf
 from kernel_marks import native_calls, needs_native_kernels
 from paged_cache import PagedCacheHarness
 
@@ -39,10 +39,28 @@ def _decode_steps(prompts: list[list[int]], n: int) -> list[list[list[int]]]:
     return [prompts] + [[[(7 * s + 3 * i) % 200 + 1] for i in range(len(prompts))] for s in range(n)]
 
 
-@pytest.fixture(params=["llama", "gemma3"])
-def packed_dir(request) -> Path:
-    """GGUF-structured tiny models: Llama's layout, and Gemma 3's (q/k norms, sandwich norms,
-    GELU, local layers with a window of 8 tokens and their own rotary table)."""
+# Mixtures of experts as llama.cpp writes them (8 experts, 2 per token): Qwen3-MoE (per-head q/k
+# norms), OLMoE (norms over the whole q and k projections, clipping that bites) and Mixtral (a llama
+# file with experts).
+MOE_FILES = {
+    "qwen3moe": dict(arch="qwen3moe", hidden=256, heads=2, kv_heads=1, head_dim=128, ff=512, expert_ff=256),
+    "olmoe": dict(
+        arch="olmoe", heads=4, kv_heads=4, ff=512, expert_ff=256, metadata={"attention.clamp_kqv": 0.5}
+    ),
+    "mixtral": dict(arch="llama", heads=4, kv_heads=2, ff=256),
+}
+
+
+@pytest.fixture(params=["llama", "gemma3", *MOE_FILES])
+def packed_dir(request, tmp_path: Path, monkeypatch) -> Path:
+    """GGUF-structured tiny models: Llama's layout, Gemma 3's (q/k norms, sandwich norms, GELU, local
+    layers with a window of 8 tokens and their own rotary table), and the mixtures of experts."""
+    if request.param in MOE_FILES:
+        monkeypatch.setenv("ORCA_CACHE_DIR", str(tmp_path / "cache"))
+        gguf = tmp_path / f"{request.param}.gguf"
+        sizes = {"hidden": 256, "experts": 8, **MOE_FILES[request.param]}
+        write_tiny_gguf(gguf, seed=4, layers=2, types=GGUF_MIXES["Q4_K_M"], tied=False, **sizes)
+        return resolve_model(str(gguf))
     return request.getfixturevalue(
         {"llama": "tiny_gguf_llama_dir", "gemma3": "tiny_gemma3_dir"}[request.param]
     )

@@ -1,0 +1,38 @@
+/* The descriptions of packed weights and of a mixture of experts that decode_layers.c and moe.c share
+ * (their ctypes mirrors: models/layers/native_decode.py's QWeight, models/layers/moe.py's MoELayer). */
+#ifndef ORCA_LAYERS_H
+#define ORCA_LAYERS_H
+
+#include <stdint.h>
+
+#define MAX_SEGMENTS 4
+
+/* One packed weight [N, K]: its row segments (each one block format), as PackedWeight.kernel_args. */
+typedef struct {
+    const uint8_t *tiles[MAX_SEGMENTS];
+    int32_t fmt[MAX_SEGMENTS];
+    int64_t rows[MAX_SEGMENTS];
+    int64_t row_start[MAX_SEGMENTS];
+    int32_t num_segments;
+    int32_t precision; /* 0 float32 activations, 1 int8 */
+    int64_t N, K;
+    const float *bias; /* [N] or NULL */
+} orca_qweight;
+
+/* A mixture of experts (models/layers/moe.py, SparseMoE, without a shared expert): a float32 router
+ * and every expert's packed gate_up [2I, H] and down [H, I]. */
+typedef struct {
+    const float *router;                /* [E, H] */
+    const orca_qweight *gate_up, *down; /* [E] each */
+    int64_t num_experts, top_k, hidden, inter;
+    int32_t normalize;     /* divide the top k weights by their sum (norm_topk_prob) */
+    int32_t softmax_first; /* softmax over all E, then the top k; 0: the top k logits, then their softmax */
+} orca_moe_layer;
+
+/* y [T, N] = x [T, K] W^T (+ bias). 0, or nonzero if a kernel refused its shapes. */
+int orca_qweight_linear(const orca_qweight *w, const float *x, int64_t T, float *y);
+
+/* out [T, H] += the experts' weighted outputs for x [T, H]. 0, or nonzero on a refused shape or no memory. */
+int orca_moe(const orca_moe_layer *m, const float *x, int64_t T, float *out);
+
+#endif
