@@ -6,6 +6,10 @@ with histories of L tokens that is
 
     bytes(B, L) = weight_bytes + B * L * kv_bytes_per_token
 
+A mixture of experts reads only the experts its tokens chose: with k of E experts per token, an
+expert is left unread by all B tokens of a step with probability (1 - k/E)^B under even routing, so
+the routed experts count at their expected share, 1 - (1 - k/E)^B of their bytes (k/E at B = 1).
+
 and no implementation can finish the step faster than bytes / bandwidth, so B * bandwidth / bytes is
 the ceiling on decode tokens per second. The bandwidth is measured, not read off a datasheet: a large
 device-to-device copy, counting the bytes read and the bytes written (how CUDA's bandwidth tests and
@@ -24,18 +28,22 @@ from torch import nn
 
 from engine.kv_cache import KVCacheSpec
 from models.layers.linear import PackableLinear, ParallelLMHead, VocabParallelEmbedding
+from models.layers.moe import SparseMoE
 
 
 @dataclass(frozen=True)
 class DecodeBytes:
     """What one decode step of a model reads from device memory."""
 
-    weight_bytes: int
+    weight_bytes: int  # every weight a step reads whatever its tokens chose: all but routed experts
     kv_bytes_per_token: int  # K and V of every layer for one token
+    expert_bytes: int = 0  # a mixture of experts' routed experts, all of them
+    expert_share: float = 0.0  # the share of them one token takes: top_k / num_experts
 
     def per_step(self, batch_size: int, context_len: float) -> float:
         """Bytes a decode step of `batch_size` sequences with `context_len`-token histories reads."""
-        return self.weight_bytes + batch_size * context_len * self.kv_bytes_per_token
+        experts = self.expert_bytes * (1.0 - (1.0 - self.expert_share) ** batch_size)
+        return self.weight_bytes + experts + batch_size * context_len * self.kv_bytes_per_token
 
     def roofline_tok_s(self, batch_size: int, context_len: float, bandwidth: float) -> float:
         """Decode tokens per second if the step only had to read its bytes at `bandwidth` (bytes/s)."""
@@ -58,8 +66,27 @@ def weight_bytes_per_step(model: nn.Module) -> int:
     return total + sum(p.nbytes for p in packed.values())
 
 
+def routed_expert_bytes(model: nn.Module) -> tuple[int, float]:
+    """The bytes of every routed expert of the model's mixtures of experts (packed where packed), and
+    the share of them a token takes (top_k / num_experts); (0, 0.0) for a dense model."""
+    layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
+    if not layers:
+        return 0, 0.0
+    total = 0
+    for moe in layers:
+        for expert in moe.experts:
+            total += sum(p.numel() * p.element_size() for p in expert.parameters())
+            total += sum(
+                m.packed.nbytes for m in expert.modules() if isinstance(m, PackableLinear) and m.packed
+            )
+    routing = layers[0].routing
+    return total, routing.top_k / routing.num_experts
+
+
 def decode_bytes(model: nn.Module, spec: KVCacheSpec) -> DecodeBytes:
-    return DecodeBytes(weight_bytes_per_step(model), spec.bytes_per_block // spec.block_size)
+    experts, share = routed_expert_bytes(model)
+    kv = spec.bytes_per_block // spec.block_size
+    return DecodeBytes(weight_bytes_per_step(model) - experts, kv, experts, share)
 
 
 def measure_copy_bandwidth(device: torch.device, nbytes: int = 1 << 30, repeats: int = 20) -> float:

@@ -16,8 +16,9 @@ from engine import bench
 from engine.config import EngineConfig
 from engine.executor import LocalExecutor
 from engine.model_shapes import SHAPES, parameter_count, shape_config, write_shape
-from engine.roofline import DecodeBytes, measure_copy_bandwidth, weight_bytes_per_step
+from engine.roofline import DecodeBytes, measure_copy_bandwidth, routed_expert_bytes, weight_bytes_per_step
 from models.errors import ModelLoadError
+from models.layers.parallel import SINGLE
 from models.loader import DUMMY_WEIGHT_RANGE, load_model, resolve_model
 
 
@@ -30,6 +31,19 @@ def test_roofline_is_batch_times_bandwidth_over_the_bytes_a_step_reads():
     bytes_256 = 16e9 + 256 * 96 * 131072
     assert costs.roofline_tok_s(256, 96, 3e12) == pytest.approx(256 * 3e12 / bytes_256)
     assert costs.roofline_tok_s(256, 96, 3e12) < 256 * costs.roofline_tok_s(1, 96, 3e12)
+
+
+def test_a_mixture_of_experts_counts_its_routed_experts_at_the_share_a_step_reads():
+    from models.layers.moe import MoESizes, Routing, SparseMoE
+
+    moe = SparseMoE(MoESizes(hidden=16, expert_inter=8), Routing(8, 2, False), torch.float32, SINGLE)
+    # 8 experts of gate_up [16, 16] and down [16, 8] in float32; the router is read whatever the routing.
+    assert routed_expert_bytes(moe) == (8 * (16 * 16 + 16 * 8) * 4, 0.25)
+    assert routed_expert_bytes(torch.nn.Linear(4, 4)) == (0, 0.0)
+    costs = DecodeBytes(weight_bytes=1000, kv_bytes_per_token=0, expert_bytes=8000, expert_share=0.25)
+    assert costs.per_step(1, 0) == pytest.approx(1000 + 2000)  # one token: its 2 of 8 experts
+    assert costs.per_step(2, 0) == pytest.approx(1000 + 8000 * (1 - 0.75**2))
+    assert costs.per_step(64, 0) == pytest.approx(9000)  # a large batch reads nearly every expert
 
 
 def test_llama3_8b_shape_has_8b_parameters():
