@@ -86,6 +86,30 @@ void orca_moe_route(const float *logits, int64_t T, int64_t E, int64_t k, int no
     free(taken);
 }
 
+/* Pairs (tokens times k) up to which the threads take whole experts rather than splitting each one
+ * (interleaved on a 2-core AVX-512 EPYC, OLMoE-1B-7B Q4_K_M: 12% less time at 1 token, 15% at 8). */
+#define EXPERT_PARALLEL_MAX_PAIRS 256
+
+/* Expert e over its n tokens' rows of x: y [n, H] = down(silu(gate) * up), scratch [n, H + 3I]. */
+static int expert_rows(const orca_moe_layer *m, int64_t e, const float *x, const int64_t *token, int64_t n,
+                       float *scratch, float *y) {
+    const int64_t H = m->hidden, I = m->inter;
+    float *rows = scratch, *gu = rows + n * H, *act = gu + n * 2 * I;
+    for (int64_t i = 0; i < n; i++) memcpy(rows + i * H, x + token[i] * H, (size_t)H * sizeof(float));
+    if (orca_qweight_linear(m->gate_up + e, rows, n, gu)) return 1;
+    orca_silu_and_mul(gu, n, I, act);
+    return orca_qweight_linear(m->down + e, act, n, y);
+}
+
+/* out[token[i]] += w[i] * y[i] for n rows y [n, H], in order. */
+static void add_weighted(const float *y, const int64_t *token, const float *w, int64_t n, int64_t H, float *out) {
+    for (int64_t i = 0; i < n; i++) {
+        float *o = out + token[i] * H;
+        const float *yi = y + i * H;
+        for (int64_t h = 0; h < H; h++) o[h] += yi[h] * w[i];
+    }
+}
+
 int orca_moe(const orca_moe_layer *m, const float *x, int64_t T, float *out) {
     const int64_t E = m->num_experts, k = m->top_k, H = m->hidden, I = m->inter, pairs = T * k;
     if (T <= 0) return 0;
@@ -111,29 +135,49 @@ int orca_moe(const orca_moe_layer *m, const float *x, int64_t T, float *out) {
         token[at] = p / k;
         pair_weight[at] = weights[p];
     }
-    /* rows [most, H], gate_up [most, 2I], act [most, I], y [most, H] */
-    float *buf = malloc((size_t)(most * (H + 2 * I + I + H)) * sizeof(float));
-    if (!buf) {
+    /* A decode step's few rows per expert are too little work to split each expert's matmuls over the
+     * threads (a fork and join per matmul, half a small weight each): there the threads take whole
+     * experts, each streaming its weights from start to end, into y [pairs, H]; the rows are then
+     * added into their tokens in group order. Many rows: the experts in turn, each split over the
+     * threads as any linear is, each added as it ends (y [most, H]). A token's sum runs in the same
+     * order either way, and each matmul's result is the same (quant_linear.c computes every output
+     * element in one fixed order whichever thread runs it). */
+    const int by_expert = pairs <= EXPERT_PARALLEL_MAX_PAIRS;
+    float *y = malloc((size_t)((by_expert ? pairs : most) * H) * sizeof(float));
+    if (!y) {
         free(route);
         return 2;
     }
-    float *rows = buf, *gu = rows + most * H, *act = gu + most * 2 * I, *y = act + most * I;
     int rc = 0;
-    for (int64_t e = 0; e < E && !rc; e++) {
-        const int64_t p0 = start[e], n = start[e + 1] - p0;
-        if (n == 0) continue;
-        for (int64_t i = 0; i < n; i++) memcpy(rows + i * H, x + token[p0 + i] * H, (size_t)H * sizeof(float));
-        if ((rc = orca_qweight_linear(m->gate_up + e, rows, n, gu))) break;
-        orca_silu_and_mul(gu, n, I, act);
-        if ((rc = orca_qweight_linear(m->down + e, act, n, y))) break;
-        for (int64_t i = 0; i < n; i++) {
-            const float w = pair_weight[p0 + i];
-            float *o = out + token[p0 + i] * H;
-            const float *yi = y + i * H;
-            for (int64_t h = 0; h < H; h++) o[h] += yi[h] * w;
+    if (by_expert) {
+#pragma omp parallel
+        {
+            float *scratch = malloc((size_t)(most * (H + 3 * I)) * sizeof(float));
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t e = 0; e < E; e++) {
+                const int64_t p0 = start[e], n = start[e + 1] - p0;
+                if (n == 0) continue;
+                const int r = scratch ? expert_rows(m, e, x, token + p0, n, scratch, y + p0 * H) : 2;
+                if (r) {
+#pragma omp atomic write
+                    rc = r;
+                }
+            }
+            free(scratch);
         }
+        if (!rc) add_weighted(y, token, pair_weight, pairs, H, out);
+    } else {
+        float *scratch = malloc((size_t)(most * (H + 3 * I)) * sizeof(float));
+        rc = scratch ? 0 : 2;
+        for (int64_t e = 0; e < E && !rc; e++) {
+            const int64_t p0 = start[e], n = start[e + 1] - p0;
+            if (n == 0) continue;
+            if (!(rc = expert_rows(m, e, x, token + p0, n, scratch, y)))
+                add_weighted(y, token + p0, pair_weight + p0, n, H, out);
+        }
+        free(scratch);
     }
-    free(buf);
+    free(y);
     free(route);
     return rc;
 }
