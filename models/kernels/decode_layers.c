@@ -1,12 +1,13 @@
 /* A decode step's decoder layers (Llama family) in one call: for T sequences of one new token each,
  *
  *   normed = rms_norm(hidden)                    qkv = normed W_qkv^T [+ b]
- *   [q, k = rms_norm per head (q_norm, k_norm)]
+ *   [q, k = rms_norm per head (q_norm, k_norm)]  [q, k = rms_norm over the whole projection; q, k, v clipped]
  *   rope on q and k (their first R dims), k and v into the paged cache
  *   attn = paged decode attention of q [in a window]
  *   o = attn W_o^T                               [o = rms_norm(o) (attn_out_norm)]
  *   normed, hidden = rms_norm(o, residual = hidden)
  *   m = down(act(gate) * up),                    gate | up = normed W_gate_up^T, act SiLU or GELU-tanh
+ *       [or m = the mixture of experts of normed (moe.c's orca_moe)]
  *   [m = rms_norm(m) (mlp_out_norm)]             hidden = hidden + m
  *
  * layer after layer, calling the same kernels the Python layers call one by one (quant_linear.c,
@@ -16,10 +17,11 @@
  * call, checks, a fresh output tensor, ctypes) cost more than its arithmetic (issue #12).
  *
  * The bracketed steps are what some families add: per-head q/k norms (Qwen3's, and Gemma 3's with
- * their (1 + w) folded into the weight), Gemma 3's "sandwich" norms around attention and MLP, GELU
- * and local layers' windows; a layer without them leaves their pointers NULL (window 0). Each layer
- * names its rotary table (Gemma 3's local and global layers turn differently); R < D is partial
- * rotary (Phi-4-mini), the same for every layer.
+ * their (1 + w) folded into the weight), OLMoE's norms over the whole q and k projections and its
+ * clipping, Gemma 3's "sandwich" norms around attention and MLP, GELU and local layers' windows, and
+ * a mixture of experts in place of the MLP (Qwen3-MoE, Mixtral, OLMoE); a layer without them leaves
+ * their pointers NULL (window 0, clip 0). Each layer names its rotary table (Gemma 3's local and
+ * global layers turn differently); R < D is partial rotary (Phi-4-mini), the same for every layer.
  *
  * Still selective batching: every linear, norm and activation runs once over the flat [T, hidden]
  * tokens; only attention is per sequence. Tensor parallelism is not handled here (no all-reduce):
