@@ -102,8 +102,10 @@ def test_the_shared_expert_takes_every_token_through_its_gate() -> None:
 @needs_native_kernels
 @pytest.mark.parametrize("precision", ["float32", "int8"])
 def test_the_native_expert_call_is_bit_identical_to_the_module_loop(precision: str) -> None:
-    """Packed experts run in one native call (decode_layers.c's orca_moe_experts): the same kernels in
-    the same order as the module's loop, so the same bits, for one token and for many."""
+    """Packed experts run in one native call (moe.c's orca_moe, the native router and routing the
+    module also runs, then the chosen experts): the same kernels in the same order as the module's
+    loop, so the same bits, for one token and for many: the threads taking whole experts (up to 2048
+    token-expert pairs) and each expert split over the threads (past that: 1100 tokens x 2)."""
     from models.weight_packing import pack_model_weights
 
     layer = moe_layer(tiny_qwen3_moe_config(vocab_size=64))
@@ -114,7 +116,7 @@ def test_the_native_expert_call_is_bit_identical_to_the_module_loop(precision: s
     pack_model_weights(layer, precision)
     assert layer.native_experts() is not None
     g = torch.Generator().manual_seed(5)
-    for tokens in (1, 3, 40):
+    for tokens in (1, 3, 40, 1100):
         x = torch.randn(tokens, 64, generator=g)
         with torch.no_grad():
             native, calls = expert_calls(layer, x)
