@@ -19,9 +19,10 @@
  * The bracketed steps are what some families add: per-head q/k norms (Qwen3's, and Gemma 3's with
  * their (1 + w) folded into the weight), OLMoE's norms over the whole q and k projections and its
  * clipping, Gemma 3's "sandwich" norms around attention and MLP, GELU and local layers' windows, and
- * a mixture of experts in place of the MLP (Qwen3-MoE, Mixtral, OLMoE); a layer without them leaves
- * their pointers NULL (window 0, clip 0). Each layer names its rotary table (Gemma 3's local and
- * global layers turn differently); R < D is partial rotary (Phi-4-mini), the same for every layer.
+ * a mixture of experts in place of the MLP (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE); a layer without
+ * them leaves their pointers NULL (window 0, clip 0). Each layer names its rotary table (Gemma 3's
+ * local and global layers turn differently); R < D is partial rotary (Phi-4-mini), the same for every
+ * layer.
  *
  * Still selective batching: every linear, norm and activation runs once over the flat [T, hidden]
  * tokens; only attention is per sequence. Tensor parallelism is not handled here (no all-reduce):

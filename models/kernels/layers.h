@@ -19,14 +19,18 @@ typedef struct {
     const float *bias; /* [N] or NULL */
 } orca_qweight;
 
-/* A mixture of experts (models/layers/moe.py, SparseMoE, without a shared expert): a float32 router
- * and every expert's packed gate_up [2I, H] and down [H, I]. */
+/* A mixture of experts (models/layers/moe.py, SparseMoE): a float32 router, every expert's packed
+ * gate_up [2I, H] and down [H, I], and optionally a shared expert that every token takes (Qwen2-MoE's),
+ * scaled per token by sigmoid(x . shared_gate) where it has a gate. */
 typedef struct {
     const float *router;                /* [E, H] */
     const orca_qweight *gate_up, *down; /* [E] each */
     int64_t num_experts, top_k, hidden, inter;
     int32_t normalize;     /* divide the top k weights by their sum (norm_topk_prob) */
     int32_t softmax_first; /* softmax over all E, then the top k; 0: the top k logits, then their softmax */
+    const orca_qweight *shared_gate_up, *shared_down; /* [2S, H], [H, S]; NULL: no shared expert */
+    int64_t shared_inter;                             /* S */
+    const float *shared_gate;                         /* [H], or NULL: the shared expert ungated */
 } orca_moe_layer;
 
 /* y [T, N] = x [T, K] W^T (+ bias). 0, or nonzero if a kernel refused its shapes. */

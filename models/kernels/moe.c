@@ -3,6 +3,7 @@
  *   logits = x R^T (float32)      weights, experts = the top k of softmax(logits) [renormalised]
  *   the (token, expert) pairs grouped by expert, tokens in order within each group
  *   for each chosen expert e, over its tokens:  m = down_e(silu(gate_e) * up_e)   out[t] += w * m
+ *   [a shared expert over every token:  s = down_s(silu(gate_s) * up_s) [* sigmoid(x . g)]   out += s]
  *
  * Each chosen expert's weights are read once per step however many tokens chose it (selective
  * batching), and an expert no token chose is never read. The module (SparseMoE) and the fused decode
@@ -112,6 +113,33 @@ static void add_weighted(const float *y, const int64_t *token, const float *w, i
     }
 }
 
+/* out += the shared expert of x [T, H] (none: nothing), each token's row times sigmoid(x . gate) where
+ * it has a gate: the module's order (the product rounded, then added). */
+static int shared_expert(const orca_moe_layer *m, const float *x, int64_t T, float *out) {
+    if (!m->shared_gate_up) return 0;
+    const int64_t H = m->hidden, S = m->shared_inter;
+    float *buf = malloc((size_t)(T * (2 * S + S + H)) * sizeof(float));
+    if (!buf) return 2;
+    float *gu = buf, *act = gu + T * 2 * S, *y = act + T * S;
+    int rc = orca_qweight_linear(m->shared_gate_up, x, T, gu);
+    if (!rc) {
+        orca_silu_and_mul(gu, T, S, act);
+        rc = orca_qweight_linear(m->shared_down, act, T, y);
+    }
+    if (!rc)
+        for (int64_t t = 0; t < T; t++) {
+            const float g = m->shared_gate ? 1.0f / (1.0f + expf(-dot(x + t * H, m->shared_gate, H))) : 1.0f;
+            float *o = out + t * H;
+            const float *yt = y + t * H;
+            if (m->shared_gate)
+                for (int64_t h = 0; h < H; h++) o[h] += yt[h] * g;
+            else
+                for (int64_t h = 0; h < H; h++) o[h] += yt[h];
+        }
+    free(buf);
+    return rc;
+}
+
 int orca_moe(const orca_moe_layer *m, const float *x, int64_t T, float *out) {
     const int64_t E = m->num_experts, k = m->top_k, H = m->hidden, I = m->inter, pairs = T * k;
     if (T <= 0) return 0;
@@ -181,5 +209,5 @@ int orca_moe(const orca_moe_layer *m, const float *x, int64_t T, float *out) {
     }
     free(y);
     free(route);
-    return rc;
+    return rc ? rc : shared_expert(m, x, T, out);
 }

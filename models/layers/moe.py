@@ -150,13 +150,22 @@ class MoESizes:
 
 
 class NativeExperts:
-    """The router, routing and every expert's packed gate_up and down, described to moe.c once
-    (`struct`), so a step's whole MoE MLP runs in one call (orca_moe: the native router and routing
-    the module also uses, then the same kernels in the same order as the module's loop over the
-    chosen experts, bit-identical to it, without the Python and torch calls around them). The fused
-    decode layers (decode_layers.c) call the same function through `struct`."""
+    """The router, routing, every expert's packed gate_up and down, and the shared expert and its
+    gate if any, described to moe.c once (`struct`), so a step's whole MoE MLP runs in one call
+    (orca_moe: the native router and routing the module also uses, then the same kernels in the same
+    order as the module's loop over the chosen experts, bit-identical to it, without the Python and
+    torch calls around them; the shared expert's sigmoid gate is the C one, so that part matches the
+    module's torch one to rounding). The fused decode layers (decode_layers.c) call the same function
+    through `struct`, so a token's output does not depend on which of the two ran its step."""
 
-    def __init__(self, router: Router, routing: Routing, gate_up: list[QWeight], down: list[QWeight]) -> None:
+    def __init__(
+        self,
+        router: Router,
+        routing: Routing,
+        gate_up: list[QWeight],
+        down: list[QWeight],
+        shared: tuple[QWeight, QWeight, SharedExpertGate | None] | None = None,
+    ) -> None:
         n = routing.num_experts
         # Kept here: the struct holds their addresses.
         self._gate_up, self._down = (QWeight * n)(*gate_up), (QWeight * n)(*down)
@@ -172,11 +181,26 @@ class NativeExperts:
             normalize=int(routing.normalize),
             softmax_first=int(routing.softmax_first),
         )
+        if shared is not None:
+            self._shared = shared  # kept: the struct holds their addresses
+            shared_gate_up, shared_down, gate = shared
+            self.struct.shared_gate_up = ctypes.addressof(shared_gate_up)
+            self.struct.shared_down = ctypes.addressof(shared_down)
+            self.struct.shared_inter = shared_down.K
+            self.struct.shared_gate = gate.weight.data_ptr() if gate is not None else None
         self._lib = cpu_kernels.kernels().lib  # type: ignore[union-attr]
 
     @classmethod
-    def build(cls, router: Router, routing: Routing, experts: nn.ModuleList) -> NativeExperts | None:
-        """The description, or None where the experts are not all packed for the native kernels."""
+    def build(
+        cls,
+        router: Router,
+        routing: Routing,
+        experts: nn.ModuleList,
+        shared_expert: Expert | None = None,
+        shared_gate: SharedExpertGate | None = None,
+    ) -> NativeExperts | None:
+        """The description, or None where the experts (and the shared one) are not all packed for the
+        native kernels."""
         if not cpu_kernels.available() or not is_f32(router.weight):
             return None
         gate_up = [qweight(e.gate_up_proj) for e in experts]
@@ -193,7 +217,22 @@ class NativeExperts:
             )
         ):
             return None
-        return cls(router, routing, gate_up, down)
+        shared = None
+        if shared_expert is not None:
+            g, d = qweight(shared_expert.gate_up_proj), qweight(shared_expert.down_proj)
+            if (
+                g is None
+                or d is None
+                or g.bias
+                or d.bias
+                or d.K % 8
+                or (g.N, g.K, d.N) != (2 * d.K, hidden, hidden)
+            ):
+                return None
+            if shared_gate is not None and not is_f32(shared_gate.weight):
+                return None
+            shared = (g, d, shared_gate)
+        return cls(router, routing, gate_up, down, shared)
 
     def run(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """out [T, hidden] += the MoE MLP of x [T, hidden] (both float32, contiguous)."""
@@ -229,37 +268,41 @@ class SparseMoE(nn.Module):
         if packed is None:
             return None
         if self._native is None or self._native[0] is not packed:
-            self._native = (packed, NativeExperts.build(self.gate, self.routing, self.experts))
+            self._native = (
+                packed,
+                NativeExperts.build(
+                    self.gate, self.routing, self.experts, self.shared_expert, self.shared_expert_gate
+                ),
+            )
         return self._native[1]
 
     def native_struct(self) -> MoELayer | None:
         """The whole layer's C description for the fused decode layers (native_decode.NativeMLP), or
-        None where they cannot run it: a shared expert (its sigmoid gate is torch's) or experts the
-        native kernels do not take."""
-        native = self.native_experts() if self.shared_expert is None else None
+        None where the native kernels do not take its experts."""
+        native = self.native_experts()
         return native.struct if native is not None else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         native = self.native_experts() if is_f32(x) else None
         if native is not None:
-            native.run(x, out)
-        else:
-            weights, chosen = self.routing.route(self.gate(x))  # [T, k] each
-            k = self.routing.top_k
-            flat = chosen.reshape(-1)
-            # The (token, expert) pairs grouped by expert, token order kept within each group.
-            order = torch.argsort(flat, stable=True)
-            counts = torch.bincount(flat, minlength=self.routing.num_experts).tolist()
-            token_of = order // k
-            pair_weight = weights.reshape(-1)[order].to(x.dtype)
-            start = 0
-            for expert, n in zip(self.experts, counts, strict=True):
-                if n:
-                    rows = token_of[start : start + n]
-                    y = expert(x.index_select(0, rows))
-                    out.index_add_(0, rows, y * pair_weight[start : start + n].unsqueeze(1))
-                    start += n
+            native.run(x, out)  # the routed experts and the shared one
+            return self.tp.all_reduce(out)
+        weights, chosen = self.routing.route(self.gate(x))  # [T, k] each
+        k = self.routing.top_k
+        flat = chosen.reshape(-1)
+        # The (token, expert) pairs grouped by expert, token order kept within each group.
+        order = torch.argsort(flat, stable=True)
+        counts = torch.bincount(flat, minlength=self.routing.num_experts).tolist()
+        token_of = order // k
+        pair_weight = weights.reshape(-1)[order].to(x.dtype)
+        start = 0
+        for expert, n in zip(self.experts, counts, strict=True):
+            if n:
+                rows = token_of[start : start + n]
+                y = expert(x.index_select(0, rows))
+                out.index_add_(0, rows, y * pair_weight[start : start + n].unsqueeze(1))
+                start += n
         if self.shared_expert is not None:
             shared = self.shared_expert(x)
             if self.shared_expert_gate is not None:

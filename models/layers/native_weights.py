@@ -41,6 +41,10 @@ class MoELayer(ctypes.Structure):
         ("inter", _i64),
         ("normalize", _i32),
         ("softmax_first", _i32),
+        ("shared_gate_up", _p),  # QWeight, or NULL
+        ("shared_down", _p),
+        ("shared_inter", _i64),
+        ("shared_gate", _p),  # [hidden] float32, or NULL
     ]
 
 

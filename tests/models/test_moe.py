@@ -127,6 +127,36 @@ def test_the_native_expert_call_is_bit_identical_to_the_module_loop(precision: s
         assert torch.equal(native, loop)
 
 
+@needs_native_kernels
+def test_the_native_call_runs_the_shared_expert_through_its_gate() -> None:
+    """Qwen2-MoE's shared expert and its sigmoid gate are in the native call too (no expert module
+    runs); the gate's sigmoid is C's, so the layer matches the module loop's torch one to rounding."""
+    from models.weight_packing import pack_model_weights
+
+    # A shared expert 64 wide: its down projection's rows in whole blocks of 32, so it packs.
+    layer = moe_layer(tiny_qwen2_moe_config(vocab_size=64, shared_expert_intermediate_size=64), index=1)
+    with torch.no_grad():
+        for expert in [*layer.experts, layer.shared_expert]:
+            for linear in (expert.gate_up_proj, expert.down_proj):
+                linear.weight.copy_(gguf_roundtrip(linear.weight, "Q4_1"))
+    pack_model_weights(layer, "float32")
+    assert layer.native_experts() is not None and layer.native_struct() is not None
+    x = torch.randn(12, 64, generator=torch.Generator().manual_seed(6))
+    shared_calls: list[int] = []
+    hook = layer.shared_expert.register_forward_hook(lambda m, args, out: shared_calls.append(1))
+    try:
+        with torch.no_grad():
+            native, calls = expert_calls(layer, x)
+            assert calls == [] and shared_calls == []
+            layer._native = (layer.experts[0].gate_up_proj.packed, None)  # the module loop
+            loop, _ = expert_calls(layer, x)
+            layer._native = None
+    finally:
+        hook.remove()
+    assert shared_calls == [1]  # the loop ran it
+    torch.testing.assert_close(native, loop, atol=1e-5, rtol=1e-5)
+
+
 def test_softmax_over_the_top_k_equals_renormalised_softmax_first() -> None:
     logits = torch.randn(50, 8, generator=torch.Generator().manual_seed(3))
     first_w, first_e = Routing(8, 2, normalize=True).route(logits)

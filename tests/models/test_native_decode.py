@@ -40,9 +40,10 @@ def _decode_steps(prompts: list[list[int]], n: int) -> list[list[list[int]]]:
 
 
 # Mixtures of experts as llama.cpp writes them (8 experts, 2 per token): Qwen3-MoE (per-head q/k
-# norms), OLMoE (norms over the whole q and k projections, clipping that bites) and Mixtral (a llama
-# file with experts).
+# norms), Qwen2-MoE (q/k/v biases, a gated shared expert), OLMoE (norms over the whole q and k
+# projections, clipping that bites) and Mixtral (a llama file with experts).
 MOE_FILES = {
+    "qwen2moe": dict(arch="qwen2moe", heads=2, kv_heads=1, ff=512, expert_ff=256, shared_ff=512),
     "qwen3moe": dict(arch="qwen3moe", hidden=256, heads=2, kv_heads=1, head_dim=128, ff=512, expert_ff=256),
     "olmoe": dict(
         arch="olmoe", heads=4, kv_heads=4, ff=512, expert_ff=256, metadata={"attention.clamp_kqv": 0.5}
