@@ -8,10 +8,11 @@ Bare step: engine.bench's decode steps (`executor.step` of a batch of --concurre
 by hand, so the forward pass and sampling and nothing else), median. TPOT: greedy requests (EOS
 ignored) through IterationLoop, --concurrency of them started together, each one's (last token's
 time - first token's) / (tokens - 1) as client-side benchmarks define it, averaged, and the median
-gap between streamed deltas per token; for --overlap-schedule off, then on, alternating over
---repeats runs. Speculation is off unless --speculative says otherwise: the figure is about the
-plain decode path. Each row gives its ratio to the bare step (the issue's target at one stream: TPOT
-within 5% of it), and the median time the executor sat idle between one step's end and the next
+gap between streamed deltas per token; for --overlap-schedule off, then on. A bare run and one run
+of each mode follow each other, --repeats times, so a shared machine's drift falls on all three
+alike. Speculation is off unless --speculative says otherwise: the figure is about the plain decode
+path. Each row gives its ratio to the bare step (the issue's target at one stream: TPOT within 5% of
+it), and the median time the executor sat idle between one step's end and the next
 one's start (what the loop puts on the forward's critical path: the figure overlap should bring near
 zero, and one a busy machine disturbs less than TPOT). Everything runs in the loop's one step thread
 (scheduler.loop.IterationLoop says why), so the bare steps and the loop's steps use the same OpenMP
@@ -101,13 +102,22 @@ async def one_stream(
     return (last - first) / (tokens - 1), gaps
 
 
-async def loop_runs(
+async def interleaved_runs(
     runner: Any, config: SchedulerConfig, step_thread: ThreadPoolExecutor, prompts: list[list[int]], args
-) -> dict[bool, ModeRuns]:
-    """TPOTs (one per stream), gaps and idle times per overlap mode, the modes alternating run by
-    run; the streams of a run start together."""
+) -> tuple[list[float], dict[bool, ModeRuns]]:
+    """The bare decode steps' times, and TPOTs (one per stream), gaps and idle times per overlap mode:
+    a bare run, then each mode's, repeat after repeat, so each ratio compares figures taken minutes
+    apart at most (a shared machine's speed drifts more than the loop's overhead over a whole run);
+    the streams of a run start together."""
+    # Imported here: only this CLI needs the real engine's benchmark helpers.
+    from engine.bench import WARMUP_STEPS, engine_decode
+
+    bare: list[float] = []
     out = {False: ModeRuns(), True: ModeRuns()}
-    for r in range(args.repeats + 1):  # run 0 of each mode warms up
+    for r in range(args.repeats + 1):  # run 0 of each warms up
+        steps = step_thread.submit(engine_decode, runner, prompts, args.new_tokens, WARMUP_STEPS).result()
+        if r:
+            bare.extend(steps.decode_steps_s)
         for overlap in (False, True):
             clock = StepClock(runner)
             engine = IterationLoop(clock, replace(config, overlap_schedule=overlap), step_thread=step_thread)
@@ -125,7 +135,7 @@ async def loop_runs(
                     out[overlap].tpots.append(tpot)
                     out[overlap].gaps.extend(gaps)
                 out[overlap].idles.extend(clock.idle_gaps()[1:])  # after the prompts' step
-    return out
+    return bare, out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -146,19 +156,16 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> None:
     args = build_parser().parse_args(argv)
     # Imported here: only this CLI needs torch and the real engine.
-    from engine.bench import WARMUP_STEPS, engine_decode, make_prompts
+    from engine.bench import make_prompts
     from engine.executor import LocalExecutor
 
     step_thread = new_step_thread()
     runner = step_thread.submit(LocalExecutor, EngineConfig.from_cli_args(args)).result()
     prompts = make_prompts(args.concurrency, args.prompt_len, runner.vocab_size, args.seed)
-    bare_runs = [
-        step_thread.submit(engine_decode, runner, prompts, args.new_tokens, WARMUP_STEPS).result()
-        for _ in range(args.repeats + 1)
-    ][1:]
-    bare_ms = statistics.median(s * 1e3 for run in bare_runs for s in run.decode_steps_s)
-    runs = asyncio.run(loop_runs(runner, SchedulerConfig.from_cli_args(args), step_thread, prompts, args))
+    config = SchedulerConfig.from_cli_args(args)
+    bare, runs = asyncio.run(interleaved_runs(runner, config, step_thread, prompts, args))
     step_thread.shutdown()
+    bare_ms = statistics.median(bare) * 1e3
 
     rows = [TpotRow("bare step (engine.bench)", bare_ms, bare_ms, 1.0)]
     for overlap, mode in runs.items():
