@@ -236,7 +236,8 @@ class NativeExperts:
 
     def run(self, x: torch.Tensor, out: torch.Tensor) -> None:
         """out [T, hidden] += the MoE MLP of x [T, hidden] (both float32, contiguous)."""
-        rc = self._lib.orca_moe(ctypes.addressof(self.struct), x.data_ptr(), x.shape[0], out.data_ptr())
+        with cpu_kernels.labelled("moe"):
+            rc = self._lib.orca_moe(ctypes.addressof(self.struct), x.data_ptr(), x.shape[0], out.data_ptr())
         if rc:
             raise RuntimeError(f"native experts failed (rc {rc}) on {x.shape[0]} tokens")
 

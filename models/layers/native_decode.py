@@ -283,18 +283,19 @@ class NativeDecodeLayers:
             return None
         pos, slots = positions.contiguous(), md.slot_mapping.contiguous()
         tables, lens = plan.block_tables, plan.seq_lens
-        rc = self._lib.orca_decode_layers(
-            ctypes.addressof(self.structs),
-            len(self.layers),
-            ctypes.addressof(self.shape),
-            hidden.data_ptr(),
-            t,
-            pos.data_ptr(),
-            slots.data_ptr(),
-            tables.data_ptr(),
-            lens.data_ptr(),
-            tables.shape[1],
-        )
+        with cpu_kernels.labelled("decode_layers"):
+            rc = self._lib.orca_decode_layers(
+                ctypes.addressof(self.structs),
+                len(self.layers),
+                ctypes.addressof(self.shape),
+                hidden.data_ptr(),
+                t,
+                pos.data_ptr(),
+                slots.data_ptr(),
+                tables.data_ptr(),
+                lens.data_ptr(),
+                tables.shape[1],
+            )
         if rc:
             raise RuntimeError(f"native decode layers failed (rc {rc}) on {t} tokens")
         return hidden

@@ -202,3 +202,25 @@ def test_new_families_native_layers_equal_the_modules(
         assert torch.equal(a, b)
     for (k1, v1), (k2, v2) in zip(fast_cache.kv_caches, slow_cache.kv_caches, strict=True):
         assert torch.equal(k1, k2) and torch.equal(v1, v2)
+
+
+def test_the_fused_call_and_the_experts_are_named_in_the_profiler(tmp_path: Path, monkeypatch) -> None:
+    """engine.bench --profile labels the calls made straight into the library, so a decode step's
+    profile accounts for its time (only inside labelled_for_profiler: nothing is recorded outside)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from models.kernels import cpu as cpu_kernels
+
+    monkeypatch.setenv("ORCA_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "olmoe.gguf"
+    sizes = {"hidden": 256, "experts": 8, **MOE_FILES["olmoe"]}
+    write_tiny_gguf(gguf, seed=4, layers=2, types=GGUF_MIXES["Q4_K_M"], tied=False, **sizes)
+    model = load_model(resolve_model(str(gguf)), torch.float32, "cpu")
+    steps = _decode_steps([[5, 9, 12], [3] * 4], 1)
+    with profile(activities=[ProfilerActivity.CPU]) as prof, cpu_kernels.labelled_for_profiler():
+        _run(model, steps, native=True)  # a prompt step (the experts' module call), then a fused one
+    names = {e.key for e in prof.key_averages()}
+    assert {"native::decode_layers", "native::moe"} <= names
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        _run(model, steps, native=True)
+    assert not any(e.key.startswith("native::") for e in prof.key_averages())
