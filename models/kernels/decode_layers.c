@@ -88,6 +88,16 @@ int orca_qweight_linear(const orca_qweight *w, const float *x, int64_t T, float 
     return 0;
 }
 
+int orca_gated_mlp(const orca_qweight *gate_up, const orca_qweight *down, int64_t I, int gelu, const float *x,
+                   int64_t T, float *gu, float *act, float *y) {
+    if (orca_qweight_linear(gate_up, x, T, gu)) return 1;
+    if (gelu)
+        orca_gelu_tanh_and_mul(gu, T, I, act);
+    else
+        orca_silu_and_mul(gu, T, I, act);
+    return orca_qweight_linear(down, act, T, y);
+}
+
 /* hidden [T, H] (in: the layers' input; out: their output, the residual stream); positions and slots
  * [T] int64; block_tables [T, max_blocks] and seq_lens [T] int32, the lengths counting this token.
  * Returns 0, or nonzero (with hidden partly updated) if a kernel refused its shapes or memory ran out;
@@ -135,12 +145,7 @@ int orca_decode_layers(const orca_decode_layer *layers, int64_t num_layers, cons
             memset(down, 0, (size_t)(T * H) * sizeof(float));
             if ((rc = orca_moe(L->moe, normed, T, down))) break;
         } else {
-            if ((rc = orca_qweight_linear(&L->gate_up, normed, T, gate_up))) break;
-            if (L->gelu)
-                orca_gelu_tanh_and_mul(gate_up, T, I, act);
-            else
-                orca_silu_and_mul(gate_up, T, I, act);
-            if ((rc = orca_qweight_linear(&L->down, act, T, down))) break;
+            if ((rc = orca_gated_mlp(&L->gate_up, &L->down, I, L->gelu, normed, T, gate_up, act, down))) break;
         }
         if (L->mlp_out_norm) orca_rms_norm(down, NULL, L->mlp_out_norm, shape->eps, T, H, down);
         for (int64_t i = 0; i < T * H; i++) hidden[i] += down[i];

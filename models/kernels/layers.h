@@ -1,5 +1,5 @@
 /* The descriptions of packed weights and of a mixture of experts that decode_layers.c and moe.c share
- * (their ctypes mirrors: models/layers/native_decode.py's QWeight, models/layers/moe.py's MoELayer). */
+ * (their ctypes mirrors: QWeight and MoELayer in models/layers/native_weights.py). */
 #ifndef ORCA_LAYERS_H
 #define ORCA_LAYERS_H
 
@@ -35,6 +35,12 @@ typedef struct {
 
 /* y [T, N] = x [T, K] W^T (+ bias). 0, or nonzero if a kernel refused its shapes. */
 int orca_qweight_linear(const orca_qweight *w, const float *x, int64_t T, float *y);
+
+/* A gated MLP over x [T, H]: y [T, H] = down(act(gate) * up), gate | up = x W_gate_up^T [T, 2I], act SiLU
+ * (gelu 0) or GELU-tanh; gate_up [T, 2I] and act [T, I] are the caller's workspace. 0, or nonzero if a
+ * kernel refused its shapes. The dense layer's MLP, each expert's and the shared expert's. */
+int orca_gated_mlp(const orca_qweight *gate_up, const orca_qweight *down, int64_t I, int gelu, const float *x,
+                   int64_t T, float *gu, float *act, float *y);
 
 /* out [T, H] += the experts' weighted outputs for x [T, H]. 0, or nonzero on a refused shape or no memory. */
 int orca_moe(const orca_moe_layer *m, const float *x, int64_t T, float *out);

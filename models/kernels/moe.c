@@ -18,8 +18,6 @@
 #include "layers.h"
 #include "simd.h"
 
-void orca_silu_and_mul(const float *x, int64_t T, int64_t d, float *out);
-
 /* Router dot products per thread below which OpenMP's fork costs more than it saves. */
 #define PARALLEL_MIN_DOTS (1 << 16)
 
@@ -99,9 +97,7 @@ static int expert_rows(const orca_moe_layer *m, int64_t e, const float *x, const
     const int64_t H = m->hidden, I = m->inter;
     float *rows = scratch, *gu = rows + n * H, *act = gu + n * 2 * I;
     for (int64_t i = 0; i < n; i++) memcpy(rows + i * H, x + token[i] * H, (size_t)H * sizeof(float));
-    if (orca_qweight_linear(m->gate_up + e, rows, n, gu)) return 1;
-    orca_silu_and_mul(gu, n, I, act);
-    return orca_qweight_linear(m->down + e, act, n, y);
+    return orca_gated_mlp(m->gate_up + e, m->down + e, I, 0, rows, n, gu, act, y);
 }
 
 /* out[token[i]] += w[i] * y[i] for n rows y [n, H], in order. */
@@ -121,11 +117,7 @@ static int shared_expert(const orca_moe_layer *m, const float *x, int64_t T, flo
     float *buf = malloc((size_t)(T * (2 * S + S + H)) * sizeof(float));
     if (!buf) return 2;
     float *gu = buf, *act = gu + T * 2 * S, *y = act + T * S;
-    int rc = orca_qweight_linear(m->shared_gate_up, x, T, gu);
-    if (!rc) {
-        orca_silu_and_mul(gu, T, S, act);
-        rc = orca_qweight_linear(m->shared_down, act, T, y);
-    }
+    const int rc = orca_gated_mlp(m->shared_gate_up, m->shared_down, S, 0, x, T, gu, act, y);
     if (!rc)
         for (int64_t t = 0; t < T; t++) {
             const float g = m->shared_gate ? 1.0f / (1.0f + expf(-dot(x + t * H, m->shared_gate, H))) : 1.0f;
