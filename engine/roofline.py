@@ -72,13 +72,7 @@ def routed_expert_bytes(model: nn.Module) -> tuple[int, float]:
     layers = [m for m in model.modules() if isinstance(m, SparseMoE)]
     if not layers:
         return 0, 0.0
-    total = 0
-    for moe in layers:
-        for expert in moe.experts:
-            total += sum(p.numel() * p.element_size() for p in expert.parameters())
-            total += sum(
-                m.packed.nbytes for m in expert.modules() if isinstance(m, PackableLinear) and m.packed
-            )
+    total = sum(weight_bytes_per_step(expert) for moe in layers for expert in moe.experts)
     routing = layers[0].routing
     return total, routing.top_k / routing.num_experts
 

@@ -60,10 +60,12 @@ class ProjectionRMSNorm(nn.Module):
         param.data.copy_(loaded.narrow(0, self.start, param.shape[0]))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp.size == 1 and x.dim() == 2 and cpu_kernels.fits_rowwise(x.contiguous(), x.shape[-1]):
+        if self.tp.size == 1 and x.dim() == 2:
             # One process holds the whole projection: the native norm, the one the fused decode
             # layers run on it (a token's q and k do not depend on which of the two ran its step).
-            return cpu_kernels.rms_norm(x.contiguous(), self.weight, self.eps)
+            rows = x.contiguous()  # a slice of the fused qkv
+            if cpu_kernels.fits_rowwise(rows, rows.shape[-1]):
+                return cpu_kernels.rms_norm(rows, self.weight, self.eps)
         xf = x.float()
         sum_sq = self.tp.all_reduce(xf.pow(2).sum(dim=-1, keepdim=True))
         normed = xf * torch.rsqrt(sum_sq / self.reduced_width + self.eps)

@@ -66,7 +66,7 @@ class Routing:
         """float32 logits [T, E] -> (weights [T, k] float32, experts [T, k] int64). On a CPU, the native
         routing (moe.c), the one the native expert call runs: a token takes the same experts whichever
         of the two ran its step."""
-        if cpu_kernels.fits_rowwise(logits, 8):
+        if is_f32(logits) and cpu_kernels.available():
             return cpu_kernels.moe_route(logits, self.top_k, self.normalize, self.softmax_first)
         if self.softmax_first:
             probs = torch.softmax(logits, dim=-1)
