@@ -180,9 +180,9 @@ def cuda_graphs_off_reason(config: EngineConfig, runner: ModelRunner) -> str | N
     if backend is None or not backend.capturable:
         name = backend.name if backend is not None else "none"
         return f"the {name!r} attention backend cannot be captured (the triton backend can)"
-    family = runner.model.family
-    if not family.cuda_graphs:
-        return f"the {family.name} family's steps choose on the host what runs (its experts)"
+    blocker = runner.model.capture_blocker(runner.device)
+    if blocker is not None:
+        return f"the {runner.model.family.name} model's steps choose on the host what runs: {blocker}"
     return None
 
 

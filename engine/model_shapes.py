@@ -53,6 +53,27 @@ SHAPES: dict[str, dict[str, Any]] = {
         "bos_token_id": 128000,
         "eos_token_id": 128001,
     },
+    # allenai/OLMoE-1B-7B-0924's config.json: 64 experts of 1024, 8 per token (6.9B parameters, 1.3B
+    # active); on a GPU its experts run in the fused Triton kernels (models/layers/triton_moe.py).
+    "olmoe-1b-7b": {
+        "architectures": ["OlmoeForCausalLM"],
+        "model_type": "olmoe",
+        "hidden_size": 2048,
+        "intermediate_size": 1024,
+        "num_hidden_layers": 16,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 16,
+        "num_experts": 64,
+        "num_experts_per_tok": 8,
+        "norm_topk_prob": False,
+        "vocab_size": 50304,
+        "max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": 50279,
+        "eos_token_id": 50279,
+    },
 }
 TINY_HEAD_DIM = 16
 TINY_VOCAB = 512
@@ -96,11 +117,12 @@ def write_shape(name: str, directory: Path, tiny: bool = False) -> Path:
 
 
 def parameter_count(config: dict[str, Any]) -> int:
-    """Parameters of a Llama-family config (embedding, layers, final norm, head unless tied)."""
-    h, inter, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
-    d = config.get("head_dim") or h // config["num_attention_heads"]
-    q, kv = config["num_attention_heads"] * d, config["num_key_value_heads"] * d
-    per_layer = h * (q + 2 * kv) + q * h + 3 * h * inter + 2 * h
-    embed = config["vocab_size"] * h
-    head = 0 if config.get("tie_word_embeddings") else embed
-    return embed + layers * per_layer + h + head
+    """Parameters of a shape's config as transformers builds the model (on the meta device: no memory),
+    embedding and head counted once where tied."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(AutoConfig.for_model(config["model_type"], **fields))
+    return sum(p.numel() for p in model.parameters())

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 from torch import nn
@@ -20,6 +20,16 @@ from models.layers.native_decode import NativeDecodeLayers
 from models.layers.parallel import SINGLE, SINGLE_STAGE, PPContext, TPContext
 from models.layers.rotary import RotaryEmbedding
 from models.weight_names import WeightItem, absent_prefixes, map_weight_names
+
+
+@runtime_checkable
+class CaptureAware(Protocol):
+    """A layer that may decide on the host what a step runs (a mixture of experts' module loop), which
+    a CUDA graph cannot capture."""
+
+    def capture_blocker(self, device: torch.device) -> str | None:
+        """Why its steps cannot be captured on `device` (None: they can)."""
+        ...
 
 
 @dataclass(frozen=True)
@@ -178,6 +188,16 @@ class CausalLMBase(nn.Module):
             self.native_decode = NativeDecodeLayers.build(
                 [parts_of(x) for x in self.decoder_layers()], self.tp.size
             )
+
+    def capture_blocker(self, device: torch.device) -> str | None:
+        """Why CUDA graphs cannot capture this model's decode steps on `device` (None: they can), as its
+        first layer that cannot be captured says."""
+        for module in self.modules():
+            if isinstance(module, CaptureAware) and module is not self:
+                why = module.capture_blocker(device)
+                if why is not None:
+                    return why
+        return None
 
     def set_attention_backend(
         self, backend: str | AttentionBackend, device: torch.device | str = "cpu"

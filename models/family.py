@@ -153,10 +153,6 @@ class ModelFamily:
     # The attention window the (text) config turns on (None: full attention); `layer_windows` says
     # which layers use it.
     sliding_window: Callable[[Any], int | None] = field(default=no_sliding_window)
-    # Whether CUDA graphs may capture its decode steps (engine/cuda_graphs.py): not where a step
-    # decides on the host what runs (a mixture of experts reads back which experts its tokens chose,
-    # which a capture cannot do and a replay would freeze).
-    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         # The class learns its family, so a built model reads its own declaration (model.family).

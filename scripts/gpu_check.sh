@@ -98,10 +98,12 @@ PY
 
 phase_tests() {
     # Every cuda-marked test (CUDA graphs: tokens equal to eager, one synchronisation per step, the capture
-    # log line; the CUDA backends against sdpa), then the Triton attention tests, which compile their
-    # kernels here instead of interpreting them, and the graph tests' CPU-side checks.
+    # log line, a mixture of experts captured; the CUDA backends against sdpa), then the Triton attention
+    # and fused-experts tests, which compile their kernels here instead of interpreting them, and the
+    # graph tests' CPU-side checks.
     run 270 "${PYTEST[@]}" -m "cuda and not slow" tests/ --junitxml="$OUT/tests.xml" -s
-    run 210 "${PYTEST[@]}" -m "not cuda and not slow" tests/models/test_triton_attention.py tests/engine/test_cuda_graphs.py
+    run 210 "${PYTEST[@]}" -m "not cuda and not slow" tests/models/test_triton_attention.py \
+        tests/models/test_triton_moe.py tests/engine/test_cuda_graphs.py
 }
 
 phase_bench() {
@@ -114,6 +116,11 @@ phase_bench() {
     # An 8B-class model: Llama-3-8B's shape, 16 GB of bf16 weights (and HF's copy beside them).
     run 270 "$PY" -m engine.bench --device $DEVICE --shape llama3-8b --batch-sizes $BATCHES --new-tokens 32 \
         --prompt-len 64 "${BENCH[@]}" --json "$r/bench-llama3-8b.json"
+    pack bench
+    # A mixture of experts: OLMoE-1B-7B's shape (14 GB of bf16 weights, 1.3B active), its experts in the
+    # fused Triton kernels, decode steps in CUDA graphs.
+    run 200 "$PY" -m engine.bench --device $DEVICE --shape olmoe-1b-7b --batch-sizes $BATCHES --new-tokens 32 \
+        --prompt-len 64 "${BENCH[@]}" --json "$r/bench-olmoe-1b-7b.json"
     pack bench
     # Where a batch-1 step's time goes, eagerly and with its graph.
     run 45 "$PY" -m engine.bench --device $DEVICE --shape smollm2-135m --profile 1 --enforce-eager "${BENCH[@]}" \

@@ -313,9 +313,8 @@ def llama_like_family(
 def moe_family(
     name: str, model: type[LlamaForCausalLM], weights: WeightNames = MOE_WEIGHT_NAMES, **declared: Any
 ) -> ModelFamily:
-    """A family with Llama's layers and a mixture of experts for MLPs: no CUDA graphs (the experts a
-    step runs are read back to the host)."""
-    return llama_like_family(name, model, weights, cuda_graphs=False, **declared)
+    """A family with Llama's layers and a mixture of experts for MLPs (models/layers/moe.py)."""
+    return llama_like_family(name, model, weights, **declared)
 
 
 def expert_gguf(architectures: tuple[str, ...], **declared: Any) -> GGUFSupport:

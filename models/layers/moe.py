@@ -31,6 +31,7 @@ from torch import nn
 from models.errors import ModelLoadError
 from models.kernels import cpu as cpu_kernels
 from models.layers.activation import SiluAndMul
+from models.layers.attention import triton_available
 from models.layers.linear import (
     MergedColumnParallelLinear,
     RowParallelLinear,
@@ -242,10 +243,44 @@ class NativeExperts:
             raise RuntimeError(f"native experts failed (rc {rc}) on {x.shape[0]} tokens")
 
 
+def fused_experts_run_on(device: torch.device) -> bool:
+    """Whether the routed experts run as two Triton launches (triton_moe.py) on this device: on a GPU
+    with Triton (compiled), never on a CPU outside the tests (the interpreter is for CI only)."""
+    return device.type == "cuda" and triton_available(device)
+
+
+class StackedExperts:
+    """Every expert's gate_up and down weights as two [E, N, K] tensors for the fused kernels; each
+    expert's own parameter becomes a view of its slice, so the weights are held once and the module
+    loop still reads them."""
+
+    def __init__(self, experts: nn.ModuleList) -> None:
+        self.gate_up = self._stack([e.gate_up_proj for e in experts])  # [E, 2I, hidden]
+        self.down = self._stack([e.down_proj for e in experts])  # [E, hidden, I]
+
+    @staticmethod
+    def _stack(layers: list[nn.Module]) -> torch.Tensor:
+        stacked = torch.stack([layer.weight.data for layer in layers])
+        for i, layer in enumerate(layers):
+            layer.weight.data = stacked[i]
+        return stacked
+
+    def current(self, experts: nn.ModuleList) -> bool:
+        """Still the experts' storage (not replaced since, by a reload or a move to another device)."""
+        first = experts[0]
+        return (
+            first.gate_up_proj.weight.data_ptr() == self.gate_up.data_ptr()
+            and first.down_proj.weight.data_ptr() == self.down.data_ptr()
+        )
+
+
 class SparseMoE(nn.Module):
     """The MoE MLP over flat tokens [T, hidden] -> [T, hidden]. Parameter names follow the HF
     checkpoints': `gate` (the router), `experts.<e>.{gate_up_proj,down_proj}`, `shared_expert`,
-    `shared_expert_gate`."""
+    `shared_expert_gate`.
+
+    Three ways to run the routed experts, by device: the native call (CPU, packed experts), the fused
+    Triton kernels (GPU), the module loop over the chosen experts (anything else)."""
 
     def __init__(self, sizes: MoESizes, routing: Routing, dtype: torch.dtype, tp: TPContext) -> None:
         super().__init__()
@@ -261,6 +296,7 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = SharedExpertGate(sizes.hidden, dtype) if sizes.shared_gate else None
         # The experts described to the native kernels, once they are packed (native_experts).
         self._native: tuple[object, NativeExperts | None] | None = None
+        self._stacked: StackedExperts | None = None  # for the fused kernels (stacked_experts)
 
     def native_experts(self) -> NativeExperts | None:
         """The native description of the experts as they are now packed (rebuilt if they were packed
@@ -283,6 +319,23 @@ class SparseMoE(nn.Module):
         native = self.native_experts()
         return native.struct if native is not None else None
 
+    def stacked_experts(self) -> StackedExperts | None:
+        """The experts' weights stacked for the fused kernels (built on first use, after loading), or
+        None where some expert's weight is packed for the CPU kernels."""
+        if any(e.gate_up_proj.weight is None or e.down_proj.weight is None for e in self.experts):
+            return None
+        if self._stacked is None or not self._stacked.current(self.experts):
+            self._stacked = StackedExperts(self.experts)
+        return self._stacked
+
+    def capture_blocker(self, device: torch.device) -> str | None:
+        """Why a CUDA graph cannot capture this layer's steps on `device` (None: it can). The module
+        loop reads the experts' token counts back to the host, which a capture cannot do and a replay
+        would freeze; the fused kernels read nothing back."""
+        if fused_experts_run_on(device):
+            return None
+        return "its experts run one matmul pair per chosen expert (the fused kernels need Triton)"
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = torch.zeros_like(x)
         native = self.native_experts() if is_f32(x) else None
@@ -290,6 +343,24 @@ class SparseMoE(nn.Module):
             native.run(x, out)  # the routed experts and the shared one
             return self.tp.all_reduce(out)
         weights, chosen = self.routing.route(self.gate(x))  # [T, k] each
+        stacked = self.stacked_experts() if fused_experts_run_on(x.device) and x.shape[0] else None
+        if stacked is not None:
+            from models.layers.triton_moe import fused_experts
+
+            out = fused_experts(x, stacked.gate_up, stacked.down, weights, chosen, self.experts[0].act)
+        else:
+            self._loop_experts(x, weights, chosen, out)
+        if self.shared_expert is not None:
+            shared = self.shared_expert(x)
+            if self.shared_expert_gate is not None:
+                shared = shared * self.shared_expert_gate(x).to(x.dtype)
+            out += shared
+        return self.tp.all_reduce(out)
+
+    def _loop_experts(
+        self, x: torch.Tensor, weights: torch.Tensor, chosen: torch.Tensor, out: torch.Tensor
+    ) -> None:
+        """out += each chosen expert's weighted output, one expert at a time over its tokens."""
         k = self.routing.top_k
         flat = chosen.reshape(-1)
         # The (token, expert) pairs grouped by expert, token order kept within each group.
@@ -304,12 +375,6 @@ class SparseMoE(nn.Module):
                 y = expert(x.index_select(0, rows))
                 out.index_add_(0, rows, y * pair_weight[start : start + n].unsqueeze(1))
                 start += n
-        if self.shared_expert is not None:
-            shared = self.shared_expert(x)
-            if self.shared_expert_gate is not None:
-                shared = shared * self.shared_expert_gate(x).to(x.dtype)
-            out += shared
-        return self.tp.all_reduce(out)
 
 
 # Routing settings of other MoE configs that change which experts a token takes or how their outputs

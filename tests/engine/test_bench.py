@@ -46,9 +46,10 @@ def test_a_mixture_of_experts_counts_its_routed_experts_at_the_share_a_step_read
     assert costs.per_step(64, 0) == pytest.approx(9000)  # a large batch reads nearly every expert
 
 
-def test_llama3_8b_shape_has_8b_parameters():
+def test_the_shapes_have_their_published_parameter_counts():
     assert parameter_count(shape_config("llama3-8b")) == 8_030_261_248  # Meta-Llama-3-8B's count
     assert parameter_count(shape_config("smollm2-135m")) == 134_515_008  # tied: the embedding once
+    assert parameter_count(shape_config("olmoe-1b-7b")) == 6_919_161_856  # 64 experts: 6.9B, 1.3B active
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))

@@ -11,11 +11,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib.util
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -316,18 +311,9 @@ H100_SHARED_MEMORY = 227 * 1024  # the most one block may use on an H100
 def test_kernels_compile_for_h100_without_spills() -> None:
     if not triton_imports():
         pytest.skip("triton is not installed or does not import")
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(Path(__file__).parents[2]), env.get("PYTHONPATH")]))
-    script = Path(__file__).with_name("triton_sm90_build.py")
-    proc = subprocess.run(
-        [sys.executable, str(script), json.dumps(H100_CASES)],
-        capture_output=True,
-        text=True,
-        env=env,
-        timeout=240,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    for report in json.loads(proc.stdout):
+    from triton_sm90_build import compile_for_h100
+
+    for report in compile_for_h100(H100_CASES):
         for kernel in (report, report.get("merge")):
             if kernel is None:
                 continue

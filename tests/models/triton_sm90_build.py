@@ -1,9 +1,10 @@
-"""Compile the Triton attention kernels for an H100 (sm_90) on any machine, GPU or not, and report
-what each compiled variant uses: registers, spills, shared memory.
+"""Compile the Triton kernels (attention, the fused experts) for an H100 (sm_90) on any machine, GPU or
+not, and report what each compiled variant uses: registers, spills, shared memory.
 
 Triton ships its compiler and ptxas, so the whole chain down to the cubin runs on a CPU; only
-launching needs a GPU. test_triton_attention.py runs this in a subprocess (Triton's interpreter switch
-must be off, and it is fixed per process). Usage: python triton_sm90_build.py '<json list of cases>'
+launching needs a GPU. The tests run this in a subprocess (`compile_for_h100`: Triton's interpreter
+switch must be off, and it is fixed per process). Usage: python triton_sm90_build.py '<json list of
+cases>'; a case with "kernel": "expert_matmul" is the fused experts' matmul, any other attention.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from models.layers import triton_attention as ta
+from models.layers import triton_moe as tm
 
 H100 = GPUTarget("cuda", 90, 32)
 TRITON_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -117,7 +119,52 @@ def build(case: dict) -> dict:
     return report
 
 
+def build_expert_matmul(case: dict) -> dict:
+    dtype = TRITON_DTYPES[case["dtype"]]
+    kernel = triton.compile(
+        _source(
+            tm._expert_matmul_kernel,
+            {
+                **{p: f"*{dtype}" for p in ("a_ptr", "w_ptr", "c_ptr")},
+                "pair_weight_ptr": "*fp32",
+                **{p: "*i32" for p in ("sorted_pairs_ptr", "block_expert_ptr", "num_padded_ptr")},
+            },
+            dict(
+                PAIRS_PER_A_ROW=case["pairs_per_a_row"],
+                MUL_WEIGHT=case["mul_weight"],
+                DOT_PRECISION="ieee" if dtype == "fp32" else "tf32",
+                BLOCK_M=tm.BLOCK_M,
+                BLOCK_N=tm.BLOCK_N,
+                BLOCK_K=tm.BLOCK_K,
+            ),
+        ),
+        target=H100,
+        options=dict(num_warps=tm.NUM_WARPS, num_stages=tm.NUM_STAGES),
+    )
+    return {**case, "shared": kernel.metadata.shared, **_resources(kernel.asm["cubin"])}
+
+
+def compile_for_h100(cases: list[dict]) -> list[dict]:
+    """Each case's report, from this script run in a subprocess with the interpreter off."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(
+            None,
+            [
+                os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
+                env.get("PYTHONPATH"),
+            ],
+        )
+    )
+    proc = subprocess.run(
+        [sys.executable, __file__, json.dumps(cases)], capture_output=True, text=True, env=env, timeout=240
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
 if __name__ == "__main__":
     if triton.knobs.runtime.interpret:
         sys.exit("run with TRITON_INTERPRET unset: the interpreter replaces the compiler")
-    print(json.dumps([build(case) for case in json.loads(sys.argv[1])]))
+    builders = {"expert_matmul": build_expert_matmul}
+    print(json.dumps([builders.get(case.get("kernel"), build)(case) for case in json.loads(sys.argv[1])]))
