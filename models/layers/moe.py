@@ -260,7 +260,10 @@ class StackedExperts:
 
     @staticmethod
     def _stack(layers: list[nn.Module]) -> torch.Tensor:
-        stacked = torch.stack([layer.weight.data for layer in layers])
+        # Built on a step's first use, inside the runner's inference mode: a normal tensor all the same,
+        # or the parameters (views of it) could not be loaded into again outside that mode.
+        with torch.inference_mode(False):
+            stacked = torch.stack([layer.weight.data for layer in layers])
         for i, layer in enumerate(layers):
             layer.weight.data = stacked[i]
         return stacked

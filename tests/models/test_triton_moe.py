@@ -168,3 +168,20 @@ def test_the_expert_matmul_compiles_for_h100_without_spills() -> None:
         assert report["shared"] <= H100_SHARED_MEMORY, report
         if "registers" in report:  # read from the cubin with the cuobjdump Triton ships
             assert report["stack"] == 0 and report["local"] == 0, f"spills: {report}"
+
+
+@needs_triton
+def test_experts_stacked_inside_a_step_still_take_new_weights(monkeypatch) -> None:
+    """The stack is built on the first step, under the runner's inference mode; the parameters that
+    became views of it load new values afterwards as before."""
+    layer, x = _layer(tiny_qwen3_moe_config(vocab_size=64))
+    monkeypatch.setattr(moe_module, "fused_experts_run_on", lambda device: True)
+    with torch.inference_mode():
+        layer(x)
+    weight = layer.experts[0].down_proj.weight
+    part = torch.zeros((2, *weight.shape))[1]  # a view: copied into the parameter, not adopted
+    weight.weight_loader(weight, part, None)
+    stacked = layer.stacked_experts()
+    assert stacked.current(layer.experts) and stacked.down[0].abs().sum() == 0
+    assert not stacked.gate_up.is_inference() and not stacked.down.is_inference()
+    stacked.down[1].zero_()  # in place, outside inference mode: allowed on a normal tensor
