@@ -6,8 +6,9 @@ What "precision" means for a quantized (GGUF) model: the weights stay in their b
 8.5 bits each, bit-identical to the file's values); the activations a linear layer multiplies them
 with are either
 
-    int8     each row quantized per block of 32 (scale max|x| / 127), integer dot products with the
-             codes, one float multiply-add per block: llama.cpp's route, the fastest on every x86
+    int8     each row quantized per block of 32 (scale max|x| / 127; per super-block of 256 against
+             a K-quant, as llama.cpp's Q8_K), integer dot products with the codes, then a float
+             multiply-add per block (a K-quant: per super-block): llama.cpp's route, the fastest on every x86
              CPU with AVX2 (vpmaddubsw), AVX512-VNNI (vpdpbusd) or AMX (tile multiplies);
              perplexity within 1% of float32 (tests/models/test_quantized_accuracy.py)
     float32  the weights dequantized exactly in registers, float32 products and sums: the reference

@@ -86,7 +86,8 @@ HEADERS = tuple(sorted(Path(__file__).parent.glob("*.h")))
 CFLAGS = ("-O3", "-ffp-contract=off", "-fopenmp", "-shared", "-fPIC")
 LIBS = ("-lm",)
 
-# Activations of a quantized linear: int8 per block of 32 (integer dot products), or float32.
+# Activations of a quantized linear: int8 per block of 32, or per 256 against a K-quant (integer dot
+# products), or float32.
 Precision = Literal["int8", "float32"]
 PRECISION_CODES: dict[str, int] = {"float32": 0, "int8": 1}
 # What orca_build_isa() says for each variant's build.

@@ -1,10 +1,13 @@
 /* y[M, N] = x[M, K] @ W^T for a block-quantized weight in the tiled layout of quant_tiles.h.
  *
  * Two precisions:
- *   int8     (the fast path, llama.cpp's route) each row of x is quantized per block of 32 to int8
- *            with one float scale (dx = max|x| / 127); every block's dot product with the weight
- *            codes is an exact integer (vpdpbusd, vpmaddubsw, or AMX tiles); then per block, one
- *            float multiply-add:  y = fma(float(isum), a * dx, y)  [+ fma(z, dx * sum(xq), y)]
+ *   int8     (the fast path, llama.cpp's route) each row of x is quantized to int8 with one float
+ *            scale (dx = max|x| / 127) per block of 32 (Q8_0's grouping) for the formats with one
+ *            scale a block, per super-block of 256 (Q8_K's) for the K-quants; every dot product with
+ *            the weight codes is an exact integer (vpdpbusd, vpmaddubsw, or AMX tiles); then per
+ *            block, one float multiply-add:  y = fma(float(isum), a * dx, y)  [+ fma(z, dx * sum(xq), y)],
+ *            or for a K-quant the sub-scales weigh the integers and one per super-block
+ *            (int_tile_super)
  *   float32  (the reference) the weights are dequantized exactly (w = fma(a, q, z), bit-identical
  *            to gguf-py and so to transformers) and y = fma(x_k, w_k, y) runs over k in order.
  *
@@ -47,50 +50,69 @@
  * The activations, quantized. */
 
 typedef struct {
-    int8_t *q;     /* [M, K] */
-    float *d;      /* [M, G] the block scales */
-    float *s;      /* [M, G] d * sum(q) over the block (the min term of Q4_1 / Q4_K / ...) */
-    int32_t *sum;  /* [M, 2G] sum(q) per 16 k */
+    int8_t *q;      /* [M, K] */
+    float *d;       /* [M, G] the scale of each block's values (with SUPER_GROUP: its super-block's) */
+    float *s;       /* [M, G] d * sum(q) over the block (the min term of Q4_1, Q5_1) */
+    int32_t *sum;   /* [M, 2G] sum(q) per 16 k */
+    int16_t *sum16; /* [M, 2G] the same in 16 bits (|sum| <= 16 * 127): two neighbours are a vpdpwssd pair */
+    int16_t *sum32; /* [M, G] sum(q) per block of 32, in 16 bits likewise */
     int64_t K, G;
+    int group;      /* values of x per scale: QBLOCK, or SUPER_GROUP for the K-quants */
 } qx_t;
 
-static void quantize_row(const float *x, int64_t K, int8_t *q, float *d, float *s, int32_t *sum) {
-    for (int64_t g = 0; g < K / QBLOCK; g++) {
-        const float *xb = x + g * QBLOCK;
+/* Values of x per scale for the K-quants (the K and K16 kinds): one super-block, llama.cpp's Q8_K.
+ * With x's scale constant over a super-block, the sub-scales multiply the integer dot products as
+ * integers and one float step per super-block remains (int_tile_super), where a scale per 32 values
+ * took three or four float steps per sub-group and row. */
+#define SUPER_GROUP 256
+
+static void quantize_row(const float *x, int64_t K, int group, int8_t *q, float *d, float *s, int32_t *sum,
+                         int16_t *sum16, int16_t *sum32) {
+    for (int64_t g0 = 0; g0 < K / QBLOCK; g0 += group / QBLOCK) {
         vf m = vf_zero();
-        for (int k = 0; k < QBLOCK; k += LANES) m = vf_max(m, vf_abs(vf_loadu(xb + k)));
+        for (int k = 0; k < group; k += LANES) m = vf_max(m, vf_abs(vf_loadu(x + g0 * QBLOCK + k)));
         const float amax = vf_hmax(m);
         const float dg = amax / 127.0f, id = dg != 0.0f ? 1.0f / dg : 0.0f;
-        int32_t half[2];
-        for (int h = 0; h < 2; h++) {
-            vi acc = vi_zero();
-            for (int k = 16 * h; k < 16 * h + 16; k += LANES) {
-                const vi v = vf_to_i(vf_mul(vf_loadu(xb + k), vf_set1(id)));
-                vi_store_i8(q + g * QBLOCK + k, v);
-                acc = vi_add(acc, v);
+        for (int64_t g = g0; g < g0 + group / QBLOCK; g++) {
+            const float *xb = x + g * QBLOCK;
+            int32_t half[2];
+            for (int h = 0; h < 2; h++) {
+                vi acc = vi_zero();
+                for (int k = 16 * h; k < 16 * h + 16; k += LANES) {
+                    const vi v = vf_to_i(vf_mul(vf_loadu(xb + k), vf_set1(id)));
+                    vi_store_i8(q + g * QBLOCK + k, v);
+                    acc = vi_add(acc, v);
+                }
+                half[h] = vi_hsum(acc);
             }
-            half[h] = vi_hsum(acc);
+            d[g] = dg;
+            sum[2 * g] = half[0];
+            sum[2 * g + 1] = half[1];
+            sum16[2 * g] = (int16_t)half[0];
+            sum16[2 * g + 1] = (int16_t)half[1];
+            sum32[g] = (int16_t)(half[0] + half[1]);
+            s[g] = dg * (float)(half[0] + half[1]);
         }
-        d[g] = dg;
-        sum[2 * g] = half[0];
-        sum[2 * g + 1] = half[1];
-        s[g] = dg * (float)(half[0] + half[1]);
     }
 }
 
-static int quantize_x(const float *x, int64_t M, int64_t K, qx_t *out) {
+static int quantize_x(const float *x, int64_t M, int64_t K, int group, qx_t *out) {
     const int64_t G = K / QBLOCK;
-    char *buf = malloc((size_t)(M * K + M * G * (2 * sizeof(float) + 2 * sizeof(int32_t)) + 64));
+    char *buf = malloc((size_t)(M * K + M * G * (2 * sizeof(float) + 2 * sizeof(int32_t) + 3 * sizeof(int16_t)) + 64));
     if (!buf) return 1;
     out->K = K;
     out->G = G;
+    out->group = group;
     out->d = (float *)buf;
     out->s = out->d + M * G;
     out->sum = (int32_t *)(out->s + M * G);
-    out->q = (int8_t *)(out->sum + 2 * M * G);
+    out->sum16 = (int16_t *)(out->sum + 2 * M * G);
+    out->sum32 = out->sum16 + 2 * M * G;
+    out->q = (int8_t *)(out->sum32 + M * G);
 #pragma omp parallel for schedule(static) if (M * K >= PARALLEL_MIN_WORK)
     for (int64_t m = 0; m < M; m++)
-        quantize_row(x + m * K, K, out->q + m * K, out->d + m * G, out->s + m * G, out->sum + 2 * m * G);
+        quantize_row(x + m * K, K, group, out->q + m * K, out->d + m * G, out->s + m * G, out->sum + 2 * m * G,
+                     out->sum16 + 2 * m * G, out->sum32 + m * G);
     return 0;
 }
 
@@ -151,22 +173,57 @@ static inline __attribute__((always_inline)) vi code_unit(const uint8_t *codes, 
     return qf_codebook(fmt) ? vi_table16(n, IQ4_NL_VALUES) : n;
 }
 
-/* ------------------------------------------------------------------------------------------------
- * int8 path: one 16-row tile against mr rows of x. */
+/* Sub-groups per block: K16's two halves of 16 k, or the K kind's whole block. */
+static inline int sub_groups(const int fmt) { return qf_kind(fmt) == KIND_K16 ? 2 : 1; }
 
-/* The float steps of one scale group of block g for row r of x (part 0 / 1: the first / last 16 k of a
- * K16 block; -1: the whole block), from the group's integer dot products `is`: the integer
+/* Integer dot products of sub-group p of block g (its units), half h, against mr rows of x. The unit
+ * loop is unrolled: without it the 8 row pointers and the unit index cost more than the dot products. */
+static inline __attribute__((always_inline)) void sub_group_dots(const uint8_t *codes, const int fmt, const qx_t *x,
+                                                                 int64_t m0, const int mr, int64_t g, int p, int h,
+                                                                 vi is[MR_INT]) {
+    const int64_t K = x->K;
+    const int8_t *xq = x->q + m0 * K + g * QBLOCK;
+    const int units = 8 / sub_groups(fmt);
+#if DOT_US16
+    if (qf_bits(fmt) == 4 && !qf_signed_units(fmt)) { /* 4-bit codes: up to 8 units' sums fit 16 bits (vec.h) */
+        vi s16[MR_INT];
+        for (int m = 0; m < mr; m++) s16[m] = vi_zero();
+        for (int u = units * p; u < units * (p + 1); u++) {
+            const vi w = code_unit(codes, fmt, u, h);
+            for (int m = 0; m < mr; m++) s16[m] = dot_us16(s16[m], w, vi_bcast32(xq + m * K + 4 * u));
+        }
+        for (int m = 0; m < mr; m++) is[m] = widen_us16(s16[m]);
+        return;
+    }
+#endif
+    for (int m = 0; m < mr; m++) is[m] = vi_zero();
+#pragma GCC unroll 8
+    for (int u = units * p; u < units * (p + 1); u++) {
+        const vi w = code_unit(codes, fmt, u, h);
+        if (qf_signed_units(fmt)) {
+            const sunit su = prep_signed(w);
+            for (int m = 0; m < mr; m++) is[m] = dot_ss(is[m], su, vi_bcast32(xq + m * K + 4 * u));
+        } else {
+            for (int m = 0; m < mr; m++) is[m] = dot_us(is[m], w, vi_bcast32(xq + m * K + 4 * u));
+        }
+    }
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * int8 path for the F16 kind (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1): one 16-row tile against mr rows of x,
+ * x quantized per block of 32 (the K-quants: int_tile_super, below). */
+
+/* The float steps of block g for row r of x, from the block's integer dot products `is`: the integer
  * correction (the unsigned codes' offsets, VNNI's bias, over the sum of x's codes), then
- * y += is * a * dx [+ z * dx * sum(xq)]. Every path of the int8 kernels (and AMX's) ends a scale
- * group with exactly these operations. */
+ * y += is * a * dx [+ z * dx * sum(xq)]. Every path of the int8 kernels (and AMX's) ends a block with
+ * exactly these operations. */
 static inline __attribute__((always_inline)) vf group_epilogue(vf acc, vi is, vf a, vf z, const int fmt, const qx_t *x,
-                                                               int64_t r, int64_t g, int part, int32_t per_sum) {
+                                                               int64_t r, int64_t g, int32_t per_sum) {
     const int32_t *s = x->sum + 2 * (r * x->G + g);
-    const int32_t n_sum = part < 0 ? s[0] + s[1] : s[part];
     const float dx = x->d[r * x->G + g];
-    const vi t = per_sum ? vi_add(is, vi_set1(per_sum * n_sum)) : is;
+    const vi t = per_sum ? vi_add(is, vi_set1(per_sum * (s[0] + s[1]))) : is;
     acc = vf_fma(vi_to_f(t), vf_mul(a, vf_set1(dx)), acc);
-    if (qf_has_min(fmt)) acc = vf_fma(z, vf_set1(part < 0 ? x->s[r * x->G + g] : dx * (float)n_sum), acc);
+    if (qf_has_min(fmt)) acc = vf_fma(z, vf_set1(x->s[r * x->G + g]), acc);
     return acc;
 }
 
@@ -174,9 +231,9 @@ static inline __attribute__((always_inline)) void int_tile(const uint8_t *tile, 
                                                            int64_t m0, const int mr, float *y, int64_t ldy,
                                                            int nvalid) {
     const int64_t K = x->K, G = x->G;
-    const int k16 = qf_kind(fmt) == KIND_K16, sgn = qf_signed_units(fmt);
-    /* Integer corrections per scale group: the unsigned codes' offsets (Q4_0, Q3_K, Q5_0, Q6_K), VNNI's
-     * +128 bias of signed codes. */
+    const int sgn = qf_signed_units(fmt);
+    /* Integer corrections per block: the unsigned codes' offsets (Q4_0, Q5_0), VNNI's +128 bias of signed
+     * codes. */
     const int32_t per_sum = sgn ? -SIGNED_BIAS : qf_offset(fmt);
     vf acc[MR_INT][HALVES];
     for (int m = 0; m < mr; m++)
@@ -192,49 +249,30 @@ static inline __attribute__((always_inline)) void int_tile(const uint8_t *tile, 
         if (!sgn && qf_bits(fmt) == 4) { /* one broadcast of x feeds both halves; 4-bit codes keep 8 units'
                                             sums within 16 bits (vec.h) */
             const bscale sc[2] = {block_scales(hdr, sub, fmt, 0), block_scales(hdr, sub, fmt, 1)};
-            const int parts = k16 ? 2 : 1, units = 8 / parts;
-            for (int p = 0; p < parts; p++) {
-                vi s16[MR_INT][2];
-                for (int m = 0; m < mr; m++) s16[m][0] = s16[m][1] = vi_zero();
-                for (int u = p * units; u < (p + 1) * units; u++) {
-                    const vi w0 = code_unit(codes, fmt, u, 0), w1 = code_unit(codes, fmt, u, 1);
-                    for (int m = 0; m < mr; m++) {
-                        const vi xb = vi_set1(load_i32(x->q + (m0 + m) * K + g * QBLOCK + 4 * u));
-                        s16[m][0] = dot_us16(s16[m][0], w0, xb);
-                        s16[m][1] = dot_us16(s16[m][1], w1, xb);
-                    }
+            vi s16[MR_INT][2];
+            for (int m = 0; m < mr; m++) s16[m][0] = s16[m][1] = vi_zero();
+#pragma GCC unroll 8
+            for (int u = 0; u < 8; u++) {
+                const vi w0 = code_unit(codes, fmt, u, 0), w1 = code_unit(codes, fmt, u, 1);
+                for (int m = 0; m < mr; m++) {
+                    const vi xb = vi_bcast32(x->q + (m0 + m) * K + g * QBLOCK + 4 * u);
+                    s16[m][0] = dot_us16(s16[m][0], w0, xb);
+                    s16[m][1] = dot_us16(s16[m][1], w1, xb);
                 }
-                for (int h = 0; h < 2; h++)
-                    for (int m = 0; m < mr; m++)
-                        acc[m][h] = group_epilogue(acc[m][h], widen_us16(s16[m][h]), p ? sc[h].a1 : sc[h].a0,
-                                                   p ? sc[h].z1 : sc[h].z0, fmt, x, m0 + m, g, k16 ? p : -1, per_sum);
             }
+            for (int h = 0; h < 2; h++)
+                for (int m = 0; m < mr; m++)
+                    acc[m][h] = group_epilogue(acc[m][h], widen_us16(s16[m][h]), sc[h].a0, sc[h].z0, fmt, x, m0 + m,
+                                               g, per_sum);
             continue;
         }
 #endif
         for (int h = 0; h < HALVES; h++) {
             const bscale sc = block_scales(hdr, sub, fmt, h);
             vi is[MR_INT];
-            for (int m = 0; m < mr; m++) is[m] = vi_zero();
-            for (int u = 0; u < 8; u++) {
-                const vi w = code_unit(codes, fmt, u, h);
-                if (sgn) {
-                    const sunit su = prep_signed(w);
-                    for (int m = 0; m < mr; m++)
-                        is[m] = dot_ss(is[m], su, vi_set1(load_i32(x->q + (m0 + m) * K + g * QBLOCK + 4 * u)));
-                } else {
-                    for (int m = 0; m < mr; m++)
-                        is[m] = dot_us(is[m], w, vi_set1(load_i32(x->q + (m0 + m) * K + g * QBLOCK + 4 * u)));
-                }
-                if (k16 && u == 3) { /* the first 16 k have their own scale (and minimum) */
-                    for (int m = 0; m < mr; m++) {
-                        acc[m][h] = group_epilogue(acc[m][h], is[m], sc.a0, sc.z0, fmt, x, m0 + m, g, 0, per_sum);
-                        is[m] = vi_zero();
-                    }
-                }
-            }
+            sub_group_dots(codes, fmt, x, m0, mr, g, 0, h, is);
             for (int m = 0; m < mr; m++)
-                acc[m][h] = group_epilogue(acc[m][h], is[m], sc.a1, sc.z1, fmt, x, m0 + m, g, k16 ? 1 : -1, per_sum);
+                acc[m][h] = group_epilogue(acc[m][h], is[m], sc.a0, sc.z0, fmt, x, m0 + m, g, per_sum);
         }
     }
     for (int m = 0; m < mr; m++)
@@ -244,6 +282,155 @@ static inline __attribute__((always_inline)) void int_tile(const uint8_t *tile, 
                 vf_storeu(y + (m0 + m) * ldy + h * LANES, acc[m][h]);
             else if (n > 0)
                 vf_store_n(y + (m0 + m) * ldy + h * LANES, acc[m][h], n);
+        }
+}
+
+/* ------------------------------------------------------------------------------------------------
+ * int8 path for the K-quants (the K and K16 kinds), x quantized per super-block (SUPER_GROUP).
+ *
+ * With one scale of x per super-block, the integer dot products is_j of a super-block's sub-groups
+ * (8 of 32 k for the K kind, 16 of 16 k for K16; one row of x against 16 output rows) are weighed by
+ * their sub-scales sc_j as integers:
+ *   isum = sum_j sc_j * is_j       (vpmulld; exact, |isum| < 2^31 for every format)
+ *   corr = sum_j c_j * n_j         (vpdpwssd over pairs of sub-groups; n_j = sum of x's codes over
+ *                                   sub-group j; c_j = m_j for the formats with minimums (Q4_K, Q5_K,
+ *                                   Q2_K), else sc_j for an integer correction per code: the codes'
+ *                                   offset (Q6_K's -32, Q3_K's -4) or VNNI's +128 bias of signed
+ *                                   codes (IQ4_XS))
+ *   y += float(isum + per_code * corr) * (d * dx)               (the others)
+ *   y += float(isum) * (d * dx) + float(corr) * -(dmin * dx)    (minimums)
+ * two float steps per super-block and row where per-32 scales of x took three or four per sub-group.
+ * Every path (the vector kernels, AMX) ends a super-block with `super_epilogue`, so they stay
+ * bit-identical. */
+
+/* One lane's two int32 values (each within int16) as the int16 pair (lo, hi) of a vpdpwssd operand. */
+static inline vi pair16(vi lo, vi hi) { return vi_or(vi_and(lo, vi_set1(0xffff)), vi_slli32(hi, 16)); }
+
+/* The sub-scale of sub-group p of a block (as int32), for half h of the tile. */
+static inline __attribute__((always_inline)) vi sub_scale_i(const uint8_t *sub, const int fmt, int p, int h) {
+    return qf_sub_signed(fmt) ? load_s8i(sub + 16 * p, h) : load_u8i(sub + 16 * p, h);
+}
+
+/* c_j of sub-group p of a block: its minimum (after the sub-scales: 16 bytes a sub-group), or its
+ * sub-scale. */
+static inline __attribute__((always_inline)) vi corr_weight(const uint8_t *sub, const int fmt, int p, int h) {
+    return qf_has_min(fmt) ? load_u8i(sub + 16 * (sub_groups(fmt) + p), h) : sub_scale_i(sub, fmt, p, h);
+}
+
+/* The correction pair vector that starts at block g (even for the K kind, whose pairs span two
+ * blocks; any block for K16, whose pair is the block's two halves). */
+static inline __attribute__((always_inline)) vi corr_pair(const uint8_t *tile, const int fmt, int64_t g, int h) {
+    if (sub_groups(fmt) == 2) {
+        const uint8_t *sub = qf_block(tile, fmt, g).sub;
+        return pair16(corr_weight(sub, fmt, 0, h), corr_weight(sub, fmt, 1, h));
+    }
+    return pair16(corr_weight(qf_block(tile, fmt, g).sub, fmt, 0, h),
+                  corr_weight(qf_block(tile, fmt, g + 1).sub, fmt, 0, h));
+}
+
+/* x's codes summed per sub-group, as int16 pairs (K16: per 16 k; K: per 32). */
+static inline const int16_t *sub_sums(const int fmt, const qx_t *x) {
+    return sub_groups(fmt) == 2 ? x->sum16 : x->sum32;
+}
+
+/* corr of row r over super-block s, from its 8 pair vectors cp [8][LANES]. */
+static inline __attribute__((always_inline)) vi super_corr(const int32_t *cp, const int fmt, const qx_t *x, int64_t r,
+                                                           int64_t s) {
+    const int64_t per_row = x->G * sub_groups(fmt); /* sub-groups a row */
+    const int16_t *n = sub_sums(fmt, x) + r * per_row + 8 * sub_groups(fmt) * s;
+    vi corr = vi_zero();
+    for (int i = 0; i < 4 * sub_groups(fmt); i++)
+        corr = dot_pairs16(corr, vi_loadu(cp + i * LANES), vi_bcast32(n + 2 * i));
+    return corr;
+}
+
+/* per_code: the integer correction each of x's codes contributes (0: none, or the corr is minimums). */
+static inline __attribute__((always_inline)) vf super_epilogue(vf acc, vi isum, vi corr, vf d, vf dmin, const int fmt,
+                                                               int32_t per_code, const qx_t *x, int64_t r, int64_t s) {
+    const float dx = x->d[r * x->G + 8 * s];
+    if (qf_has_min(fmt)) {
+        acc = vf_fma(vi_to_f(isum), vf_mul(d, vf_set1(dx)), acc);
+        return vf_fma(vi_to_f(corr), vf_neg(vf_mul(dmin, vf_set1(dx))), acc);
+    }
+    const vi t = per_code ? vi_add(isum, vi_mullo(corr, vi_set1(per_code))) : isum;
+    return vf_fma(vi_to_f(t), vf_mul(d, vf_set1(dx)), acc);
+}
+
+static inline __attribute__((always_inline)) void int_tile_super(const uint8_t *tile, const int fmt, const qx_t *x,
+                                                                 int64_t m0, const int mr, float *y, int64_t ldy,
+                                                                 int nvalid) {
+    const int32_t per_code = qf_signed_units(fmt) ? -SIGNED_BIAS : qf_offset(fmt);
+    const int need_corr = qf_has_min(fmt) || per_code;
+    float acc[MR_INT][16] __attribute__((aligned(64)));
+    int32_t cp[HALVES][8 * LANES] __attribute__((aligned(64)));
+    for (int m = 0; m < mr; m++)
+        for (int h = 0; h < HALVES; h++) vf_store(acc[m] + h * LANES, vf_zero());
+    for (int64_t s = 0; s < x->G / 8; s++) {
+        vi isum[MR_INT][HALVES];
+        for (int m = 0; m < mr; m++)
+            for (int h = 0; h < HALVES; h++) isum[m][h] = vi_zero();
+        for (int b = 0; b < 8; b++) {
+            const int64_t g = 8 * s + b;
+            const qblock blk = qf_block(tile, fmt, g);
+#if PREFETCH_AHEAD
+            for (const uint8_t *pf = blk.codes + PREFETCH_AHEAD; pf < blk.sub + qf_sub_bytes(fmt) + PREFETCH_AHEAD;
+                 pf += 64)
+                _mm_prefetch((const char *)pf, _MM_HINT_T0);
+#endif
+#if DOT_US16 && HALVES == 2
+            if (qf_bits(fmt) == 4 && !qf_signed_units(fmt)) { /* AVX2: one broadcast of x feeds both halves */
+                const int units = 8 / sub_groups(fmt);
+                for (int p = 0; p < sub_groups(fmt); p++) {
+                    vi s16[MR_INT][2];
+                    for (int m = 0; m < mr; m++) s16[m][0] = s16[m][1] = vi_zero();
+                    for (int u = units * p; u < units * (p + 1); u++) {
+                        const vi w0 = code_unit(blk.codes, fmt, u, 0), w1 = code_unit(blk.codes, fmt, u, 1);
+                        for (int m = 0; m < mr; m++) {
+                            const vi xb = vi_bcast32(x->q + (m0 + m) * x->K + g * QBLOCK + 4 * u);
+                            s16[m][0] = dot_us16(s16[m][0], w0, xb);
+                            s16[m][1] = dot_us16(s16[m][1], w1, xb);
+                        }
+                    }
+                    for (int h = 0; h < 2; h++) {
+                        const vi sc = sub_scale_i(blk.sub, fmt, p, h);
+                        for (int m = 0; m < mr; m++)
+                            isum[m][h] = vi_add(isum[m][h], vi_mullo(widen_us16(s16[m][h]), sc));
+                    }
+                }
+                for (int h = 0; h < 2; h++)
+                    if (need_corr && (sub_groups(fmt) == 2 || b % 2 == 0))
+                        vi_storeu(cp[h] + (sub_groups(fmt) == 2 ? b : b / 2) * LANES, corr_pair(tile, fmt, g, h));
+                continue;
+            }
+#endif
+            for (int h = 0; h < HALVES; h++) {
+                for (int p = 0; p < sub_groups(fmt); p++) {
+                    vi is[MR_INT];
+                    sub_group_dots(blk.codes, fmt, x, m0, mr, g, p, h, is);
+                    const vi sc = sub_scale_i(blk.sub, fmt, p, h);
+                    for (int m = 0; m < mr; m++) isum[m][h] = vi_add(isum[m][h], vi_mullo(is[m], sc));
+                }
+                if (need_corr && (sub_groups(fmt) == 2 || b % 2 == 0))
+                    vi_storeu(cp[h] + (sub_groups(fmt) == 2 ? b : b / 2) * LANES, corr_pair(tile, fmt, g, h));
+            }
+        }
+        const uint8_t *hdr = qf_block(tile, fmt, 8 * s).hdr;
+        for (int h = 0; h < HALVES; h++) {
+            const vf d = load_f16(hdr, h), dmin = qf_has_min(fmt) ? load_f16(hdr + 32, h) : vf_zero();
+            for (int m = 0; m < mr; m++) {
+                const vi corr = need_corr ? super_corr(cp[h], fmt, x, m0 + m, s) : vi_zero();
+                vf_store(acc[m] + h * LANES, super_epilogue(vf_load(acc[m] + h * LANES), isum[m][h], corr, d, dmin,
+                                                            fmt, per_code, x, m0 + m, s));
+            }
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int h = 0; h < HALVES; h++) {
+            const int n = nvalid - h * LANES;
+            if (n >= LANES)
+                vf_storeu(y + (m0 + m) * ldy + h * LANES, vf_load(acc[m] + h * LANES));
+            else if (n > 0)
+                vf_store_n(y + (m0 + m) * ldy + h * LANES, vf_load(acc[m] + h * LANES), n);
         }
 }
 
@@ -319,7 +506,10 @@ typedef void (*ftile_fn)(const float *, int64_t, const float *, int64_t, float *
 
 #define INT_FN(F, R)                                                                                         \
     static void int_##F##_##R(const uint8_t *t, const qx_t *x, int64_t m0, float *y, int64_t ldy, int nv) { \
-        int_tile(t, F, x, m0, R, y, ldy, nv);                                                                 \
+        if (qf_kind(F) != KIND_F16)                                                                           \
+            int_tile_super(t, F, x, m0, R, y, ldy, nv);                                                       \
+        else                                                                                                  \
+            int_tile(t, F, x, m0, R, y, ldy, nv);                                                             \
     }
 #define INT_FNS(F) INT_FN(F, MR_INT) INT_FN(F, 4) INT_FN(F, 2) INT_FN(F, 1)
 #define DQ_FN(F) \
@@ -385,21 +575,26 @@ static void amx_configure(int gs) {
     _tile_loadconfig(&c);
 }
 
-/* One tile's scales (a and z per scale group: per block, or per 16 k for K16 formats) and, for codes
- * below 8 bits, its codes unpacked to bytes (8-bit codes are used in place). */
+/* One tile's scales and, for codes below 8 bits, its codes unpacked to bytes (8-bit codes are used in
+ * place). The scales: a and z per block for the F16 kind; for the K-quants int_tile_super's integer
+ * sub-scales per sub-group (abuf), correction pairs (zbuf) and d, dmin per super-block (after them). */
 static inline __attribute__((always_inline)) void amx_prepare(const uint8_t *tile, const int fmt, int64_t G,
                                                               float *abuf, float *zbuf, uint8_t *bbuf) {
-    const int k16 = qf_kind(fmt) == KIND_K16;
     for (int64_t g = 0; g < G; g++) {
         const qblock blk = qf_block(tile, fmt, g);
         const uint8_t *hdr = blk.hdr, *codes = blk.codes, *sub = blk.sub;
-        const bscale sc = block_scales(hdr, sub, fmt, 0);
-        if (k16) {
-            vf_storeu(abuf + 2 * g * 16, sc.a0);
-            vf_storeu(abuf + (2 * g + 1) * 16, sc.a1);
-            vf_storeu(zbuf + 2 * g * 16, sc.z0);
-            vf_storeu(zbuf + (2 * g + 1) * 16, sc.z1);
+        if (qf_kind(fmt) != KIND_F16) {
+            const int P = sub_groups(fmt);
+            int32_t *scbuf = (int32_t *)abuf, *cpbuf = (int32_t *)zbuf;
+            float *dbuf = zbuf + G * 16;
+            for (int p = 0; p < P; p++) vi_storeu(scbuf + (P * g + p) * 16, sub_scale_i(sub, fmt, p, 0));
+            if (P == 2 || g % 2 == 0) vi_storeu(cpbuf + (P == 2 ? g : g / 2) * 16, corr_pair(tile, fmt, g, 0));
+            if (g % 8 == 0) {
+                vf_storeu(dbuf + g / 8 * 32, load_f16(hdr, 0));
+                vf_storeu(dbuf + g / 8 * 32 + 16, qf_has_min(fmt) ? load_f16(hdr + 32, 0) : vf_zero());
+            }
         } else {
+            const bscale sc = block_scales(hdr, sub, fmt, 0);
             vf_storeu(abuf + g * 16, sc.a0);
             vf_storeu(zbuf + g * 16, sc.z0);
         }
@@ -415,18 +610,35 @@ static inline const uint8_t *amx_b(const uint8_t *tile, const uint8_t *bbuf, con
     return qf_bits(fmt) < 8 ? bbuf + g * 512 + half * 256 : qf_block(tile, fmt, g).codes + half * 256;
 }
 
-/* acc[i] += the float steps of scale group j for rows m0 + i, from its int32 products c [16][16]. */
+/* acc[i] += the float steps of block g for rows m0 + i, from its int32 products c [16][16]. */
 static inline __attribute__((always_inline)) void amx_fold(vf acc[AMX_ROWS], const int32_t *c, const int fmt,
-                                                           const qx_t *x, int64_t m0, int64_t j, const float *abuf,
+                                                           const qx_t *x, int64_t m0, int64_t g, const float *abuf,
                                                            const float *zbuf) {
-    const int k16 = qf_kind(fmt) == KIND_K16;
-    const int64_t g = k16 ? j / 2 : j;
     /* Signed units multiply signed x directly (tdpbssd): no bias to take back. */
     const int32_t per_sum = qf_signed_units(fmt) ? 0 : qf_offset(fmt);
-    const vf a = vf_loadu(abuf + j * 16), z = vf_loadu(zbuf + j * 16);
-    const int part = k16 ? (int)(j % 2) : -1;
+    const vf a = vf_loadu(abuf + g * 16), z = vf_loadu(zbuf + g * 16);
     for (int i = 0; i < AMX_ROWS; i++)
-        acc[i] = group_epilogue(acc[i], vi_loadu(c + i * 16), a, z, fmt, x, m0 + i, g, part, per_sum);
+        acc[i] = group_epilogue(acc[i], vi_loadu(c + i * 16), a, z, fmt, x, m0 + i, g, per_sum);
+}
+
+/* acc[i] += super-block s of a K-quant for rows m0 + i, from the int32 products c [J][16][16] of its
+ * sub-groups: int_tile_super's integer sums and super_epilogue, lane for lane. */
+static inline __attribute__((always_inline)) void amx_fold_super(vf acc[AMX_ROWS], const int32_t *c, const int fmt,
+                                                                 const qx_t *x, int64_t m0, int64_t s,
+                                                                 const float *abuf, const float *zbuf) {
+    /* Signed units multiply signed x directly (tdpbssd): no bias to take back. */
+    const int32_t per_code = qf_signed_units(fmt) ? 0 : qf_offset(fmt);
+    const int P = sub_groups(fmt), need_corr = qf_has_min(fmt) || per_code;
+    const int32_t *scbuf = (const int32_t *)abuf, *cpbuf = (const int32_t *)zbuf;
+    const float *dbuf = zbuf + x->G * 16;
+    const vf d = vf_loadu(dbuf + s * 32), dmin = vf_loadu(dbuf + s * 32 + 16);
+    for (int i = 0; i < AMX_ROWS; i++) {
+        vi isum = vi_zero();
+        for (int64_t j = 8 * P * s; j < 8 * P * (s + 1); j++)
+            isum = vi_add(isum, vi_mullo(vi_loadu(c + j * 256 + i * 16), vi_loadu(scbuf + j * 16)));
+        const vi corr = need_corr ? super_corr(cpbuf + s * 4 * P * 16, fmt, x, m0 + i, s) : vi_zero();
+        acc[i] = super_epilogue(acc[i], isum, corr, d, dmin, fmt, per_code, x, m0 + i, s);
+    }
 }
 
 #define AMX_DP(C, A, B, SIGNED)             \
@@ -469,7 +681,10 @@ static inline __attribute__((always_inline)) void amx_tile(const uint8_t *tile, 
     }
     vf acc[AMX_ROWS];
     for (int i = 0; i < AMX_ROWS; i++) acc[i] = vf_zero();
-    for (j = 0; j < J; j++) amx_fold(acc, cbuf + j * 256, fmt, x, m0, j, abuf, zbuf);
+    if (qf_kind(fmt) != KIND_F16)
+        for (int64_t s = 0; s < x->G / 8; s++) amx_fold_super(acc, cbuf, fmt, x, m0, s, abuf, zbuf);
+    else
+        for (j = 0; j < J; j++) amx_fold(acc, cbuf + j * 256, fmt, x, m0, j, abuf, zbuf);
     for (int i = 0; i < AMX_ROWS; i++) {
         if (nvalid >= 16)
             vf_storeu(y + (m0 + i) * ldy, acc[i]);
@@ -614,7 +829,7 @@ int orca_qlinear(const float *x, int64_t M, int64_t K, const uint8_t *w, int fmt
         return 0;
     }
     qx_t qx;
-    if (quantize_x(x, M, K, &qx)) return 2;
+    if (quantize_x(x, M, K, qf_kind(fmt) == KIND_F16 ? QBLOCK : SUPER_GROUP, &qx)) return 2;
 #if defined(__AMX_INT8__)
     if (M >= AMX_MIN_ROWS)
         amx_gemm(w, fmt, N, &qx, M, y, ldy);

@@ -35,11 +35,15 @@ typedef __m512i vi;
 #define vi_xor _mm512_xor_si512
 #define vi_srli16 _mm512_srli_epi16
 #define vi_slli16 _mm512_slli_epi16
+#define vi_slli32 _mm512_slli_epi32
+#define vi_or _mm512_or_si512
+#define vi_mullo _mm512_mullo_epi32
 /* a | (b & mask) in one instruction */
 #define vi_or_and(a, b, mask) _mm512_ternarylogic_epi32(a, b, mask, 0xF8)
 #define vi_to_f _mm512_cvtepi32_ps
 #define vf_to_i _mm512_cvtps_epi32 /* current rounding mode: to nearest, ties to even */
 static inline vi vi_loadu(const void *p) { return _mm512_loadu_si512(p); }
+static inline void vi_storeu(void *p, vi v) { _mm512_storeu_si512(p, v); }
 static inline vf vf_neg(vf v) {
     return _mm512_castsi512_ps(_mm512_xor_si512(_mm512_castps_si512(v), _mm512_set1_epi32((int)0x80000000u)));
 }
@@ -60,6 +64,23 @@ static inline vf load_u8f(const uint8_t *p, int h) {
 static inline vf load_s8f(const uint8_t *p, int h) {
     (void)h;
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+}
+/* The same, as int32. */
+static inline vi load_u8i(const uint8_t *p, int h) {
+    (void)h;
+    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+static inline vi load_s8i(const uint8_t *p, int h) {
+    (void)h;
+    return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+}
+/* acc + for each 32-bit lane the dot product of its two int16 of a with the two of b. */
+static inline vi dot_pairs16(vi acc, vi a, vi b) {
+#if defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, a, b);
+#else
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#endif
 }
 /* Store the first n (< LANES) lanes. */
 static inline void vf_store_n(float *p, vf v, int n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v); }
@@ -132,10 +153,14 @@ typedef __m256i vi;
 #define vi_xor _mm256_xor_si256
 #define vi_srli16 _mm256_srli_epi16
 #define vi_slli16 _mm256_slli_epi16
+#define vi_slli32 _mm256_slli_epi32
+#define vi_or _mm256_or_si256
+#define vi_mullo _mm256_mullo_epi32
 #define vi_or_and(a, b, mask) _mm256_or_si256(a, _mm256_and_si256(b, mask))
 #define vi_to_f _mm256_cvtepi32_ps
 #define vf_to_i _mm256_cvtps_epi32
 static inline vi vi_loadu(const void *p) { return _mm256_loadu_si256((const __m256i *)p); }
+static inline void vi_storeu(void *p, vi v) { _mm256_storeu_si256((__m256i *)p, v); }
 static inline vf vf_neg(vf v) { return _mm256_xor_ps(v, _mm256_set1_ps(-0.0f)); }
 static inline vf vf_abs(vf v) { return _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v); }
 static inline float vf_hmax(vf v) { return hmax8(v); }
@@ -151,6 +176,15 @@ static inline vf load_u8f(const uint8_t *p, int h) {
 }
 static inline vf load_s8f(const uint8_t *p, int h) {
     return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h))));
+}
+static inline vi load_u8i(const uint8_t *p, int h) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h))); }
+static inline vi load_s8i(const uint8_t *p, int h) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h))); }
+static inline vi dot_pairs16(vi acc, vi a, vi b) {
+#if defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
 }
 static inline void vf_store_n(float *p, vf v, int n) {
     float tmp[8];
@@ -218,6 +252,16 @@ static inline int32_t load_i32(const void *p) {
     int32_t v;
     memcpy(&v, p, sizeof v);
     return v;
+}
+
+/* The 4 bytes at p in every 32-bit lane, broadcast straight from memory (vpbroadcastd v, m32: a load,
+ * no ALU op; through a general register it takes a vector ALU slot, a quarter of a unit's work). */
+static inline vi vi_bcast32(const void *p) {
+#if LANES == 16
+    return _mm512_broadcastd_epi32(_mm_loadu_si32(p));
+#else
+    return _mm256_set1_epi32(load_i32(p)); /* the compiler's own choice: the memory form here */
+#endif
 }
 
 #endif

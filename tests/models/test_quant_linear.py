@@ -53,26 +53,54 @@ def reference_weight(c: BlockComponents) -> torch.Tensor:
     return a * q if z is None else a * q + z.repeat_interleave(gs, 1)
 
 
-def int8_reference(x: torch.Tensor, c: BlockComponents) -> torch.Tensor:
-    """The int8 path's arithmetic in float64: x quantized per 32 exactly as the kernel does (float32
-    ops, round half to even), exact integer dot products per scale group, then the scale products."""
+def quantize_x(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """x quantized per `group` values exactly as the kernel does (float32 ops, round half to even):
+    (codes [M, K / group, group], scales [M, K / group])."""
     m, k = x.shape
-    xb = x.view(m, k // 32, 32)
+    xb = x.view(m, k // group, group)
     d = xb.abs().amax(dim=-1) / 127.0
     inv = torch.where(d == 0, torch.zeros_like(d), 1.0 / d)
-    xq = torch.round(xb * inv.unsqueeze(-1))  # [M, G, 32]
+    return torch.round(xb * inv.unsqueeze(-1)), d
+
+
+def int8_reference(x: torch.Tensor, c: BlockComponents) -> torch.Tensor:
+    """The int8 path's arithmetic in float64: x quantized per 32 exactly as the kernel does, exact
+    integer dot products per block, then the scale products. The K-quants: super_reference."""
+    if c.fmt.kind != "f16":
+        return super_reference(x, c)
+    m, k = x.shape
+    xq, dx = quantize_x(x, 32)  # [M, G, 32]
     q = _codes(c)
     n = q.shape[0]
-    gs, a, z = _group_scales(c)  # per scale group a [N, K / gs] and z
-    qs = q.view(n, k // gs, gs).double()
-    xs = xq.reshape(m, k // gs, gs).double()
-    isum = torch.einsum("mgk,ngk->mng", xs, qs)  # exact in float64
-    dx = d.repeat_interleave(32 // gs, 1)  # [M, K/gs]
+    _, a, z = _group_scales(c)  # per block a [N, G] and z
+    isum = torch.einsum("mgk,ngk->mng", xq.double(), q.view(n, k // 32, 32).double())  # exact in float64
     t = (a.unsqueeze(0) * dx.unsqueeze(1)).double()  # the kernel's float32 product a * dx
     y = (isum * t).sum(-1)
     if z is not None:
-        sx = (dx * xs.sum(-1).float()).double()  # [M, K/gs]: the kernel's dx * sum(xq), in float32
+        sx = (dx * xq.sum(-1)).double()  # [M, G]: the kernel's dx * sum(xq), in float32
         y = y + (z.double().unsqueeze(0) * sx.unsqueeze(1)).sum(-1)
+    return y
+
+
+def super_reference(x: torch.Tensor, c: BlockComponents) -> torch.Tensor:
+    """The K-quants' int8 path (int_tile_super) in float64: x quantized per super-block of 256; per
+    super-block the exact integer dot products of its sub-groups weighed by their integer sub-scales
+    (the minimums likewise, over x's sums per sub-group), each converted to float32 once, times d * dx
+    and -(dmin * dx)."""
+    f = c.fmt
+    m, k = x.shape
+    n, gs = c.codes.shape[0], f.sub_group
+    per = 256 // gs  # sub-groups a super-block
+    xq, dx = quantize_x(x, 256)  # [M, S, 256], [M, S]
+    q = _codes(c).double().view(n, k // 256, per, gs)
+    xs = xq.double().view(m, k // 256, per, gs)
+    isums = torch.einsum("msjk,nsjk->mnsj", xs, q)  # exact: integers
+    isum = (isums * c.sub_scale.double().view(n, k // 256, per).unsqueeze(0)).sum(-1)  # [M, N, S]
+    y = (isum.float().double() * (c.scale.float().unsqueeze(0) * dx.unsqueeze(1)).double()).sum(-1)
+    if f.has_min:
+        mins = c.sub_min.double().view(n, k // 256, per).unsqueeze(0)
+        corr = (xs.sum(-1).unsqueeze(1) * mins).sum(-1)
+        y = y - (corr.float().double() * (c.minimum.float().unsqueeze(0) * dx.unsqueeze(1)).double()).sum(-1)
     return y
 
 
