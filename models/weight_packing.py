@@ -77,6 +77,10 @@ def pack_model_weights(model: nn.Module, precision: Precision = "int8") -> Packi
     start = time.perf_counter()
     layers = packable_layers(model)
     packed = sum(layer.pack_weight(precision) is not None for layer in layers)
+    # Each packed weight once (a tied embedding and head share one), before the native decode layers
+    # take the tiles' addresses.
+    for weight in {id(layer.packed): layer.packed for layer in layers if layer.packed is not None}.values():
+        weight.move_to_huge_pages()
     if isinstance(model, CausalLMBase):
         model.prepare_native_decode()  # decode steps' layers in one native call, where they fit
     summary = PackingSummary(packed, len(layers), time.perf_counter() - start)
