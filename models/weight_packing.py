@@ -35,7 +35,9 @@ from torch import nn
 from models.base import CausalLMBase
 from models.kernels import cpu as cpu_kernels
 from models.kernels.cpu import Precision
+from models.layers.huge_pages import huge_page_slots, release_freed_memory
 from models.layers.linear import PackableLinear
+from models.layers.packed_weight import PackedWeight
 from models.options import WEIGHT_PACKING_MODES
 
 log = logging.getLogger(__name__)
@@ -77,15 +79,25 @@ def pack_model_weights(model: nn.Module, precision: Precision = "int8") -> Packi
     start = time.perf_counter()
     layers = packable_layers(model)
     packed = sum(layer.pack_weight(precision) is not None for layer in layers)
-    # Each packed weight once (a tied embedding and head share one), before the native decode layers
-    # take the tiles' addresses.
-    for weight in {id(layer.packed): layer.packed for layer in layers if layer.packed is not None}.values():
-        weight.move_to_huge_pages()
+    move_to_huge_pages([layer.packed for layer in layers if layer.packed is not None])
     if isinstance(model, CausalLMBase):
         model.prepare_native_decode()  # decode steps' layers in one native call, where they fit
     summary = PackingSummary(packed, len(layers), time.perf_counter() - start)
     log.debug("packed %d of %d linear weights in %.2f s", summary.packed, summary.layers, summary.seconds)
     return summary
+
+
+def move_to_huge_pages(weights: list[PackedWeight]) -> None:
+    """Every packed weight's tiles into one huge-page mapping (models/layers/huge_pages.py: a decode
+    step streams them faster), each weight once (a tied embedding and head share one), before the
+    native decode layers take the tiles' addresses."""
+    unique = list({id(w): w for w in weights}.values())
+    slots = iter(huge_page_slots([s.tiles for w in unique for s in w.segments]))
+    for w in unique:
+        w.replace_tiles(
+            [next(slots).copy_(s.tiles) for s in w.segments]
+        )  # the old tiles go as each is copied
+    release_freed_memory()
 
 
 def describe_cpu_setup(model: nn.Module) -> str:

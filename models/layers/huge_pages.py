@@ -11,12 +11,11 @@ aligns to 2 MiB, so the big tensors are moved into such a mapping once, after lo
 
 from __future__ import annotations
 
-import logging
+import ctypes
 import mmap
+from collections.abc import Sequence
 
 import torch
-
-log = logging.getLogger(__name__)
 
 HUGE_PAGE = 2 << 20
 # Below one huge page a tensor gains nothing from its own mapping.
@@ -39,6 +38,34 @@ def huge_page_empty(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tens
         except (AttributeError, OSError):  # no THP in this kernel, or not Linux: plain pages
             pass
     return whole[start : start + nbytes].view(dtype)
+
+
+def huge_page_slots(tensors: Sequence[torch.Tensor], align: int = 64) -> list[torch.Tensor]:
+    """Uninitialised tensors shaped as `tensors`, side by side in one huge-page mapping, each starting
+    at a multiple of `align` bytes: weights of any size get huge pages (a model's many small ones
+    too: SmolLM2-135M's are all below 2 MiB), with at most one partly used page for all of them. The
+    caller fills them one by one, dropping each original as it goes, so the move never holds two
+    copies of every weight at once (pages are taken only as they are written)."""
+    sizes = [t.numel() * t.element_size() for t in tensors]
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += -(-n // align) * align
+    arena = huge_page_empty(max(total, 1))
+    return [
+        arena[off : off + n].view(t.dtype).view(t.shape)
+        for t, off, n in zip(tensors, offsets, sizes, strict=True)
+    ]
+
+
+def release_freed_memory() -> None:
+    """Hand the C heap's free pages back to the system (glibc's malloc_trim): the tensors a move to
+    huge pages drops sat in the heap, and without this the process kept their ~25% of the weights'
+    size as resident memory (Llama-3.2-1B Q4_K_M: 1710 MB resident after loading instead of 1362)."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def in_huge_pages(t: torch.Tensor) -> torch.Tensor:

@@ -307,9 +307,12 @@ class SparseMoE(nn.Module):
         packed = self.experts[0].gate_up_proj.packed
         if packed is None:
             return None
-        if self._native is None or self._native[0] is not packed:
+        # Keyed on where the tiles are, not on the object: a packed weight moved in place (to huge
+        # pages) keeps its identity and changes its addresses.
+        where = packed.kernel_args
+        if self._native is None or self._native[0] != where:
             self._native = (
-                packed,
+                where,
                 NativeExperts.build(
                     self.gate, self.routing, self.experts, self.shared_expert, self.shared_expert_gate
                 ),

@@ -232,14 +232,22 @@ class PackedWeight:
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.segments)
 
-    def move_to_huge_pages(self) -> None:
-        """Move every segment's tiles into huge-page memory (huge_pages.py: a batch-1 decode step
-        streams them ~20% faster), in place, so whatever shares this weight (a tied embedding and head)
-        follows. Call before anything keeps the tiles' addresses (the native decode structs)."""
+    def replace_tiles(self, tiles: Sequence[torch.Tensor]) -> None:
+        """Each segment's tiles replaced by a copy elsewhere (huge-page memory: huge_pages.py), in place,
+        so whatever shares this weight (a tied embedding and head) follows. Call before anything keeps
+        the tiles' addresses (the native decode structs)."""
+        if len(tiles) != len(self.segments):
+            raise ValueError(f"{len(tiles)} tile tensors for {len(self.segments)} segments")
         self.segments = tuple(
-            PackedSegment(s.fmt, s.row_start, s.rows, s.cols, in_huge_pages(s.tiles)) for s in self.segments
+            PackedSegment(s.fmt, s.row_start, s.rows, s.cols, t)
+            for s, t in zip(self.segments, tiles, strict=True)
         )
         self._set_kernel_args()
+
+    def move_to_huge_pages(self) -> None:
+        """This weight's tiles in their own huge-page memory (pack_model_weights moves all of a model's
+        weights into one mapping instead)."""
+        self.replace_tiles([in_huge_pages(s.tiles) for s in self.segments])
 
     @property
     def formats(self) -> tuple[str, ...]:

@@ -49,15 +49,21 @@ def test_a_moved_weight_computes_the_same() -> None:
 
 
 @needs_native_kernels
-def test_packing_a_model_moves_its_weights_once_and_a_tied_table_stays_shared() -> None:
+def test_packing_a_model_moves_every_weight_into_one_mapping_and_a_tied_table_stays_shared() -> None:
     config = tiny_llama_config(tie_word_embeddings=True, hidden_size=512, intermediate_size=4096)
     hf = gguf_structured(build_hf_model(config))
     model = model_class_for(config)(config, dtype=torch.float32)
     model.load_weights(hf.state_dict().items())
+    gate_up = model.model.layers[0].mlp.gate_up_proj
+    float_weight = gate_up.weight.detach().clone()  # exactly Q4_1-structured: packs exactly
     pack_model_weights(model, "int8")
     layers = [layer for layer in packable_layers(model) if layer.packed is not None]
-    assert layers
-    big = [layer for layer in layers if layer.packed.nbytes >= MIN_BYTES]
-    assert big and all(layer.packed.segments[0].tiles.data_ptr() % HUGE_PAGE == 0 for layer in big)
+    tiles = {s.tiles.data_ptr(): s.nbytes for layer in layers for s in layer.packed.segments}
+    start = min(tiles)
+    assert len(tiles) > 3 and start % HUGE_PAGE == 0 and all(p % 64 == 0 for p in tiles)
+    # Side by side: together they span no more than their bytes, each rounded up to 64.
+    assert max(p + n for p, n in tiles.items()) - start <= sum(-(-n // 64) * 64 for n in tiles.values())
     embed, head = model.model.embed_tokens, model.lm_head
     assert embed.packed is head.packed
+    # The moved tiles hold the weight's values (the kernel decodes them from their new place).
+    assert torch.equal(gate_up.packed.dequantize(), float_weight)

@@ -120,7 +120,7 @@ def test_the_native_expert_call_is_bit_identical_to_the_module_loop(precision: s
         x = torch.randn(tokens, 64, generator=g)
         with torch.no_grad():
             native, calls = expert_calls(layer, x)
-            layer._native = (layer.experts[0].gate_up_proj.packed, None)  # the module loop
+            layer._native = (layer.experts[0].gate_up_proj.packed.kernel_args, None)  # the module loop
             loop, loop_calls = expert_calls(layer, x)
             layer._native = None
         assert calls == [] and loop_calls  # the native call ran no expert module
@@ -148,7 +148,7 @@ def test_the_native_call_runs_the_shared_expert_through_its_gate() -> None:
         with torch.no_grad():
             native, calls = expert_calls(layer, x)
             assert calls == [] and shared_calls == []
-            layer._native = (layer.experts[0].gate_up_proj.packed, None)  # the module loop
+            layer._native = (layer.experts[0].gate_up_proj.packed.kernel_args, None)  # the module loop
             loop, _ = expert_calls(layer, x)
             layer._native = None
     finally:
