@@ -230,7 +230,7 @@ static inline __attribute__((always_inline)) vf group_epilogue(vf acc, vi is, vf
 static inline __attribute__((always_inline)) void int_tile(const uint8_t *tile, const int fmt, const qx_t *x,
                                                            int64_t m0, const int mr, float *y, int64_t ldy,
                                                            int nvalid) {
-    const int64_t K = x->K, G = x->G;
+    const int64_t G = x->G;
     const int sgn = qf_signed_units(fmt);
     /* Integer corrections per block: the unsigned codes' offsets (Q4_0, Q5_0), VNNI's +128 bias of signed
      * codes. */
@@ -249,6 +249,7 @@ static inline __attribute__((always_inline)) void int_tile(const uint8_t *tile, 
         if (!sgn && qf_bits(fmt) == 4) { /* one broadcast of x feeds both halves; 4-bit codes keep 8 units'
                                             sums within 16 bits (vec.h) */
             const bscale sc[2] = {block_scales(hdr, sub, fmt, 0), block_scales(hdr, sub, fmt, 1)};
+            const int64_t K = x->K;
             vi s16[MR_INT][2];
             for (int m = 0; m < mr; m++) s16[m][0] = s16[m][1] = vi_zero();
 #pragma GCC unroll 8

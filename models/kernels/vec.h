@@ -65,23 +65,9 @@ static inline vf load_s8f(const uint8_t *p, int h) {
     (void)h;
     return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
 }
-/* The same, as int32. */
-static inline vi load_u8i(const uint8_t *p, int h) {
-    (void)h;
-    return _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p));
-}
-static inline vi load_s8i(const uint8_t *p, int h) {
-    (void)h;
-    return _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
-}
-/* acc + for each 32-bit lane the dot product of its two int16 of a with the two of b. */
-static inline vi dot_pairs16(vi acc, vi a, vi b) {
-#if defined(__AVX512VNNI__)
-    return _mm512_dpwssd_epi32(acc, a, b);
-#else
-    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
-#endif
-}
+/* The same, as int32 (h unused: one vector holds all 16 lanes). */
+static inline vi load_u8i(const uint8_t *p, int h) { return (void)h, _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)); }
+static inline vi load_s8i(const uint8_t *p, int h) { return (void)h, _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)); }
 /* Store the first n (< LANES) lanes. */
 static inline void vf_store_n(float *p, vf v, int n) { _mm512_mask_storeu_ps(p, (__mmask16)((1u << n) - 1), v); }
 /* LANES floats -> LANES int8 (values already in [-127, 127]). */
@@ -179,13 +165,6 @@ static inline vf load_s8f(const uint8_t *p, int h) {
 }
 static inline vi load_u8i(const uint8_t *p, int h) { return _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h))); }
 static inline vi load_s8i(const uint8_t *p, int h) { return _mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h))); }
-static inline vi dot_pairs16(vi acc, vi a, vi b) {
-#if defined(__AVXVNNI__)
-    return _mm256_dpwssd_avx_epi32(acc, a, b);
-#else
-    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
-#endif
-}
 static inline void vf_store_n(float *p, vf v, int n) {
     float tmp[8];
     _mm256_storeu_ps(tmp, v);
@@ -244,6 +223,19 @@ static inline void unit_by_k(vi u, int is_signed, vi q[4]) {
 #ifndef DOT_US16
 #define DOT_US16 0
 #endif
+
+/* acc + for each 32-bit lane the dot product of its two int16 of a with the two of b. */
+static inline vi dot_pairs16(vi acc, vi a, vi b) {
+#if LANES == 16 && defined(__AVX512VNNI__)
+    return _mm512_dpwssd_epi32(acc, a, b);
+#elif LANES == 16
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+#elif defined(__AVXVNNI__)
+    return _mm256_dpwssd_avx_epi32(acc, a, b);
+#else
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+#endif
+}
 
 #define HALVES (16 / LANES)
 #define UNIT_BYTES (4 * LANES) /* one vector of codes: LANES rows x 4 k */
