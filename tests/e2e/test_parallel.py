@@ -548,7 +548,10 @@ from engine.contract import SamplingParams, ScheduledSequence
 from engine.config import EngineConfig
 from engine.distributed_executor import DistributedExecutor, run_torchrun_worker
 
-config = EngineConfig(model=sys.argv[1], dtype="float32", device="cpu", num_kv_blocks=16, pipeline_parallel_size=2)
+config = EngineConfig(
+    model=sys.argv[1], dtype="float32", device="cpu", kv_cache_dtype="float32",  # as the reference
+    num_kv_blocks=16, pipeline_parallel_size=2,
+)
 if int(os.environ["RANK"]) != 0:
     run_torchrun_worker(config)
     sys.exit(0)
