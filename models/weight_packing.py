@@ -93,10 +93,8 @@ def move_to_huge_pages(weights: list[PackedWeight]) -> None:
     native decode layers take the tiles' addresses."""
     unique = list({id(w): w for w in weights}.values())
     slots = iter(huge_page_slots([s.tiles for w in unique for s in w.segments]))
-    for w in unique:
-        w.replace_tiles(
-            [next(slots).copy_(s.tiles) for s in w.segments]
-        )  # the old tiles go as each is copied
+    for w in unique:  # weight by weight: each one's old tiles are dropped as soon as it is copied
+        w.replace_tiles([next(slots).copy_(s.tiles) for s in w.segments])
     release_freed_memory()
 
 

@@ -53,11 +53,9 @@ typedef struct {
     int8_t *q;      /* [M, K] */
     float *d;       /* [M, G] the scale of each block's values (with SUPER_GROUP: its super-block's) */
     float *s;       /* [M, G] d * sum(q) over the block (the min term of Q4_1, Q5_1) */
-    int32_t *sum;   /* [M, 2G] sum(q) per 16 k */
-    int16_t *sum16; /* [M, 2G] the same in 16 bits (|sum| <= 16 * 127): two neighbours are a vpdpwssd pair */
+    int16_t *sum16; /* [M, 2G] sum(q) per 16 k (|sum| <= 16 * 127): two neighbours are a vpdpwssd pair */
     int16_t *sum32; /* [M, G] sum(q) per block of 32, in 16 bits likewise */
     int64_t K, G;
-    int group;      /* values of x per scale: QBLOCK, or SUPER_GROUP for the K-quants */
 } qx_t;
 
 /* Values of x per scale for the K-quants (the K and K16 kinds): one super-block, llama.cpp's Q8_K.
@@ -66,8 +64,8 @@ typedef struct {
  * took three or four float steps per sub-group and row. */
 #define SUPER_GROUP 256
 
-static void quantize_row(const float *x, int64_t K, int group, int8_t *q, float *d, float *s, int32_t *sum,
-                         int16_t *sum16, int16_t *sum32) {
+static void quantize_row(const float *x, int64_t K, int group, int8_t *q, float *d, float *s, int16_t *sum16,
+                         int16_t *sum32) {
     for (int64_t g0 = 0; g0 < K / QBLOCK; g0 += group / QBLOCK) {
         vf m = vf_zero();
         for (int k = 0; k < group; k += LANES) m = vf_max(m, vf_abs(vf_loadu(x + g0 * QBLOCK + k)));
@@ -86,8 +84,6 @@ static void quantize_row(const float *x, int64_t K, int group, int8_t *q, float 
                 half[h] = vi_hsum(acc);
             }
             d[g] = dg;
-            sum[2 * g] = half[0];
-            sum[2 * g + 1] = half[1];
             sum16[2 * g] = (int16_t)half[0];
             sum16[2 * g + 1] = (int16_t)half[1];
             sum32[g] = (int16_t)(half[0] + half[1]);
@@ -98,21 +94,19 @@ static void quantize_row(const float *x, int64_t K, int group, int8_t *q, float 
 
 static int quantize_x(const float *x, int64_t M, int64_t K, int group, qx_t *out) {
     const int64_t G = K / QBLOCK;
-    char *buf = malloc((size_t)(M * K + M * G * (2 * sizeof(float) + 2 * sizeof(int32_t) + 3 * sizeof(int16_t)) + 64));
+    char *buf = malloc((size_t)(M * K + M * G * (2 * sizeof(float) + 3 * sizeof(int16_t)) + 64));
     if (!buf) return 1;
     out->K = K;
     out->G = G;
-    out->group = group;
     out->d = (float *)buf;
     out->s = out->d + M * G;
-    out->sum = (int32_t *)(out->s + M * G);
-    out->sum16 = (int16_t *)(out->sum + 2 * M * G);
+    out->sum16 = (int16_t *)(out->s + M * G);
     out->sum32 = out->sum16 + 2 * M * G;
     out->q = (int8_t *)(out->sum32 + M * G);
 #pragma omp parallel for schedule(static) if (M * K >= PARALLEL_MIN_WORK)
     for (int64_t m = 0; m < M; m++)
-        quantize_row(x + m * K, K, group, out->q + m * K, out->d + m * G, out->s + m * G, out->sum + 2 * m * G,
-                     out->sum16 + 2 * m * G, out->sum32 + m * G);
+        quantize_row(x + m * K, K, group, out->q + m * K, out->d + m * G, out->s + m * G, out->sum16 + 2 * m * G,
+                     out->sum32 + m * G);
     return 0;
 }
 
@@ -219,9 +213,8 @@ static inline __attribute__((always_inline)) void sub_group_dots(const uint8_t *
  * exactly these operations. */
 static inline __attribute__((always_inline)) vf group_epilogue(vf acc, vi is, vf a, vf z, const int fmt, const qx_t *x,
                                                                int64_t r, int64_t g, int32_t per_sum) {
-    const int32_t *s = x->sum + 2 * (r * x->G + g);
     const float dx = x->d[r * x->G + g];
-    const vi t = per_sum ? vi_add(is, vi_set1(per_sum * (s[0] + s[1]))) : is;
+    const vi t = per_sum ? vi_add(is, vi_set1(per_sum * x->sum32[r * x->G + g])) : is;
     acc = vf_fma(vi_to_f(t), vf_mul(a, vf_set1(dx)), acc);
     if (qf_has_min(fmt)) acc = vf_fma(z, vf_set1(x->s[r * x->G + g]), acc);
     return acc;

@@ -6,7 +6,7 @@ walk: on a 2-core AMD EPYC (AVX-512) one quantized matmul over 12 weights of 9-1
 cache, read 24.2 GB/s from 4 KiB pages and 29.8 GB/s from 2 MiB ones (Q4_K; Q6_K 35.7 -> 40.7). Linux
 gives an anonymous mapping huge pages at first touch where it is asked to (MADV_HUGEPAGE, honoured
 unless /sys/kernel/mm/transparent_hugepage/enabled is "never"); torch's allocator neither asks nor
-aligns to 2 MiB, so the big tensors are moved into such a mapping once, after loading.
+aligns to 2 MiB, so the packed weights are moved into one such mapping once, after loading.
 """
 
 from __future__ import annotations
@@ -18,15 +18,11 @@ from collections.abc import Sequence
 import torch
 
 HUGE_PAGE = 2 << 20
-# Below one huge page a tensor gains nothing from its own mapping.
-MIN_BYTES = HUGE_PAGE
 
 
-def huge_page_empty(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-    """A 1-D uninitialised tensor of `nbytes` bytes starting on a 2 MiB boundary of an anonymous mapping
-    advised for huge pages (plain pages where the kernel declines). The tensor keeps the mapping."""
-    if nbytes % dtype.itemsize:
-        raise ValueError(f"{nbytes} bytes is not a whole number of {dtype} elements")
+def huge_page_empty(nbytes: int) -> torch.Tensor:
+    """`nbytes` uninitialised bytes (uint8) starting on a 2 MiB boundary of an anonymous mapping advised
+    for huge pages (plain pages where the kernel declines). The tensor keeps the mapping."""
     region = mmap.mmap(-1, nbytes + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     whole = torch.frombuffer(region, dtype=torch.uint8)
     start = -whole.data_ptr() % HUGE_PAGE
@@ -37,7 +33,7 @@ def huge_page_empty(nbytes: int, dtype: torch.dtype = torch.uint8) -> torch.Tens
             region.madvise(mmap.MADV_HUGEPAGE, start, advised)
         except (AttributeError, OSError):  # no THP in this kernel, or not Linux: plain pages
             pass
-    return whole[start : start + nbytes].view(dtype)
+    return whole[start : start + nbytes]
 
 
 def huge_page_slots(tensors: Sequence[torch.Tensor], align: int = 64) -> list[torch.Tensor]:
@@ -66,14 +62,3 @@ def release_freed_memory() -> None:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):  # not glibc
         pass
-
-
-def in_huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous CPU tensor's copy in huge-page memory (the tensor itself where it is small, not on
-    the CPU, or already there)."""
-    nbytes = t.numel() * t.element_size()
-    if t.device.type != "cpu" or nbytes < MIN_BYTES or (t.is_contiguous() and t.data_ptr() % HUGE_PAGE == 0):
-        return t
-    out = huge_page_empty(nbytes, t.dtype).view(t.shape)
-    out.copy_(t)
-    return out

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import ctypes
 from dataclasses import dataclass
+from functools import cache
 from typing import Any
 
 import torch
@@ -150,6 +151,15 @@ class MoESizes:
     shared_gate: bool = False  # a sigmoid gate on the shared expert
 
 
+def _native_pair(expert: Expert) -> tuple[QWeight, QWeight] | None:
+    """An expert's packed gate_up and down as orca_gated_mlp takes them (no bias, gate_up [2I, hidden]
+    over down [hidden, I], I a multiple of 8), or None."""
+    g, d = qweight(expert.gate_up_proj), qweight(expert.down_proj)
+    if g is None or d is None or g.bias or d.bias or d.K % 8 or (g.N, g.K) != (2 * d.K, d.N):
+        return None
+    return g, d
+
+
 class NativeExperts:
     """The router, routing, every expert's packed gate_up and down, and the shared expert and its
     gate if any, described to moe.c once (`struct`), so a step's whole MoE MLP runs in one call
@@ -204,35 +214,21 @@ class NativeExperts:
         native kernels."""
         if not cpu_kernels.available() or not is_f32(router.weight):
             return None
-        gate_up = [qweight(e.gate_up_proj) for e in experts]
-        down = [qweight(e.down_proj) for e in experts]
-        if any(w is None or w.bias for w in (*gate_up, *down)):
+        pairs = [_native_pair(e) for e in experts]
+        if any(p is None for p in pairs):
             return None
+        gate_up, down = [p[0] for p in pairs], [p[1] for p in pairs]
         hidden, inter = down[0].N, down[0].K
-        if (
-            inter % 8
-            or hidden % 8
-            or any(
-                (g.N, g.K, d.N, d.K) != (2 * inter, hidden, hidden, inter)
-                for g, d in zip(gate_up, down, strict=True)
-            )
-        ):
+        if hidden % 8 or any((d.N, d.K) != (hidden, inter) for d in down):
             return None
         shared = None
         if shared_expert is not None:
-            g, d = qweight(shared_expert.gate_up_proj), qweight(shared_expert.down_proj)
-            if (
-                g is None
-                or d is None
-                or g.bias
-                or d.bias
-                or d.K % 8
-                or (g.N, g.K, d.N) != (2 * d.K, hidden, hidden)
-            ):
+            pair = _native_pair(shared_expert)
+            if pair is None or pair[1].N != hidden:
                 return None
             if shared_gate is not None and not is_f32(shared_gate.weight):
                 return None
-            shared = (g, d, shared_gate)
+            shared = (*pair, shared_gate)
         return cls(router, routing, gate_up, down, shared)
 
     def run(self, x: torch.Tensor, out: torch.Tensor) -> None:
@@ -243,6 +239,7 @@ class NativeExperts:
             raise RuntimeError(f"native experts failed (rc {rc}) on {x.shape[0]} tokens")
 
 
+@cache
 def fused_experts_run_on(device: torch.device) -> bool:
     """Whether the routed experts run as two Triton launches (triton_moe.py) on this device: on a GPU
     with Triton (compiled), never on a CPU outside the tests (the interpreter is for CI only)."""
@@ -328,10 +325,11 @@ class SparseMoE(nn.Module):
     def stacked_experts(self) -> StackedExperts | None:
         """The experts' weights stacked for the fused kernels (built on first use, after loading), or
         None where some expert's weight is packed for the CPU kernels."""
+        if self._stacked is not None and self._stacked.current(self.experts):
+            return self._stacked  # every step but the first: no walk over the experts
         if any(e.gate_up_proj.weight is None or e.down_proj.weight is None for e in self.experts):
             return None
-        if self._stacked is None or not self._stacked.current(self.experts):
-            self._stacked = StackedExperts(self.experts)
+        self._stacked = StackedExperts(self.experts)
         return self._stacked
 
     def capture_blocker(self, device: torch.device) -> str | None:
@@ -343,9 +341,9 @@ class SparseMoE(nn.Module):
         return "its experts run one matmul pair per chosen expert (the fused kernels need Triton)"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = torch.zeros_like(x)
         native = self.native_experts() if is_f32(x) else None
         if native is not None:
+            out = torch.zeros_like(x)
             native.run(x, out)  # the routed experts and the shared one
             return self.tp.all_reduce(out)
         weights, chosen = self.routing.route(self.gate(x))  # [T, k] each
@@ -355,6 +353,7 @@ class SparseMoE(nn.Module):
 
             out = fused_experts(x, stacked.gate_up, stacked.down, weights, chosen, self.experts[0].act)
         else:
+            out = torch.zeros_like(x)
             self._loop_experts(x, weights, chosen, out)
         if self.shared_expert is not None:
             shared = self.shared_expert(x)

@@ -44,8 +44,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from models.layers.huge_pages import in_huge_pages
-
 GROUP_SIZE = 32  # weights along K per block (GGUF's QK4_0 ... QK8_0; K-quants: 8 blocks per 256)
 TILE_ROWS = 16  # rows of W per tile (quant_tiles.h)
 # IQ4_NL / IQ4_XS's codebook (ggml's kvalues_iq4nl; quant_tiles.h's IQ4_NL_VALUES).
@@ -243,11 +241,6 @@ class PackedWeight:
             for s, t in zip(self.segments, tiles, strict=True)
         )
         self._set_kernel_args()
-
-    def move_to_huge_pages(self) -> None:
-        """This weight's tiles in their own huge-page memory (pack_model_weights moves all of a model's
-        weights into one mapping instead)."""
-        self.replace_tiles([in_huge_pages(s.tiles) for s in self.segments])
 
     @property
     def formats(self) -> tuple[str, ...]:

@@ -1,6 +1,5 @@
 """Huge-page memory for the packed weights (models/layers/huge_pages.py): aligned, the right bytes,
-only whole huge pages advised, and a packed model's weights moved there once (a tied table stays
-shared)."""
+and a packed model's weights moved there once, side by side (a tied table stays shared)."""
 
 from __future__ import annotations
 
@@ -8,28 +7,26 @@ import torch
 from builders import build_hf_model, gguf_structured, tiny_llama_config
 from kernel_marks import needs_native_kernels
 
-from models.layers.huge_pages import HUGE_PAGE, MIN_BYTES, huge_page_empty, in_huge_pages
+from models.layers.huge_pages import HUGE_PAGE, huge_page_empty, huge_page_slots
 from models.layers.packed_weight import FORMATS, PackedWeight, pack_components, random_components
 from models.registry import model_class_for
-from models.weight_packing import pack_model_weights, packable_layers
+from models.weight_packing import move_to_huge_pages, pack_model_weights, packable_layers
 
 
 def test_a_huge_page_tensor_starts_on_a_huge_page_and_holds_its_bytes() -> None:
-    t = huge_page_empty(3 * HUGE_PAGE + 100, torch.uint8)
+    t = huge_page_empty(3 * HUGE_PAGE + 100)
     assert t.numel() == 3 * HUGE_PAGE + 100 and t.data_ptr() % HUGE_PAGE == 0
     t.fill_(7)
     assert int(t[-1]) == 7
-    f = huge_page_empty(4 * 1000, torch.float32)
-    assert f.dtype == torch.float32 and f.numel() == 1000
 
 
-def test_copies_keep_values_and_small_tensors_stay_where_they_are() -> None:
-    big = torch.randn(MIN_BYTES // 4 + 17)
-    moved = in_huge_pages(big)
-    assert torch.equal(moved, big) and moved.data_ptr() % HUGE_PAGE == 0
-    assert in_huge_pages(moved) is moved  # already there
-    small = torch.randn(10)
-    assert in_huge_pages(small) is small
+def test_slots_take_the_shapes_side_by_side_and_keep_copied_values() -> None:
+    tensors = [torch.randn(1000, 700), torch.arange(5, dtype=torch.int64), torch.zeros(3, dtype=torch.uint8)]
+    slots = huge_page_slots(tensors)
+    assert slots[0].data_ptr() % HUGE_PAGE == 0 and all(s.data_ptr() % 64 == 0 for s in slots)
+    for t, slot in zip(tensors, slots, strict=True):
+        assert slot.shape == t.shape and slot.dtype == t.dtype
+        assert torch.equal(slot.copy_(t), t)
 
 
 @needs_native_kernels
@@ -41,7 +38,7 @@ def test_a_moved_weight_computes_the_same() -> None:
     from models.kernels import cpu as cpu_kernels
 
     y = cpu_kernels.quant_linear(x, w)
-    w.move_to_huge_pages()
+    move_to_huge_pages([w])
     assert w.kernel_args[0][0] == w.segments[0].tiles.data_ptr()
     assert w.segments[0].tiles.data_ptr() % HUGE_PAGE == 0
     assert torch.equal(w.dequantize(), before)

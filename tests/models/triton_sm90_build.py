@@ -15,6 +15,7 @@ import re
 import subprocess
 import sys
 import tempfile
+from pathlib import Path
 
 import torch
 import triton
@@ -147,15 +148,8 @@ def build_expert_matmul(case: dict) -> dict:
 def compile_for_h100(cases: list[dict]) -> list[dict]:
     """Each case's report, from this script run in a subprocess with the interpreter off."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(
-            None,
-            [
-                os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))),
-                env.get("PYTHONPATH"),
-            ],
-        )
-    )
+    root = str(Path(__file__).resolve().parents[2])  # the repository, for `models`
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [root, env.get("PYTHONPATH")]))
     proc = subprocess.run(
         [sys.executable, __file__, json.dumps(cases)], capture_output=True, text=True, env=env, timeout=240
     )
