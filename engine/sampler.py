@@ -130,9 +130,15 @@ def top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]) -> t
     depends on that row alone. Each row is first tried on its TOP_P_CANDIDATES best tokens (at least its
     top-k): when their mass reaches p (or top-k holds), every kept token is among them and the kept set
     is the full sort's (up to float rounding of the renormalisation at the cut); the rest (a flat
-    distribution) are sorted whole. 4-5x faster on 49,152-token rows."""
+    distribution) are sorted whole. 4-5x faster on 49,152-token rows on a CPU; a GPU sorts every row."""
     dev = logits.device
     vocab = logits.shape[-1]
+    if dev.type != "cpu":
+        # A GPU sorts every row in microseconds, and the candidates' fallback would need the host to
+        # read which rows it covers (a synchronisation the overlapped step must not have).
+        return top_k_top_p_by_sort(
+            logits, _tensor(top_k, dev)[:, None], _tensor(top_p, dev, logits.dtype)[:, None]
+        )
     m = min(vocab, max([TOP_P_CANDIDATES, *(k for k in top_k if k < vocab)]))
     vals, order = logits.topk(m, dim=-1)  # [S, m], best first
     ranks = torch.arange(m, device=dev)[None, :]

@@ -11,10 +11,11 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-.venv/bin/python}
 # Missing from the GPU image (its package list: /work/.library/device/KINDS.md), needed by the server,
-# the load test and the test suite. typing-extensions, pytest and its plugins ride along at this
-# checkout's versions: pydantic and pytest-asyncio need recent ones.
+# the load test and the test suite (gguf: the model loader imports it; opentelemetry-api: fastapi does).
+# typing-extensions, pytest and its plugins ride along at this checkout's versions: pydantic and
+# pytest-asyncio need recent ones.
 PACKAGES=(fastapi starlette uvicorn sse-starlette pydantic pydantic-core annotated-types typing-inspection
-          typing-extensions pytest-asyncio llguidance pytest pluggy iniconfig pytest-timeout)
+          typing-extensions pytest-asyncio llguidance pytest pluggy iniconfig pytest-timeout gguf opentelemetry-api)
 
 rm -rf .whl && mkdir -p .whl
 for name in "${PACKAGES[@]}"; do
