@@ -15,14 +15,15 @@ vocabulary (SmolLM2's 49152 tokens and merges, so prompts tokenize as real text)
 tokens to the shape's vocabulary size (the embedding and LM head keep their real cost) and given the
 model's chat tokens; the LongRoPE factors are synthetic.
 
-Shapes are data (`SHAPES`: one `GGUFShape` each) and tensor layouts one function per GGUF
-architecture (`LAYER_TENSORS`), so a family's shape is one entry in each. Files go to
+Shapes are data (gguf_shapes.json, read into `SHAPES`: one `GGUFShape` each) and tensor layouts one
+function per GGUF architecture (`LAYER_TENSORS`), so a family's shape is one entry in each. Files go to
 $ORCA_CACHE_DIR/bench-gguf/ (written atomically; an existing file is reused) unless --out says where.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import tempfile
@@ -51,6 +52,7 @@ LLAMA3_TEMPLATE = (
     "+ m.content + '<|eot_id|>' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
 )
+# Llama 3's control tokens (gguf_shapes.json lists them in each Llama 3 shape).
 LLAMA3_TOKENS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 MOSTLY_Q4_K_M = 15  # general.file_type (llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_M)
 ROWS_PER_CHUNK = 4096  # rows of a tensor encoded at a time (bounds the codes' memory)
@@ -94,114 +96,29 @@ class GGUFShape:
         return self.head_dim or self.hidden // self.heads
 
 
-def _llama3(hidden: int, ff: int, layers: int, heads: int, tied: bool) -> GGUFShape:
-    """Meta's Llama 3.1/3.2 text models: GQA over 8 KV heads, heads of 128, a 128256-token vocabulary,
-    rope base 500000. Their llama3 rope scaling (llama.cpp's rope_freqs tensor) is left out: it changes
-    which frequencies turn, not what a step costs."""
-    return GGUFShape(
-        arch="llama",
-        hidden=hidden,
-        ff=ff,
-        layers=layers,
-        heads=heads,
-        kv_heads=8,
-        vocab=128256,
-        context=131072,
-        rope_theta=500000.0,
-        rms_eps=1e-5,
-        tied=tied,
-        chat_template=LLAMA3_TEMPLATE,
-        chat_tokens=LLAMA3_TOKENS,
-        eos="<|eot_id|>",
-        eot="<|eot_id|>",
-    )
-
-
-SHAPES: dict[str, GGUFShape] = {
-    # meta-llama/Llama-3.2-1B-Instruct, -3B-Instruct (tied embeddings) and Llama-3.1-8B-Instruct's configs.
-    "llama-3.2-1b": _llama3(hidden=2048, ff=8192, layers=16, heads=32, tied=True),
-    "llama-3.2-3b": _llama3(hidden=3072, ff=8192, layers=28, heads=24, tied=True),
-    "llama-3.1-8b": _llama3(hidden=4096, ff=14336, layers=32, heads=32, tied=False),
-    # Qwen/Qwen3-0.6B's config.json: head_dim 128 where hidden / heads is 64; tied embeddings.
-    "qwen3-0.6b": GGUFShape(
-        arch="qwen3",
-        hidden=1024,
-        ff=3072,
-        layers=28,
-        heads=16,
-        kv_heads=8,
-        head_dim=128,
-        vocab=151936,
-        context=40960,
-        rope_theta=1000000.0,
-        rms_eps=1e-6,
-        tied=True,
-        eos="<|im_end|>",
-    ),
-    # microsoft/Phi-4-mini-instruct's: 96 of 128 head dims turn (partial_rotary_factor 0.75), LongRoPE
-    # from 4096 to 131072 tokens, tied embeddings, no window (llama.cpp writes 0).
-    "phi-4-mini": GGUFShape(
-        arch="phi3",
-        hidden=3072,
-        ff=8192,
-        layers=32,
-        heads=24,
-        kv_heads=8,
-        vocab=200064,
-        context=131072,
-        rotary_dim=96,
-        rope_theta=10000.0,
-        rms_eps=1e-5,
-        tied=True,
-        chat_template=PHI_TEMPLATE,
-        chat_tokens=("<|system|>", "<|user|>", "<|assistant|>", "<|end|>"),
-        eos="<|endoftext|>",
-        eot="<|end|>",
-        longrope_original=4096,
-        metadata={"attention.sliding_window": 0},
-    ),
-    # google/gemma-3-1b-it's: head_dim 256, MQA, local layers (window 512, rope base 10000) and every
-    # sixth one global (rope base 1e6), a 262144-token vocabulary, tied embeddings.
-    "gemma-3-1b": GGUFShape(
-        arch="gemma3",
-        hidden=1152,
-        ff=6912,
-        layers=26,
-        heads=4,
-        kv_heads=1,
-        head_dim=256,
-        vocab=262144,
-        context=32768,
-        rope_theta=1000000.0,
-        rms_eps=1e-6,
-        tied=True,
-        chat_template=GEMMA_TEMPLATE,
-        chat_tokens=("<start_of_turn>", "<end_of_turn>"),
-        eos="<eos>",
-        eot="<end_of_turn>",
-        tokenizer="spm",
-        metadata={"attention.sliding_window": 512},
-    ),
-    # allenai/OLMoE-1B-7B-0924's: 64 experts of 1024, 8 per token, 16 layers of 2048, MHA, q/k norms
-    # over the whole projections, 50304 tokens, untied: 6.9B parameters, 1.3B active.
-    "olmoe-1b-7b": GGUFShape(
-        arch="olmoe",
-        hidden=2048,
-        ff=1024,
-        layers=16,
-        heads=16,
-        kv_heads=16,
-        vocab=50304,
-        context=4096,
-        rope_theta=10000.0,
-        rms_eps=1e-5,
-        tied=False,
-        eos="<|im_end|>",
-        experts=64,
-        experts_used=8,
-        expert_ff=1024,
-    ),
+# The published shapes are data (gguf_shapes.json: one object of GGUFShape's fields each, with a
+# "source" saying which config the numbers come from); a template is named there, its text is here.
+SHAPES_FILE = Path(__file__).with_name("gguf_shapes.json")
+CHAT_TEMPLATES = {
+    "chatml": CHATML_TEMPLATE,
+    "phi": PHI_TEMPLATE,
+    "gemma": GEMMA_TEMPLATE,
+    "llama3": LLAMA3_TEMPLATE,
 }
+
+
+def load_shapes(path: Path = SHAPES_FILE) -> dict[str, GGUFShape]:
+    """The shapes in `path`, by name, in the file's order (JSON's lists become the dataclass's tuples)."""
+    shapes: dict[str, GGUFShape] = {}
+    for name, entry in json.loads(path.read_text(encoding="utf-8")).items():
+        fields = {k: v for k, v in entry.items() if k != "source"}  # the source is for readers only
+        fields["chat_template"] = CHAT_TEMPLATES[fields.get("chat_template", "chatml")]
+        fields["chat_tokens"] = tuple(fields.get("chat_tokens", ()))
+        shapes[name] = GGUFShape(**fields)
+    return shapes
+
+
+SHAPES: dict[str, GGUFShape] = load_shapes()
 
 # One layer's tensors: (name, shape in HF orientation: (rows, cols) for a linear, (experts, rows, cols)
 # for an expert stack, (size,) for a norm).
