@@ -48,18 +48,24 @@ static inline __m256 hsum8x8(const __m256 *a) {
 
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 8      /* query heads computed together (a larger GQA group is cut into sub-groups) */
+#define MAX_QUERIES 32   /* (row, head) queries of one task: a run's rows times its heads */
 #define SPAN_TOKENS 64   /* tokens of history per task; fixed, so the split is batch-invariant */
 #define PREFETCH_TOKENS 16
 
-/* Attention of g query heads (q [g, D], already scaled) sharing one KV head over tokens [t_begin, t_end)
- * of one sequence (at most SPAN_TOKENS): acc [g, D] gets sum_j e^(s_j - m) v_j, m[h] the largest score
- * and l[h] the sum of e^(s_j - m). Three passes over the span, each a tight loop: the scores (a K row
- * read once into L1 serves every head), the softmax, the weighted V rows. */
+/* Attention of nq queries (q [nq, D], already scaled) sharing one KV head over tokens [t_begin,
+ * t_begin + n) of one history (n at most SPAN_TOKENS), query i seeing the first nv[i] of them (a run's
+ * earlier rows see fewer: their positions come before the later rows'): acc [nq, D] gets
+ * sum_j e^(s_j - m) v_j, m[i] the largest score and l[i] the sum of e^(s_j - m). Three passes over the
+ * span, each a tight loop: the scores (a K row read once into L1 serves every query), the softmax, the
+ * weighted V rows. Each query's arithmetic is exactly what it would be alone over its nv[i] tokens
+ * (same tiles, same order, its masked tail set to -inf and then 0), so grouping changes no bit. */
 static inline __attribute__((always_inline)) void group_span(
     const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const int32_t *table, int64_t t_begin,
-    int64_t t_end, int64_t block_size, int64_t token_stride, const int64_t DV, const int kvt, int64_t g, float *acc,
-    float *m, float *l) {
-    const int64_t n = t_end - t_begin, n8 = (n + 7) & ~(int64_t)7, row_bytes = kv_row_bytes(kvt, DV * 8);
+    const int64_t *nv, int64_t block_size, int64_t token_stride, const int64_t DV, const int kvt, int64_t nq,
+    float *acc, float *m, float *l) {
+    int64_t n = 0;
+    for (int64_t h = 0; h < nq; h++) n = nv[h] > n ? nv[h] : n;
+    const int64_t n8 = (n + 7) & ~(int64_t)7, row_bytes = kv_row_bytes(kvt, DV * 8);
     const uint8_t *kr[SPAN_TOKENS], *vr[SPAN_TOKENS];
     int64_t block = t_begin / block_size, offset = t_begin % block_size;
     for (int64_t j = 0; j < n; j++) {
@@ -111,10 +117,13 @@ static inline __attribute__((always_inline)) void group_span(
     }
     /* Tiles of 8 tokens; the last one's missing rows point at the first (their scores are masked). */
     for (int64_t j = n; j < n8; j++) kf[j] = kf[0];
-    float s[MAX_GROUP][SPAN_TOKENS] __attribute__((aligned(32)));
-    for (int64_t h = 0; h < g; h++) {
+    float s[MAX_QUERIES][SPAN_TOKENS] __attribute__((aligned(32)));
+    for (int64_t h = 0; h < nq; h++) {
         const float *qh = q + h * D;
-        for (int64_t t0 = 0; t0 < n; t0 += 8) {
+        const int64_t nh = nv[h], nh8 = (nh + 7) & ~(int64_t)7;
+        const float *kh[SPAN_TOKENS];
+        for (int64_t j = 0; j < nh8; j++) kh[j] = j < nh ? kf[j] : kf[0];
+        for (int64_t t0 = 0; t0 < nh; t0 += 8) {
             if (h == 0 && kvt == KV_F32)
                 for (int64_t j = t0; j < t0 + 8 && j < n; j++)
                     for (int64_t c = 0; c < D; c += 16) {
@@ -122,7 +131,7 @@ static inline __attribute__((always_inline)) void group_span(
                         _mm_prefetch((const char *)(vf[j] + c), _MM_HINT_T1);
                     }
             /* k outer, token inner: 8 independent multiply-add chains, not one chain per token. */
-            const float *const *kt = kf + t0;
+            const float *const *kt = kh + t0;
             __m256 dots[8];
             for (int j = 0; j < 8; j++) dots[j] = _mm256_setzero_ps();
             for (int64_t d = 0; d < DV; d++) {
@@ -131,27 +140,27 @@ static inline __attribute__((always_inline)) void group_span(
             }
             _mm256_store_ps(s[h] + t0, hsum8x8(dots));
         }
-        for (int64_t j = n; j < n8; j++) s[h][j] = -INFINITY;
+        for (int64_t j = nh; j < nh8; j++) s[h][j] = -INFINITY;
         __m256 mv = _mm256_set1_ps(-INFINITY);
-        for (int64_t t0 = 0; t0 < n8; t0 += 8) mv = _mm256_max_ps(mv, _mm256_load_ps(s[h] + t0));
+        for (int64_t t0 = 0; t0 < nh8; t0 += 8) mv = _mm256_max_ps(mv, _mm256_load_ps(s[h] + t0));
         m[h] = hmax8(mv);
         const __m256 mb = _mm256_set1_ps(m[h]);
         __m256 lv = _mm256_setzero_ps();
-        for (int64_t t0 = 0; t0 < n8; t0 += 8) {
+        for (int64_t t0 = 0; t0 < nh8; t0 += 8) {
             const __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(s[h] + t0), mb));
             _mm256_store_ps(s[h] + t0, p);
         }
-        for (int64_t j = n; j < n8; j++) s[h][j] = 0.0f; /* padding: exp8 clamps at e^-88, not 0 */
-        for (int64_t t0 = 0; t0 < n8; t0 += 8) lv = _mm256_add_ps(lv, _mm256_load_ps(s[h] + t0));
+        for (int64_t j = nh; j < nh8; j++) s[h][j] = 0.0f; /* padding: exp8 clamps at e^-88, not 0 */
+        for (int64_t t0 = 0; t0 < nh8; t0 += 8) lv = _mm256_add_ps(lv, _mm256_load_ps(s[h] + t0));
         l[h] = hsum8(lv);
     }
     /* Weighted V rows, 8 vectors of the head at a time (more would not stay in registers). */
-    for (int64_t h = 0; h < g; h++)
+    for (int64_t h = 0; h < nq; h++)
         for (int64_t d0 = 0; d0 < DV; d0 += 8) {
             const int64_t dn = DV - d0 < 8 ? DV - d0 : 8;
             __m256 a[8];
             for (int64_t d = 0; d < dn; d++) a[d] = _mm256_setzero_ps();
-            for (int64_t j = 0; j < n; j++) {
+            for (int64_t j = 0; j < nv[h]; j++) {
                 const __m256 pj = _mm256_set1_ps(s[h][j]);
                 for (int64_t d = 0; d < dn; d++) a[d] = _mm256_fmadd_ps(pj, _mm256_loadu_ps(vf[j] + 8 * (d0 + d)), a[d]);
             }
@@ -159,36 +168,57 @@ static inline __attribute__((always_inline)) void group_span(
         }
 }
 
-/* One task: g query heads (from h0) of sequence i over tokens [t_begin, t_end) (one span). A sequence
- * of one span (`single`) writes its output (acc / l) directly; otherwise the span's partial goes to
- * part (per head: acc [D], m, l). */
+/* A run: rows first..first + rows - 1 of the batch that read one history (a verification's rows:
+ * consecutive positions over the same block table), so one task per span and head group serves them
+ * all. Row r's query is at position lens[r] - 1 and sees keys [lo, lens[r]). */
+typedef struct {
+    int64_t first, rows;
+    int64_t lo;          /* the first key any row sees (0, or a lone row's window start) */
+    int64_t span_begin;  /* the run's first span among all tasks' spans */
+} run_t;
+
+/* One task: heads h0..h0 + g - 1 of every row of `run` whose history reaches span `abs_span` (absolute:
+ * positions [64 abs_span, 64 abs_span + 64), cut to the run's first key and each row's length). A row
+ * of one span writes its output (acc / l) directly; otherwise its span's partial goes to part (per
+ * head: acc [D], m, l) at its own span index. */
 static inline __attribute__((always_inline)) void run_task(
-    const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const int32_t *table, int64_t t_begin,
-    int64_t t_end, int single, int64_t h0, int64_t g, int64_t group, int64_t Hkv, int64_t block_size,
-    const int64_t DV, const int kvt, float scale, float *out, float *part) {
+    const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const int32_t *table, const run_t *run,
+    const int32_t *seq_lens, const int64_t *part_start, int64_t abs_span, int64_t h0, int64_t g, int64_t Hq,
+    int64_t group, int64_t Hkv, int64_t block_size, const int64_t DV, const int kvt, float scale, float *out,
+    float *part, int64_t span_stride) {
     const int64_t D = DV * 8, kvh = h0 / group, row_bytes = kv_row_bytes(kvt, D);
-    float qs[MAX_GROUP * MAX_HEAD_DIM] __attribute__((aligned(32)));
-    float acc[MAX_GROUP * MAX_HEAD_DIM] __attribute__((aligned(32)));
-    float m[MAX_GROUP], l[MAX_GROUP];
-    for (int64_t h = 0; h < g; h++)
-        for (int64_t d = 0; d < DV; d++)
-            _mm256_store_ps(qs + h * D + 8 * d,
-                            _mm256_mul_ps(_mm256_loadu_ps(q + (h0 + h) * D + 8 * d), _mm256_set1_ps(scale)));
-    group_span(qs, k_cache + kvh * row_bytes, v_cache + kvh * row_bytes, table, t_begin, t_end, block_size,
-               Hkv * row_bytes, DV, kvt, g, acc, m, l);
-    if (single) {
-        for (int64_t h = 0; h < g; h++) {
-            const __m256 inv = _mm256_set1_ps(1.0f / l[h]);
+    const int64_t t_begin = abs_span * SPAN_TOKENS > run->lo ? abs_span * SPAN_TOKENS : run->lo;
+    float qs[MAX_QUERIES * MAX_HEAD_DIM] __attribute__((aligned(32)));
+    float acc[MAX_QUERIES * MAX_HEAD_DIM] __attribute__((aligned(32)));
+    float m[MAX_QUERIES], l[MAX_QUERIES];
+    int64_t nv[MAX_QUERIES], row_of[MAX_QUERIES];
+    int64_t nq = 0;
+    for (int64_t r = 0; r < run->rows; r++) {
+        const int64_t i = run->first + r, len = seq_lens[i];
+        if (len <= t_begin) continue; /* an earlier row of the run, whose history ends before this span */
+        const int64_t t_end = (abs_span + 1) * SPAN_TOKENS < len ? (abs_span + 1) * SPAN_TOKENS : len;
+        for (int64_t h = 0; h < g; h++, nq++) {
+            nv[nq] = t_end - t_begin;
+            row_of[nq] = i;
             for (int64_t d = 0; d < DV; d++)
-                _mm256_storeu_ps(out + (h0 + h) * D + 8 * d, _mm256_mul_ps(_mm256_load_ps(acc + h * D + 8 * d), inv));
+                _mm256_store_ps(qs + nq * D + 8 * d, _mm256_mul_ps(_mm256_loadu_ps(q + (i * Hq + h0 + h) * D + 8 * d),
+                                                                   _mm256_set1_ps(scale)));
         }
-        return;
     }
-    for (int64_t h = 0; h < g; h++) {
-        float *ph = part + (h0 + h) * (D + 2);
-        for (int64_t d = 0; d < D; d++) ph[d] = acc[h * D + d];
-        ph[D] = m[h];
-        ph[D + 1] = l[h];
+    group_span(qs, k_cache + kvh * row_bytes, v_cache + kvh * row_bytes, table, t_begin, nv, block_size,
+               Hkv * row_bytes, DV, kvt, nq, acc, m, l);
+    for (int64_t k = 0; k < nq; k++) {
+        const int64_t i = row_of[k], h = h0 + k % g, spans = part_start[i + 1] - part_start[i];
+        if (spans == 0) { /* a row of one span: its output directly */
+            const __m256 inv = _mm256_set1_ps(1.0f / l[k]);
+            for (int64_t d = 0; d < DV; d++)
+                _mm256_storeu_ps(out + (i * Hq + h) * D + 8 * d, _mm256_mul_ps(_mm256_load_ps(acc + k * D + 8 * d), inv));
+            continue;
+        }
+        float *ph = part + (part_start[i] + abs_span - run->lo / SPAN_TOKENS) * span_stride + h * (D + 2);
+        for (int64_t d = 0; d < D; d++) ph[d] = acc[k * D + d];
+        ph[D] = m[k];
+        ph[D + 1] = l[k];
     }
 }
 
@@ -223,23 +253,28 @@ static inline int64_t window_start(int64_t seq_len, int64_t window) {
 
 /* One task, specialised on the head size (64 and 128 unrolled) and the cache's element type (each type
  * its own loops, with the widening to float32 inlined). */
-#define RUN_TYPES(DV)                                                                                           \
-    switch (kvt) {                                                                                              \
-    case KV_F32:                                                                                                \
-        run_task(q, k, v, table, t_begin, t_end, single, h0, g, group, Hkv, bs, DV, KV_F32, scale, out, part);  \
-        break;                                                                                                  \
-    case KV_F16:                                                                                                \
-        run_task(q, k, v, table, t_begin, t_end, single, h0, g, group, Hkv, bs, DV, KV_F16, scale, out, part);  \
-        break;                                                                                                  \
-    case KV_BF16:                                                                                               \
-        run_task(q, k, v, table, t_begin, t_end, single, h0, g, group, Hkv, bs, DV, KV_BF16, scale, out, part); \
-        break;                                                                                                  \
-    default:                                                                                                    \
-        run_task(q, k, v, table, t_begin, t_end, single, h0, g, group, Hkv, bs, DV, KV_Q8_0, scale, out, part); \
+#define RUN_TYPES(DV)                                                                                         \
+    switch (kvt) {                                                                                            \
+    case KV_F32:                                                                                              \
+        run_task(q, k, v, table, run, lens, part_start, abs_span, h0, g, Hq, group, Hkv, bs, DV, KV_F32, scale, \
+                 out, part, span_stride);                                                                     \
+        break;                                                                                                \
+    case KV_F16:                                                                                              \
+        run_task(q, k, v, table, run, lens, part_start, abs_span, h0, g, Hq, group, Hkv, bs, DV, KV_F16, scale, \
+                 out, part, span_stride);                                                                     \
+        break;                                                                                                \
+    case KV_BF16:                                                                                             \
+        run_task(q, k, v, table, run, lens, part_start, abs_span, h0, g, Hq, group, Hkv, bs, DV, KV_BF16,       \
+                 scale, out, part, span_stride);                                                              \
+        break;                                                                                                \
+    default:                                                                                                  \
+        run_task(q, k, v, table, run, lens, part_start, abs_span, h0, g, Hq, group, Hkv, bs, DV, KV_Q8_0,       \
+                 scale, out, part, span_stride);                                                              \
     }
-static void run_typed(const float *q, const uint8_t *k, const uint8_t *v, const int32_t *table, int64_t t_begin,
-                      int64_t t_end, int single, int64_t h0, int64_t g, int64_t group, int64_t Hkv, int64_t bs,
-                      int64_t D, int kvt, float scale, float *out, float *part) {
+static void run_typed(const float *q, const uint8_t *k, const uint8_t *v, const int32_t *table, const run_t *run,
+                      const int32_t *lens, const int64_t *part_start, int64_t abs_span, int64_t h0, int64_t g,
+                      int64_t Hq, int64_t group, int64_t Hkv, int64_t bs, int64_t D, int kvt, float scale,
+                      float *out, float *part, int64_t span_stride) {
     if (D == 64) {
         RUN_TYPES(8)
     } else if (D == 128) {
@@ -249,63 +284,83 @@ static void run_typed(const float *q, const uint8_t *k, const uint8_t *v, const 
     }
 }
 
+/* Whether row i + 1 extends row i's run: the next position over the same blocks (every block its
+ * history touches), with no sliding window (a window would give the rows different first keys). */
+static int same_history(const int32_t *block_tables, const int32_t *seq_lens, int64_t i, int64_t max_blocks,
+                        int64_t block_size, int64_t window) {
+    if (window > 0 || seq_lens[i + 1] != seq_lens[i] + 1) return 0;
+    const int64_t blocks = (seq_lens[i + 1] + block_size - 1) / block_size;
+    const int32_t *a = block_tables + i * max_blocks, *b = a + max_blocks;
+    for (int64_t j = 0; j < blocks; j++)
+        if (a[j] != b[j]) return 0;
+    return 1;
+}
+
 /* q, out: [n, Hq, D] float32; caches: [num_blocks, block_size, Hkv, row] with rows of D values of
  * kv_type (kv_types.h: float32, float16, bfloat16 or q8_0); block_tables: [n, max_blocks] int32;
  * seq_lens: [n] int32 (>= 1); window: the sliding window (0: every key). Returns nonzero for shapes it
- * does not handle (D not a multiple of 8 or > 256; of 32 for q8_0) or when memory runs out. */
+ * does not handle (D not a multiple of 8 or > 256; of 32 for q8_0) or when memory runs out.
+ *
+ * Consecutive rows over one history (same_history: a speculative verification's rows) form a run that
+ * reads each span of K and V once for all its rows, up to MAX_QUERIES (row, head) queries a task; each
+ * row's result is bit for bit what it would be alone. */
 int orca_paged_decode_attention(const float *q, const void *k_cache_, const void *v_cache_,
                                 const int32_t *block_tables, const int32_t *seq_lens, int64_t n, int64_t Hq,
                                 int64_t Hkv, int64_t D, int64_t block_size, int64_t max_blocks, float scale,
                                 int64_t window, int kv_type, float *out) {
     if (D % 8 != 0 || D > MAX_HEAD_DIM || Hq % Hkv != 0 || n <= 0 || window < 0 || !kv_type_ok(kv_type, D)) return 1;
     const uint8_t *k_cache = k_cache_, *v_cache = v_cache_;
-    const int64_t group = Hq / Hkv, g = heads_per_task(group), groups = Hq / g;
-    /* span_start[i]: the index of sequence i's first span among all; part_start: where its partials
-     * go (sequences of one span need none). */
-    int64_t *span_start = malloc(sizeof(int64_t) * (size_t)(2 * n + 2));
-    if (!span_start) return 2;
-    int64_t *part_start = span_start + n + 1;
-    int64_t spans = 0, parts = 0;
-    for (int64_t i = 0; i < n; i++) {
-        const int64_t c = (seq_lens[i] - 1) / SPAN_TOKENS - window_start(seq_lens[i], window) / SPAN_TOKENS + 1;
-        span_start[i] = spans;
-        part_start[i] = parts;
-        spans += c;
-        if (c > 1) parts += c;
+    const int64_t group = Hq / Hkv, g = heads_per_task(group), groups = Hq / g, max_rows = MAX_QUERIES / g;
+    /* part_start[i]: where row i's span partials go (rows of one span need none: their count is 0). */
+    int64_t *part_start = malloc(sizeof(int64_t) * (size_t)(n + 1));
+    run_t *runs = malloc(sizeof(run_t) * (size_t)n);
+    if (!part_start || !runs) {
+        free(part_start);
+        free(runs);
+        return 2;
     }
-    span_start[n] = spans;
+    int64_t parts = 0, num_runs = 0, spans = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const int64_t lo = window_start(seq_lens[i], window);
+        const int64_t c = (seq_lens[i] - 1) / SPAN_TOKENS - lo / SPAN_TOKENS + 1;
+        part_start[i] = parts;
+        if (c > 1) parts += c;
+        run_t *last = num_runs ? &runs[num_runs - 1] : NULL;
+        if (last && last->first + last->rows == i && last->rows < max_rows &&
+            same_history(block_tables, seq_lens, i - 1, max_blocks, block_size, window)) {
+            last->rows++;
+            spans++; /* at most one span more than the run's previous row: only if it crosses a boundary */
+            spans -= (seq_lens[i] - 1) / SPAN_TOKENS == (seq_lens[i - 1] - 1) / SPAN_TOKENS;
+            continue;
+        }
+        runs[num_runs++] = (run_t){i, 1, lo, spans};
+        spans += c;
+    }
     part_start[n] = parts;
     const int64_t span_stride = Hq * (D + 2); /* one span's partials: every head's acc, m, l */
     float *part = parts ? malloc(sizeof(float) * (size_t)(parts * span_stride)) : NULL;
-    if (parts && !part) {
-        free(span_start);
-        return 2;
-    }
-    int64_t *span_seq = malloc(sizeof(int64_t) * (size_t)spans);
-    if (!span_seq) {
+    int64_t *span_run = malloc(sizeof(int64_t) * (size_t)spans);
+    if ((parts && !part) || !span_run) {
         free(part);
-        free(span_start);
+        free(span_run);
+        free(runs);
+        free(part_start);
         return 2;
     }
-    for (int64_t i = 0; i < n; i++)
-        for (int64_t c = span_start[i]; c < span_start[i + 1]; c++) span_seq[c] = i;
+    for (int64_t r = 0; r < num_runs; r++) {
+        const int64_t end = r + 1 < num_runs ? runs[r + 1].span_begin : spans;
+        for (int64_t c = runs[r].span_begin; c < end; c++) span_run[c] = r;
+    }
 #pragma omp parallel
     {
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < spans * groups; task++) {
-            const int64_t c = task / groups, h0 = task % groups * g, i = span_seq[c], span = c - span_start[i];
-            const int64_t len = seq_lens[i], lo = window_start(len, window);
-            /* This span's keys: its 64 absolute positions, cut to the window and the history. */
-            const int64_t abs_span = lo / SPAN_TOKENS + span;
-            const int64_t t_begin = abs_span * SPAN_TOKENS > lo ? abs_span * SPAN_TOKENS : lo;
-            const int64_t t_end = (abs_span + 1) * SPAN_TOKENS < len ? (abs_span + 1) * SPAN_TOKENS : len;
-            const int single = span_start[i + 1] - span_start[i] == 1;
-            const int32_t *table = block_tables + i * max_blocks;
-            float *p = single ? NULL : part + (part_start[i] + span) * span_stride;
-            const float *qi = q + i * Hq * D;
-            float *oi = out + i * Hq * D;
-            run_typed(qi, k_cache, v_cache, table, t_begin, t_end, single, h0, g, group, Hkv, block_size, D, kv_type,
-                      scale, oi, p);
+            const int64_t c = task / groups, h0 = task % groups * g;
+            const run_t *run = &runs[span_run[c]];
+            /* This span's 64 absolute positions, cut to the window and each row's history. */
+            const int64_t abs_span = run->lo / SPAN_TOKENS + (c - run->span_begin);
+            run_typed(q, k_cache, v_cache, block_tables + run->first * max_blocks, run, seq_lens, part_start,
+                      abs_span, h0, g, Hq, group, Hkv, block_size, D, kv_type, scale, out, part, span_stride);
         }
         if (parts) {
 #pragma omp for schedule(static)
@@ -315,8 +370,9 @@ int orca_paged_decode_attention(const float *q, const void *k_cache_, const void
             }
         }
     }
-    free(span_seq);
+    free(span_run);
     free(part);
-    free(span_start);
+    free(runs);
+    free(part_start);
     return 0;
 }

@@ -200,3 +200,33 @@ def test_wrappers_refuse_caches_the_kernel_would_misread() -> None:
     assert cpu_kernels.supports_decode_attention(64, 9, 3, torch.uint8)
     assert not cpu_kernels.supports_decode_attention(48, 4, 2, torch.uint8)
     assert not cpu_kernels.supports_decode_attention(64, 4, 2, torch.int8)
+
+
+def verification_case(d: int = 64):
+    """Rows as a speculative verification lays them out (engine/speculative.py): k + 1 consecutive
+    positions of one request over its block table, among plain decode rows. Runs that cross a span edge
+    (64 tokens), one of 12 rows (past a task's 10 with 3 heads per KV head: cut in two), a lone row, and
+    two requests whose tables differ."""
+    q, k, v, tables, _ = paged_case([70, 10, 140, 90], 9, 3, d, 16, seed=11)
+    rows = (
+        [(0, n) for n in range(61, 67)] + [(1, 10)] + [(2, n) for n in range(120, 132)] + [(3, 90), (3, 91)]
+    )
+    table = tables[[i for i, _ in rows]]
+    lens = torch.tensor([n for _, n in rows], dtype=torch.int32)
+    q = torch.randn(len(rows), 9, d, generator=torch.Generator().manual_seed(3))
+    return q, k, v, table, lens
+
+
+@pytest.mark.parametrize("variant", EVERY_VARIANT)
+@pytest.mark.parametrize("dtype", KV_DTYPES)
+def test_verification_rows_read_their_history_once_and_match_alone(variant: str, dtype: str) -> None:
+    """A run of rows over one history is one task per span for all its rows: each row's output equals,
+    bit for bit, the same row computed alone (a plain decode step there), and SDPA over the values the
+    cache holds."""
+    q, k32, v32, tables, lens = verification_case()
+    k, v = stored(k32, dtype), stored(v32, dtype)
+    kern = kernels_for(variant)
+    assert_batch_invariant(kern, q, k, v, tables, lens)
+    got = kern.paged_decode_attention(q, k, v, tables, lens, 0.125)
+    expect = reference(q, widened(k, 64), widened(v, 64), tables, lens, 0.125)
+    torch.testing.assert_close(got, expect, atol=2e-6, rtol=1e-5)
