@@ -492,7 +492,11 @@ static inline __attribute__((always_inline)) void float_tile(const float *x, int
 
 /* ------------------------------------------------------------------------------------------------
  * Specializations: one function per (format, rows of x), so the format's branches and the row loops
- * fold away. Row counts past the full micro-kernel are covered by halving: MR, 4, 2, 1. */
+ * fold away. The int8 path has one for every row count up to the micro-kernel's (1..MR_INT), so a
+ * block of rows is one pass over a tile: a speculative verification's 3, 5, 6 or 7 rows (or a batch's
+ * remainder) cut into 2 + 1, 4 + 1, 4 + 2, 4 + 2 + 1 unpacked the tile's codes once per piece, and at
+ * a few rows that unpacking costs as much as the dot products (a 3-row step of the default model took
+ * longer than a 4-row one). The float path covers the rest by halving: MR, 4, 2, 1. */
 
 typedef void (*int_fn)(const uint8_t *, const qx_t *, int64_t, float *, int64_t, int);
 typedef void (*flt_fn)(const uint8_t *, int64_t, int64_t, float *);
@@ -505,7 +509,14 @@ typedef void (*ftile_fn)(const float *, int64_t, const float *, int64_t, float *
         else                                                                                                  \
             int_tile(t, F, x, m0, R, y, ldy, nv);                                                             \
     }
-#define INT_FNS(F) INT_FN(F, MR_INT) INT_FN(F, 4) INT_FN(F, 2) INT_FN(F, 1)
+#if MR_INT == 8
+#define INT_FNS(F) \
+    INT_FN(F, 1) INT_FN(F, 2) INT_FN(F, 3) INT_FN(F, 4) INT_FN(F, 5) INT_FN(F, 6) INT_FN(F, 7) INT_FN(F, 8)
+#define INT_ROW(F) {int_##F##_1, int_##F##_2, int_##F##_3, int_##F##_4, int_##F##_5, int_##F##_6, int_##F##_7, int_##F##_8}
+#else
+#define INT_FNS(F) INT_FN(F, 1) INT_FN(F, 2) INT_FN(F, 3) INT_FN(F, 4)
+#define INT_ROW(F) {int_##F##_1, int_##F##_2, int_##F##_3, int_##F##_4}
+#endif
 #define DQ_FN(F) \
     static void dq_##F(const uint8_t *t, int64_t g0, int64_t g1, float *w) { dequant_chunk(t, F, g0, g1, w); }
 #define FT_FN(R)                                                                                               \
@@ -518,14 +529,17 @@ INT_FNS(0) INT_FNS(1) INT_FNS(2) INT_FNS(3) INT_FNS(4) INT_FNS(5) INT_FNS(6) INT
 DQ_FN(0) DQ_FN(1) DQ_FN(2) DQ_FN(3) DQ_FN(4) DQ_FN(5) DQ_FN(6) DQ_FN(7) DQ_FN(8) DQ_FN(9) DQ_FN(10)
 FT_FN(MR_FLT) FT_FN(4) FT_FN(2) FT_FN(1)
 
-#define INT_ROW(F) {int_##F##_##MR_INT, int_##F##_4, int_##F##_2, int_##F##_1}
-static const int_fn INT_FNS_TABLE[QF_COUNT][4] = {INT_ROW(0), INT_ROW(1), INT_ROW(2), INT_ROW(3),
+/* INT_FNS_TABLE[fmt][r - 1]: r rows of x. */
+static const int_fn INT_FNS_TABLE[QF_COUNT][MR_INT] = {INT_ROW(0), INT_ROW(1), INT_ROW(2), INT_ROW(3),
                                                   INT_ROW(4), INT_ROW(5), INT_ROW(6), INT_ROW(7),
                                                   INT_ROW(8), INT_ROW(9), INT_ROW(10)};
 static const flt_fn DQ_TABLE[QF_COUNT] = {dq_0, dq_1, dq_2, dq_3, dq_4, dq_5, dq_6, dq_7, dq_8, dq_9, dq_10};
 static const ftile_fn FT_TABLE[4] = {ft_MR_FLT, ft_4, ft_2, ft_1};
 
-/* The largest specialization for r remaining rows: its index in the tables (MR, 4, 2, 1) and rows. */
+/* Rows of the int8 micro-kernel for r remaining rows: all of them, up to MR_INT. */
+static inline int int_rows(int64_t r) { return r < MR_INT ? (int)r : MR_INT; }
+
+/* The largest float specialization for r remaining rows: its index in FT_TABLE (MR, 4, 2, 1) and rows. */
 static inline int pick_rows(int64_t r, int full, int *rows) {
     const int i = r >= full ? 0 : r >= 4 ? 1 : r >= 2 ? 2 : 3;
     static const int small[4] = {0, 4, 2, 1};
@@ -730,9 +744,8 @@ static void amx_gemm(const uint8_t *w, int fmt, int64_t N, const qx_t *x, int64_
                 for (; m + AMX_ROWS <= m1; m += AMX_ROWS)
                     AMX_TABLE[fmt](tile, bbuf, x, m, abuf, zbuf, cbuf, y + t * TILE_ROWS, ldy, nvalid);
                 while (m < m1) {
-                    int rows;
-                    const int i = pick_rows(m1 - m, MR_INT, &rows);
-                    fns[i](tile, x, m, y + t * TILE_ROWS, ldy, nvalid);
+                    const int rows = int_rows(m1 - m);
+                    fns[rows - 1](tile, x, m, y + t * TILE_ROWS, ldy, nvalid);
                     m += rows;
                 }
             }
@@ -750,9 +763,8 @@ static inline void int_tile_rows(const uint8_t *w, int64_t tb, const int_fn *fns
                                  int64_t m0, int64_t m1, int64_t t, float *y, int64_t ldy) {
     const int nvalid = tile_rows(N, t);
     for (int64_t m = m0; m < m1;) {
-        int rows;
-        const int i = pick_rows(m1 - m, MR_INT, &rows);
-        fns[i](w + t * tb, x, m, y + t * TILE_ROWS, ldy, nvalid);
+        const int rows = int_rows(m1 - m);
+        fns[rows - 1](w + t * tb, x, m, y + t * TILE_ROWS, ldy, nvalid);
         m += rows;
     }
 }

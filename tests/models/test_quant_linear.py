@@ -21,7 +21,8 @@ from models.layers.packed_weight import (
 
 # Row counts that cross every blocking of the kernel: the int8 micro-kernels (8 / 4 / 2 / 1 rows;
 # AVX2: 4), the float ones (12 or 6), AMX's 16-row blocks, and more than one 256-row block.
-ROW_COUNTS = [1, 2, 3, 5, 8, 9, 13, 16, 17, 33, 100, 300]
+# Other rows beside the one checked: batches of 2..9 rows reach every int8 micro-kernel (1..8 rows) in one piece.
+ROW_COUNTS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 33, 100, 300]
 
 
 def _codes(c: BlockComponents) -> torch.Tensor:
