@@ -19,9 +19,9 @@ from models.layers.packed_weight import (
     random_components,
 )
 
-# Row counts that cross every blocking of the kernel: the int8 micro-kernels (8 / 4 / 2 / 1 rows;
-# AVX2: 4), the float ones (12 or 6), AMX's 16-row blocks, and more than one 256-row block.
-# Other rows beside the one checked: batches of 2..9 rows reach every int8 micro-kernel (1..8 rows) in one piece.
+# Row counts that cross every blocking of the kernel: the int8 micro-kernels (one per row count up to 8;
+# AVX2: 4), the float ones (12 or 6), AMX's 16-row blocks, and more than one 256-row block. With the
+# row checked beside them, batches of 2..10 rows reach every int8 micro-kernel in one piece.
 ROW_COUNTS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 33, 100, 300]
 
 
