@@ -93,6 +93,12 @@ class PackableLinear(nn.Module):
         self.__dict__.setdefault("_blocks", []).append((row_offset, part))
         return True
 
+    def load_part(self, param: nn.Parameter, part: torch.Tensor | QuantizedBlocks) -> None:
+        """All of `param` from this rank's `part` of the checkpoint's tensor: kept as blocks, or adopted
+        (no copy where it can be) or copied in."""
+        if not self.take_blocks(param, 0, part):
+            adopt_or_copy(param, part)
+
     def load_rows(self, param: nn.Parameter, row_offset: int, part: torch.Tensor | QuantizedBlocks) -> None:
         """Rows [row_offset, row_offset + len(part)) of `param`: kept as blocks, or copied in."""
         if not self.take_blocks(param, row_offset, part):
@@ -152,7 +158,18 @@ def bucketed_rows(m: int) -> int:
     return -(-m // step) * step
 
 
-class ColumnParallelLinear(PackableLinear):
+class ParallelLinear(PackableLinear):
+    """A linear of the checkpoint's full `input_size` x `output_size` of which this rank holds a part
+    (which part: the subclass)."""
+
+    def __init__(self, input_size: int, output_size: int, tp: TPContext) -> None:
+        super().__init__()
+        self.tp = tp
+        self.input_size = input_size
+        self.output_size = output_size
+
+
+class ColumnParallelLinear(ParallelLinear):
     """y = x W^T + b with W's output dim split across ranks; each rank returns its slice of y."""
 
     def __init__(
@@ -166,10 +183,7 @@ class ColumnParallelLinear(PackableLinear):
         local_output_size: int | None = None,
     ) -> None:
         """`local_output_size`: this rank's rows where they are not an even split (QKV's heads)."""
-        super().__init__()
-        self.tp = tp
-        self.input_size = input_size
-        self.output_size = output_size
+        super().__init__(input_size, output_size, tp)
         if local_output_size is None:
             local_output_size = divide(output_size, tp.size, "output size")
         self.local_output_size = local_output_size
@@ -180,9 +194,7 @@ class ColumnParallelLinear(PackableLinear):
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         check_shape(loaded, (self.output_size, *param.shape[1:]))
         n = self.local_output_size
-        part = loaded.narrow(0, self.tp.rank * n, n)
-        if not self.take_blocks(param, 0, part):
-            adopt_or_copy(param, part)
+        self.load_part(param, loaded.narrow(0, self.tp.rank * n, n))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = self.matmul(x, self.bias)
@@ -286,7 +298,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.load_rows(param, offset, loaded.narrow(0, start, n))
 
 
-class RowParallelLinear(PackableLinear):
+class RowParallelLinear(ParallelLinear):
     """y = x W^T + b with W's input dim split across ranks; partial outputs are summed by all-reduce.
 
     `input_shard` = (start, size) of this rank's input columns when they are not an even split (the
@@ -302,10 +314,7 @@ class RowParallelLinear(PackableLinear):
         tp: TPContext = SINGLE,
         input_shard: tuple[int, int] | None = None,
     ) -> None:
-        super().__init__()
-        self.tp = tp
-        self.input_size = input_size
-        self.output_size = output_size
+        super().__init__(input_size, output_size, tp)
         if input_shard is None:
             self.local_input_size = divide(input_size, tp.size, "input size")
             self.input_start = tp.rank * self.local_input_size
@@ -317,9 +326,7 @@ class RowParallelLinear(PackableLinear):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: Any = None) -> None:
         check_shape(loaded, (self.output_size, self.input_size))
-        part = narrow_columns(loaded, self.input_start, self.local_input_size)
-        if not self.take_blocks(param, 0, part):
-            adopt_or_copy(param, part)
+        self.load_part(param, narrow_columns(loaded, self.input_start, self.local_input_size))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -358,11 +365,9 @@ class VocabParallelEmbedding(PackableLinear):
         part = loaded.narrow(0, self.vocab_start, n)
         if n < self.per_rank:
             param.data[n:].zero_()
-        if self.take_blocks(param, 0, part):
-            return
         if n == self.per_rank:
-            adopt_or_copy(param, part)
-        else:
+            self.load_part(param, part)
+        elif not self.take_blocks(param, 0, part):
             param.data[:n].copy_(part)
 
     def lookup(self, ids: torch.Tensor) -> torch.Tensor:
