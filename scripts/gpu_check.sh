@@ -111,9 +111,10 @@ phase_tests() {
         tests/models/test_triton_moe.py tests/engine/test_cuda_graphs.py
 }
 
-# The shapes the bench phase runs (BENCH_SHAPES, default all three) and whether it profiles (PROFILES=0:
-# no), so that a short device lease can split the phase over two calls.
-BENCH_SHAPES=${BENCH_SHAPES:-smollm2-135m llama3-8b olmoe-1b-7b}
+# The shapes the bench phase runs (BENCH_SHAPES, default all three), whether it compares the fused small
+# ops off and on (FUSED_AB=0: no) and whether it profiles (PROFILES=0: no), so that a short device lease
+# can split the phase over two calls.
+BENCH_SHAPES=${BENCH_SHAPES-smollm2-135m llama3-8b olmoe-1b-7b}  # set and empty: none
 PROFILES=${PROFILES:-1}
 
 phase_bench() {
@@ -128,6 +129,19 @@ phase_bench() {
             --batch-sizes $BATCHES --new-tokens 32 --prompt-len 64 "${BENCH[@]}" --json "$r/bench-$shape.json"
         pack bench
     done
+    # The fused small ops (models/layers/triton_fused.py) off and on: batch-1 to 64 decode of the
+    # default model's shape and an 8B's, engine only.
+    if [ "${FUSED_AB:-1}" = 1 ]; then
+        for fused in 0 1; do
+            ORCA_GPU_FUSED_OPS=$fused run 120 "$PY" -m engine.bench --device $DEVICE --shape smollm2-135m \
+                --batch-sizes 1,16,64 --new-tokens 32 --prompt-len 64 --skip-hf --prefill-lens "" "${BENCH[@]}" \
+                --json "$r/fused-$fused-smollm2-135m.json"
+            [ "${GPU_CHECK_DRY:-0}" = 1 ] || ORCA_GPU_FUSED_OPS=$fused run 150 "$PY" -m engine.bench --device $DEVICE \
+                --shape llama3-8b --batch-sizes 1,16,64 --new-tokens 32 --prompt-len 64 --skip-hf --prefill-lens "" \
+                --json "$r/fused-$fused-llama3-8b.json"
+        done
+        pack bench
+    fi
     [ "$PROFILES" = 1 ] || return 0
     # Where a batch-1 step's time goes, eagerly and with its graph.
     run 45 "$PY" -m engine.bench --device $DEVICE --shape smollm2-135m --profile 1 --enforce-eager "${BENCH[@]}" \

@@ -72,6 +72,8 @@ class GemmaRMSNorm(RMSNorm):
     The weight holds 1 + w (float32), folded in once when it is loaded, so in float32 this is a plain
     RMSNorm: the native kernel and the fused decode call run it as they run Llama's, bit for bit."""
 
+    scale_in_float32 = True
+
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__(hidden_size, eps, torch.float32)
         self.weight.weight_loader = _fold_one_plus  # type: ignore[attr-defined]

@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.kernels import cpu as cpu_kernels
+from models.layers.gpu_fused import fused_ops
 
 
 class SiluAndMul(nn.Module):
@@ -15,6 +16,9 @@ class SiluAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_kernels.fits_rowwise(x, x.shape[-1] // 2):
             return cpu_kernels.silu_and_mul(x)
+        fused = fused_ops(x)
+        if fused is not None and x.is_contiguous():
+            return fused.act_and_mul(x.view(-1, x.shape[-1])).view(*x.shape[:-1], x.shape[-1] // 2)
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -26,6 +30,10 @@ class GeluTanhAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_kernels.fits_rowwise(x, x.shape[-1] // 2):
             return cpu_kernels.gelu_tanh_and_mul(x)
+        fused = fused_ops(x)
+        if fused is not None and x.is_contiguous():
+            out = fused.act_and_mul(x.view(-1, x.shape[-1]), gelu_tanh=True)
+            return out.view(*x.shape[:-1], x.shape[-1] // 2)
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 

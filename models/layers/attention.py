@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
-from functools import cache
 from typing import Any
 
 import torch
@@ -25,6 +24,7 @@ from models.layers.attention_backends import (
     TorchVarlenBackend,
     TritonBackend,
 )
+from models.layers.gpu_fused import fused_ops, triton_imports
 from models.layers.kv_format import write_kv
 from models.layers.metadata import AttentionMetadata, KVCache
 from models.layers.rotary import RotaryEmbedding
@@ -46,16 +46,6 @@ def torch_varlen_available() -> bool:
 
 def flash_attn_available() -> bool:
     return importlib.util.find_spec("flash_attn") is not None
-
-
-@cache
-def triton_imports() -> bool:
-    """triton is installed and imports (a broken install, say built for another torch, does not)."""
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        return False
-    return True
 
 
 def triton_available(device: torch.device | str) -> bool:
@@ -192,13 +182,21 @@ class Attention(nn.Module):
         step: AttentionStep,
     ) -> torch.Tensor:  # [T, Hq * D]
         """Attention of a rotary model from its fused qkv: rotary on q and k, the cache write, then the
-        backend. In float32 on a CPU the first two are one native call (models/kernels/cpu.py); the
-        engine has already checked every position against the model's maximum."""
+        backend. In float32 on a CPU the first two are one native call (models/kernels/cpu.py), on a GPU
+        one Triton launch (triton_fused.py); the engine has already checked every position against the
+        model's maximum."""
         t, d = qkv.shape[0], self.head_dim
         k_cache, v_cache = kv_cache
         if cpu_kernels.fits_rope_and_cache(qkv, rotary.cos_sin_cache, k_cache, d):
             slots = step.metadata.slot_mapping
             cpu_kernels.rope_and_cache(
+                qkv, positions, rotary.cos_sin_cache, slots, k_cache, v_cache, self.num_heads
+            )
+            return self.attend(qkv[:, : self.num_heads * d].view(t, self.num_heads, d), kv_cache, step)
+        fused = fused_ops(qkv)
+        if fused is not None and fused.fits_rope_and_cache(qkv, rotary.cos_sin_cache, k_cache):
+            slots = step.metadata.slot_mapping
+            fused.rope_and_cache(
                 qkv, positions, rotary.cos_sin_cache, slots, k_cache, v_cache, self.num_heads
             )
             return self.attend(qkv[:, : self.num_heads * d].view(t, self.num_heads, d), kv_cache, step)

@@ -8,10 +8,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from models.kernels import cpu as cpu_kernels
+from models.layers.gpu_fused import fused_ops
 from models.layers.linear import default_weight_loader
 
 
 class RMSNorm(nn.Module):
+    # Whether the weight multiplies the normalised value in float32 before the cast to the model dtype
+    # (Gemma) rather than after it (Llama, as transformers does).
+    scale_in_float32 = False
+
     def __init__(self, hidden_size: int, eps: float = 1e-6, dtype: torch.dtype = torch.float32) -> None:
         super().__init__()
         self.eps = eps
@@ -28,6 +33,14 @@ class RMSNorm(nn.Module):
         ):
             normed = cpu_kernels.rms_norm(x, self.weight, self.eps, residual)
             return normed if residual is None else (normed, residual)
+        fused = fused_ops(x)
+        if fused is not None and _rows_fit(x, residual):
+            h = x.shape[-1]
+            normed = fused.rms_norm(
+                x.view(-1, h), self.weight, self.eps,
+                None if residual is None else residual.view(-1, h), self.scale_in_float32,
+            ).view(x.shape)  # fmt: skip
+            return normed if residual is None else (normed, residual)
         if residual is not None:
             x = x + residual
             return self._norm(x), x
@@ -39,6 +52,14 @@ class RMSNorm(nn.Module):
         # Like transformers: normalise in float32, cast back, then scale in the model dtype.
         normed = F.rms_norm(x.float(), self.weight.shape, None, self.eps).to(x.dtype)
         return normed * self.weight
+
+
+def _rows_fit(x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    """x (and the residual stream) as rows the fused kernel reads: contiguous, of one dtype."""
+    return x.is_contiguous() and (
+        residual is None
+        or (residual.is_contiguous() and residual.dtype == x.dtype and residual.shape == x.shape)
+    )
 
 
 def qk_rms_norm(

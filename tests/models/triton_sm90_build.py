@@ -1,10 +1,11 @@
-"""Compile the Triton kernels (attention, the fused experts) for an H100 (sm_90) on any machine, GPU or
-not, and report what each compiled variant uses: registers, spills, shared memory.
+"""Compile the Triton kernels (attention, the fused experts, the fused small ops) for an H100 (sm_90) on
+any machine, GPU or not, and report what each compiled variant uses: registers, spills, shared memory.
 
 Triton ships its compiler and ptxas, so the whole chain down to the cubin runs on a CPU; only
 launching needs a GPU. The tests run this in a subprocess (`compile_for_h100`: Triton's interpreter
 switch must be off, and it is fixed per process). Usage: python triton_sm90_build.py '<json list of
-cases>'; a case with "kernel": "expert_matmul" is the fused experts' matmul, any other attention.
+cases>'; a case's "kernel" names the fused experts' matmul ("expert_matmul") or one of triton_fused.py's
+kernels ("rms_norm", "act_and_mul", "rope_and_cache"); without one it is attention.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 from models.layers import triton_attention as ta
+from models.layers import triton_fused as tf
 from models.layers import triton_moe as tm
 
 H100 = GPUTarget("cuda", 90, 32)
@@ -145,6 +147,44 @@ def build_expert_matmul(case: dict) -> dict:
     return {**case, "shared": kernel.metadata.shared, **_resources(kernel.asm["cubin"])}
 
 
+def build_fused(case: dict) -> dict:
+    """One of triton_fused.py's kernels, at the case's sizes and dtype."""
+    dtype = TRITON_DTYPES[case["dtype"]]
+    name = case["kernel"]
+    if name == "rms_norm":
+        block = triton.next_power_of_2(case["hidden"])
+        kernel, warps = tf._rms_norm_kernel, tf.norm_warps(block)
+        weight = "fp32" if case.get("gemma") else dtype  # Gemma's norms hold 1 + w in float32
+        pointers = {
+            "x_ptr": f"*{dtype}",
+            "res_ptr": f"*{dtype}",
+            "w_ptr": f"*{weight}",
+            "out_ptr": f"*{dtype}",
+        }
+        constexprs = dict(
+            HAS_RESIDUAL=case.get("residual", True), SCALE_IN_FLOAT32=bool(case.get("gemma")), BLOCK=block
+        )
+    elif name == "act_and_mul":
+        kernel, warps = tf._act_and_mul_kernel, tf.NUM_WARPS
+        pointers = {"x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}
+        constexprs = dict(GELU_TANH=case.get("gelu", False), BLOCK=tf.ACT_BLOCK)
+    else:
+        kernel, warps = tf._rope_and_cache_kernel, 1
+        pointers = {
+            **{p: f"*{dtype}" for p in ("qkv_ptr", "cos_sin_ptr", "k_cache_ptr", "v_cache_ptr")},
+            **{p: "*i64" for p in ("pos_ptr", "slot_ptr")},
+        }
+        half, d = case["rotary_dim"] // 2, case["head_dim"]
+        constexprs = dict(
+            D=d, HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(d)
+        )
+    source = _source(kernel, pointers, constexprs)
+    if name == "rms_norm":  # eps is a float argument
+        source.signature["eps"] = "fp32"
+    compiled = triton.compile(source, target=H100, options=dict(num_warps=warps))
+    return {**case, "shared": compiled.metadata.shared, **_resources(compiled.asm["cubin"])}
+
+
 def compile_for_h100(cases: list[dict]) -> list[dict]:
     """Each case's report, from this script run in a subprocess with the interpreter off."""
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -160,5 +200,8 @@ def compile_for_h100(cases: list[dict]) -> list[dict]:
 if __name__ == "__main__":
     if triton.knobs.runtime.interpret:
         sys.exit("run with TRITON_INTERPRET unset: the interpreter replaces the compiler")
-    builders = {"expert_matmul": build_expert_matmul}
+    builders = {
+        "expert_matmul": build_expert_matmul,
+        **dict.fromkeys(("rms_norm", "act_and_mul", "rope_and_cache"), build_fused),
+    }
     print(json.dumps([builders.get(case.get("kernel"), build)(case) for case in json.loads(sys.argv[1])]))
