@@ -163,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--warmup-requests", type=int, default=2, help="short unmeasured requests per server")
     g.add_argument("--request-timeout", type=float, default=600.0, help="seconds per request")
     g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="exact output lengths (min_tokens = max_tokens, EOS ignored: the default); --no-ignore-eos "
+        "lets each output end at the model's end of turn, as a client's does",
+    )
 
     g = p.add_argument_group("results")
     g.add_argument("--slo", action="append", type=parse_slo, default=[], help="e.g. ttft:500, tpot:100 (ms)")
@@ -337,6 +344,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         api_key=args.api_key,
         endpoint=args.endpoint,
         temperature=args.temperature,
+        ignore_eos=args.ignore_eos,
         request_timeout=args.request_timeout,
         launch_timeout=args.launch_timeout,
         tokenizer=args.tokenizer,

@@ -28,6 +28,9 @@ class Target:
     endpoint: str = "completions"  # or "chat"
     temperature: float = 0.0
     request_timeout: float = 600.0  # seconds for a whole request
+    # Exact output lengths: min_tokens = max_tokens and ignore_eos (vLLM's extensions), so every server
+    # generates as many tokens. False: each output ends at the model's end of turn, as a client's does.
+    ignore_eos: bool = True
 
     @property
     def path(self) -> str:
@@ -35,16 +38,17 @@ class Target:
 
 
 def build_payload(target: Target, spec: RequestSpec) -> dict[str, Any]:
-    """The request body. `ignore_eos` and `min_tokens` (vLLM extensions) make the output length exact."""
+    """The request body. `ignore_eos` and `min_tokens` (vLLM extensions) make the output length exact
+    where the target asks for it (Target.ignore_eos)."""
     body: dict[str, Any] = {
         "model": target.model,
         "max_tokens": spec.output_len,
-        "min_tokens": spec.output_len,
-        "ignore_eos": True,
         "temperature": target.temperature,
         "stream": True,
         "stream_options": {"include_usage": True},
     }
+    if target.ignore_eos:
+        body.update(min_tokens=spec.output_len, ignore_eos=True)
     if target.endpoint == "chat":
         if spec.messages is not None:
             body["messages"] = list(spec.messages)

@@ -7,7 +7,8 @@ docstrings of the standard library (loadtest/corpus.py) and the source of its fu
 pairs a passage with an instruction; request i is task i of a list shuffled by the seed (cycled when
 a run needs more). A task's output length is the passage's length in tokens plus a little, so the
 answer is mostly the quote; like every workload here it is sent as max_tokens = min_tokens with
-ignore_eos, so every configuration generates exactly as many tokens.
+ignore_eos, so every configuration generates exactly as many tokens (`--no-ignore-eos`: the answer ends
+at the model's end of turn instead; greedy decoding ends it at the same token in every configuration).
 """
 
 from __future__ import annotations

@@ -57,7 +57,8 @@ def loadtest_args(s: Scenario, a: argparse.Namespace, off_cmd: str, on_cmd: str,
     else:  # loadtest.peers' decode scenario
         workload = ["--workload", "orca", "--input-len-min", "64", "--input-len-max", "64"]
         workload += ["--output-len-min", "64", "--output-len-max", "128"]
-    return closed_loop_args(workload, s.concurrency, a, [(OFF, off_cmd), (ON, on_cmd)], out)
+    eos = [] if a.ignore_eos else ["--no-ignore-eos"]
+    return closed_loop_args([*workload, *eos], s.concurrency, a, [(OFF, off_cmd), (ON, on_cmd)], out)
 
 
 @dataclass(frozen=True)
@@ -116,6 +117,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--workloads", default="quote,chat", help="comma-separated: quote, chat")
     p.add_argument("--concurrency", default="1,32", help="closed-loop concurrencies")
+    p.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="exact output lengths (the default); --no-ignore-eos: answers end at the model's end of turn",
+    )
     add_run_args(p, REPO / "loadtest-results" / "speculation")
     return p
 
@@ -139,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     report = (
         f"`{base}` with `--speculative off` and without, in one run ({a.duration:g} s per server and "
-        f"scenario). CPU ISA: {' '.join(isa_flags()) or 'unknown'}.\n\n" + table(rows)
+        f"scenario{'' if a.ignore_eos else '; outputs end at the end of turn'}). "
+        f"CPU ISA: {' '.join(isa_flags()) or 'unknown'}.\n\n" + table(rows)
     )
     publish(report, a.output_dir / "speculation.md")
     return 0

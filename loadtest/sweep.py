@@ -84,6 +84,7 @@ class SweepOptions:
     warmup_requests: int = 2
     slos: Sequence[SLO] = ()
     show_progress: bool = True
+    ignore_eos: bool = True  # client.Target.ignore_eos
 
     @property
     def headers(self) -> dict[str, str]:
@@ -172,7 +173,9 @@ def prepare(config: Config, opts: SweepOptions, make_workload: WorkloadFactory, 
         if server is not None:
             server.stop()
         raise
-    target = Target(config.base_url, model, opts.endpoint, opts.temperature, opts.request_timeout)
+    target = Target(
+        config.base_url, model, opts.endpoint, opts.temperature, opts.request_timeout, opts.ignore_eos
+    )
     console.print(f"[bold]{config.label}[/]: model {model}, tokenizer {tokenizer.description}")
     return Prepared(config, target, tokenizer, workload, server)
 

@@ -99,6 +99,16 @@ async def test_chat_payload_and_deltas():
         build_payload(Target("http://test", "m", endpoint="chat"), SPEC)  # chat needs text
 
 
+def test_exact_lengths_unless_outputs_may_end_at_the_end_of_turn():
+    """By default every output is exactly output_len tokens (min_tokens = max_tokens, EOS ignored);
+    with ignore_eos off only max_tokens is sent, so an answer ends where the model ends it."""
+    spec = RequestSpec(0, "hi", 2, 7)
+    exact = build_payload(Target("http://test", "m"), spec)
+    assert (exact["max_tokens"], exact["min_tokens"], exact["ignore_eos"]) == (7, 7, True)
+    free = build_payload(Target("http://test", "m", ignore_eos=False), spec)
+    assert free["max_tokens"] == 7 and "min_tokens" not in free and "ignore_eos" not in free
+
+
 @pytest.mark.parametrize(
     ("respond", "kind"),
     [
