@@ -52,6 +52,85 @@ static inline __m256 hsum8x8(const __m256 *a) {
 #define SPAN_TOKENS 64   /* tokens of history per task; fixed, so the split is batch-invariant */
 #define PREFETCH_TOKENS 16
 
+/* One query's scores s [nh rounded up to 8] (the first nh real) turned into e^(s - m): m the largest,
+ * l their sum; the masked tail is -inf for the max and 0 after (exp8 clamps at e^-88, not 0). Both
+ * paths below run this same code, so a query's softmax is the same bits in either. */
+static inline __attribute__((always_inline)) void softmax_row(float *sh, int64_t nh, float *mh, float *lh) {
+    const int64_t nh8 = (nh + 7) & ~(int64_t)7;
+    for (int64_t j = nh; j < nh8; j++) sh[j] = -INFINITY;
+    __m256 mv = _mm256_set1_ps(-INFINITY);
+    for (int64_t t0 = 0; t0 < nh8; t0 += 8) mv = _mm256_max_ps(mv, _mm256_load_ps(sh + t0));
+    *mh = hmax8(mv);
+    const __m256 mb = _mm256_set1_ps(*mh);
+    __m256 lv = _mm256_setzero_ps();
+    for (int64_t t0 = 0; t0 < nh8; t0 += 8) _mm256_store_ps(sh + t0, exp8(_mm256_sub_ps(_mm256_load_ps(sh + t0), mb)));
+    for (int64_t j = nh; j < nh8; j++) sh[j] = 0.0f;
+    for (int64_t t0 = 0; t0 < nh8; t0 += 8) lv = _mm256_add_ps(lv, _mm256_load_ps(sh + t0));
+    *lh = hsum8(lv);
+}
+
+#if defined(__AVX512VL__)
+/* The 4 horizontal sums of a[0..3], each summed as hsum8x8 sums it ((l0 + l1) + (l2 + l3)) + ((l4 + l5)
+ * + (l6 + l7)), so a score is the same bits from either tile width. */
+static inline __m128 hsum4x8(const __m256 *a) {
+    const __m256 u = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
+    return _mm_add_ps(_mm256_castps256_ps128(u), _mm256_extractf128_ps(u, 1));
+}
+
+#define DIRECT_QUERIES 4 /* queries the direct path takes: 4 x 4 score and 4 x 4 V accumulators */
+
+/* group_span for at most DIRECT_QUERIES queries over a narrow cache (16-bit, q8_0), reading the rows
+ * in their own type straight into registers: widening a span into a float32 buffer first costs one
+ * store per 8 values, which for one row's 3-4 heads took as long as its multiply-adds. With AVX-512VL's
+ * 32 vector registers one load and conversion of a K or V row serves every query. Each query's
+ * arithmetic is the buffered path's, operation for operation (same FMA order, hsum4x8 = hsum8x8 per
+ * token, the shared softmax_row; tokens past a query's own are weighted by exactly 0), so a row
+ * gives the same bits whichever path its task took. */
+static inline __attribute__((always_inline)) void direct_span(const float *q, const uint8_t *const *kr,
+                                                              const uint8_t *const *vr, int64_t n,
+                                                              const int64_t *nv, const int64_t DV, const int kvt,
+                                                              const int NQ, float *acc, float *m, float *l) {
+    const int64_t D = DV * 8;
+    float s[DIRECT_QUERIES][SPAN_TOKENS] __attribute__((aligned(32)));
+    for (int64_t t0 = 0; t0 < n; t0 += 4) {
+        const uint8_t *kt[4];
+        for (int j = 0; j < 4; j++) kt[j] = kr[t0 + j < n ? t0 + j : 0]; /* a short tile reads token 0 */
+        __m256 dots[DIRECT_QUERIES][4];
+        for (int h = 0; h < NQ; h++)
+            for (int j = 0; j < 4; j++) dots[h][j] = _mm256_setzero_ps();
+        for (int64_t d = 0; d < DV; d++) {
+            __m256 kv[4];
+            for (int j = 0; j < 4; j++) kv[j] = kv_load8(kt[j], 8 * d, kvt);
+            for (int h = 0; h < NQ; h++) {
+                const __m256 qd = _mm256_loadu_ps(q + h * D + 8 * d);
+                for (int j = 0; j < 4; j++) dots[h][j] = _mm256_fmadd_ps(qd, kv[j], dots[h][j]);
+            }
+        }
+        for (int h = 0; h < NQ; h++) _mm_store_ps(s[h] + t0, hsum4x8(dots[h]));
+    }
+    for (int h = 0; h < NQ; h++) {
+        softmax_row(s[h], nv[h], m + h, l + h);
+        for (int64_t j = (nv[h] + 7) & ~(int64_t)7; j < n; j++) s[h][j] = 0.0f;
+    }
+    for (int64_t d0 = 0; d0 < DV; d0 += 4) {
+        const int64_t dn = DV - d0 < 4 ? DV - d0 : 4;
+        __m256 a[DIRECT_QUERIES][4];
+        for (int h = 0; h < NQ; h++)
+            for (int64_t d = 0; d < 4; d++) a[h][d] = _mm256_setzero_ps();
+        for (int64_t j = 0; j < n; j++) {
+            __m256 vv[4];
+            for (int64_t d = 0; d < dn; d++) vv[d] = kv_load8(vr[j], 8 * (d0 + d), kvt);
+            for (int h = 0; h < NQ; h++) {
+                const __m256 pj = _mm256_set1_ps(s[h][j]);
+                for (int64_t d = 0; d < dn; d++) a[h][d] = _mm256_fmadd_ps(pj, vv[d], a[h][d]);
+            }
+        }
+        for (int h = 0; h < NQ; h++)
+            for (int64_t d = 0; d < dn; d++) _mm256_storeu_ps(acc + h * D + 8 * (d0 + d), a[h][d]);
+    }
+}
+#endif
+
 /* Attention of nq queries (q [nq, D], already scaled) sharing one KV head over tokens [t_begin,
  * t_begin + n) of one history (n at most SPAN_TOKENS), query i seeing the first nv[i] of them (a run's
  * earlier rows see fewer: their positions come before the later rows'): acc [nq, D] gets
@@ -78,6 +157,16 @@ static inline __attribute__((always_inline)) void group_span(
             block++;
         }
     }
+#if defined(__AVX512VL__)
+    if (kvt != KV_F32 && nq <= DIRECT_QUERIES) {
+        switch (nq) { /* constant query counts: the accumulators stay in registers */
+        case 1: direct_span(q, kr, vr, n, nv, DV, kvt, 1, acc, m, l); return;
+        case 2: direct_span(q, kr, vr, n, nv, DV, kvt, 2, acc, m, l); return;
+        case 3: direct_span(q, kr, vr, n, nv, DV, kvt, 3, acc, m, l); return;
+        default: direct_span(q, kr, vr, n, nv, DV, kvt, 4, acc, m, l); return;
+        }
+    }
+#endif
     const int64_t D = DV * 8;
     const float *kf[SPAN_TOKENS], *vf[SPAN_TOKENS];
     /* A narrow cache (16-bit, q8_0) is widened once per span into float32 rows that stay in L1/L2
@@ -140,19 +229,7 @@ static inline __attribute__((always_inline)) void group_span(
             }
             _mm256_store_ps(s[h] + t0, hsum8x8(dots));
         }
-        for (int64_t j = nh; j < nh8; j++) s[h][j] = -INFINITY;
-        __m256 mv = _mm256_set1_ps(-INFINITY);
-        for (int64_t t0 = 0; t0 < nh8; t0 += 8) mv = _mm256_max_ps(mv, _mm256_load_ps(s[h] + t0));
-        m[h] = hmax8(mv);
-        const __m256 mb = _mm256_set1_ps(m[h]);
-        __m256 lv = _mm256_setzero_ps();
-        for (int64_t t0 = 0; t0 < nh8; t0 += 8) {
-            const __m256 p = exp8(_mm256_sub_ps(_mm256_load_ps(s[h] + t0), mb));
-            _mm256_store_ps(s[h] + t0, p);
-        }
-        for (int64_t j = nh; j < nh8; j++) s[h][j] = 0.0f; /* padding: exp8 clamps at e^-88, not 0 */
-        for (int64_t t0 = 0; t0 < nh8; t0 += 8) lv = _mm256_add_ps(lv, _mm256_load_ps(s[h] + t0));
-        l[h] = hsum8(lv);
+        softmax_row(s[h], nh, m + h, l + h);
     }
     /* Weighted V rows, 8 vectors of the head at a time (more would not stay in registers). */
     for (int64_t h = 0; h < nq; h++)
