@@ -52,8 +52,6 @@ LLAMA3_TEMPLATE = (
     "+ m.content + '<|eot_id|>' }}{%- endfor %}"
     "{%- if add_generation_prompt %}{{- '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{%- endif %}"
 )
-# Llama 3's control tokens (gguf_shapes.json lists them in each Llama 3 shape).
-LLAMA3_TOKENS = ("<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>")
 MOSTLY_Q4_K_M = 15  # general.file_type (llama.cpp's LLAMA_FTYPE_MOSTLY_Q4_K_M)
 ROWS_PER_CHUNK = 4096  # rows of a tensor encoded at a time (bounds the codes' memory)
 

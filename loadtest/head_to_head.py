@@ -25,10 +25,17 @@ F = TypeVar("F")  # one server's figures in one scenario
 
 
 def add_run_args(p: argparse.ArgumentParser, output_dir: Path) -> None:
-    """The flags every head-to-head script takes: how long each scenario runs, its seed, where results go."""
+    """The flags every head-to-head script takes: how long each scenario runs, its seed, where results go,
+    and whether outputs have exact lengths."""
     p.add_argument("--duration", type=float, default=60.0, help="seconds of traffic per server and scenario")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--output-dir", type=Path, default=output_dir)
+    p.add_argument(
+        "--ignore-eos",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="exact output lengths (the default); --no-ignore-eos: outputs end at the model's end of turn",
+    )
 
 
 def closed_loop_args(
@@ -39,10 +46,10 @@ def closed_loop_args(
     out: Path,
 ) -> list[str]:
     """`python -m loadtest` flags for one scenario: `workload`'s flags at `concurrency` for a.duration
-    seconds (a.seed), each (label, launch command) of `servers` measured in turn."""
+    seconds (a.seed, a.ignore_eos), each (label, launch command) of `servers` measured in turn."""
     launches = [flag for label, command in servers for flag in ("--launch", command, "--label", label)]
     return [
-        "--endpoint", "chat", *workload,
+        "--endpoint", "chat", *workload, "--ignore-eos" if a.ignore_eos else "--no-ignore-eos",
         "--request-rates", "inf", "--max-concurrency", str(concurrency), "--duration", str(a.duration),
         "--warmup-requests", str(max(2, concurrency)), "--seed", str(a.seed), "--temperature", "0",
         "--interleave", "--launch-timeout", "600", "--no-plot", "--no-progress",

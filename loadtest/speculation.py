@@ -57,8 +57,7 @@ def loadtest_args(s: Scenario, a: argparse.Namespace, off_cmd: str, on_cmd: str,
     else:  # loadtest.peers' decode scenario
         workload = ["--workload", "orca", "--input-len-min", "64", "--input-len-max", "64"]
         workload += ["--output-len-min", "64", "--output-len-max", "128"]
-    eos = [] if a.ignore_eos else ["--no-ignore-eos"]
-    return closed_loop_args([*workload, *eos], s.concurrency, a, [(OFF, off_cmd), (ON, on_cmd)], out)
+    return closed_loop_args(workload, s.concurrency, a, [(OFF, off_cmd), (ON, on_cmd)], out)
 
 
 @dataclass(frozen=True)
@@ -117,12 +116,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--workloads", default="quote,chat", help="comma-separated: quote, chat")
     p.add_argument("--concurrency", default="1,32", help="closed-loop concurrencies")
-    p.add_argument(
-        "--ignore-eos",
-        action=argparse.BooleanOptionalAction,
-        default=True,
-        help="exact output lengths (the default); --no-ignore-eos: answers end at the model's end of turn",
-    )
     add_run_args(p, REPO / "loadtest-results" / "speculation")
     return p
 

@@ -10,15 +10,24 @@ from models.kernels import cpu as cpu_kernels
 from models.layers.gpu_fused import fused_ops
 
 
+def _fused_gated(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor | None:
+    """act(gate) * up by the fused GPU kernel (triton_fused.py) where it takes x, else None."""
+    fused = fused_ops(x)
+    if fused is None or not x.is_contiguous():
+        return None
+    out = fused.act_and_mul(x.view(-1, x.shape[-1]), gelu_tanh=gelu_tanh)
+    return out.view(*x.shape[:-1], x.shape[-1] // 2)
+
+
 class SiluAndMul(nn.Module):
     """[..., 2 * d] (gate | up) -> [..., d] = silu(gate) * up."""
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_kernels.fits_rowwise(x, x.shape[-1] // 2):
             return cpu_kernels.silu_and_mul(x)
-        fused = fused_ops(x)
-        if fused is not None and x.is_contiguous():
-            return fused.act_and_mul(x.view(-1, x.shape[-1])).view(*x.shape[:-1], x.shape[-1] // 2)
+        out = _fused_gated(x, gelu_tanh=False)
+        if out is not None:
+            return out
         gate, up = x.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -30,10 +39,9 @@ class GeluTanhAndMul(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_kernels.fits_rowwise(x, x.shape[-1] // 2):
             return cpu_kernels.gelu_tanh_and_mul(x)
-        fused = fused_ops(x)
-        if fused is not None and x.is_contiguous():
-            out = fused.act_and_mul(x.view(-1, x.shape[-1]), gelu_tanh=True)
-            return out.view(*x.shape[:-1], x.shape[-1] // 2)
+        out = _fused_gated(x, gelu_tanh=True)
+        if out is not None:
+            return out
         gate, up = x.chunk(2, dim=-1)
         return F.gelu(gate, approximate="tanh") * up
 

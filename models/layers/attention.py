@@ -187,24 +187,18 @@ class Attention(nn.Module):
         model's maximum."""
         t, d = qkv.shape[0], self.head_dim
         k_cache, v_cache = kv_cache
-        if cpu_kernels.fits_rope_and_cache(qkv, rotary.cos_sin_cache, k_cache, d):
-            slots = step.metadata.slot_mapping
-            cpu_kernels.rope_and_cache(
-                qkv, positions, rotary.cos_sin_cache, slots, k_cache, v_cache, self.num_heads
-            )
-            return self.attend(qkv[:, : self.num_heads * d].view(t, self.num_heads, d), kv_cache, step)
-        fused = fused_ops(qkv)
-        if fused is not None and fused.fits_rope_and_cache(qkv, rotary.cos_sin_cache, k_cache):
-            slots = step.metadata.slot_mapping
-            fused.rope_and_cache(
-                qkv, positions, rotary.cos_sin_cache, slots, k_cache, v_cache, self.num_heads
-            )
-            return self.attend(qkv[:, : self.num_heads * d].view(t, self.num_heads, d), kv_cache, step)
-        qk_heads = self.num_heads + self.num_kv_heads
-        qk = rotary(positions, qkv[:, : qk_heads * d].view(t, qk_heads, d))
-        q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
-        v = qkv[:, qk_heads * d :].view(t, self.num_kv_heads, d)
-        return self.forward(q, k, v, kv_cache, step)
+        cos_sin, slots = rotary.cos_sin_cache, step.metadata.slot_mapping
+        if cpu_kernels.fits_rope_and_cache(qkv, cos_sin, k_cache, d):
+            cpu_kernels.rope_and_cache(qkv, positions, cos_sin, slots, k_cache, v_cache, self.num_heads)
+        elif (fused := fused_ops(qkv)) is not None and fused.fits_rope_and_cache(qkv, cos_sin, k_cache):
+            fused.rope_and_cache(qkv, positions, cos_sin, slots, k_cache, v_cache, self.num_heads)
+        else:  # torch's ops: rotary, then forward's cache write and backend
+            qk_heads = self.num_heads + self.num_kv_heads
+            qk = rotary(positions, qkv[:, : qk_heads * d].view(t, qk_heads, d))
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)  # [T, Hq, D], [T, Hkv, D]
+            v = qkv[:, qk_heads * d :].view(t, self.num_kv_heads, d)
+            return self.forward(q, k, v, kv_cache, step)
+        return self.attend(qkv[:, : self.num_heads * d].view(t, self.num_heads, d), kv_cache, step)
 
     def attend(self, q: torch.Tensor, kv_cache: KVCache, step: AttentionStep) -> torch.Tensor:
         """The backend over a cache that already holds this step's K/V: [T, Hq, D] -> [T, Hq * D]."""

@@ -19,11 +19,20 @@ def triton_imports() -> bool:
     return True
 
 
-def fused_ops(x: torch.Tensor) -> ModuleType | None:
-    """models.layers.triton_fused where its kernels take `x`'s op, else None (torch's ops or the CPU
-    kernels run it)."""
-    if not x.is_cuda or not triton_imports():
+@cache
+def _fused_module() -> ModuleType | None:
+    """models.layers.triton_fused, imported once, or None without Triton."""
+    if not triton_imports():
         return None
     from models.layers import triton_fused
 
-    return triton_fused if triton_fused.runs_on(x) else None
+    return triton_fused
+
+
+def fused_ops(x: torch.Tensor) -> ModuleType | None:
+    """models.layers.triton_fused where its kernels take `x`'s op, else None (torch's ops or the CPU
+    kernels run it). Called by every layer's norms, activation and rotary: a CPU tensor returns at once."""
+    if not x.is_cuda:
+        return None
+    module = _fused_module()
+    return module if module is not None and module.runs_on(x) else None

@@ -34,7 +34,8 @@ FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 def runs_on(x: torch.Tensor) -> bool:
-    """Whether the fused kernels take `x`'s op: a CUDA tensor of a float type, Triton importable."""
+    """Whether the fused kernels take `x`'s op: a CUDA tensor of a float type, unless turned off
+    (gpu_fused.fused_ops asks, once it knows Triton imports)."""
     return ENABLED and x.is_cuda and x.dtype in FLOAT_TYPES
 
 

@@ -35,6 +35,23 @@ def fused():
     return triton_fused
 
 
+def offer_fused_ops(monkeypatch) -> list[str]:
+    """Point the layers' `fused_ops` at triton_fused for every tensor (the CPU kernels off, which come
+    first); returns the names of the kernel functions the layers then look up, in order."""
+    calls: list[str] = []
+    module = fused()
+
+    class Spy:
+        def __getattr__(self, name):
+            calls.append(name)
+            return getattr(module, name)
+
+    for where in (norm, activation, attention):
+        monkeypatch.setattr(where, "fused_ops", lambda x: Spy())
+    monkeypatch.setattr(cpu_kernels, "fits_rowwise", lambda *args: False)
+    return calls
+
+
 def _rows(t: int, h: int, dtype: torch.dtype, seed: int) -> torch.Tensor:
     return (torch.randn(t, h, generator=torch.Generator().manual_seed(seed)) * 2).to(DEVICE, dtype)
 
@@ -125,17 +142,7 @@ def test_rows_do_not_depend_on_the_batch() -> None:
 def test_layers_pick_the_fused_kernels_where_they_run(monkeypatch) -> None:
     """RMSNorm (3-D q/k norms included), the gated activations and rotary attention go through the fused
     kernels where `fused_ops` offers them, with torch's results; otherwise through torch's ops."""
-    calls: list[str] = []
-    module = fused()
-
-    class Spy:
-        def __getattr__(self, name):
-            calls.append(name)
-            return getattr(module, name)
-
-    for where in (norm, activation, attention):
-        monkeypatch.setattr(where, "fused_ops", lambda x: Spy())
-    monkeypatch.setattr(cpu_kernels, "fits_rowwise", lambda *args: False)  # the CPU kernels come first
+    calls = offer_fused_ops(monkeypatch)
     layer = RMSNorm(64, 1e-6).to(DEVICE)
     layer.weight.data = _rows(1, 64, torch.float32, seed=12)[0]
     x3 = _rows(6, 64, torch.float32, seed=13).view(3, 2, 64)
@@ -201,20 +208,9 @@ def test_a_model_step_with_the_fused_ops_matches_torchs(monkeypatch, tiny_llama_
         return out
 
     plain = run()
-    calls: list[str] = []
     module = fused()
-
-    def counted(x):
-        class Spy:
-            def __getattr__(self, name):
-                calls.append(name)
-                return getattr(module, name)
-
-        return Spy()
-
     monkeypatch.setattr(module, "runs_on", lambda x: x.dtype in module.FLOAT_TYPES)  # CPU tensors too
-    for where in (norm, activation, attention):
-        monkeypatch.setattr(where, "fused_ops", counted)
+    calls = offer_fused_ops(monkeypatch)
     with_fused = run()
     for a, b in zip(with_fused, plain, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
