@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Protocol, TypeVar
 
 from loadtest import cli
-from loadtest.results import BenchmarkResults
+from loadtest.results import BenchmarkResults, isa_text
 
 
 class Named(Protocol):
@@ -57,26 +57,6 @@ def closed_loop_args(
     ]  # fmt: skip
 
 
-def run_scenarios(
-    scenarios: Sequence[S],
-    a: argparse.Namespace,
-    args_of: Callable[[S, Path], list[str]],
-    file_of: Callable[[S], str],
-    figures_of: Callable[[BenchmarkResults], dict[str, F]],
-) -> list[tuple[S, dict[str, F]]]:
-    """Run each scenario's load test for a.duration seconds a server, its results in a.output_dir under
-    `file_of(s)`, and read each server's figures from them: {} where it failed (the table shows
-    dashes, the run goes on)."""
-    a.output_dir.mkdir(parents=True, exist_ok=True)
-    rows: list[tuple[S, dict[str, F]]] = []
-    for s in scenarios:
-        out = a.output_dir / file_of(s)
-        print(f"== {s.name}: {a.duration:g} s per server", flush=True)
-        rc = cli.main(args_of(s, out))
-        rows.append((s, figures_of(BenchmarkResults.load(out)) if rc == 0 and out.is_file() else {}))
-    return rows
-
-
 def scenario_table(
     header: str,
     rows: Sequence[tuple[S, dict[str, F]]],
@@ -91,6 +71,30 @@ def scenario_table(
         first, second = f.get(labels[0]), f.get(labels[1])
         lines.append(missing(s) if first is None or second is None else line(s, first, second))
     return "\n".join(lines)
+
+
+def run_and_publish(
+    scenarios: Sequence[S],
+    a: argparse.Namespace,
+    args_of: Callable[[S, Path], list[str]],
+    file_of: Callable[[S], str],
+    figures_of: Callable[[BenchmarkResults], dict[str, F]],
+    table_of: Callable[[list[tuple[S, dict[str, F]]]], str],
+    intro: str,
+    report_name: str,
+) -> None:
+    """Run each scenario's load test for a.duration seconds a server, its results in a.output_dir under
+    `file_of(s)`; read each server's figures from them ({} where it failed: the table shows dashes, the
+    run goes on); then write the report (`intro`, the CPU's ISA, `table_of` the rows) there as
+    `report_name` and print it."""
+    a.output_dir.mkdir(parents=True, exist_ok=True)
+    rows: list[tuple[S, dict[str, F]]] = []
+    for s in scenarios:
+        out = a.output_dir / file_of(s)
+        print(f"== {s.name}: {a.duration:g} s per server", flush=True)
+        rc = cli.main(args_of(s, out))
+        rows.append((s, figures_of(BenchmarkResults.load(out)) if rc == 0 and out.is_file() else {}))
+    publish(f"{intro} CPU ISA: {isa_text()}.\n\n{table_of(rows)}", a.output_dir / report_name)
 
 
 def publish(report: str, path: Path) -> None:

@@ -31,7 +31,7 @@ from loadtest.cli import doc_parser
 from loadtest.head_to_head import publish
 from loadtest.metrics import capacity_at_latency
 from loadtest.report import curves, default_latency_bounds
-from loadtest.results import BenchmarkResults, RunResult, isa_flags
+from loadtest.results import BenchmarkResults, RunResult, isa_text
 
 REPO = Path(__file__).resolve().parent.parent
 # (label, flags added to every server's command): the paper's two schedulers, speculation off and on.
@@ -110,7 +110,7 @@ def report(results: BenchmarkResults, model: Path, bounds: Sequence[float]) -> s
     runs = results.runs
     return (
         f"Four servers on {model.name}, measured in turn at each rate with the same requests. CPU ISA: "
-        f"{' '.join(isa_flags()) or 'unknown'}.\n\nMedian normalized latency, achieved throughput and TTFT "
+        f"{isa_text()}.\n\nMedian normalized latency, achieved throughput and TTFT "
         f"p50 per offered rate:\n\n{latency_table(runs)}\n\nOffered rate sustained under a median "
         f"normalized latency bound (req/s; ≥: no measured rate reached the bound):\n\n"
         f"{capacity_table(runs, bounds)}"

@@ -28,8 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loadtest.cli import doc_parser
-from loadtest.head_to_head import add_run_args, closed_loop_args, publish, run_scenarios, scenario_table
-from loadtest.results import BenchmarkResults, isa_flags
+from loadtest.head_to_head import add_run_args, closed_loop_args, run_and_publish, scenario_table
+from loadtest.results import BenchmarkResults
 from models.options import cache_root
 
 REPO = Path(__file__).resolve().parent.parent
@@ -219,19 +219,18 @@ def main(argv: list[str] | None = None) -> int:
         f"{shlex.quote(str(llama_server))} -m {shlex.quote(str(gguf))} -t {a.threads} -np 32 -c 65536 "
         "--host 127.0.0.1 --port {port}"
     )
-    rows = run_scenarios(
+    run_and_publish(
         scenarios([int(c) for c in a.concurrency.split(",")], a.prefill_len),
         a,
         lambda s, out: loadtest_args(s, a, orca_cmd, llama_cmd, out),
         lambda s: f"{s.name.replace(' ', '-').replace('=', '')}.json",
         figures,
+        lambda rows: table(rows, a.prefill_len),
+        f"Same GGUF ({gguf.name}), both servers measured in one run; {os.cpu_count()} cores; llama-server "
+        f"-t {a.threads} -np 32 (its {variant} CPU kernels); orca-serve `python -m server` "
+        f"{a.orca_args or '(defaults)'}.",
+        "peers.md",
     )
-    report = (
-        f"Same GGUF ({gguf.name}), both servers measured in one run. CPU ISA: {' '.join(isa_flags()) or 'unknown'}; "
-        f"{os.cpu_count()} cores; llama-server -t {a.threads} -np 32 (its {variant} CPU kernels); orca-serve `python -m server` "
-        f"{a.orca_args or '(defaults)'}.\n\n" + table(rows, a.prefill_len)
-    )
-    publish(report, a.output_dir / "peers.md")
     return 0
 
 

@@ -48,6 +48,11 @@ def isa_flags() -> list[str]:
     return []
 
 
+def isa_text() -> str:
+    """isa_flags() as a report's words."""
+    return " ".join(isa_flags()) or "unknown"
+
+
 def machine_info() -> dict[str, Any]:
     cpu = platform.processor()
     try:

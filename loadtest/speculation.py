@@ -27,8 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from loadtest.cli import doc_parser
-from loadtest.head_to_head import add_run_args, closed_loop_args, publish, run_scenarios, scenario_table
-from loadtest.results import BenchmarkResults, isa_flags
+from loadtest.head_to_head import add_run_args, closed_loop_args, run_and_publish, scenario_table
+from loadtest.results import BenchmarkResults
 
 REPO = Path(__file__).resolve().parent.parent
 OFF, ON = "speculation off", "speculation on"
@@ -130,19 +130,17 @@ def main(argv: list[str] | None = None) -> int:
         for w in a.workloads.split(",")
         if w.strip()
     ]
-    rows = run_scenarios(
+    run_and_publish(
         scenarios,
         a,
         lambda s, out: loadtest_args(s, a, off_cmd, on_cmd, out),
         lambda s: f"{s.workload}-c{s.concurrency}.json",
         figures,
-    )
-    report = (
+        table,
         f"`{base}` with `--speculative off` and without, in one run ({a.duration:g} s per server and "
-        f"scenario{'' if a.ignore_eos else '; outputs end at the end of turn'}). "
-        f"CPU ISA: {' '.join(isa_flags()) or 'unknown'}.\n\n" + table(rows)
+        f"scenario{'' if a.ignore_eos else '; outputs end at the end of turn'}).",
+        "speculation.md",
     )
-    publish(report, a.output_dir / "speculation.md")
     return 0
 
 

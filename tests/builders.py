@@ -141,20 +141,24 @@ def tiny_phi4_mini_config(original: int = 64, **overrides):
     return tiny_phi3_config(**kwargs)
 
 
+# GPT-2's names for TINY_DECODER's sizes (its MLP is 4x wide and its heads are not grouped).
+_GPT2_NAMES = {
+    "hidden_size": "n_embd",
+    "num_hidden_layers": "n_layer",
+    "num_attention_heads": "n_head",
+    "max_position_embeddings": "n_positions",
+}
+
+
 def tiny_gpt2_config(**overrides):
     from transformers import GPT2Config
 
-    kwargs = dict(
-        vocab_size=49152,
-        n_embd=64,
-        n_layer=2,
-        n_head=4,
-        n_positions=512,
-        bos_token_id=1,
-        eos_token_id=2,
-        architectures=["GPT2LMHeadModel"],
-        torch_dtype="float32",
-    )
+    kwargs = {
+        _GPT2_NAMES.get(k, k): v
+        for k, v in TINY_DECODER.items()
+        if k not in ("intermediate_size", "num_key_value_heads")
+    }
+    kwargs["architectures"] = ["GPT2LMHeadModel"]
     kwargs.update(overrides)
     return GPT2Config(**kwargs)
 

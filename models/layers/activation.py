@@ -10,40 +10,36 @@ from models.kernels import cpu as cpu_kernels
 from models.layers.gpu_fused import fused_ops
 
 
-def _fused_gated(x: torch.Tensor, gelu_tanh: bool) -> torch.Tensor | None:
-    """act(gate) * up by the fused GPU kernel (triton_fused.py) where it takes x, else None."""
-    fused = fused_ops(x)
-    if fused is None or not x.is_contiguous():
-        return None
-    out = fused.act_and_mul(x.view(-1, x.shape[-1]), gelu_tanh=gelu_tanh)
-    return out.view(*x.shape[:-1], x.shape[-1] // 2)
+class _GatedAndMul(nn.Module):
+    """[..., 2 * d] (gate | up) -> [..., d] = act(gate) * up. On a CPU in float32 the native kernel,
+    which the fused decode call runs too (the two paths stay bit-identical); on a GPU the fused Triton
+    kernel (triton_fused.py); else torch's ops."""
 
-
-class SiluAndMul(nn.Module):
-    """[..., 2 * d] (gate | up) -> [..., d] = silu(gate) * up."""
+    gelu_tanh: bool
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if cpu_kernels.fits_rowwise(x, x.shape[-1] // 2):
-            return cpu_kernels.silu_and_mul(x)
-        out = _fused_gated(x, gelu_tanh=False)
-        if out is not None:
-            return out
+            kernel = cpu_kernels.gelu_tanh_and_mul if self.gelu_tanh else cpu_kernels.silu_and_mul
+            return kernel(x)
+        fused = fused_ops(x)
+        if fused is not None and x.is_contiguous():
+            out = fused.act_and_mul(x.view(-1, x.shape[-1]), gelu_tanh=self.gelu_tanh)
+            return out.view(*x.shape[:-1], x.shape[-1] // 2)
         gate, up = x.chunk(2, dim=-1)
-        return F.silu(gate) * up
+        act = F.gelu(gate, approximate="tanh") if self.gelu_tanh else F.silu(gate)
+        return act * up
 
 
-class GeluTanhAndMul(nn.Module):
-    """[..., 2 * d] (gate | up) -> [..., d] = gelu_tanh(gate) * up (Gemma's MLP). On a CPU in float32
-    the native kernel, which the fused decode call runs too (the two paths stay bit-identical)."""
+class SiluAndMul(_GatedAndMul):
+    """silu(gate) * up (Llama's MLP)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if cpu_kernels.fits_rowwise(x, x.shape[-1] // 2):
-            return cpu_kernels.gelu_tanh_and_mul(x)
-        out = _fused_gated(x, gelu_tanh=True)
-        if out is not None:
-            return out
-        gate, up = x.chunk(2, dim=-1)
-        return F.gelu(gate, approximate="tanh") * up
+    gelu_tanh = False
+
+
+class GeluTanhAndMul(_GatedAndMul):
+    """gelu_tanh(gate) * up (Gemma's MLP)."""
+
+    gelu_tanh = True
 
 
 _GELU_APPROXIMATION = {
