@@ -117,9 +117,13 @@ def add_flags(parser: argparse.ArgumentParser | argparse._ArgumentGroup, cls: ty
         target.add_argument(*names, **kwargs)
 
 
-def from_flags(cls: type[T], args: argparse.Namespace) -> T:
-    """The config the flags describe; fields a parser lacks keep their defaults."""
-    return cls(**{f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name)})
+def from_flags(cls: type[T], args: argparse.Namespace, **others: Any) -> T:
+    """The config the flags describe: each field from the flag of its name; fields a parser lacks keep
+    their defaults; `others` gives the fields whose flags have other names or meanings."""
+    named = {
+        f.name: getattr(args, f.name) for f in fields(cls) if hasattr(args, f.name) and f.name not in others
+    }
+    return cls(**named, **others)
 
 
 class FlagGroup:

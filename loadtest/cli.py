@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 
+from engine.cli_args import from_flags
 from loadtest.metrics import SLO
 from loadtest.prompts import PromptBuilder
 from loadtest.quoting import quoting_tasks
@@ -333,25 +334,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         results.runs.append(run)
         results.save(output)  # after every run, so a sweep that fails later keeps what it measured
 
-    opts = SweepOptions(
-        rates=args.request_rates,
-        num_requests=args.num_requests,
-        duration=args.duration,
-        burstiness=args.burstiness,
-        max_concurrency=args.max_concurrency,
-        seed=args.seed,
-        model=args.model,
-        api_key=args.api_key,
-        endpoint=args.endpoint,
-        temperature=args.temperature,
-        ignore_eos=args.ignore_eos,
-        request_timeout=args.request_timeout,
-        launch_timeout=args.launch_timeout,
-        tokenizer=args.tokenizer,
-        prompt_format=args.prompt_format,
-        warmup_requests=args.warmup_requests,
-        slos=args.slo,
-        show_progress=not args.no_progress,
+    opts = from_flags(
+        SweepOptions, args, rates=args.request_rates, slos=args.slo, show_progress=not args.no_progress
     )
     failures = run_sweep(
         configs,

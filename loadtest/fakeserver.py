@@ -27,6 +27,7 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, StreamingResponse
 
+from engine.cli_args import from_flags
 from engine.contract import SamplingParams
 from loadtest.tokenizer import HFTokenizer, PromptTokenizer, default_model_tokenizer_path
 from scheduler.config import SchedulerConfig
@@ -225,16 +226,11 @@ def main(argv: list[str] | None = None) -> int:
     tokenizer_path = default_model_tokenizer_path() if args.tokenizer == "default" else args.tokenizer
     if args.tokenizer and tokenizer_path is None:
         p.error("the default model's tokenizer is not available (models.loader.resolve_model failed)")
-    config = FakeConfig(
-        model=args.model,
-        scheduling=args.scheduling,
-        max_batch=args.max_batch,
-        step_ms=args.step_ms,
-        per_token_ms=args.per_token_ms,
+    config = from_flags(
+        FakeConfig,
+        args,
         tokenizer=HFTokenizer(Path(tokenizer_path)) if tokenizer_path else None,
         accept_token_ids=not args.reject_token_ids,
-        fail_every=args.fail_every,
-        break_every=args.break_every,
     )
     uvicorn.run(create_app(config), host=args.host, port=args.port, log_level="warning")
     return 0
