@@ -14,7 +14,7 @@ from server.errors import install_error_handlers
 from server.middleware import (
     PUBLIC_PATHS,
     APIKeyMiddleware,
-    BodySizeLimitMiddleware,
+    RequestBodyMiddleware,
     RequestIdMiddleware,
     RouteMetricsMiddleware,
 )
@@ -46,7 +46,7 @@ def create_app(config: ServerConfig, loader: ModelLoader | None = None) -> FastA
     # add_middleware puts each one outside the previous: the request id is outermost so that every
     # answer (401 and 413 included) carries it; CORS sits outside the key check so that a browser
     # can read a 401; the key check comes before the body is read.
-    app.add_middleware(BodySizeLimitMiddleware, limit=config.max_body_bytes, timeout_s=config.body_timeout_s)
+    app.add_middleware(RequestBodyMiddleware, limit=config.max_body_bytes, timeout_s=config.body_timeout_s)
     app.add_middleware(
         APIKeyMiddleware,
         keys=config.all_api_keys,

@@ -1,6 +1,6 @@
-"""Pure ASGI middleware, outermost first: a request id for every log line, API-key checks, and a cap
-on body size. Pure ASGI (not BaseHTTPMiddleware) so SSE streams and disconnect messages pass through
-untouched."""
+"""Pure ASGI middleware, outermost first: a request id for every log line, API-key checks, and the
+request body's checks (its size, its arrival, its text). Pure ASGI (not BaseHTTPMiddleware) so SSE
+streams and disconnect messages pass through untouched."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from server.errors import APIError, body_timeout, payload_too_large, unauthorized
+from server.unicode_text import lone_surrogate, lone_surrogate_at
 
 # The id of the request being handled in this task ("-" outside a request); RequestIdFilter puts it
 # in every log record, and generation tasks inherit it (asyncio copies the context into new tasks).
@@ -171,12 +172,13 @@ class APIKeyMiddleware:
         await _send_error(scope, send, unauthorized())
 
 
-class BodySizeLimitMiddleware:
-    """413 for a body over `limit` bytes: at once from Content-Length, or as soon as a chunked body
-    passes the limit; 408 for a body that has not arrived whole `timeout_s` after its headers (a client
-    sending a byte a second would otherwise hold its connection and buffer for as long as it likes).
-    The body is buffered (at most `limit` bytes) and replayed to the app; later messages
-    (http.disconnect, which the routes watch for) come from the real receive."""
+class RequestBodyMiddleware:
+    """The request body, buffered (at most `limit` bytes) and checked before the app sees it: 413 for a
+    body over `limit` bytes, at once from Content-Length or as soon as a chunked body passes the limit;
+    408 for a body that has not arrived whole `timeout_s` after its headers (a client sending a byte a
+    second would otherwise hold its connection and buffer for as long as it likes); 400 for a body
+    whose text is not Unicode (server/unicode_text.py). The body is replayed to the app; later
+    messages (http.disconnect, which the routes watch for) come from the real receive."""
 
     def __init__(self, app: ASGIApp, limit: int, timeout_s: float | None = None) -> None:
         self.app = app
@@ -211,6 +213,10 @@ class BodySizeLimitMiddleware:
             buffered.append(message)
             if not message.get("more_body", False):
                 break
+        where = lone_surrogate_at(b"".join(m.get("body", b"") for m in buffered))
+        if where is not None:
+            await _send_error(scope, send, lone_surrogate(where))
+            return
 
         async def replay() -> Message:
             return buffered.pop(0) if buffered else await receive()

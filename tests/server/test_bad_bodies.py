@@ -120,3 +120,41 @@ async def test_unknown_fields_are_ignored_and_logged_once(client, caplog):
             assert (await client.post("/v1/completions", json=body)).status_code == 200
     lines = [r.getMessage() for r in caplog.records if "frobnicate_xyz" in r.getMessage()]
     assert len(lines) == 1 and "ignoring unknown field" in lines[0]
+
+
+# A lone UTF-16 surrogate is a valid JSON escape but not Unicode text: each API answers 400 naming the
+# field, in its own shape (before, the tokenizer raised inside the route: a 500).
+LONE_SURROGATES = [
+    ("/v1/completions", b'{"prompt": "hi \\ud800 there"}', "prompt"),
+    ("/v1/completions", b'{"prompt": ["ok", "\\uDFFF"], "max_tokens": 1}', "prompt[1]"),
+    ("/v1/completions", b'{"prompt": "hi", "stop": ["\\udc00"]}', "stop[0]"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "\\ud83d"}]}', "messages[0].content"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}], "stream": true, "user": "\\ude00"}', "user"),
+    ("/v1/responses", b'{"input": "x \\udbff"}', "input"),
+    ("/v1/embeddings", b'{"input": ["a", "b\\ud800"]}', "input[1]"),
+    ("/v1/messages", b'{"max_tokens": 3, "messages": [{"role": "user", "content": [{"type": "text", "text": "\\ud800"}]}]}', "messages[0].content[0].text"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("path", "raw", "param"), LONE_SURROGATES)
+async def test_lone_surrogates_are_400_naming_the_field(client, path, raw, param):
+    r = await client.post(path, content=raw, headers={"content-type": "application/json"})
+    assert r.status_code == 400, r.text
+    if path == "/v1/messages":  # Anthropic's shape
+        body = r.json()
+        assert body["type"] == "error" and body["error"]["type"] == "invalid_request_error"
+        assert param in body["error"]["message"]
+    else:
+        err = error_of(r, 400)
+        assert (err["param"], err["code"]) == (param, "invalid_unicode")
+
+
+async def test_escaped_surrogate_pairs_and_escaped_backslashes_are_text(client):
+    # An emoji escaped as its surrogate pair (json.dumps' default) is one character; "\\ud800" with its
+    # backslash escaped is six plain characters.
+    for raw in (
+        b'{"prompt": "hi \\ud83d\\ude00", "max_tokens": 1}',
+        b'{"prompt": "\\\\ud800", "max_tokens": 1}',
+    ):
+        r = await client.post("/v1/completions", content=raw, headers={"content-type": "application/json"})
+        assert r.status_code == 200, r.text
