@@ -351,6 +351,7 @@ def gguf_blocks(values, qtype_name: str, rng):
         "Q6_K": [208],
         "IQ4_XS": [0],
         "IQ4_NL": [0],
+        "IQ3_S": [0],
     }[qtype_name]
     # Super-block scales up to 5e-4: weights times sub-scales (up to 63) and codes (up to 127 in the IQ4
     # codebook) of about 0.1, like `values`. Larger ones (4e-3, once) made the tiny models' logits reach

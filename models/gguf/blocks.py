@@ -3,7 +3,7 @@
 Each decoder reads the bytes exactly as gguf-py's dequantizer for that type does (same reshapes, same
 bit positions), so `pack_components(decode_blocks(...))` reconstructs gguf-py's float32 values bit for bit;
 tests/models/test_gguf_native.py checks every type against gguf-py. Types without a decoder here
-(the other IQ types, TQ1_0, ...) are dequantized to float by gguf-py instead.
+(the IQ types but IQ4_XS and IQ4_NL, TQ1_0, ...) are dequantized to float by gguf-py instead.
 """
 
 from __future__ import annotations
@@ -79,7 +79,7 @@ def decode_blocks(ggml_type: str, raw: np.ndarray, k: int) -> BlockComponents:
         c = torch.from_numpy(np.ascontiguousarray(codes.reshape(n, k).astype(dtype)))
         return BlockComponents(fmt, c, **parts)
 
-    if ggml_type == "Q4_0":
+    if ggml_type in ("Q4_0", "IQ4_NL"):  # IQ4_NL: the same block, its nibbles index the codebook
         return out(_nibbles(b[..., 2:18]), scale=_f16(b[..., 0:2]))
     if ggml_type == "Q4_1":
         return out(_nibbles(b[..., 4:20]), scale=_f16(b[..., 0:2]), minimum=_f16(b[..., 2:4]))

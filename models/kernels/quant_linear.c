@@ -204,7 +204,7 @@ static inline __attribute__((always_inline)) void sub_group_dots(const uint8_t *
 }
 
 /* ------------------------------------------------------------------------------------------------
- * int8 path for the F16 kind (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1): one 16-row tile against mr rows of x,
+ * int8 path for the F16 kind (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL): one 16-row tile against mr rows of x,
  * x quantized per block of 32 (the K-quants: int_tile_super, below). */
 
 /* The float steps of block g for row r of x, from the block's integer dot products `is`: the integer
@@ -526,14 +526,16 @@ typedef void (*ftile_fn)(const float *, int64_t, const float *, int64_t, float *
     }
 
 INT_FNS(0) INT_FNS(1) INT_FNS(2) INT_FNS(3) INT_FNS(4) INT_FNS(5) INT_FNS(6) INT_FNS(7) INT_FNS(8) INT_FNS(9) INT_FNS(10)
-DQ_FN(0) DQ_FN(1) DQ_FN(2) DQ_FN(3) DQ_FN(4) DQ_FN(5) DQ_FN(6) DQ_FN(7) DQ_FN(8) DQ_FN(9) DQ_FN(10)
+INT_FNS(11)
+DQ_FN(0) DQ_FN(1) DQ_FN(2) DQ_FN(3) DQ_FN(4) DQ_FN(5) DQ_FN(6) DQ_FN(7) DQ_FN(8) DQ_FN(9) DQ_FN(10) DQ_FN(11)
 FT_FN(MR_FLT) FT_FN(4) FT_FN(2) FT_FN(1)
 
 /* INT_FNS_TABLE[fmt][r - 1]: r rows of x. */
 static const int_fn INT_FNS_TABLE[QF_COUNT][MR_INT] = {INT_ROW(0), INT_ROW(1), INT_ROW(2), INT_ROW(3),
                                                   INT_ROW(4), INT_ROW(5), INT_ROW(6), INT_ROW(7),
-                                                  INT_ROW(8), INT_ROW(9), INT_ROW(10)};
-static const flt_fn DQ_TABLE[QF_COUNT] = {dq_0, dq_1, dq_2, dq_3, dq_4, dq_5, dq_6, dq_7, dq_8, dq_9, dq_10};
+                                                  INT_ROW(8), INT_ROW(9), INT_ROW(10), INT_ROW(11)};
+static const flt_fn DQ_TABLE[QF_COUNT] = {dq_0, dq_1, dq_2, dq_3, dq_4, dq_5,
+                                          dq_6, dq_7, dq_8, dq_9, dq_10, dq_11};
 static const ftile_fn FT_TABLE[4] = {ft_MR_FLT, ft_4, ft_2, ft_1};
 
 /* Rows of the int8 micro-kernel for r remaining rows: all of them, up to MR_INT. */
@@ -713,11 +715,12 @@ typedef void (*amx_prep_fn)(const uint8_t *, int64_t, float *, float *, uint8_t 
         amx_prepare(t, F, G, a, z, b);                                                                        \
     }
 AMX_FN(0) AMX_FN(1) AMX_FN(2) AMX_FN(3) AMX_FN(4) AMX_FN(5) AMX_FN(6) AMX_FN(7) AMX_FN(8) AMX_FN(9) AMX_FN(10)
+AMX_FN(11)
 static const amx_fn AMX_TABLE[QF_COUNT] = {amx_0, amx_1, amx_2, amx_3, amx_4, amx_5,
-                                           amx_6, amx_7, amx_8, amx_9, amx_10};
+                                           amx_6, amx_7, amx_8, amx_9, amx_10, amx_11};
 static const amx_prep_fn AMX_PREP_TABLE[QF_COUNT] = {amx_prep_0, amx_prep_1, amx_prep_2, amx_prep_3,
                                                      amx_prep_4, amx_prep_5, amx_prep_6, amx_prep_7,
-                                                     amx_prep_8, amx_prep_9, amx_prep_10};
+                                                     amx_prep_8, amx_prep_9, amx_prep_10, amx_prep_11};
 
 /* Rows of x from which the AMX path runs (below, the vpdpbusd micro-kernels are as fast). */
 #define AMX_MIN_ROWS 16

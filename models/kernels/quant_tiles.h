@@ -18,7 +18,7 @@
  *
  * Every weight is w = a * q + z, with a * q exact in float32 for every format (so fma(a, q, z)
  * rounds once, as gguf-py's (a * q) + z does) and:
- *   kind F16 (Q4_0 Q4_1 Q8_0 Q5_0 Q5_1): header = a as 16 x f16 [+ z as 16 x f16]; no sub-scales;
+ *   kind F16 (Q4_0 Q4_1 Q8_0 Q5_0 Q5_1 IQ4_NL): header = a as 16 x f16 [+ z as 16 x f16]; no sub-scales;
  *                                        one block per super
  *   kind K   (Q4_K Q5_K IQ4_XS): header = d [, dmin] as 16 x f16; sub-scales per block: sc [, m]
  *                         16 x u8 (IQ4_XS: sc s8); a = d * sc, z = -(dmin * m); 8 blocks per super
@@ -27,8 +27,8 @@
  *                         (Q2_K: u8) sc for k 0..15 and 16..31 [+ 2 x 16 x u8 m]; a = d * sc and
  *                         z = -(dmin * m) per 16 k; 8 blocks per super
  * Codes below 8 bits are stored unsigned, as in the file: Q4_0's (0..15) offset by -8, Q3_K's by -4,
- * Q5_0's (0..31) by -16, Q6_K's (0..63) by -32; Q2_K's 2-bit codes are 4-bit codes 0..3. IQ4_XS's 4-bit codes index a 16-entry codebook of int8 values
- * (IQ4_NL_VALUES: llama.cpp's kvalues_iq4nl); the kernels turn a unit of them into those int8 values
+ * Q5_0's (0..31) by -16, Q6_K's (0..63) by -32; Q2_K's 2-bit codes are 4-bit codes 0..3. IQ4_XS's and IQ4_NL's 4-bit codes index a
+ * 16-entry codebook of int8 values (IQ4_NL_VALUES: llama.cpp's kvalues_iq4nl); the kernels turn a unit of them into those int8 values
  * with one byte shuffle, and from there on treat them as 8-bit signed codes (llama.cpp's route).
  */
 #ifndef ORCA_QUANT_TILES_H
@@ -36,7 +36,7 @@
 
 #include <stdint.h>
 
-enum { QF_Q4_0 = 0, QF_Q4_1, QF_Q8_0, QF_Q5_0, QF_Q5_1, QF_Q4_K, QF_Q5_K, QF_Q6_K, QF_Q2_K, QF_Q3_K, QF_IQ4_XS, QF_COUNT };
+enum { QF_Q4_0 = 0, QF_Q4_1, QF_Q8_0, QF_Q5_0, QF_Q5_1, QF_Q4_K, QF_Q5_K, QF_Q6_K, QF_Q2_K, QF_Q3_K, QF_IQ4_XS, QF_IQ4_NL, QF_COUNT };
 enum { KIND_F16 = 0, KIND_K, KIND_K16 };
 
 #define TILE_ROWS 16
@@ -63,7 +63,7 @@ static inline int qf_offset(int f) {
     return f == QF_Q4_0 ? -8 : f == QF_Q3_K ? -4 : f == QF_Q5_0 ? -16 : f == QF_Q6_K ? -32 : 0;
 }
 /* The 4-bit codes index IQ4_NL_VALUES. */
-static inline int qf_codebook(int f) { return f == QF_IQ4_XS; }
+static inline int qf_codebook(int f) { return f == QF_IQ4_XS || f == QF_IQ4_NL; }
 /* Sub-scales stored signed (s8) rather than unsigned (u8). */
 static inline int qf_sub_signed(int f) { return f == QF_Q6_K || f == QF_Q3_K || f == QF_IQ4_XS; }
 /* A unit of codes, as the kernels use it, holds signed int8 values (8-bit codes, codebook values)

@@ -21,15 +21,16 @@ The formats (`FORMATS`, ids shared with the C code):
     Q2_K  4-bit, 0..3     d, dmin: f16 per 256; sc, m: u8 per 16; a = d sc, z = -dmin m   2.63 (kept in 5.13)
     Q3_K  4-bit, q - 4    d: f16 per 256; sc: s8 per 16; a = d sc                     3.44 (kept in 4.56)
     IQ4_XS 4-bit index    d: f16 per 256; sc: s8 per 32; a = d sc; q = IQ4_NL_VALUES[code]  4.25 (4.31)
+    IQ4_NL 4-bit index    a: f16 per 32; q = IQ4_NL_VALUES[code]                       4.5
 
 (In brackets: the packed size where it differs from the file's.) Codes below 8 bits are stored unsigned,
 as in the file, with the format's offset; 5- and 6-bit codes keep their low nibble as 4-bit codes do and
 their high bits in a plane of their own, so Q6_K's output heads and down projections (a Q4_K_M file's
 largest 6-bit tensors) are read at the file's 6.56 bits a weight, not as bytes. Q2_K's and Q3_K's 2- and
 3-bit codes take a nibble each: the 4-bit kernels run them unchanged, where packing them tighter would
-need kernels of their own for 1 to 2 bits a weight. IQ4_XS's codes index a 16-entry int8 codebook; the
-kernels look a unit of them up with one byte shuffle (llama.cpp's route) and multiply the int8 values
-exactly as 8-bit codes.
+need kernels of their own for 1 to 2 bits a weight. IQ4_XS's and IQ4_NL's codes index a 16-entry int8
+codebook; the kernels look a unit of them up with one byte shuffle (llama.cpp's route) and multiply the
+int8 values exactly as 8-bit codes.
 
 Two ways in: `pack_components` from a format's codes and scales (models/gguf/blocks.py decodes them from a
 GGUF file's raw blocks), and `pack_exact`, which recognises Q4_0 / Q4_1 / Q8_0 structure in float32
@@ -62,7 +63,7 @@ class BlockFormat:
     offset: int = 0  # added to the stored (unsigned) code: Q4_0's -8, Q3_K's -4, Q5_0's -16, Q6_K's -32
     file_bits: float = 0.0  # bits per weight in a GGUF file
     sub_signed: bool = False  # sub-scales stored s8 (else u8)
-    codebook: tuple[int, ...] | None = None  # 4-bit codes index these int8 values (IQ4_XS)
+    codebook: tuple[int, ...] | None = None  # 4-bit codes index these int8 values (IQ4_XS, IQ4_NL)
 
     @property
     def blocks_per_super(self) -> int:
@@ -116,6 +117,7 @@ FORMATS: dict[str, BlockFormat] = {
         BlockFormat("Q2_K", 8, 4, "k16", True, 0, 2.625),
         BlockFormat("Q3_K", 9, 4, "k16", False, -4, 3.4375, sub_signed=True),
         BlockFormat("IQ4_XS", 10, 4, "k", False, 0, 4.25, sub_signed=True, codebook=IQ4_NL_VALUES),
+        BlockFormat("IQ4_NL", 11, 4, "f16", False, 0, 4.5, codebook=IQ4_NL_VALUES),
     )
 }
 
@@ -125,7 +127,7 @@ class BlockComponents:
     """One format's codes and scales for rows of a weight, before tiling.
 
     codes [N, K]: uint8 below 2**bits for the formats under 8 bits (the stored code, before the
-        format's offset; IQ4_XS: the codebook index), int8 for Q8_0.
+        format's offset; IQ4_XS, IQ4_NL: the codebook index), int8 for Q8_0.
     scale [N, K / super_k] float16: "f16" kind: a per block; "k"/"k16": d per super-block.
     minimum [N, K / super_k] float16: "f16": z per block; "k"/"k16": dmin per super-block; else None.
     sub_scale: "k": sc [N, K / 32]; "k16": sc [N, K / 16]; int8 where the format's are signed, else
@@ -362,6 +364,7 @@ CODE_RANGE = {
     "Q2_K": (0, 3),
     "Q3_K": (0, 7),
     "IQ4_XS": (0, 15),
+    "IQ4_NL": (0, 15),
 }
 
 

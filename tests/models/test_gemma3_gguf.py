@@ -20,6 +20,7 @@ from models.gguf.reader import has_manifest
 from models.layers.native_decode import NativeDecodeLayers
 from models.layers.rotary import rope_params_from_config
 from models.loader import load_config, load_hf_model, load_model, load_tokenizer, resolve_model
+from models.weight_packing import packable_layers
 from scheduler.config import SchedulerConfig
 from server.tokenizer import ServerTokenizer
 
@@ -84,6 +85,27 @@ def test_greedy_tokens_equal_transformers_past_the_window(gemma3_dir: Path) -> N
     sched = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=16)  # the 30-token prompt: chunked
     got = asyncio.run(greedy_through_loop(runner, prompts, 12, sched))
     assert got == [hf_generate(hf, p, 12) for p in prompts]
+
+
+# An IQ4_XS file as llama.cpp writes one for Gemma 3: rows that are not whole 256-weight super-blocks
+# (64 wide here; Gemma 3 1B's are 1152) fall back to IQ4_NL, the rest (o_proj: 512 wide) stay IQ4_XS.
+IQ4_TYPES = {"token_embd": "IQ4_NL", "attn_output": "IQ4_XS", "attn": "IQ4_NL", "ffn": "IQ4_NL"}
+
+
+def test_iq4_xs_file_with_iq4_nl_rows_stays_packed(tmp_path: Path) -> None:
+    """Every linear of such a file packed in the file's two types (none read as float), and greedy
+    tokens past the window as transformers' on the same file (float32 activations)."""
+    write_tiny_gemma3_gguf(tmp_path / "iq4.gguf", window=WINDOW, types=IQ4_TYPES)
+    path = _convert(tmp_path / "iq4.gguf", tmp_path / "cache")
+    model = load_model(path, torch.float32, "cpu", weight_packing="float32")
+    layers = packable_layers(model)
+    assert layers and all(m.packed is not None for m in layers)
+    assert {f for m in layers for f in m.packed.formats} == {"IQ4_NL", "IQ4_XS"}
+    runner = LocalExecutor(cpu_engine_config(path, block_size=4, num_kv_blocks=64, weight_packing="float32"))
+    hf = load_hf_model(path)
+    prompts = [[7 + (i * 37 + 11 * j) % 290 for j in range(n)] for i, n in enumerate((13, 4))]
+    got = asyncio.run(greedy_through_loop(runner, prompts, 10, SchedulerConfig(max_num_seqs=4)))
+    assert got == [hf_generate(hf, p, 10) for p in prompts]
 
 
 def test_tokenizer_chat_template_and_end_of_turn(gemma3_dir: Path) -> None:

@@ -44,21 +44,21 @@ KQUANTS = {
     "token_embd": "Q4_K",
     "output.": "Q6_K",
 }
-# Q3_K_M / Q2_K / IQ4_XS-like: the low-bit K-quants and the non-linear codebook type, mixed in one
-# fused projection too.
+# Q3_K_M / Q2_K / IQ4_XS-like: the low-bit K-quants and the non-linear codebook types (IQ4_NL: what
+# an IQ4_XS file holds for rows that are not whole super-blocks), mixed in one fused projection too.
 LOW_BITS = {
     "attn_q": "Q3_K",
     "attn_k": "Q2_K",
     "attn_v": "IQ4_XS",
-    "attn_output": "Q3_K",
+    "attn_output": "IQ4_NL",
     "ffn_gate": "Q2_K",
     "ffn_up": "IQ4_XS",
     "ffn_down": "Q3_K",
     "token_embd": "IQ4_XS",
     "output.": "Q2_K",
 }
-# A type without a native decoder (IQ4_NL) inside a fused projection: that layer falls back to floats.
-FALLBACK = {**KQUANTS, "ffn_up": "IQ4_NL"}
+# A type without a native decoder (IQ3_S) inside a fused projection: that layer falls back to floats.
+FALLBACK = {**KQUANTS, "ffn_up": "IQ3_S"}
 SIZES = {
     "legacy": dict(hidden=64, ff=128),
     "kquants": dict(hidden=256, ff=512),
@@ -98,6 +98,7 @@ def test_blocks_decode_to_gguf_py_values(qtype: str) -> None:
         "Q2_K": 5.125,  # 2-bit codes in a nibble, sc and m per 16 as bytes
         "Q3_K": 4.5625,  # 3-bit codes in a nibble
         "IQ4_XS": 4.3125,
+        "IQ4_NL": 4.5,
     }
     assert 8 * packed.nbytes / (32 * k) == stored[qtype]
 
@@ -165,7 +166,7 @@ def test_quantized_gguf_loads_natively_and_matches_transformers(
     }
     expected = {t for t in MIXES[mix][0].values() if t in FORMATS}
     assert packed_formats == expected
-    if mix == "fallback":  # gate (Q4_K) and up (IQ4_NL) share one fused weight: kept as floats
+    if mix == "fallback":  # gate (Q4_K) and up (IQ3_S) share one fused weight: kept as floats
         assert native.model.layers[0].mlp.gate_up_proj.packed is None
     assert all(layer.weight is None for layer in packable_layers(native) if layer.packed is not None)
 

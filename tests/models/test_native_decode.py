@@ -137,7 +137,7 @@ def test_models_it_does_not_fit(
     assert load_model(tiny_gguf_llama_dir, torch.float32, "cpu", weight_packing="off").native_decode is None
     monkeypatch.setenv("ORCA_CACHE_DIR", str(tmp_path / "cache"))
     gguf_file = tmp_path / "fallback.gguf"
-    types = {"attn": "Q4_K", "ffn_gate": "Q4_K", "ffn_up": "IQ4_NL", "ffn_down": "Q6_K", "token_embd": "Q8_0"}
+    types = {"attn": "Q4_K", "ffn_gate": "Q4_K", "ffn_up": "IQ3_S", "ffn_down": "Q6_K", "token_embd": "Q8_0"}
     write_tiny_gguf(gguf_file, hidden=256, ff=512, heads=4, kv_heads=2, layers=2, types=types)
     assert load_model(resolve_model(str(gguf_file)), torch.float32, "cpu").native_decode is None
     # Tensor parallelism needs an all-reduce inside the layer: never native.

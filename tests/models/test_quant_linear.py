@@ -147,7 +147,7 @@ def test_kernel_matches_references(variant: str, fmt: str) -> None:
 
 @pytest.mark.parametrize("variant", EVERY_VARIANT)
 @pytest.mark.parametrize("precision", ["int8", "float32"])
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS"])
+@pytest.mark.parametrize("fmt", ["Q4_1", "Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS", "IQ4_NL"])
 def test_batch_invariance(variant: str, precision: str, fmt: str) -> None:
     """One row alone and the same row at different places inside batches of every size give
     bit-identical outputs."""
