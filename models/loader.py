@@ -24,10 +24,11 @@ from models.layers.parallel import PPContext, TPContext
 from models.options import default_gguf_path
 from models.registry import family_for
 from models.weight_packing import linear_precision, pack_model_weights, should_pack
-from models.weights_io import SafetensorsReader, safetensors_files
+from models.weights_io import SafetensorsReader, matrices_all_16_bit, safetensors_files
 
 __all__ = [
     "ModelLoadError",
+    "is_16_bit_float_source",
     "is_block_quantized_source",
     "load_config",
     "load_hf_model",
@@ -68,6 +69,13 @@ def is_block_quantized_source(source: str | Path) -> bool:
         return True
     path = Path(source).expanduser()
     return path.suffix.lower() == ".gguf" or (path.is_dir() and has_manifest(path))
+
+
+def is_16_bit_float_source(source: str | Path) -> bool:
+    """Whether a model source is an HF directory whose matrices are stored as float16 or bfloat16: read
+    as float32 they pack as F16/BF16 on the native kernels (weight_packing.py)."""
+    path = Path(source).expanduser()
+    return path.is_dir() and not has_manifest(path) and matrices_all_16_bit(path)
 
 
 def load_config(path: Path) -> Any:

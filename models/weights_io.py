@@ -33,6 +33,25 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+def matrices_all_16_bit(model_dir: Path) -> bool:
+    """Whether every 2-D tensor of an HF directory's weight files is stored as float16 or bfloat16 (most
+    checkpoints: their linear weights then pack as F16/BF16, packed_weight.float16_components). Reads
+    the files' headers only; False where there are none or one is unreadable."""
+    try:
+        files = safetensors_files(model_dir)
+        matrices = []
+        for path in files:
+            with path.open("rb") as f:
+                size = int.from_bytes(f.read(8), "little")
+                header = json.loads(f.read(size))
+            matrices += [
+                t["dtype"] for k, t in header.items() if k != "__metadata__" and len(t["shape"]) == 2
+            ]
+    except (ModelLoadError, OSError, ValueError, KeyError, TypeError):
+        return False
+    return bool(matrices) and all(d in ("F16", "BF16") for d in matrices)
+
+
 class SafetensorsReader:
     """Iterates (name, tensor) over the files, remembering which file is being read so a weight that
     fails later (wrong shape, unknown name) can be reported with its file."""

@@ -140,4 +140,6 @@ def decode_blocks(ggml_type: str, raw: np.ndarray, k: int) -> BlockComponents:
 
 
 def decodable(ggml_type: str) -> bool:
-    return ggml_type in FORMATS
+    """Whether a quantized type's blocks are kept and packed as they are (F16 and BF16 tensors are read
+    as floats, and packed from those: packed_weight.float16_components)."""
+    return ggml_type in FORMATS and FORMATS[ggml_type].kind != "raw"

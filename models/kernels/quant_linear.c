@@ -154,7 +154,7 @@ static inline __attribute__((always_inline)) vi code_unit(const uint8_t *codes, 
     if (bits == 8) return vi_loadu(codes + 64 * u + UNIT_BYTES * h);
     const vi p = vi_loadu(codes + 64 * (u & 3) + UNIT_BYTES * h);
     vi n = vi_and(u < 4 ? p : vi_srli16(p, 4), vi_set1_8(0x0f));
-    if (bits > 4) {
+    if (bits > 4 && bits < 8) {
         const int hb = bits - 4, per = 8 / hb; /* high bits a code; units a byte of the plane holds */
         const vi hp = vi_loadu(codes + 256 + 64 * (u / per) + UNIT_BYTES * h);
         /* Unit u's high bits (at bit hb * (u % per)) moved to bit 4. The shifts are 16-bit, so bits of
@@ -434,6 +434,16 @@ static inline __attribute__((always_inline)) void int_tile_super(const uint8_t *
 
 static inline __attribute__((always_inline)) void dequant_chunk(const uint8_t *tile, const int fmt, int64_t g_begin,
                                                                 int64_t g_end, float *wbuf) {
+    if (qf_kind(fmt) == KIND_RAW) { /* 16-bit floats, k-major: each k's 16 rows widened in one go */
+        for (int64_t g = g_begin; g < g_end; g++) {
+            const uint8_t *codes = qf_block(tile, fmt, g).codes;
+            for (int k = 0; k < QBLOCK; k++)
+                for (int h = 0; h < HALVES; h++)
+                    vf_store(wbuf + ((g - g_begin) * QBLOCK + k) * TILE_ROWS + h * LANES,
+                             fmt == QF_F16 ? load_f16(codes + 32 * k, h) : load_bf16(codes + 32 * k, h));
+        }
+        return;
+    }
     const int sgn = qf_signed_units(fmt);
     const vi offset = vi_set1(qf_offset(fmt));
     for (int64_t g = g_begin; g < g_end; g++) {
@@ -525,17 +535,21 @@ typedef void (*ftile_fn)(const float *, int64_t, const float *, int64_t, float *
         float_tile(x, K, w, kc, R, y, ldy, f, nv);                                                            \
     }
 
+/* F16 and BF16 (12, 13) have no int8 path: their weights are floats, multiplied in float32 whatever the
+ * precision asked (orca_qlinear). */
 INT_FNS(0) INT_FNS(1) INT_FNS(2) INT_FNS(3) INT_FNS(4) INT_FNS(5) INT_FNS(6) INT_FNS(7) INT_FNS(8) INT_FNS(9) INT_FNS(10)
 INT_FNS(11)
-DQ_FN(0) DQ_FN(1) DQ_FN(2) DQ_FN(3) DQ_FN(4) DQ_FN(5) DQ_FN(6) DQ_FN(7) DQ_FN(8) DQ_FN(9) DQ_FN(10) DQ_FN(11)
+DQ_FN(0) DQ_FN(1) DQ_FN(2) DQ_FN(3) DQ_FN(4) DQ_FN(5) DQ_FN(6) DQ_FN(7) DQ_FN(8) DQ_FN(9) DQ_FN(10) DQ_FN(11) DQ_FN(12)
+DQ_FN(13)
 FT_FN(MR_FLT) FT_FN(4) FT_FN(2) FT_FN(1)
 
 /* INT_FNS_TABLE[fmt][r - 1]: r rows of x. */
 static const int_fn INT_FNS_TABLE[QF_COUNT][MR_INT] = {INT_ROW(0), INT_ROW(1), INT_ROW(2), INT_ROW(3),
                                                   INT_ROW(4), INT_ROW(5), INT_ROW(6), INT_ROW(7),
-                                                  INT_ROW(8), INT_ROW(9), INT_ROW(10), INT_ROW(11)};
+                                                  INT_ROW(8), INT_ROW(9), INT_ROW(10), INT_ROW(11),
+                                                  {NULL},      {NULL}};
 static const flt_fn DQ_TABLE[QF_COUNT] = {dq_0, dq_1, dq_2, dq_3, dq_4, dq_5,
-                                          dq_6, dq_7, dq_8, dq_9, dq_10, dq_11};
+                                          dq_6, dq_7, dq_8, dq_9, dq_10, dq_11, dq_12, dq_13};
 static const ftile_fn FT_TABLE[4] = {ft_MR_FLT, ft_4, ft_2, ft_1};
 
 /* Rows of the int8 micro-kernel for r remaining rows: all of them, up to MR_INT. */
@@ -717,10 +731,10 @@ typedef void (*amx_prep_fn)(const uint8_t *, int64_t, float *, float *, uint8_t 
 AMX_FN(0) AMX_FN(1) AMX_FN(2) AMX_FN(3) AMX_FN(4) AMX_FN(5) AMX_FN(6) AMX_FN(7) AMX_FN(8) AMX_FN(9) AMX_FN(10)
 AMX_FN(11)
 static const amx_fn AMX_TABLE[QF_COUNT] = {amx_0, amx_1, amx_2, amx_3, amx_4, amx_5,
-                                           amx_6, amx_7, amx_8, amx_9, amx_10, amx_11};
+                                           amx_6, amx_7, amx_8, amx_9, amx_10, amx_11, NULL, NULL};
 static const amx_prep_fn AMX_PREP_TABLE[QF_COUNT] = {amx_prep_0, amx_prep_1, amx_prep_2, amx_prep_3,
                                                      amx_prep_4, amx_prep_5, amx_prep_6, amx_prep_7,
-                                                     amx_prep_8, amx_prep_9, amx_prep_10, amx_prep_11};
+                                                     amx_prep_8, amx_prep_9, amx_prep_10, amx_prep_11, NULL, NULL};
 
 /* Rows of x from which the AMX path runs (below, the vpdpbusd micro-kernels are as fast). */
 #define AMX_MIN_ROWS 16
@@ -821,6 +835,97 @@ static void float_gemm(const uint8_t *w, int fmt, int64_t K, int64_t N, const fl
     }
 }
 
+/* ------------------------------------------------------------------------------------------------
+ * F16 / BF16 weights (the raw kind): every weight widened exactly and each output summed
+ * fma(x_k, w_k, y) over k in order from 0, straight from the tiles (no float32 copy of a chunk), RAW_NT
+ * tiles at a time: one row of x then keeps RAW_NT independent chains of multiply-adds in flight,
+ * where one tile's single chain waited on the FMA's latency (13 GB/s at one row, through the float
+ * path's chunk buffer, against ~28 GB/s for the block formats). Each output's chain is the same
+ * whatever the number of rows and whichever variant runs it: batch-invariant, bit-identical. */
+#if defined(__AVX512F__)
+#define RAW_MR 4 /* 4 rows x 4 tiles: 16 accumulators + 4 weight vectors */
+#define RAW_NT 4
+#else
+#define RAW_MR 2 /* 2 rows x 2 tiles x 2 halves: 8 accumulators + 4 weight vectors */
+#define RAW_NT 2
+#endif
+
+static inline __attribute__((always_inline)) void raw_tiles(const uint8_t *w, int64_t tb, const int fmt, int64_t K,
+                                                            const float *x, const int mr, const int nt, float *y,
+                                                            int64_t ldy, int last_valid) {
+    vf acc[RAW_MR][RAW_NT][HALVES];
+    for (int m = 0; m < mr; m++)
+        for (int t = 0; t < nt; t++)
+            for (int h = 0; h < HALVES; h++) acc[m][t][h] = vf_zero();
+    for (int64_t k = 0; k < K; k++) {
+        const int64_t at = k / QBLOCK * (QBLOCK * TILE_ROWS * 2) + k % QBLOCK * (TILE_ROWS * 2);
+        vf wv[RAW_NT][HALVES];
+        for (int t = 0; t < nt; t++) {
+            const uint8_t *p = w + t * tb + at;
+#if PREFETCH_AHEAD
+            if (k % 2 == 0) _mm_prefetch((const char *)(p + PREFETCH_AHEAD), _MM_HINT_T0);
+#endif
+            for (int h = 0; h < HALVES; h++) wv[t][h] = fmt == QF_F16 ? load_f16(p, h) : load_bf16(p, h);
+        }
+        for (int m = 0; m < mr; m++) {
+            const vf xb = vf_set1(x[m * K + k]);
+            for (int t = 0; t < nt; t++)
+                for (int h = 0; h < HALVES; h++) acc[m][t][h] = vf_fma(xb, wv[t][h], acc[m][t][h]);
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int t = 0; t < nt; t++)
+            for (int h = 0; h < HALVES; h++) {
+                const int n = (t == nt - 1 ? last_valid : TILE_ROWS) - h * LANES;
+                float *out = y + m * ldy + t * TILE_ROWS + h * LANES;
+                if (n >= LANES)
+                    vf_storeu(out, acc[m][t][h]);
+                else if (n > 0)
+                    vf_store_n(out, acc[m][t][h], n);
+            }
+}
+
+typedef void (*raw_fn)(const uint8_t *, int64_t, int64_t, const float *, float *, int64_t, int);
+#define RAW_FN(F, R, T)                                                                                  \
+    static void raw_##F##_##R##_##T(const uint8_t *w, int64_t tb, int64_t K, const float *x, float *y, \
+                                    int64_t ldy, int lv) {                                              \
+        raw_tiles(w, tb, F, K, x, R, T, y, ldy, lv);                                                    \
+    }
+#if RAW_NT == 4
+#define RAW_FNS(F, R) RAW_FN(F, R, 1) RAW_FN(F, R, 2) RAW_FN(F, R, 3) RAW_FN(F, R, 4)
+#define RAW_ROW(F, R) {raw_##F##_##R##_1, raw_##F##_##R##_2, raw_##F##_##R##_3, raw_##F##_##R##_4}
+RAW_FNS(12, 1) RAW_FNS(12, 2) RAW_FNS(12, 3) RAW_FNS(12, 4) RAW_FNS(13, 1) RAW_FNS(13, 2) RAW_FNS(13, 3) RAW_FNS(13, 4)
+/* RAW_TABLE[bf16][rows - 1][tiles - 1] */
+static const raw_fn RAW_TABLE[2][RAW_MR][RAW_NT] = {
+    {RAW_ROW(12, 1), RAW_ROW(12, 2), RAW_ROW(12, 3), RAW_ROW(12, 4)},
+    {RAW_ROW(13, 1), RAW_ROW(13, 2), RAW_ROW(13, 3), RAW_ROW(13, 4)}};
+#else
+#define RAW_FNS(F, R) RAW_FN(F, R, 1) RAW_FN(F, R, 2)
+#define RAW_ROW(F, R) {raw_##F##_##R##_1, raw_##F##_##R##_2}
+RAW_FNS(12, 1) RAW_FNS(12, 2) RAW_FNS(13, 1) RAW_FNS(13, 2)
+static const raw_fn RAW_TABLE[2][RAW_MR][RAW_NT] = {{RAW_ROW(12, 1), RAW_ROW(12, 2)},
+                                                    {RAW_ROW(13, 1), RAW_ROW(13, 2)}};
+#endif
+
+static void raw_gemm(const uint8_t *w, int fmt, int64_t K, int64_t N, const float *x, int64_t M, float *y,
+                     int64_t ldy) {
+    const int64_t T = (N + TILE_ROWS - 1) / TILE_ROWS, tb = qf_tile_bytes(fmt, K);
+    const int64_t groups = (T + RAW_NT - 1) / RAW_NT;
+    const int bf16 = fmt == QF_BF16;
+#pragma omp parallel for schedule(static) if (M * T * K >= PARALLEL_MIN_WORK)
+    for (int64_t gi = 0; gi < groups; gi++) {
+        const int64_t t0 = gi * RAW_NT;
+        const int nt = T - t0 < RAW_NT ? (int)(T - t0) : RAW_NT;
+        const int last_valid = tile_rows(N, t0 + nt - 1);
+        for (int64_t m = 0; m < M;) {
+            const int rows = M - m < RAW_MR ? (int)(M - m) : RAW_MR;
+            RAW_TABLE[bf16][rows - 1][nt - 1](w + t0 * tb, tb, K, x + m * K, y + m * ldy + t0 * TILE_ROWS, ldy,
+                                              last_valid);
+            m += rows;
+        }
+    }
+}
+
 static inline int bad_weight(int fmt, int64_t K, int64_t N) {
     return fmt < 0 || fmt >= QF_COUNT || K <= 0 || K % qf_super_k(fmt) != 0 || N <= 0;
 }
@@ -833,6 +938,10 @@ int orca_qlinear(const float *x, int64_t M, int64_t K, const uint8_t *w, int fmt
                  int precision) {
     if (bad_weight(fmt, K, N) || M < 0 || ldy < N) return 1;
     if (M == 0) return 0;
+    if (qf_kind(fmt) == KIND_RAW) { /* floats: no int8 path, whatever the precision asked */
+        raw_gemm(w, fmt, K, N, x, M, y, ldy);
+        return 0;
+    }
     if (precision == 0) {
         float_gemm(w, fmt, K, N, x, M, y, ldy);
         return 0;
@@ -859,6 +968,15 @@ static inline float f16_at(const uint8_t *p) {
     return _cvtsh_ss(h);
 }
 
+static inline float bf16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, sizeof h);
+    const uint32_t bits = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
 int orca_qdequant_rows(const uint8_t *w, int fmt, int64_t K, int64_t N, const int64_t *rows, int64_t n, float *out) {
     if (bad_weight(fmt, K, N) || n < 0) return 1;
     for (int64_t i = 0; i < n; i++)
@@ -874,6 +992,11 @@ int orca_qdequant_rows(const uint8_t *w, int fmt, int64_t K, int64_t N, const in
         for (int64_t g = 0; g < G; g++) {
             const qblock blk = qf_block(tile, fmt, g);
             const uint8_t *hdr = blk.hdr, *codes = blk.codes, *sub = blk.sub;
+            if (kind == KIND_RAW) { /* k-major 16-bit floats: row l's value of k at 32 k + 2 l */
+                for (int k = 0; k < QBLOCK; k++)
+                    o[g * QBLOCK + k] = fmt == QF_F16 ? f16_at(codes + 32 * k + 2 * l) : bf16_at(codes + 32 * k + 2 * l);
+                continue;
+            }
             for (int k = 0; k < QBLOCK; k++) {
                 const int u = k / 4, t = k % 4, part = k < 16 ? 0 : 1;
                 int c;

@@ -23,6 +23,8 @@
  *   kind K   (Q4_K Q5_K IQ4_XS): header = d [, dmin] as 16 x f16; sub-scales per block: sc [, m]
  *                         16 x u8 (IQ4_XS: sc s8); a = d * sc, z = -(dmin * m); 8 blocks per super
  *                         (GGUF's 256)
+ *   kind RAW (F16 BF16): no header, no scales: a block is its 32 k x 16 rows of 16-bit floats, k-major
+ *                         (k's 16 rows together: one vector's conversion to float32), w exact
  *   kind K16 (Q6_K Q3_K Q2_K): header = d [, dmin] as 16 x f16; sub-scales per block: 2 x 16 x s8
  *                         (Q2_K: u8) sc for k 0..15 and 16..31 [+ 2 x 16 x u8 m]; a = d * sc and
  *                         z = -(dmin * m) per 16 k; 8 blocks per super
@@ -36,8 +38,8 @@
 
 #include <stdint.h>
 
-enum { QF_Q4_0 = 0, QF_Q4_1, QF_Q8_0, QF_Q5_0, QF_Q5_1, QF_Q4_K, QF_Q5_K, QF_Q6_K, QF_Q2_K, QF_Q3_K, QF_IQ4_XS, QF_IQ4_NL, QF_COUNT };
-enum { KIND_F16 = 0, KIND_K, KIND_K16 };
+enum { QF_Q4_0 = 0, QF_Q4_1, QF_Q8_0, QF_Q5_0, QF_Q5_1, QF_Q4_K, QF_Q5_K, QF_Q6_K, QF_Q2_K, QF_Q3_K, QF_IQ4_XS, QF_IQ4_NL, QF_F16, QF_BF16, QF_COUNT };
+enum { KIND_F16 = 0, KIND_K, KIND_K16, KIND_RAW };
 
 #define TILE_ROWS 16
 #define QBLOCK 32
@@ -46,7 +48,8 @@ enum { KIND_F16 = 0, KIND_K, KIND_K16 };
 static const int8_t IQ4_NL_VALUES[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
 
 static inline int qf_bits(int f) {
-    return f == QF_Q8_0                                  ? 8
+    return f == QF_F16 || f == QF_BF16                   ? 16
+           : f == QF_Q8_0                                ? 8
            : f == QF_Q6_K                                ? 6
            : f == QF_Q5_0 || f == QF_Q5_1 || f == QF_Q5_K ? 5
                                                          : 4;
@@ -54,6 +57,7 @@ static inline int qf_bits(int f) {
 static inline int qf_kind(int f) {
     return f == QF_Q4_K || f == QF_Q5_K || f == QF_IQ4_XS             ? KIND_K
            : f == QF_Q6_K || f == QF_Q3_K || f == QF_Q2_K ? KIND_K16
+           : f == QF_F16 || f == QF_BF16                  ? KIND_RAW
                                                           : KIND_F16;
 }
 static inline int qf_has_min(int f) {
@@ -69,12 +73,12 @@ static inline int qf_sub_signed(int f) { return f == QF_Q6_K || f == QF_Q3_K || 
 /* A unit of codes, as the kernels use it, holds signed int8 values (8-bit codes, codebook values)
  * rather than unsigned codes of 4 to 6 bits. */
 static inline int qf_signed_units(int f) { return qf_bits(f) == 8 || qf_codebook(f); }
-static inline int qf_blocks_per_super(int f) { return qf_kind(f) == KIND_F16 ? 1 : 8; }
+static inline int qf_blocks_per_super(int f) { return qf_kind(f) == KIND_F16 || qf_kind(f) == KIND_RAW ? 1 : 8; }
 static inline int64_t qf_code_bytes(int f) { return (int64_t)qf_bits(f) * 64; }
 static inline int64_t qf_sub_bytes(int f) {
     return qf_kind(f) == KIND_K ? 16 * (1 + qf_has_min(f)) : qf_kind(f) == KIND_K16 ? 32 * (1 + qf_has_min(f)) : 0;
 }
-static inline int64_t qf_header_bytes(int f) { return 32 * (1 + qf_has_min(f)); }
+static inline int64_t qf_header_bytes(int f) { return qf_kind(f) == KIND_RAW ? 0 : 32 * (1 + qf_has_min(f)); }
 static inline int64_t qf_super_bytes(int f) {
     return qf_header_bytes(f) + qf_blocks_per_super(f) * (qf_code_bytes(f) + qf_sub_bytes(f));
 }

@@ -57,6 +57,10 @@ static inline vf load_f16(const uint8_t *p, int h) {
     (void)h;
     return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
 }
+static inline vf load_bf16(const uint8_t *p, int h) { /* a bfloat16 is a float32's upper half */
+    (void)h;
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
 static inline vf load_u8f(const uint8_t *p, int h) {
     (void)h;
     return _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)p)));
@@ -157,6 +161,9 @@ static inline int32_t vi_hsum(vi v) {
     return _mm_cvtsi128_si32(s);
 }
 static inline vf load_f16(const uint8_t *p, int h) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + 16 * h))); }
+static inline vf load_bf16(const uint8_t *p, int h) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 16 * h))), 16));
+}
 static inline vf load_u8f(const uint8_t *p, int h) {
     return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i *)(p + 8 * h))));
 }

@@ -22,6 +22,8 @@ The formats (`FORMATS`, ids shared with the C code):
     Q3_K  4-bit, q - 4    d: f16 per 256; sc: s8 per 16; a = d sc                     3.44 (kept in 4.56)
     IQ4_XS 4-bit index    d: f16 per 256; sc: s8 per 32; a = d sc; q = IQ4_NL_VALUES[code]  4.25 (4.31)
     IQ4_NL 4-bit index    a: f16 per 32; q = IQ4_NL_VALUES[code]                       4.5
+    F16   the weight      none (the raw kind: 16-bit floats, k-major in a block)       16
+    BF16  the weight      none                                                         16
 
 (In brackets: the packed size where it differs from the file's.) Codes below 8 bits are stored unsigned,
 as in the file, with the format's offset; 5- and 6-bit codes keep their low nibble as 4-bit codes do and
@@ -58,7 +60,8 @@ class BlockFormat:
     name: str
     id: int  # QF_* in quant_tiles.h
     bits: int  # bits a code: 4, 5, 6 or 8
-    kind: str  # "f16": scale (and min) f16 per 32; "k": K-quant super-blocks; "k16": scales per 16
+    kind: str  # "f16": scale (and min) f16 per 32; "k": K-quant super-blocks; "k16": scales per 16;
+    # "raw": no scales, the weights themselves as 16-bit floats (F16, BF16)
     has_min: bool
     offset: int = 0  # added to the stored (unsigned) code: Q4_0's -8, Q3_K's -4, Q5_0's -16, Q6_K's -32
     file_bits: float = 0.0  # bits per weight in a GGUF file
@@ -67,7 +70,7 @@ class BlockFormat:
 
     @property
     def blocks_per_super(self) -> int:
-        return 1 if self.kind == "f16" else 8
+        return 1 if self.kind in ("f16", "raw") else 8
 
     @property
     def super_k(self) -> int:
@@ -75,7 +78,8 @@ class BlockFormat:
 
     @property
     def unsigned_codes(self) -> bool:
-        """Codes stored as uint8 values below 2**bits (all but Q8_0's int8)."""
+        """Codes stored as uint8 values below 2**bits (all but Q8_0's int8 and the raw kind's int16
+        bit patterns)."""
         return self.bits < 8
 
     @property
@@ -84,11 +88,16 @@ class BlockFormat:
 
     @property
     def sub_bytes(self) -> int:
-        return {"f16": 0, "k": 16, "k16": 32}[self.kind] * (1 + self.has_min)
+        return {"f16": 0, "k": 16, "k16": 32, "raw": 0}[self.kind] * (1 + self.has_min)
 
     @property
     def header_bytes(self) -> int:
-        return 32 * (1 + self.has_min)
+        return 0 if self.kind == "raw" else 32 * (1 + self.has_min)
+
+    @property
+    def float_dtype(self) -> torch.dtype | None:
+        """The raw kind's 16-bit float type (None for the block-quantized formats)."""
+        return {"F16": torch.float16, "BF16": torch.bfloat16}.get(self.name) if self.kind == "raw" else None
 
     @property
     def sub_group(self) -> int:
@@ -118,6 +127,8 @@ FORMATS: dict[str, BlockFormat] = {
         BlockFormat("Q3_K", 9, 4, "k16", False, -4, 3.4375, sub_signed=True),
         BlockFormat("IQ4_XS", 10, 4, "k", False, 0, 4.25, sub_signed=True, codebook=IQ4_NL_VALUES),
         BlockFormat("IQ4_NL", 11, 4, "f16", False, 0, 4.5, codebook=IQ4_NL_VALUES),
+        BlockFormat("F16", 12, 16, "raw", False, 0, 16.0),
+        BlockFormat("BF16", 13, 16, "raw", False, 0, 16.0),
     )
 }
 
@@ -127,7 +138,8 @@ class BlockComponents:
     """One format's codes and scales for rows of a weight, before tiling.
 
     codes [N, K]: uint8 below 2**bits for the formats under 8 bits (the stored code, before the
-        format's offset; IQ4_XS, IQ4_NL: the codebook index), int8 for Q8_0.
+        format's offset; IQ4_XS, IQ4_NL: the codebook index), int8 for Q8_0; for the raw kind the
+        weights themselves, float16 or bfloat16 (scale then holds nothing: [N, 0]).
     scale [N, K / super_k] float16: "f16" kind: a per block; "k"/"k16": d per super-block.
     minimum [N, K / super_k] float16: "f16": z per block; "k"/"k16": dmin per super-block; else None.
     sub_scale: "k": sc [N, K / 32]; "k16": sc [N, K / 16]; int8 where the format's are signed, else
@@ -317,6 +329,10 @@ def pack_components(c: BlockComponents, row_start: int = 0) -> PackedSegment:
     if k % f.super_k:
         raise ValueError(f"{f.name}: {k} columns are not a whole number of {f.super_k}-blocks")
     t, g, s = -(-n // TILE_ROWS), k // GROUP_SIZE, k // f.super_k
+    if f.kind == "raw":  # each block k-major: k's 16 rows side by side, one vector to widen
+        bits = _tiled(c.codes.contiguous().view(torch.int16), t)  # [T, 16, K]
+        blocks = bits.reshape(t, TILE_ROWS, g, GROUP_SIZE).permute(0, 2, 3, 1).contiguous()
+        return PackedSegment(f, row_start, n, k, blocks.view(torch.uint8).reshape(t, -1))
     codes = _tiled(c.codes.view(torch.uint8), t)  # [T, 16, K]
     if f.unsigned_codes:
         # byte (unit u, row r, t) of a block: low nibble k = 4u + t, high nibble k = 16 + 4u + t
@@ -368,9 +384,28 @@ CODE_RANGE = {
 }
 
 
+def float16_components(values: torch.Tensor) -> BlockComponents | None:
+    """A float32 weight as F16 or BF16 components where every value is one exactly (a checkpoint kept
+    in 16 bits and read as float32: F16/BF16 GGUF tensors, bf16 safetensors), F16 first (more
+    mantissa); None otherwise (NaN never matches). The first row decides cheaply whether to look at
+    the rest, as pack_exact's first row does."""
+    for name in ("F16", "BF16"):
+        fmt = FORMATS[name]
+        assert fmt.float_dtype is not None
+        if not torch.equal(values[:1].to(fmt.float_dtype).float(), values[:1]):
+            continue
+        narrow = values.to(fmt.float_dtype)
+        if torch.equal(narrow.float(), values):
+            return BlockComponents(fmt, narrow, values.new_zeros(values.shape[0], 0))
+    return None
+
+
 def random_components(fmt: BlockFormat, n: int, k: int, seed: int = 0) -> BlockComponents:
     """Random but valid codes and scales of a format (kernel tests and micro-benchmarks)."""
     g = torch.Generator().manual_seed(seed)
+    if fmt.float_dtype is not None:
+        values = (torch.randn(n, k, generator=g) * 0.05).to(fmt.float_dtype)
+        return BlockComponents(fmt, values, torch.zeros(n, 0))
     lo, hi = CODE_RANGE[fmt.name]
     dtype = torch.uint8 if fmt.unsigned_codes else torch.int8
     codes = torch.randint(lo, hi + 1, (n, k), generator=g).to(dtype)
@@ -443,7 +478,8 @@ def _components(name: str, codes: torch.Tensor, scale: torch.Tensor, zero: torch
 
 def pack_exact(weight: torch.Tensor) -> PackedWeight | None:
     """The packed form of a 2-D float32 weight if every row of it is exactly one of Q4_0 / Q4_1 / Q8_0
-    (rows may differ: a fused projection of differently quantized tensors), else None."""
+    (rows may differ: a fused projection of differently quantized tensors), or failing that every
+    value an F16 or BF16 one (float16_components), else None."""
     if weight.dim() != 2 or weight.dtype != torch.float32 or weight.shape[1] % GROUP_SIZE:
         return None
     n, k = weight.shape
@@ -454,7 +490,7 @@ def pack_exact(weight: torch.Tensor) -> PackedWeight | None:
     lo1, hi1 = groups[:1].amin(dim=-1), groups[:1].amax(dim=-1)
     first = next((name for name in _CANDIDATES if bool(_fit(groups[:1], name, lo1, hi1)[3][0])), None)
     if first is None:
-        return None
+        return _pack_float16(weight)
     lo, hi = groups.amin(dim=-1), groups.amax(dim=-1)
     row_format = torch.full((n,), -1, dtype=torch.int64)
     fitted: dict[int, tuple[torch.Tensor, ...]] = {}
@@ -466,7 +502,7 @@ def pack_exact(weight: torch.Tensor) -> PackedWeight | None:
         if bool((row_format >= 0).all()):
             break
     else:
-        return None
+        return _pack_float16(weight)
     names = [first, *(nm for nm in _CANDIDATES if nm != first)]
     # Runs of consecutive rows in one format become segments.
     change = torch.nonzero(row_format[1:] != row_format[:-1]).squeeze(1) + 1
@@ -478,3 +514,8 @@ def pack_exact(weight: torch.Tensor) -> PackedWeight | None:
         seg = pack_components(_components(names[i], codes, scale, zero), 0)
         parts.append(PackedWeight((seg,)))
     return PackedWeight.concat(parts)
+
+
+def _pack_float16(weight: torch.Tensor) -> PackedWeight | None:
+    c = float16_components(weight.detach())
+    return PackedWeight((pack_components(c),)) if c is not None else None

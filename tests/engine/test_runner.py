@@ -11,7 +11,7 @@ from unittest import mock
 
 import pytest
 import torch
-from builders import cpu_engine_config
+from builders import build_hf_model, cpu_engine_config, tiny_llama_config
 
 from engine import config as engine_config
 from engine.config import EngineConfig, resolve_dtype
@@ -144,19 +144,22 @@ def test_config_validation():
         LocalExecutor(EngineConfig(tensor_parallel_size=2))
 
 
-def test_auto_dtype(monkeypatch: pytest.MonkeyPatch, tiny_llama_dir: Path):
-    """float32 for a quantized model where the native kernels run (they are faster than bf16 at
-    every batch size); for a float checkpoint, bf16 where the CPU has bf16 matrix units."""
+def test_auto_dtype(monkeypatch: pytest.MonkeyPatch, tiny_llama_dir: Path, tmp_path: Path):
+    """float32 for a quantized model or a 16-bit checkpoint where the native kernels run (they are
+    faster than bf16 at every batch size, and a 16-bit checkpoint's weights stay 16-bit there); for a
+    float32 checkpoint, bf16 where the CPU has bf16 matrix units."""
     from models.kernels import cpu as cpu_kernels
 
+    bf16_dir = tmp_path / "bf16"
+    build_hf_model(tiny_llama_config()).to(torch.bfloat16).save_pretrained(bf16_dir)
     cpu = torch.device("cpu")
     for native_bf16 in (False, True):
         monkeypatch.setattr(engine_config, "cpu_has_native_bf16", lambda v=native_bf16: v)
-        for source in ("default", "/some/model.Q4_K_M.gguf", None):
+        for source in ("default", "/some/model.Q4_K_M.gguf", None, bf16_dir):
             expect = torch.float32 if cpu_kernels.available() or not native_bf16 else torch.bfloat16
             assert resolve_dtype("auto", cpu, source) == expect
         expect = torch.bfloat16 if native_bf16 else torch.float32
-        assert resolve_dtype("auto", cpu, tiny_llama_dir) == expect
+        assert resolve_dtype("auto", cpu, tiny_llama_dir) == expect  # stored in float32
     monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)  # no kernels: bf16 wherever it is native
     assert resolve_dtype("auto", cpu, "default") == torch.bfloat16
     assert resolve_dtype("bfloat16", cpu) == torch.bfloat16

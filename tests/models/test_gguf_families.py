@@ -440,7 +440,9 @@ def test_a_ggml_type_nothing_reads(tmp_path: Path, cache: Path, monkeypatch) -> 
     monkeypatch.setattr(builders, "gguf_blocks", q8_1_ffn_down)
     gguf = tmp_path / "q8_1.gguf"
     write_tiny_gguf(gguf, arch="qwen3", head_dim=128, hidden=256, heads=2, ff=512, types={"ffn_down": "Q8_1"})
-    _expect_error(gguf, cache, "'blk.0.ffn_down.weight'", "ggml type Q8_1", "IQ4_NL on the native kernels")
+    _expect_error(
+        gguf, cache, "'blk.0.ffn_down.weight'", "ggml type Q8_1", "IQ4_NL, F16, BF16 on the native kernels"
+    )
 
 
 def test_truncated_files(tmp_path: Path, cache: Path) -> None:

@@ -47,7 +47,10 @@ def _group_scales(c: BlockComponents) -> tuple[int, torch.Tensor, torch.Tensor |
 
 
 def reference_weight(c: BlockComponents) -> torch.Tensor:
-    """w = a * q + z from the components, in torch (independent of the C tile decoder)."""
+    """w = a * q + z from the components, in torch (independent of the C tile decoder); the raw kind's
+    16-bit floats widened."""
+    if c.fmt.kind == "raw":
+        return c.codes.float()
     gs, a, z = _group_scales(c)
     q = _codes(c)
     a = a.repeat_interleave(gs, 1)
@@ -66,7 +69,10 @@ def quantize_x(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]
 
 def int8_reference(x: torch.Tensor, c: BlockComponents) -> torch.Tensor:
     """The int8 path's arithmetic in float64: x quantized per 32 exactly as the kernel does, exact
-    integer dot products per block, then the scale products. The K-quants: super_reference."""
+    integer dot products per block, then the scale products. The K-quants: super_reference. The raw
+    kind (F16, BF16) has no int8 path: its floats multiply float32 activations whatever is asked."""
+    if c.fmt.kind == "raw":
+        return x.double() @ reference_weight(c).double().T
     if c.fmt.kind != "f16":
         return super_reference(x, c)
     m, k = x.shape
@@ -111,7 +117,7 @@ def packed(c: BlockComponents) -> PackedWeight:
 
 def shape_for(fmt: str) -> tuple[int, int]:
     # 37 rows: two full 16-row tiles and a 5-row tail; K: several blocks (K-quants: two super-blocks)
-    return (37, 512) if FORMATS[fmt].kind != "f16" else (37, 192)
+    return (37, 512) if FORMATS[fmt].kind not in ("f16", "raw") else (37, 192)
 
 
 @needs_native_kernels
@@ -147,7 +153,9 @@ def test_kernel_matches_references(variant: str, fmt: str) -> None:
 
 @pytest.mark.parametrize("variant", EVERY_VARIANT)
 @pytest.mark.parametrize("precision", ["int8", "float32"])
-@pytest.mark.parametrize("fmt", ["Q4_1", "Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS", "IQ4_NL"])
+@pytest.mark.parametrize(
+    "fmt", ["Q4_1", "Q4_0", "Q8_0", "Q4_K", "Q6_K", "Q2_K", "Q3_K", "IQ4_XS", "IQ4_NL", "F16", "BF16"]
+)
 def test_batch_invariance(variant: str, precision: str, fmt: str) -> None:
     """One row alone and the same row at different places inside batches of every size give
     bit-identical outputs."""

@@ -7,12 +7,12 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import gguf_roundtrip
+from builders import build_hf_model, gguf_roundtrip, single_seq_logits, tiny_llama_config, write_tiny_gguf
 from kernel_marks import needs_native_kernels
 
 from models.kernels import cpu as cpu_kernels
 from models.layers.packed_weight import pack_exact
-from models.loader import load_model
+from models.loader import load_model, resolve_model
 from models.weight_packing import (
     describe_cpu_setup,
     linear_precision,
@@ -120,3 +120,74 @@ def test_int8_activations_by_default(tiny_gguf_llama_dir: Path) -> None:
     line = describe_cpu_setup(fast)
     assert cpu_kernels.kernels().name in line and "Q4_1" in line and "Q8_0" in line and "int8" in line
     assert "decode steps: 2 layers in one native call" in line
+
+
+@needs_native_kernels
+def test_16_bit_values_pack_as_themselves() -> None:
+    """Weights that are all float16 (or bfloat16) values, read as float32, keep 2 bytes each (F16
+    preferred: more mantissa) and multiply float32 activations exactly whatever precision is asked:
+    the raw kind has no int8 path."""
+    w16 = (torch.randn(40, 96) * 0.05).half().float()
+    packed = pack_exact(w16)
+    assert packed is not None and packed.formats == ("F16",) and torch.equal(packed.dequantize(), w16)
+    wide = (torch.randn(40, 96) * 1e6).bfloat16().float()  # past float16's range: bfloat16 only
+    packed_bf = pack_exact(wide)
+    assert (
+        packed_bf is not None and packed_bf.formats == ("BF16",) and torch.equal(packed_bf.dequantize(), wide)
+    )
+    assert packed_bf.nbytes == 48 * 96 * 2  # 40 rows padded to three 16-row tiles
+    x = torch.randn(7, 96)
+    exact = x.double() @ w16.double().T
+    for precision in ("int8", "float32"):
+        got = cpu_kernels.quant_linear(x, packed, precision)
+        assert torch.equal(got, cpu_kernels.quant_linear(x, packed, "float32"))
+        torch.testing.assert_close(got.double(), exact, atol=1e-5, rtol=1e-5)
+
+
+@needs_native_kernels
+def test_16_bit_checkpoint_is_packed_at_its_size(tmp_path: Path) -> None:
+    """A checkpoint kept in bfloat16, as most HF checkpoints are, read as float32: every linear packed
+    as its own 16-bit values (none left as float32: half the bytes, and the decode steps' layers in one
+    native call), computing the float32 modules' logits up to summation order."""
+    build_hf_model(tiny_llama_config()).to(torch.bfloat16).save_pretrained(tmp_path)
+    packed = load_model(tmp_path, torch.float32, "cpu", weight_packing="auto")
+    plain = load_model(tmp_path, torch.float32, "cpu", weight_packing="off")
+    layers = packable_layers(packed)
+    assert layers and all(layer.packed is not None for layer in layers)
+    assert {f for layer in layers for f in layer.packed.formats} <= {"F16", "BF16"}
+    for a, b in zip(layers, packable_layers(plain), strict=True):
+        assert torch.equal(a.packed.dequantize(), b.weight) and a.packed.nbytes == 2 * b.weight.numel()
+    assert packed.native_decode is not None
+    x = torch.randn(5, packed.config.hidden_size)
+    torch.testing.assert_close(packed.compute_logits(x), plain.compute_logits(x), atol=1e-4, rtol=1e-5)
+    ids = [1, 70, 80, 90, 100, 7]
+    torch.testing.assert_close(
+        single_seq_logits(packed, ids), single_seq_logits(plain, ids), atol=1e-4, rtol=1e-4
+    )
+
+
+@needs_native_kernels
+def test_f16_gguf_is_packed_as_f16(tmp_path: Path, monkeypatch) -> None:
+    """An F16 GGUF's linears keep the file's 2 bytes a weight on the native kernels (they were read as
+    float32: twice the memory, and torch's matmuls)."""
+    monkeypatch.setenv("ORCA_CACHE_DIR", str(tmp_path / "cache"))
+    gguf = tmp_path / "f16.gguf"
+    write_tiny_gguf(
+        gguf,
+        hidden=64,
+        ff=128,
+        heads=4,
+        kv_heads=2,
+        layers=2,
+        types=dict.fromkeys(("attn", "ffn", "token_embd"), "F16"),
+    )
+    path = resolve_model(str(gguf))
+    packed = load_model(path, torch.float32, "cpu")
+    plain = load_model(path, torch.float32, "cpu", weight_packing="off")
+    layers = packable_layers(packed)
+    assert layers and {f for layer in layers for f in layer.packed.formats} == {"F16"}
+    assert packed.native_decode is not None
+    ids = [1, 70, 80, 90, 100, 7]
+    torch.testing.assert_close(
+        single_seq_logits(packed, ids), single_seq_logits(plain, ids), atol=1e-4, rtol=1e-4
+    )
