@@ -73,9 +73,25 @@ def is_block_quantized_source(source: str | Path) -> bool:
 
 def is_16_bit_float_source(source: str | Path) -> bool:
     """Whether a model source is an HF directory whose matrices are stored as float16 or bfloat16: read
-    as float32 they pack as F16/BF16 on the native kernels (weight_packing.py)."""
+    as float32 they pack as F16/BF16 on the native kernels (weight_packing.py). Only where its float32
+    copy, which loading holds before packing, fits in the memory available now (an 8B checkpoint's
+    32 GB would not on most hosts: it then stays in bfloat16)."""
     path = Path(source).expanduser()
-    return path.is_dir() and not has_manifest(path) and matrices_all_16_bit(path)
+    if not (path.is_dir() and not has_manifest(path) and matrices_all_16_bit(path)):
+        return False
+    available = available_memory_bytes()
+    return available is None or 2 * sum(f.stat().st_size for f in safetensors_files(path)) < 0.8 * available
+
+
+def available_memory_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
 
 
 def load_config(path: Path) -> Any:

@@ -160,6 +160,12 @@ def test_auto_dtype(monkeypatch: pytest.MonkeyPatch, tiny_llama_dir: Path, tmp_p
             assert resolve_dtype("auto", cpu, source) == expect
         expect = torch.bfloat16 if native_bf16 else torch.float32
         assert resolve_dtype("auto", cpu, tiny_llama_dir) == expect  # stored in float32
+    # A 16-bit checkpoint whose float32 copy (held while loading, before packing) would not fit stays
+    # in bfloat16 where the CPU has bf16 units.
+    from models import loader
+
+    monkeypatch.setattr(loader, "available_memory_bytes", lambda: 1 << 20)
+    assert resolve_dtype("auto", cpu, bf16_dir) == torch.bfloat16
     monkeypatch.setattr(cpu_kernels, "kernels", lambda: None)  # no kernels: bf16 wherever it is native
     assert resolve_dtype("auto", cpu, "default") == torch.bfloat16
     assert resolve_dtype("bfloat16", cpu) == torch.bfloat16
