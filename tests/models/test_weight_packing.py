@@ -187,6 +187,7 @@ def test_f16_gguf_is_packed_as_f16(tmp_path: Path, monkeypatch) -> None:
     layers = packable_layers(packed)
     assert layers and {f for layer in layers for f in layer.packed.formats} == {"F16"}
     assert packed.native_decode is not None
+    assert "with float32 activations" in describe_cpu_setup(packed)  # F16 has no int8 path
     ids = [1, 70, 80, 90, 100, 7]
     torch.testing.assert_close(
         single_seq_logits(packed, ids), single_seq_logits(plain, ids), atol=1e-4, rtol=1e-4
