@@ -124,9 +124,8 @@ def test_int8_activations_by_default(tiny_gguf_llama_dir: Path) -> None:
 
 @needs_native_kernels
 def test_16_bit_values_pack_as_themselves() -> None:
-    """Weights that are all float16 (or bfloat16) values, read as float32, keep 2 bytes each (F16
-    preferred: more mantissa) and multiply float32 activations exactly whatever precision is asked:
-    the raw kind has no int8 path."""
+    """Weights that are all bfloat16 (else float16) values, read as float32, keep 2 bytes each and
+    multiply float32 activations exactly whatever precision is asked: the raw kind has no int8 path."""
     w16 = (torch.randn(40, 96) * 0.05).half().float()
     packed = pack_exact(w16)
     assert packed is not None and packed.formats == ("F16",) and torch.equal(packed.dequantize(), w16)
