@@ -219,6 +219,21 @@ def q4_k_m_type(name: str, dims: tuple[int, ...], shape: GGUFShape) -> str:
     return chosen if dims[-1] % 256 == 0 else K_QUANT_FALLBACK[chosen]
 
 
+def iq4_xs_type(name: str, dims: tuple[int, ...], shape: GGUFShape) -> str:
+    """The type llama.cpp's IQ4_XS mix gives a tensor, simplified (its attn_v stays IQ4_XS): the output
+    head (a tied embedding) Q6_K, every other matrix IQ4_XS, and IQ4_NL for rows that are not whole
+    256-weight super-blocks (Gemma 3 1B's 1152 columns)."""
+    if len(dims) == 1 or ".ffn_gate_inp." in name:
+        return "F32"
+    if name == "output.weight" or (shape.tied and name == "token_embd.weight"):
+        return "Q6_K" if dims[-1] % 256 == 0 else "Q8_0"
+    return "IQ4_XS" if dims[-1] % 256 == 0 else "IQ4_NL"
+
+
+# The mixes a file can be written in: llama.cpp's names, and the type each gives a tensor.
+MIXES = {"Q4_K_M": q4_k_m_type, "IQ4_XS": iq4_xs_type}
+
+
 def _q4_k_m_choice(name: str, shape: GGUFShape) -> str:
     if name == "output.weight" or (shape.tied and name == "token_embd.weight"):
         return "Q6_K"
@@ -229,8 +244,8 @@ def _q4_k_m_choice(name: str, shape: GGUFShape) -> str:
     return "Q4_K"
 
 
-def tensors(shape: GGUFShape) -> list[tuple[str, tuple[int, ...], str]]:
-    """Every tensor of the file, in its order: (name, HF-orientation shape, ggml type)."""
+def tensors(shape: GGUFShape, mix: str = "Q4_K_M") -> list[tuple[str, tuple[int, ...], str]]:
+    """Every tensor of the file, in its order: (name, HF-orientation shape, ggml type in `mix`)."""
     names: Tensors = [("token_embd.weight", (shape.vocab, shape.hidden))]
     if not shape.tied:
         names.append(("output.weight", (shape.vocab, shape.hidden)))
@@ -240,7 +255,7 @@ def tensors(shape: GGUFShape) -> list[tuple[str, tuple[int, ...], str]]:
         names += [("rope_factors_long.weight", (half,)), ("rope_factors_short.weight", (half,))]
     for i in range(shape.layers):
         names += LAYER_TENSORS[shape.arch](shape, i)
-    return [(name, dims, q4_k_m_type(name, dims, shape)) for name, dims in names]
+    return [(name, dims, MIXES[mix](name, dims, shape)) for name, dims in names]
 
 
 # ---------------------------------------------------------------------------------- the tokenizer
@@ -341,6 +356,16 @@ def random_blocks(ggml_type: str, rows: int, cols: int, rng: np.random.Generator
     from models.gguf.encode import encode
     from models.layers.packed_weight import CODE_RANGE, FORMATS, BlockComponents
 
+    if ggml_type in ("IQ4_XS", "IQ4_NL"):  # gguf-py does not quantize these: random indices and scales
+        from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+        block, size = GGML_QUANT_SIZES[GGMLQuantizationType[ggml_type]]
+        raw = rng.integers(0, 256, (rows, cols // block, size), dtype=np.uint8)
+        # d (the first 2 bytes): IQ4_XS's sub-scales reach 32 and its codebook 127, IQ4_NL's only the codebook
+        top = 1e-5 if ggml_type == "IQ4_XS" else 2e-4
+        d = (rng.random((rows, cols // block)) * top + top / 20).astype(np.float16)
+        raw[..., 0:2] = d.view(np.uint8).reshape(rows, cols // block, 2)
+        return raw.reshape(rows, -1)
     if ggml_type not in ("Q4_K", "Q5_K", "Q6_K"):  # a legacy fallback type: gguf-py quantizes those
         from gguf import GGMLQuantizationType, quants
 
@@ -435,12 +460,12 @@ def _metadata(w: Any, shape: GGUFShape, vocab: Vocabulary, name: str) -> None:
     w.add_chat_template(shape.chat_template)
 
 
-def write_gguf(shape: GGUFShape, path: Path, name: str = "bench", seed: int = 0) -> Path:
+def write_gguf(shape: GGUFShape, path: Path, name: str = "bench", seed: int = 0, mix: str = "Q4_K_M") -> Path:
     """The file, written to a temporary name and renamed into place (a crash leaves no half file)."""
     import gguf
 
     vocab = vocabulary(shape)
-    plan = tensors(shape)
+    plan = tensors(shape, mix)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
@@ -501,27 +526,29 @@ def tiny(shape: GGUFShape) -> GGUFShape:
     )
 
 
-def default_path(name: str, is_tiny: bool) -> Path:
+def default_path(name: str, is_tiny: bool, mix: str = "Q4_K_M") -> Path:
     from models.options import cache_root
 
-    return cache_root() / "bench-gguf" / f"{name}{'-tiny' if is_tiny else ''}-Q4_K_M.gguf"
+    return cache_root() / "bench-gguf" / f"{name}{'-tiny' if is_tiny else ''}-{mix}.gguf"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m loadtest.gguf_shapes",
-        description="Write a random-weight Q4_K_M GGUF at a published model's shape; print its path.",
+        description="Write a random-weight GGUF at a published model's shape in one of llama.cpp's mixes "
+        "(Q4_K_M by default); print its path.",
     )
     parser.add_argument("shape", choices=sorted(SHAPES))
+    parser.add_argument("--mix", choices=sorted(MIXES), default="Q4_K_M", help="llama.cpp's quantization mix")
     parser.add_argument("--out", type=Path, default=None, help="the file (default: in the orca-serve cache)")
     parser.add_argument("--tiny", action="store_true", help="the shape's layout at toy sizes (a dry run)")
     parser.add_argument("--force", action="store_true", help="write it again even if the file exists")
     a = parser.parse_args(argv)
     shape = tiny(SHAPES[a.shape]) if a.tiny else SHAPES[a.shape]
-    path = a.out or default_path(a.shape, a.tiny)
+    path = a.out or default_path(a.shape, a.tiny, a.mix)
     if a.force or not path.is_file():
         print(f"writing {path} ...", file=sys.stderr)
-        write_gguf(shape, path, name=a.shape)
+        write_gguf(shape, path, name=a.shape, mix=a.mix)
     print(path)
     return 0
 

@@ -5,6 +5,7 @@ toy sizes here) onto the native kernels."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -104,3 +105,23 @@ def test_cli_writes_once_and_prints_the_path(tmp_path: Path, monkeypatch, capsys
     assert path == tmp_path / "cache" / "bench-gguf" / "qwen3-0.6b-tiny-Q4_K_M.gguf" and path.is_file()
     mtime = path.stat().st_mtime_ns
     assert main(["qwen3-0.6b", "--tiny"]) == 0 and path.stat().st_mtime_ns == mtime  # reused
+
+
+def test_iq4_xs_mix_falls_back_to_iq4_nl_and_loads_packed(tmp_path: Path, monkeypatch) -> None:
+    """llama.cpp's IQ4_XS mix: IQ4_NL for rows that are not whole super-blocks (Gemma 3 1B's 1152
+    columns), a Q6_K head (Q8_0 where 1152 wide); a file in it loads with every matrix packed."""
+    from models.loader import load_model, resolve_model
+
+    types = {name: t for name, _, t in tensors(SHAPES["gemma-3-1b"], "IQ4_XS")}
+    assert types["blk.0.attn_q.weight"] == types["blk.0.ffn_up.weight"] == "IQ4_NL"  # 1152 columns
+    assert (
+        types["blk.0.ffn_down.weight"] == "IQ4_XS" and types["token_embd.weight"] == "Q8_0"
+    )  # 6912; tied head
+    monkeypatch.setenv("ORCA_CACHE_DIR", str(tmp_path / "cache"))
+    shape = replace(tiny(SHAPES["gemma-3-1b"]), hidden=288)  # 288 columns: IQ4_NL, as 1152 are
+    path = write_gguf(shape, tmp_path / "gemma.gguf", name="gemma-3-1b", mix="IQ4_XS")
+    model = load_model(resolve_model(str(path)), torch.float32, "cpu")
+    formats = {f for m in model.modules() if getattr(m, "packed", None) is not None for f in m.packed.formats}
+    assert formats == {"IQ4_NL", "IQ4_XS", "Q8_0"} and model.native_decode is not None
+    logits = single_seq_logits(model, [1, 5, 400, 2000, 3000])
+    assert torch.isfinite(logits).all() and logits.std() > 0.1
