@@ -1,5 +1,6 @@
-"""`python -m loadtest.gguf_shapes SHAPE`: a GGUF file at a published model's shape, with random
-weights in llama.cpp's Q4_K_M mix, for comparing servers on it without the checkpoint:
+"""`python -m loadtest.gguf_shapes SHAPE [--mix Q4_K_M|IQ4_XS]`: a GGUF file at a published model's
+shape, with random weights in llama.cpp's Q4_K_M mix (or its IQ4_XS mix: `iq4_xs_type`), for comparing
+servers on it without the checkpoint:
 
     make bench-peers GGUF=$(python -m loadtest.gguf_shapes qwen3-0.6b)
 
