@@ -36,7 +36,9 @@ int8 values exactly as 8-bit codes.
 
 Two ways in: `pack_components` from a format's codes and scales (models/gguf/blocks.py decodes them from a
 GGUF file's raw blocks), and `pack_exact`, which recognises Q4_0 / Q4_1 / Q8_0 structure in float32
-weights that were dequantized from such blocks (an HF directory converted from a GGUF file).
+weights that were dequantized from such blocks (an HF directory converted from a GGUF file) and, failing
+that, weights that are all bfloat16 or float16 values (`float16_components`: 16-bit checkpoints and
+F16/BF16 GGUF tensors, read as float32).
 """
 
 from __future__ import annotations
@@ -59,7 +61,7 @@ class BlockFormat:
 
     name: str
     id: int  # QF_* in quant_tiles.h
-    bits: int  # bits a code: 4, 5, 6 or 8
+    bits: int  # bits a code: 4, 5, 6 or 8; 16 for the raw kind
     kind: str  # "f16": scale (and min) f16 per 32; "k": K-quant super-blocks; "k16": scales per 16;
     # "raw": no scales, the weights themselves as 16-bit floats (F16, BF16)
     has_min: bool
