@@ -154,7 +154,7 @@ static inline __attribute__((always_inline)) vi code_unit(const uint8_t *codes, 
     if (bits == 8) return vi_loadu(codes + 64 * u + UNIT_BYTES * h);
     const vi p = vi_loadu(codes + 64 * (u & 3) + UNIT_BYTES * h);
     vi n = vi_and(u < 4 ? p : vi_srli16(p, 4), vi_set1_8(0x0f));
-    if (bits > 4 && bits < 8) {
+    if (bits > 4) {
         const int hb = bits - 4, per = 8 / hb; /* high bits a code; units a byte of the plane holds */
         const vi hp = vi_loadu(codes + 256 + 64 * (u / per) + UNIT_BYTES * h);
         /* Unit u's high bits (at bit hb * (u % per)) moved to bit 4. The shifts are 16-bit, so bits of
@@ -434,16 +434,6 @@ static inline __attribute__((always_inline)) void int_tile_super(const uint8_t *
 
 static inline __attribute__((always_inline)) void dequant_chunk(const uint8_t *tile, const int fmt, int64_t g_begin,
                                                                 int64_t g_end, float *wbuf) {
-    if (qf_kind(fmt) == KIND_RAW) { /* 16-bit floats, k-major: each k's 16 rows widened in one go */
-        for (int64_t g = g_begin; g < g_end; g++) {
-            const uint8_t *codes = qf_block(tile, fmt, g).codes;
-            for (int k = 0; k < QBLOCK; k++)
-                for (int h = 0; h < HALVES; h++)
-                    vf_store(wbuf + ((g - g_begin) * QBLOCK + k) * TILE_ROWS + h * LANES,
-                             fmt == QF_F16 ? load_f16(codes + 32 * k, h) : load_bf16(codes + 32 * k, h));
-        }
-        return;
-    }
     const int sgn = qf_signed_units(fmt);
     const vi offset = vi_set1(qf_offset(fmt));
     for (int64_t g = g_begin; g < g_end; g++) {
@@ -535,12 +525,11 @@ typedef void (*ftile_fn)(const float *, int64_t, const float *, int64_t, float *
         float_tile(x, K, w, kc, R, y, ldy, f, nv);                                                            \
     }
 
-/* F16 and BF16 (12, 13) have no int8 path: their weights are floats, multiplied in float32 whatever the
- * precision asked (orca_qlinear). */
+/* F16 and BF16 (12, 13) have neither an int8 path nor the float path's chunk dequantization: raw_gemm
+ * multiplies them, whatever the precision asked (orca_qlinear). */
 INT_FNS(0) INT_FNS(1) INT_FNS(2) INT_FNS(3) INT_FNS(4) INT_FNS(5) INT_FNS(6) INT_FNS(7) INT_FNS(8) INT_FNS(9) INT_FNS(10)
 INT_FNS(11)
-DQ_FN(0) DQ_FN(1) DQ_FN(2) DQ_FN(3) DQ_FN(4) DQ_FN(5) DQ_FN(6) DQ_FN(7) DQ_FN(8) DQ_FN(9) DQ_FN(10) DQ_FN(11) DQ_FN(12)
-DQ_FN(13)
+DQ_FN(0) DQ_FN(1) DQ_FN(2) DQ_FN(3) DQ_FN(4) DQ_FN(5) DQ_FN(6) DQ_FN(7) DQ_FN(8) DQ_FN(9) DQ_FN(10) DQ_FN(11)
 FT_FN(MR_FLT) FT_FN(4) FT_FN(2) FT_FN(1)
 
 /* INT_FNS_TABLE[fmt][r - 1]: r rows of x. */
@@ -549,7 +538,7 @@ static const int_fn INT_FNS_TABLE[QF_COUNT][MR_INT] = {INT_ROW(0), INT_ROW(1), I
                                                   INT_ROW(8), INT_ROW(9), INT_ROW(10), INT_ROW(11),
                                                   {NULL},      {NULL}};
 static const flt_fn DQ_TABLE[QF_COUNT] = {dq_0, dq_1, dq_2, dq_3, dq_4, dq_5,
-                                          dq_6, dq_7, dq_8, dq_9, dq_10, dq_11, dq_12, dq_13};
+                                          dq_6, dq_7, dq_8, dq_9, dq_10, dq_11, NULL,  NULL};
 static const ftile_fn FT_TABLE[4] = {ft_MR_FLT, ft_4, ft_2, ft_1};
 
 /* Rows of the int8 micro-kernel for r remaining rows: all of them, up to MR_INT. */
@@ -858,7 +847,7 @@ static inline __attribute__((always_inline)) void raw_tiles(const uint8_t *w, in
         for (int t = 0; t < nt; t++)
             for (int h = 0; h < HALVES; h++) acc[m][t][h] = vf_zero();
     for (int64_t k = 0; k < K; k++) {
-        const int64_t at = k / QBLOCK * (QBLOCK * TILE_ROWS * 2) + k % QBLOCK * (TILE_ROWS * 2);
+        const int64_t at = k * TILE_ROWS * 2; /* blocks follow each other with no header: k's 16 values */
         vf wv[RAW_NT][HALVES];
         for (int t = 0; t < nt; t++) {
             const uint8_t *p = w + t * tb + at;
