@@ -98,14 +98,6 @@ def move_to_huge_pages(weights: list[PackedWeight]) -> None:
     release_freed_memory()
 
 
-def activation_precision(layer: PackableLinear) -> str:
-    """What a packed layer's activations run in: its precision, but float32 for F16/BF16 weights (the raw
-    kind has no int8 path)."""
-    assert layer.packed is not None
-    raw = all(seg.fmt.kind == "raw" for seg in layer.packed.segments)
-    return "float32" if raw else layer.precision
-
-
 def describe_cpu_setup(model: nn.Module) -> str:
     """One line for the server's start-up log: the kernels' ISA variant, the linear layers' precision
     and formats, the bytes of weights a decode step reads, and all weights in memory against their file."""
@@ -116,7 +108,7 @@ def describe_cpu_setup(model: nn.Module) -> str:
     if not packed:
         return f"CPU: {isa}; linear layers: torch float matmuls; {describe_weight_memory(model)}"
     formats = Counter(f for layer in packed for f in layer.packed.formats)
-    precisions = sorted({activation_precision(layer) for layer in packed})
+    precisions = sorted({layer.precision for layer in packed})
     # A tied LM head and its embedding share one packed table: count its bytes once.
     packed_bytes = sum({id(layer.packed): layer.packed.nbytes for layer in packed}.values())
     float_bytes = sum(

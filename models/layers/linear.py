@@ -120,14 +120,21 @@ class PackableLinear(nn.Module):
         return pack_exact(self.weight.data)
 
     def pack_weight(self, precision: Precision = "int8") -> PackedWeight | None:
-        self.precision = precision
-        if self.packed is None:
-            self.packed = self._pack_blocks()
-            if self.packed is None and self.weight is not None:
-                self.packed = pack_exact(self.weight.data)
-        if self.packed is not None:
+        packed = self.packed
+        if packed is None:
+            packed = self._pack_blocks()
+            if packed is None and self.weight is not None:
+                packed = pack_exact(self.weight.data)
+        return self._run_packed(packed, precision)
+
+    def _run_packed(self, packed: PackedWeight | None, precision: Precision) -> PackedWeight | None:
+        """Run on `packed` (None: stay on the float weight) with `precision` activations, float32 for
+        F16/BF16 weights (the kernels have no int8 path for them); the float copy goes."""
+        self.packed = packed
+        self.precision = "float32" if packed is not None and packed.holds_floats else precision
+        if packed is not None:
             self.weight = None
-        return self.packed
+        return packed
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         if self.packed is not None:
@@ -412,11 +419,8 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.tied is None:
             return super().pack_weight(precision)
         # Tied: the embedding's table, packed once (the embedding comes first in module order).
-        self.precision = precision
-        self.packed = self.tied.packed if self.tied.packed is not None else self.tied.pack_weight(precision)
-        if self.packed is not None:
-            self.weight = None
-        return self.packed
+        table = self.tied.packed if self.tied.packed is not None else self.tied.pack_weight(precision)
+        return self._run_packed(table, precision)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.matmul(hidden)  # [B, per_rank]

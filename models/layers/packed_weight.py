@@ -259,6 +259,11 @@ class PackedWeight:
         self._set_kernel_args()
 
     @property
+    def holds_floats(self) -> bool:
+        """Every segment F16 or BF16 (the raw kind): multiplied in float32 whatever precision is asked."""
+        return all(s.fmt.kind == "raw" for s in self.segments)
+
+    @property
     def formats(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(s.fmt.name for s in self.segments))
 
