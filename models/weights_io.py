@@ -7,7 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 
 from models.errors import ModelLoadError
 
@@ -38,18 +38,14 @@ def matrices_all_16_bit(model_dir: Path) -> bool:
     checkpoints: their linear weights then pack as F16/BF16, packed_weight.float16_components). Reads
     the files' headers only; False where there are none or one is unreadable."""
     try:
-        files = safetensors_files(model_dir)
-        matrices = []
-        for path in files:
-            with path.open("rb") as f:
-                size = int.from_bytes(f.read(8), "little")
-                header = json.loads(f.read(size))
-            matrices += [
-                t["dtype"] for k, t in header.items() if k != "__metadata__" and len(t["shape"]) == 2
-            ]
-    except (ModelLoadError, OSError, ValueError, KeyError, TypeError):
+        dtypes = []
+        for path in safetensors_files(model_dir):
+            with safe_open(str(path), framework="pt") as f:
+                slices = [f.get_slice(name) for name in f.keys()]
+                dtypes += [s.get_dtype() for s in slices if len(s.get_shape()) == 2]
+    except (ModelLoadError, OSError, SafetensorError):
         return False
-    return bool(matrices) and all(d in ("F16", "BF16") for d in matrices)
+    return bool(dtypes) and all(d in ("F16", "BF16") for d in dtypes)
 
 
 class SafetensorsReader:
