@@ -95,6 +95,16 @@ def request_timeout(timeout_s: float) -> APIError:
     return APIError(msg, HTTPStatus.REQUEST_TIMEOUT, "timeout_error", code="request_timeout")
 
 
+def lone_surrogate(path: str) -> APIError:
+    """A body whose text at `path` is not Unicode (server/unicode_text.py)."""
+    return invalid(
+        f"`{path}` holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape without its pair), which is not "
+        "Unicode text.",
+        param=path,
+        code="invalid_unicode",
+    )
+
+
 def body_timeout(timeout_s: float) -> APIError:
     msg = f"The request body did not arrive within the server's limit of {timeout_s:g} s."
     return APIError(msg, HTTPStatus.REQUEST_TIMEOUT, code="body_timeout")

@@ -16,8 +16,8 @@ from collections.abc import Callable, Iterable
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from server.errors import APIError, body_timeout, payload_too_large, unauthorized
-from server.unicode_text import lone_surrogate, lone_surrogate_at
+from server.errors import APIError, body_timeout, lone_surrogate, payload_too_large, unauthorized
+from server.unicode_text import lone_surrogate_at
 
 # The id of the request being handled in this task ("-" outside a request); RequestIdFilter puts it
 # in every log record, and generation tasks inherit it (asyncio copies the context into new tasks).

@@ -9,8 +9,6 @@ import json
 import re
 from typing import Any
 
-from server.errors import APIError, invalid
-
 # A surrogate's escape, the only way one gets into a JSON text (raw surrogate bytes are not UTF-8 and
 # fail the JSON parser already). Bodies without one, nearly all of them, are not parsed here.
 _SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
@@ -53,12 +51,3 @@ def _is_text(s: str) -> bool:
     except UnicodeEncodeError:
         return False
     return True
-
-
-def lone_surrogate(path: str) -> APIError:
-    return invalid(
-        f"`{path}` holds a lone UTF-16 surrogate (a \\uD800-\\uDFFF escape without its pair), which is not "
-        "Unicode text.",
-        param=path,
-        code="invalid_unicode",
-    )
