@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import torch
 
 DTYPE_NAMES = ("float32", "bfloat16", "float16")
+CUDA_GRAPH_MODES = ("all", "decode")
 
 # KV budget when neither num_kv_blocks nor kv_cache_memory is given.
 CPU_DEFAULT_KV_BYTES = 1 << 30  # 1 GiB: ~23k tokens of SmolLM2-135M in float32
@@ -83,6 +84,15 @@ class EngineConfig(FlagGroup):
         "sequences)",
         action="store_true",
     )
+    # CUDA: which steps replay graphs. "all": decode steps whole (engine/cuda_graphs.py), every other
+    # step of up to --max-num-batched-tokens tokens in pieces between its attentions
+    # (engine/piecewise_graphs.py); "decode": decode steps only, the rest eagerly.
+    cuda_graphs: str = flag(
+        "all",
+        "CUDA: steps that replay graphs: all (decode steps whole, the others in pieces between attentions) "
+        "or decode (decode steps only)",
+        choices=CUDA_GRAPH_MODES,
+    )
     # Speculative decoding: a smaller model with the same tokenizer that proposes tokens for the target
     # to verify (engine/draft_proposer.py; the scheduler's --speculative picks it when it is given).
     draft_model: str | None = flag(
@@ -95,6 +105,9 @@ class EngineConfig(FlagGroup):
     # flags). It bounds the batch sizes decode graphs are captured for; None (the engine used without a
     # scheduler, and not told) captures none.
     max_num_seqs: int | None = None
+    # The most tokens one step holds: the scheduler's max_num_batched_tokens, passed down the same way.
+    # It bounds the token counts piecewise graphs are captured for; None captures none.
+    max_num_batched_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.dtype != "auto" and self.dtype not in DTYPE_NAMES:
@@ -130,6 +143,10 @@ class EngineConfig(FlagGroup):
             raise ValueError(f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.max_num_seqs is not None and self.max_num_seqs < 1:
             raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens is not None and self.max_num_batched_tokens < 1:
+            raise ValueError(f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}")
+        if self.cuda_graphs not in CUDA_GRAPH_MODES:
+            raise ValueError(f"cuda_graphs must be one of {CUDA_GRAPH_MODES}, got {self.cuda_graphs!r}")
 
 
 def resolve_device(name: str) -> torch.device:

@@ -186,6 +186,15 @@ def cuda_graphs_off_reason(config: EngineConfig, runner: ModelRunner) -> str | N
     return None
 
 
+def piecewise_graphs_off_reason(config: EngineConfig) -> str | None:
+    """Why an executor that captures decode graphs captures no piecewise ones (None: it does)."""
+    if config.cuda_graphs != "all":
+        return f"--cuda-graphs {config.cuda_graphs}"
+    if config.max_num_batched_tokens is None:
+        return "the largest step is unknown (EngineConfig.max_num_batched_tokens: the scheduler's flag)"
+    return None
+
+
 class LocalExecutor(ExecutorBase):
     """The whole model in this process (tensor and pipeline parallel size 1). On CUDA, decode steps
     replay CUDA graphs captured at start-up (engine/cuda_graphs.py) unless --enforce-eager."""
@@ -204,6 +213,12 @@ class LocalExecutor(ExecutorBase):
         if off is None:
             assert config.max_num_seqs is not None
             runner.capture_decode_graphs(config.max_num_seqs)
+            pieces_off = piecewise_graphs_off_reason(config)
+            if pieces_off is None:
+                assert config.max_num_batched_tokens is not None
+                runner.capture_piecewise_graphs(config.max_num_batched_tokens)
+            else:
+                logger.info("piecewise CUDA graphs off: %s; steps with prompt tokens run eagerly", pieces_off)
         elif runner.device.type == "cuda":
             logger.info("CUDA graphs off: %s; every step runs eagerly", off)
 

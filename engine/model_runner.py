@@ -7,7 +7,8 @@ one place a step runs, on every rank of every executor. It runs this stage's lay
 StepOutput: the hidden states for the next stage, or (on the last stage) the logits rows. Who sends
 what to whom, grammar masks and sampling belong to the executors (engine/executor.py,
 engine/distributed_executor.py). On CUDA a one-process runner may also hold CUDA graphs of its decode
-steps (engine/cuda_graphs.py): the executor captures them, and `run_step` replays one where it can.
+steps (engine/cuda_graphs.py) and of every other step in pieces between attentions
+(engine/piecewise_graphs.py): the executor captures them, and `run_step` replays one where it can.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from engine.contract import ScheduledSequence
 from engine.cuda_graphs import CaptureStats, DecodeGraphs, GraphCapturer
 from engine.inputs import HostStepInputs, InputLimits, build_host_inputs, check_batch
 from engine.kv_cache import PagedKVCache, plan_kv_cache
+from engine.piecewise_graphs import PieceCapturer, PiecewiseGraphs
 from engine.pooling import pool_hidden
 
 if TYPE_CHECKING:
@@ -142,7 +144,8 @@ class ModelRunner:
             self._limits = InputLimits(num_blocks, config.block_size, self.max_model_len, self.vocab_size)
             logger.warning("%s=1: every batch is checked before it runs (slower)", DEBUG_CHECKS_ENV)
         self.decode_graphs: DecodeGraphs | None = None  # set by capture_decode_graphs
-        # Whether decode steps replay the captured graphs (engine.bench turns it off to compare).
+        self.piecewise_graphs: PiecewiseGraphs | None = None  # set by capture_piecewise_graphs
+        # Whether steps replay the captured graphs (engine.bench turns it off to compare).
         self.use_cuda_graphs = False
 
     def prepare_host(self, batch: Sequence[ScheduledSequence]) -> HostStepInputs:
@@ -165,6 +168,20 @@ class ModelRunner:
         self.use_cuda_graphs = True
         return stats
 
+    def capture_piecewise_graphs(
+        self, max_tokens: int, capturer: PieceCapturer | None = None
+    ) -> CaptureStats:
+        """Capture the forward pass in pieces between attentions for steps of up to max_tokens tokens
+        (engine/piecewise_graphs.py): the steps a decode graph does not take (prompt chunks, speculative
+        verification) replay them from now on. One process only, as for decode graphs."""
+        if self.groups is not None:
+            raise ValueError("CUDA graphs capture the whole model: tensor/pipeline parallel runs are eager")
+        graphs = PiecewiseGraphs(self.model, self.kv_cache, max_tokens, self.device, self.dtype, capturer)
+        stats = graphs.capture()
+        self.piecewise_graphs = graphs
+        self.use_cuda_graphs = True
+        return stats
+
     def run_step(self, host: HostStepInputs, hidden_in: torch.Tensor | None = None) -> StepOutput:
         """Run this rank's part of a step: its stage's layers over the step's tokens (`hidden_in`, the
         previous stage's [T, hidden], on every stage but the first) and, on the last stage, the LM head
@@ -177,13 +194,18 @@ class ModelRunner:
                 if logits is not None:
                     return StepOutput(logits=logits if host.num_logit_rows else None)
             inputs = host.to(self.device)
-            hidden = self.model(
-                inputs.input_ids,
-                inputs.positions,
-                self.kv_cache.layers,
-                inputs.attn_metadata,
-                hidden_states=hidden_in,
-            )  # [T, hidden]
+            pieces = self.piecewise_graphs if self.use_cuda_graphs else None
+            size = pieces.size_for(host) if pieces is not None else None
+            if pieces is not None and size is not None:
+                hidden = pieces.run(host, inputs.attn_metadata, size)  # [T, hidden]
+            else:
+                hidden = self.model(
+                    inputs.input_ids,
+                    inputs.positions,
+                    self.kv_cache.layers,
+                    inputs.attn_metadata,
+                    hidden_states=hidden_in,
+                )  # [T, hidden]
             if not self.is_last_stage:
                 return StepOutput(hidden=hidden)
             out = StepOutput(pooled=pool_hidden(hidden, inputs.pools) if inputs.pools else None)

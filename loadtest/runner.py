@@ -26,6 +26,9 @@ class RunConfig:
     burstiness: float = 1.0  # 1: Poisson; gamma shape otherwise
     max_concurrency: int | None = None  # requests in flight at most; arrivals wait for a free slot
     seed: int = 0
+    # Which round of prompts the run sends (Workload.spec): a sweep's k-th rate sends round k, the same
+    # prompts to every server at that rate, new ones at each rate.
+    prompt_round: int = 0
 
     def __post_init__(self) -> None:
         if self.num_requests is None and self.duration is None:
@@ -66,7 +69,7 @@ async def run_load(
         rng = np.random.default_rng([config.seed, _ARRIVAL_STREAM])
         times = arrival_times(config.rate, rng, config.num_requests, config.duration, config.burstiness)
         # Built before the clock starts: text prompts re-encode, which must not delay the sends.
-        specs = [workload.spec(i) for i in range(len(times))]
+        specs = [workload.spec(i, config.prompt_round) for i in range(len(times))]
     slots = asyncio.Semaphore(config.max_concurrency) if config.max_concurrency else None
 
     async def one(spec: RequestSpec, record: RequestRecord, t0: float) -> RequestRecord:
@@ -89,7 +92,7 @@ async def run_load(
             await asyncio.sleep(delay)
         if slots is not None:
             await slots.acquire()
-        spec = specs[index] if times is not None else workload.spec(index)
+        spec = specs[index] if times is not None else workload.spec(index, config.prompt_round)
         if times is None:
             # Closed loop: a request arrives when a slot frees, and none arrives once time is up. The
             # check comes after building the spec (text prompts re-encode, which takes time), so a

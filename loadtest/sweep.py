@@ -91,8 +91,10 @@ class SweepOptions:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
     def run_config(self, rate: float) -> RunConfig:
+        """The run at `rate`, with the prompts of that rate's round (its place in the sweep)."""
+        round_ = self.rates.index(rate) if rate in self.rates else 0
         return RunConfig(
-            rate, self.num_requests, self.duration, self.burstiness, self.max_concurrency, self.seed
+            rate, self.num_requests, self.duration, self.burstiness, self.max_concurrency, self.seed, round_
         )
 
 

@@ -122,7 +122,10 @@ class Workload:
         self.entries = list(entries) if entries is not None else None
         self.default_output_len = default_output_len
 
-    def spec(self, index: int) -> RequestSpec:
+    def spec(self, index: int, round_: int = 0) -> RequestSpec:
+        """Request `index` of a run. Synthetic prompts keep their lengths from run to run but take new
+        tokens in each `round_` (a sweep's later rates): a server with a prefix cache would otherwise
+        serve every rate after the first from its cache. A file's prompts are the file's."""
         rng = np.random.default_rng([self.seed, index])
         if self.entries is not None:
             entry = self.entries[index % len(self.entries)]  # a file shorter than the run is cycled
@@ -133,6 +136,8 @@ class Workload:
             return RequestSpec(index, ids, len(ids), out_len)
         assert self.lengths is not None
         in_len, out_len = self.lengths.sample(rng)
+        if round_:
+            rng = np.random.default_rng([self.seed, index, round_])
         if self.as_text:
             return RequestSpec(index, self.builder.text_prompt(in_len, rng), in_len, out_len)
         return RequestSpec(index, self.builder.token_prompt(in_len, rng), in_len, out_len)

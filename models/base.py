@@ -12,7 +12,7 @@ from torch import nn
 
 from models.errors import MissingWeightsError, ModelLoadError
 from models.family import ModelFamily, text_config
-from models.layers.attention import Attention, AttentionStep, select_attention_backend
+from models.layers.attention import Attention, AttentionSplitter, AttentionStep, select_attention_backend
 from models.layers.attention_backends import AttentionBackend
 from models.layers.linear import ParallelLMHead, VocabParallelEmbedding
 from models.layers.metadata import AttentionMetadata, KVCache
@@ -91,6 +91,8 @@ class CausalLMBase(nn.Module):
         self.attn_backend: AttentionBackend | None = None
         # Decode steps' layers in one native call (prepare_native_decode); None: the modules run them.
         self.native_decode: NativeDecodeLayers | None = None
+        # Set only while engine/piecewise_graphs.py captures (or stands in for) a forward in pieces.
+        self.attention_splitter: AttentionSplitter | None = None
         self.build(text, dtype)
 
     def set_sizes(self, hidden_size: int, vocab_size: int, attention: Attention) -> None:
@@ -139,8 +141,11 @@ class CausalLMBase(nn.Module):
         step = self.begin_step(input_ids, attn_metadata)
         embedded = self.embed(input_ids, positions) if self.pp.is_first else None
         hidden = self.stage_input(embedded, hidden_states)  # [T, hidden]
+        # (Not while split into pieces: the native call runs the layers' attentions itself.)
         native = (
-            self.native_decode.forward(positions, hidden, kv_caches, step) if self.native_decode else None
+            self.native_decode.forward(positions, hidden, kv_caches, step)
+            if self.native_decode and step.splitter is None
+            else None
         )
         if native is not None:
             hidden = native
@@ -218,7 +223,7 @@ class CausalLMBase(nn.Module):
     def begin_step(self, input_ids: torch.Tensor, attn_metadata: AttentionMetadata) -> AttentionStep:
         if self.attn_backend is None:
             self.set_attention_backend("auto", input_ids.device)
-        return AttentionStep.begin(self.attn_backend, attn_metadata)
+        return AttentionStep.begin(self.attn_backend, attn_metadata, self.attention_splitter)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[B, hidden] -> [B, vocab] float32 (last pipeline stage only)."""

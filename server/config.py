@@ -143,6 +143,14 @@ class ServerConfig:
                 f"engine max_num_seqs ({self.engine.max_num_seqs}) differs from the scheduler's "
                 f"({self.scheduler.max_num_seqs})"
             )
+        # And its piecewise graphs by the most tokens a step holds, likewise.
+        if self.engine.max_num_batched_tokens is None:
+            self.engine = replace(self.engine, max_num_batched_tokens=self.scheduler.max_num_batched_tokens)
+        elif self.engine.max_num_batched_tokens != self.scheduler.max_num_batched_tokens:
+            raise ValueError(
+                f"engine max_num_batched_tokens ({self.engine.max_num_batched_tokens}) differs from the "
+                f"scheduler's ({self.scheduler.max_num_batched_tokens})"
+            )
         # Checked here, before a model loads: the scheduler would refuse it only once the engine is up.
         if self.scheduler.speculative == "draft" and self.engine.draft_model is None:
             raise ValueError("--speculative draft needs a --draft-model")

@@ -5,6 +5,7 @@ except the capture itself runs without a GPU."""
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -36,3 +37,33 @@ class _CalledGraph:
     def replay(self) -> None:
         self.capturer.replays[self.index] = self.capturer.replays.get(self.index, 0) + 1
         self.fn()
+
+
+@dataclass
+class PiecesByCalling:
+    """The stand-in for piecewise graphs (engine.piecewise_graphs.PieceCapturer): its pieces do
+    nothing, and a replay runs the forward pass again through the same persistent buffers and attention
+    breaks (`calls_forward`), so everything but CUDA's capture runs on a CPU."""
+
+    calls_forward = True
+    begun: int = 0  # pieces begun (capture and its warm-up included)
+
+    def capture_context(self) -> contextlib.nullcontext[None]:
+        return contextlib.nullcontext()
+
+    def begin(self) -> None:
+        self.begun += 1
+
+    def end(self) -> _NoPiece:
+        return _NoPiece()
+
+    def memory_in_use(self) -> int:
+        return 0
+
+    def synchronize(self) -> None:
+        return None
+
+
+class _NoPiece:
+    def replay(self) -> None:
+        raise AssertionError("a stand-in's pieces are not replayed: the forward pass runs again")

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -119,6 +119,14 @@ def select_attention_backend(name: str = "auto", device: torch.device | str = "c
     return BACKENDS[name]()
 
 
+class AttentionSplitter(Protocol):
+    """Takes every layer's attention out of the forward pass while it is captured in pieces
+    (engine/piecewise_graphs.py): given the queries (whose K/V are in the cache), returns the tensor
+    the rest of the layer reads the attention's output from."""
+
+    def split(self, layer: Attention, q: torch.Tensor, kv_cache: KVCache) -> torch.Tensor: ...
+
+
 @dataclass
 class AttentionStep:
     """One step's backend and its plan; lives only for one forward."""
@@ -126,10 +134,15 @@ class AttentionStep:
     backend: AttentionBackend
     metadata: AttentionMetadata
     plan: Any
+    splitter: AttentionSplitter | None = None  # set while the forward is captured in pieces
 
     @classmethod
-    def begin(cls, backend: AttentionBackend, metadata: AttentionMetadata) -> AttentionStep:
-        return cls(backend, metadata, backend.plan(metadata))
+    def begin(
+        cls, backend: AttentionBackend, metadata: AttentionMetadata, splitter: AttentionSplitter | None = None
+    ) -> AttentionStep:
+        # A split forward's attentions run on the splitter's own step: no plan here (a plan may launch
+        # kernels, which would land in a captured piece).
+        return cls(backend, metadata, None if splitter else backend.plan(metadata), splitter)
 
 
 class Attention(nn.Module):
@@ -201,7 +214,14 @@ class Attention(nn.Module):
         return self.attend(qkv[:, : self.num_heads * d].view(t, self.num_heads, d), kv_cache, step)
 
     def attend(self, q: torch.Tensor, kv_cache: KVCache, step: AttentionStep) -> torch.Tensor:
-        """The backend over a cache that already holds this step's K/V: [T, Hq, D] -> [T, Hq * D]."""
+        """The backend over a cache that already holds this step's K/V: [T, Hq, D] -> [T, Hq * D]
+        (through the step's splitter while the forward is captured in pieces)."""
+        if step.splitter is not None:
+            return step.splitter.split(self, q, kv_cache)
+        return self.run_backend(q, kv_cache, step)
+
+    def run_backend(self, q: torch.Tensor, kv_cache: KVCache, step: AttentionStep) -> torch.Tensor:
+        """[T, Hq, D] -> [T, Hq * D]: the step's backend."""
         k_cache, v_cache = kv_cache
         out = step.backend.forward(
             q, k_cache, v_cache, step.metadata, step.plan, self.scale, self.sliding_window

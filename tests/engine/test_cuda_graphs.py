@@ -20,7 +20,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from fake_graphs import ReplayByCalling
+from fake_graphs import PiecesByCalling, ReplayByCalling
 
 from engine.config import EngineConfig
 from engine.contract import SampledToken, SamplingParams, ScheduledSequence
@@ -30,8 +30,9 @@ from engine.cuda_graphs import (
     capture_sizes,
     pad_decode_step,
 )
-from engine.executor import LocalExecutor, cuda_graphs_off_reason
+from engine.executor import LocalExecutor, cuda_graphs_off_reason, piecewise_graphs_off_reason
 from engine.inputs import build_host_inputs
+from engine.piecewise_graphs import token_capture_sizes
 from models.layers.attention import triton_available
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
@@ -194,7 +195,10 @@ def run_script(executor: LocalExecutor) -> dict[str, list[int]]:
     return {rid: r.output for rid, r in sorted(finished.items())}
 
 
-def executor(model_dir: Path, device: str, backend: str, enforce_eager: bool) -> LocalExecutor:
+def executor(
+    model_dir: Path, device: str, backend: str, enforce_eager: bool, max_num_batched_tokens: int | None = None
+) -> LocalExecutor:
+    """max_num_batched_tokens None: decode graphs only (no piecewise ones), what most tests here check."""
     return LocalExecutor(
         EngineConfig(
             model=str(model_dir),
@@ -204,6 +208,7 @@ def executor(model_dir: Path, device: str, backend: str, enforce_eager: bool) ->
             num_kv_blocks=len(PROMPTS) * BLOCKS_PER_REQUEST,
             attention_backend=backend,
             max_num_seqs=MAX_NUM_SEQS,
+            max_num_batched_tokens=max_num_batched_tokens,
             enforce_eager=enforce_eager,
         )
     )
@@ -313,6 +318,79 @@ def test_run_step_replays_a_graph_only_where_the_graph_computes_the_rows_asked_f
     assert both.pooled is not None and both.pooled.shape == (1, runner.hidden_size)
 
 
+# ------------------------------------------------------------------------------- piecewise graphs
+
+
+def test_token_capture_sizes_double_from_16_to_the_step_budget():
+    assert token_capture_sizes(1) == (1,)
+    assert token_capture_sizes(16) == (16,)
+    assert token_capture_sizes(100) == (16, 32, 64, 100)
+    assert token_capture_sizes(2048) == (16, 32, 64, 128, 256, 512, 1024, 2048)
+
+
+# SCRIPT's steps that no decode graph takes, by their token count: 17 (a's and b's prompts), 14 (2
+# decodes and c's prompt), 11 (3 decodes, d's and e's prompts) and 5 (5 decodes, past the largest
+# decode graph).
+SCRIPT_EAGER_STEP_TOKENS = [17, 14, 11, 5]
+
+
+@pytest.mark.parametrize("backend", cpu_backends())
+@pytest.mark.parametrize("max_tokens", [16, 32])
+def test_piecewise_steps_give_the_eager_tokens_and_touch_only_the_scratch_block(
+    tiny_llama_dir: Path, backend: str, max_tokens: int, caplog: pytest.LogCaptureFixture
+):
+    """The steps with prompt tokens run in pieces between attentions (a stand-in replays by running the
+    forward pass again, through the same buffers and breaks), padded to 16 or 32 tokens; one of more
+    tokens than the largest size runs eagerly. Tokens and K/V are the eager executor's."""
+    eager = executor(tiny_llama_dir, "cpu", backend, enforce_eager=True)
+    graphed = executor(tiny_llama_dir, "cpu", backend, enforce_eager=True)
+    runner = graphed.runner
+    runner.capture_decode_graphs(MAX_NUM_SEQS, capturer=ReplayByCalling())
+    fake = PiecesByCalling()
+    with caplog.at_level(logging.INFO, logger="engine.piecewise_graphs"):
+        stats = runner.capture_piecewise_graphs(max_tokens, capturer=fake)
+    layers = runner.model.num_layers
+    assert stats.sizes == token_capture_sizes(max_tokens)
+    pieces = runner.piecewise_graphs
+    assert pieces is not None
+    for size in stats.sizes:  # a piece before each attention, and one after the last
+        assert len(pieces.by_size[size].breaks) == layers
+        assert len(pieces.by_size[size].pieces) == layers + 1
+    assert fake.begun == len(stats.sizes) * (layers + 1)
+    assert (
+        f"captured {len(stats.sizes) * (layers + 1)} pieces of {len(stats.sizes)} token counts" in caplog.text
+    )
+
+    replayed: list[int] = []
+    run = pieces.run
+
+    def counted(host, metadata, size):  # noqa: ANN001, ANN202
+        replayed.append(int(host.input_ids.shape[0]))
+        return run(host, metadata, size)
+
+    pieces.run = counted  # type: ignore[method-assign]
+    expected = run_script(eager)
+    assert run_script(graphed) == expected
+    assert replayed == [t for t in SCRIPT_EAGER_STEP_TOKENS if t <= max_tokens]
+
+    # The K/V of real blocks: a padded step's matmuls have more rows, which may move a float32 result by
+    # a rounding, and so a 16-bit cache entry by one step (1.2e-4 at 0.2 in float16).
+    ours, theirs = runner.kv_cache, eager.runner.kv_cache
+    real = slice(0, graphed.num_kv_blocks)
+    torch.testing.assert_close(ours.k_cache[:, real], theirs.k_cache[:, real], atol=5e-4, rtol=2e-3)
+    torch.testing.assert_close(ours.v_cache[:, real], theirs.v_cache[:, real], atol=5e-4, rtol=2e-3)
+
+
+def test_piecewise_graphs_follow_the_flag_and_the_step_budget(tiny_llama_dir: Path):
+    config = executor(tiny_llama_dir, "cpu", "cpu-decode", enforce_eager=True).config
+    assert piecewise_graphs_off_reason(replace(config, max_num_batched_tokens=64)) is None
+    assert "max_num_batched_tokens" in (piecewise_graphs_off_reason(config) or "")
+    off = piecewise_graphs_off_reason(replace(config, max_num_batched_tokens=64, cuda_graphs="decode"))
+    assert off == "--cuda-graphs decode"
+    with pytest.raises(ValueError, match="cuda_graphs"):
+        replace(config, cuda_graphs="sometimes")
+
+
 # ------------------------------------------------------------------------------------------ CUDA
 
 cuda = pytest.mark.skipif(
@@ -336,6 +414,82 @@ def test_cuda_graph_tokens_equal_eager_tokens(tiny_llama_dir: Path, caplog: pyte
     torch.testing.assert_close(
         graphed.runner.kv_cache.k_cache[:, real], eager.runner.kv_cache.k_cache[:, real], atol=1e-4, rtol=1e-4
     )
+
+
+@pytest.mark.cuda
+@cuda
+def test_piecewise_graph_tokens_equal_eager_tokens(tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture):
+    """Real piecewise graphs: SCRIPT's steps with prompt tokens replay the pieces of 16 or 32 tokens,
+    their attentions eager between them; the tokens and K/V are the eager executor's."""
+    eager = executor(tiny_llama_dir, "cuda", "triton", enforce_eager=True)
+    with caplog.at_level(logging.INFO, logger="engine.piecewise_graphs"):
+        graphed = executor(tiny_llama_dir, "cuda", "triton", enforce_eager=False, max_num_batched_tokens=32)
+    pieces = graphed.runner.piecewise_graphs
+    assert pieces is not None and pieces.sizes == (16, 32)
+    line = next(r.getMessage() for r in caplog.records if "pieces" in r.getMessage())
+    print(line)  # the start-up cost, for the GPU check's log
+    replayed: list[int] = []
+    run = pieces.run
+
+    def counted(host, metadata, size):  # noqa: ANN001, ANN202
+        replayed.append(int(host.input_ids.shape[0]))
+        return run(host, metadata, size)
+
+    pieces.run = counted  # type: ignore[method-assign]
+    assert run_script(graphed) == run_script(eager)
+    assert replayed == SCRIPT_EAGER_STEP_TOKENS
+    real = slice(0, graphed.num_kv_blocks)
+    for ours, theirs in (
+        (graphed.runner.kv_cache.k_cache, eager.runner.kv_cache.k_cache),
+        (graphed.runner.kv_cache.v_cache, eager.runner.kv_cache.v_cache),
+    ):
+        torch.testing.assert_close(ours[:, real], theirs[:, real], atol=5e-4, rtol=2e-3)
+
+
+@pytest.mark.cuda
+@cuda
+def test_piecewise_graph_logits_match_eager_in_bfloat16_and_a_mixed_step_does_not_synchronise(
+    tiny_llama_dir: Path,
+):
+    """Serving's dtype: a step of prompts and decodes replayed in pieces against the same step run
+    eagerly; building and queueing it never waits for the GPU."""
+    ex = LocalExecutor(
+        EngineConfig(
+            model=str(tiny_llama_dir),
+            dtype="bfloat16",
+            device="cuda",
+            block_size=BLOCK_SIZE,
+            num_kv_blocks=4 * BLOCKS_PER_REQUEST,
+            attention_backend="triton",
+            max_num_seqs=MAX_NUM_SEQS,
+            max_num_batched_tokens=64,
+        )
+    )
+    runner = ex.runner
+    assert runner.piecewise_graphs is not None
+    tables = [list(range(i * BLOCKS_PER_REQUEST, (i + 1) * BLOCKS_PER_REQUEST)) for i in range(4)]
+    prompts = [list(range(100 + 20 * i, 109 + 20 * i + i)) for i in range(4)]
+    first = ex.step(
+        [ScheduledSequence(str(i), p, 0, tables[i], True, GREEDY) for i, p in enumerate(prompts[:2])]
+    )
+    batch = [
+        *(
+            ScheduledSequence(str(i), [first[i].token_id], len(prompts[i]), tables[i], True, GREEDY)
+            for i in range(2)
+        ),
+        *(ScheduledSequence(str(i), prompts[i], 0, tables[i], True, GREEDY) for i in (2, 3)),
+    ]
+    host = runner.prepare_host(batch)
+    pieces = runner.run_step(host).logits
+    assert pieces is not None
+    pieces = pieces.clone()
+    runner.use_cuda_graphs = False  # the same step again, eagerly (it writes the same K/V)
+    eager = runner.run_step(host).logits
+    runner.use_cuda_graphs = True
+    torch.testing.assert_close(pieces, eager, atol=0.1, rtol=0.05)
+    submitted, collected = step_syncs(ex, batch)
+    assert submitted == 0, "building inputs or the piecewise forward synchronised"
+    assert collected <= 1
 
 
 @pytest.mark.cuda

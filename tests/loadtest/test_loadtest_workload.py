@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from loadtest.prompts import PromptBuilder
+from loadtest.sweep import SweepOptions
 from loadtest.tokenizer import HFTokenizer
 from loadtest.workload import (
     UniformLengths,
@@ -120,6 +121,26 @@ def test_workload_requests_are_the_same_whatever_the_run(builder):
         assert len(spec.prompt) == spec.prompt_len
     text = a.with_text_prompts().spec(4)
     assert isinstance(text.prompt, str) and builder.count(text.prompt) == text.prompt_len
+
+
+def test_each_round_keeps_the_lengths_and_changes_the_prompts(builder):
+    """A sweep's later rates send new tokens (a prefix cache must not serve them from the first rate's
+    requests) at the same lengths; every server at one rate gets the same requests."""
+    w = Workload("orca", builder, seed=7, as_text=False, lengths=UniformLengths())
+    for i in range(5):
+        first, second = w.spec(i, 0), w.spec(i, 1)
+        assert (first.prompt_len, first.output_len) == (second.prompt_len, second.output_len)
+        assert first.prompt[4:] != second.prompt[4:]  # past a possible shared start (BOS)
+        assert w.spec(i, 1) == second
+    assert w.spec(2) == w.spec(2, 0)  # round 0 is what a single run sends
+    text = w.with_text_prompts()
+    assert text.spec(1, 2).prompt != text.spec(1, 0).prompt
+    assert builder.count(text.spec(1, 2).prompt) == text.spec(1, 0).prompt_len
+
+
+def test_a_sweep_sends_each_rate_its_own_round():
+    opts = SweepOptions(rates=[4.0, 16.0, 64.0], num_requests=10, duration=None)
+    assert [opts.run_config(r).prompt_round for r in opts.rates] == [0, 1, 2]
 
 
 def test_file_workload(tmp_path, builder):
