@@ -185,12 +185,24 @@ class GraphCapturer(Protocol):
     def synchronize(self) -> None: ...
 
 
-class CudaGraphCapturer:
-    """torch.cuda.CUDAGraph, every graph in one shared memory pool (capture the largest first)."""
+class CudaCapture:
+    """What a capturer on CUDA shares: its device, a memory pool for its graphs, and the device's
+    memory in use and synchronisation."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
         self.pool = torch.cuda.graph_pool_handle()
+
+    def memory_in_use(self) -> int:
+        free, total = torch.cuda.mem_get_info(self.device)
+        return total - free
+
+    def synchronize(self) -> None:
+        torch.cuda.synchronize(self.device)
+
+
+class CudaGraphCapturer(CudaCapture):
+    """torch.cuda.CUDAGraph, every graph in one shared memory pool (capture the largest first)."""
 
     def capture(self, fn: Callable[[], None]) -> torch.cuda.CUDAGraph:
         # One eager run on a side stream first, as torch's docs ask: Triton compiles the variant and
@@ -205,13 +217,6 @@ class CudaGraphCapturer:
         with torch.cuda.graph(graph, pool=self.pool):
             fn()
         return graph
-
-    def memory_in_use(self) -> int:
-        free, total = torch.cuda.mem_get_info(self.device)
-        return total - free
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
 
 
 @dataclass(frozen=True)

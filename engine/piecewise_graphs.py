@@ -38,7 +38,7 @@ from typing import Protocol
 
 import torch
 
-from engine.cuda_graphs import CaptureStats, Replayable, bucket_for, copy_from_host
+from engine.cuda_graphs import CaptureStats, CudaCapture, Replayable, bucket_for, copy_from_host
 from engine.inputs import HostStepInputs
 from engine.kv_cache import PagedKVCache
 from models.base import CausalLMBase
@@ -87,14 +87,13 @@ class PieceCapturer(Protocol):
     def synchronize(self) -> None: ...
 
 
-class CudaPieceCapturer:
+class CudaPieceCapturer(CudaCapture):
     """torch.cuda.CUDAGraph per piece, every piece of every size in one memory pool."""
 
     calls_forward = False
 
     def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.pool = torch.cuda.graph_pool_handle()
+        super().__init__(device)
         self.stream = torch.cuda.Stream(device)
         self._graph: torch.cuda.CUDAGraph | None = None
 
@@ -113,13 +112,6 @@ class CudaPieceCapturer:
         assert graph is not None, "end() without begin()"
         graph.capture_end()
         return graph
-
-    def memory_in_use(self) -> int:
-        free, total = torch.cuda.mem_get_info(self.device)
-        return total - free
-
-    def synchronize(self) -> None:
-        torch.cuda.synchronize(self.device)
 
 
 @dataclass

@@ -134,23 +134,17 @@ class ServerConfig:
     log_level: str = flag("info", choices=("debug", "info", "warning", "error"))
 
     def __post_init__(self) -> None:
-        # The engine sizes its CUDA graphs by the largest batch the scheduler forms: the scheduler's
-        # max_num_seqs, passed down here so that the number has one flag and one default.
-        if self.engine.max_num_seqs is None:
-            self.engine = replace(self.engine, max_num_seqs=self.scheduler.max_num_seqs)
-        elif self.engine.max_num_seqs != self.scheduler.max_num_seqs:
-            raise ValueError(
-                f"engine max_num_seqs ({self.engine.max_num_seqs}) differs from the scheduler's "
-                f"({self.scheduler.max_num_seqs})"
-            )
-        # And its piecewise graphs by the most tokens a step holds, likewise.
-        if self.engine.max_num_batched_tokens is None:
-            self.engine = replace(self.engine, max_num_batched_tokens=self.scheduler.max_num_batched_tokens)
-        elif self.engine.max_num_batched_tokens != self.scheduler.max_num_batched_tokens:
-            raise ValueError(
-                f"engine max_num_batched_tokens ({self.engine.max_num_batched_tokens}) differs from the "
-                f"scheduler's ({self.scheduler.max_num_batched_tokens})"
-            )
+        # The engine sizes its CUDA graphs by the largest batch and the most tokens a step holds: the
+        # scheduler's max_num_seqs and max_num_batched_tokens, passed down here so that each number
+        # has one flag and one default.
+        for name in ("max_num_seqs", "max_num_batched_tokens"):
+            engine_value, scheduler_value = getattr(self.engine, name), getattr(self.scheduler, name)
+            if engine_value is None:
+                self.engine = replace(self.engine, **{name: scheduler_value})
+            elif engine_value != scheduler_value:
+                raise ValueError(
+                    f"engine {name} ({engine_value}) differs from the scheduler's ({scheduler_value})"
+                )
         # Checked here, before a model loads: the scheduler would refuse it only once the engine is up.
         if self.scheduler.speculative == "draft" and self.engine.draft_model is None:
             raise ValueError("--speculative draft needs a --draft-model")

@@ -32,7 +32,7 @@ from engine.cuda_graphs import (
 )
 from engine.executor import LocalExecutor, cuda_graphs_off_reason, piecewise_graphs_off_reason
 from engine.inputs import build_host_inputs
-from engine.piecewise_graphs import token_capture_sizes
+from engine.piecewise_graphs import PiecewiseGraphs, token_capture_sizes
 from models.layers.attention import triton_available
 
 GREEDY = SamplingParams(temperature=0.0, ignore_eos=True)
@@ -334,6 +334,19 @@ def test_token_capture_sizes_double_from_16_to_the_step_budget():
 SCRIPT_EAGER_STEP_TOKENS = [17, 14, 11, 5]
 
 
+def count_piecewise_steps(pieces: PiecewiseGraphs) -> list[int]:
+    """From now on, the token count of every step that replays `pieces` (appended as they run)."""
+    replayed: list[int] = []
+    run = pieces.run
+
+    def counted(host, metadata, size):  # noqa: ANN001, ANN202
+        replayed.append(int(host.input_ids.shape[0]))
+        return run(host, metadata, size)
+
+    pieces.run = counted  # type: ignore[method-assign]
+    return replayed
+
+
 @pytest.mark.parametrize("backend", cpu_backends())
 @pytest.mark.parametrize("max_tokens", [16, 32])
 def test_piecewise_steps_give_the_eager_tokens_and_touch_only_the_scratch_block(
@@ -361,14 +374,7 @@ def test_piecewise_steps_give_the_eager_tokens_and_touch_only_the_scratch_block(
         f"captured {len(stats.sizes) * (layers + 1)} pieces of {len(stats.sizes)} token counts" in caplog.text
     )
 
-    replayed: list[int] = []
-    run = pieces.run
-
-    def counted(host, metadata, size):  # noqa: ANN001, ANN202
-        replayed.append(int(host.input_ids.shape[0]))
-        return run(host, metadata, size)
-
-    pieces.run = counted  # type: ignore[method-assign]
+    replayed = count_piecewise_steps(pieces)
     expected = run_script(eager)
     assert run_script(graphed) == expected
     assert replayed == [t for t in SCRIPT_EAGER_STEP_TOKENS if t <= max_tokens]
@@ -416,6 +422,22 @@ def test_cuda_graph_tokens_equal_eager_tokens(tiny_llama_dir: Path, caplog: pyte
     )
 
 
+def bfloat16_executor(model_dir: Path, max_num_batched_tokens: int | None = None) -> LocalExecutor:
+    """Serving's dtype on CUDA, with graphs (piecewise ones too where max_num_batched_tokens is given)."""
+    return LocalExecutor(
+        EngineConfig(
+            model=str(model_dir),
+            dtype="bfloat16",
+            device="cuda",
+            block_size=BLOCK_SIZE,
+            num_kv_blocks=4 * BLOCKS_PER_REQUEST,
+            attention_backend="triton",
+            max_num_seqs=MAX_NUM_SEQS,
+            max_num_batched_tokens=max_num_batched_tokens,
+        )
+    )
+
+
 @pytest.mark.cuda
 @cuda
 def test_piecewise_graph_tokens_equal_eager_tokens(tiny_llama_dir: Path, caplog: pytest.LogCaptureFixture):
@@ -428,14 +450,7 @@ def test_piecewise_graph_tokens_equal_eager_tokens(tiny_llama_dir: Path, caplog:
     assert pieces is not None and pieces.sizes == (16, 32)
     line = next(r.getMessage() for r in caplog.records if "pieces" in r.getMessage())
     print(line)  # the start-up cost, for the GPU check's log
-    replayed: list[int] = []
-    run = pieces.run
-
-    def counted(host, metadata, size):  # noqa: ANN001, ANN202
-        replayed.append(int(host.input_ids.shape[0]))
-        return run(host, metadata, size)
-
-    pieces.run = counted  # type: ignore[method-assign]
+    replayed = count_piecewise_steps(pieces)
     assert run_script(graphed) == run_script(eager)
     assert replayed == SCRIPT_EAGER_STEP_TOKENS
     real = slice(0, graphed.num_kv_blocks)
@@ -453,18 +468,7 @@ def test_piecewise_graph_logits_match_eager_in_bfloat16_and_a_mixed_step_does_no
 ):
     """Serving's dtype: a step of prompts and decodes replayed in pieces against the same step run
     eagerly; building and queueing it never waits for the GPU."""
-    ex = LocalExecutor(
-        EngineConfig(
-            model=str(tiny_llama_dir),
-            dtype="bfloat16",
-            device="cuda",
-            block_size=BLOCK_SIZE,
-            num_kv_blocks=4 * BLOCKS_PER_REQUEST,
-            attention_backend="triton",
-            max_num_seqs=MAX_NUM_SEQS,
-            max_num_batched_tokens=64,
-        )
-    )
+    ex = bfloat16_executor(tiny_llama_dir, max_num_batched_tokens=64)
     runner = ex.runner
     assert runner.piecewise_graphs is not None
     tables = [list(range(i * BLOCKS_PER_REQUEST, (i + 1) * BLOCKS_PER_REQUEST)) for i in range(4)]
@@ -508,17 +512,7 @@ def test_a_mixture_of_experts_is_captured_and_replays_its_eager_tokens(tiny_qwen
 def test_cuda_graph_logits_match_eager_in_bfloat16(tiny_llama_dir: Path):
     """Serving's dtype: a replayed graph's logits against the eager forward's on the same step, at the
     bucket boundaries (1, a padded 3, a full 4)."""
-    ex = LocalExecutor(
-        EngineConfig(
-            model=str(tiny_llama_dir),
-            dtype="bfloat16",
-            device="cuda",
-            block_size=BLOCK_SIZE,
-            num_kv_blocks=4 * BLOCKS_PER_REQUEST,
-            attention_backend="triton",
-            max_num_seqs=MAX_NUM_SEQS,
-        )
-    )
+    ex = bfloat16_executor(tiny_llama_dir)
     assert ex.runner.use_cuda_graphs
     tables = [list(range(i * BLOCKS_PER_REQUEST, (i + 1) * BLOCKS_PER_REQUEST)) for i in range(4)]
     prompts = [list(range(100 + 20 * i, 109 + 20 * i + i)) for i in range(4)]

@@ -82,24 +82,35 @@ def test_benchmarks_take_the_servers_engine_and_scheduler_flags():
     for module in (engine_bench, parallel_bench, scheduler_bench):
         parser = module.build_parser()
         a, _ = parser.parse_known_args(flags)
-        # The engine reads the scheduler's --max-num-seqs where the parser has it (it sizes CUDA graphs).
-        max_num_seqs = 4 if module is scheduler_bench else None
+        # The engine reads the scheduler's --max-num-seqs and --max-num-batched-tokens where the parser
+        # has them (they size CUDA graphs).
+        has_scheduler = module is scheduler_bench
         assert EngineConfig.from_cli_args(a) == EngineConfig(
-            model="m", dtype="float32", block_size=32, max_num_seqs=max_num_seqs
+            model="m",
+            dtype="float32",
+            block_size=32,
+            max_num_seqs=4 if has_scheduler else None,
+            max_num_batched_tokens=SchedulerConfig().max_num_batched_tokens if has_scheduler else None,
         )
     a = scheduler_bench.build_parser().parse_args(flags)
     assert SchedulerConfig.from_cli_args(a) == SchedulerConfig(max_num_seqs=4)
 
 
-def test_the_engine_gets_the_schedulers_max_num_seqs():
-    """One flag, one default: the server passes the scheduler's max_num_seqs down to the engine (its
-    CUDA graphs' largest batch), and refuses two configs that disagree."""
+def test_the_engine_gets_the_schedulers_step_bounds():
+    """One flag, one default: the server passes the scheduler's max_num_seqs and max_num_batched_tokens
+    down to the engine (its decode graphs' largest batch, its piecewise graphs' most tokens), and
+    refuses two configs that disagree."""
     assert parse_args([]).engine.max_num_seqs == SchedulerConfig().max_num_seqs
-    assert parse_args(["--max-num-seqs", "8"]).engine.max_num_seqs == 8
-    built = ServerConfig(scheduler=SchedulerConfig(max_num_seqs=16))
-    assert built.engine.max_num_seqs == 16
-    with pytest.raises(ValueError, match="differs"):
+    assert parse_args([]).engine.max_num_batched_tokens == SchedulerConfig().max_num_batched_tokens
+    parsed = parse_args(["--max-num-seqs", "8", "--max-num-batched-tokens", "512"]).engine
+    assert (parsed.max_num_seqs, parsed.max_num_batched_tokens) == (8, 512)
+    assert parse_args(["--cuda-graphs", "decode"]).engine.cuda_graphs == "decode"
+    built = ServerConfig(scheduler=SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=128))
+    assert (built.engine.max_num_seqs, built.engine.max_num_batched_tokens) == (16, 128)
+    with pytest.raises(ValueError, match="max_num_seqs .* differs"):
         ServerConfig(engine=EngineConfig(max_num_seqs=8), scheduler=SchedulerConfig(max_num_seqs=16))
+    with pytest.raises(ValueError, match="max_num_batched_tokens .* differs"):
+        ServerConfig(engine=EngineConfig(max_num_batched_tokens=64), scheduler=SchedulerConfig())
 
 
 def test_reasoning_and_responses_store_flags(monkeypatch, tmp_path):
