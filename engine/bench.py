@@ -43,8 +43,10 @@ import torch
 
 from engine.config import EngineConfig, resolve_device
 from engine.contract import SamplingParams, ScheduledSequence
+from engine.cuda_graphs import DecodeGraphs
 from engine.executor import LocalExecutor
 from engine.model_shapes import SHAPES, write_shape
+from engine.piecewise_graphs import PiecewiseGraphs
 from engine.roofline import DecodeBytes, decode_bytes, measure_copy_bandwidth
 from models.kernels import cpu as cpu_kernels
 from models.weight_packing import packable_layers
@@ -132,8 +134,9 @@ class BenchRow:
 class PrefillRow:
     prompt_len: int
     num_prompts: int
-    engine_s: float  # median step time
+    engine_s: float  # median step time (with piecewise CUDA graphs where they were captured)
     hf_s: float | None
+    eager_s: float | None = None  # the same step eagerly, where engine_s replayed piecewise graphs
 
     @property
     def tokens(self) -> int:
@@ -147,6 +150,7 @@ class PrefillRow:
             "hf_tok_s": self.tokens / self.hf_s if self.hf_s else None,
             "engine_step_ms": 1000 * self.engine_s,
             "hf_forward_ms": 1000 * self.hf_s if self.hf_s else None,
+            "eager_tok_s": self.tokens / self.eager_s if self.eager_s else None,
         }
 
 
@@ -363,8 +367,12 @@ def run(args: argparse.Namespace) -> BenchResult:
     seqs = max(*batch_sizes, WARMUP_SEQS)
     blocks = [seqs * blocks_for(args.prompt_len + max(args.new_tokens, WARMUP_TOKENS), args.block_size)]
     blocks += [prefill_prompts(args, n) * blocks_for(n + 1, args.block_size) for n in lens]
-    # The largest batch bounds the graphs' sizes, as --max-num-seqs does for a server.
-    runner = bench_executor(args, num_kv_blocks=max(blocks), max_num_seqs=seqs)
+    # The largest batch bounds the decode graphs' sizes, as --max-num-seqs does for a server, and the
+    # largest prefill step the piecewise graphs' token counts, as --max-num-batched-tokens does.
+    step_tokens = max((prefill_prompts(args, n) * n for n in lens), default=None)
+    runner = bench_executor(
+        args, num_kv_blocks=max(blocks), max_num_seqs=seqs, max_num_batched_tokens=step_tokens
+    )
     hf = None if args.skip_hf else load_hf(runner, args)
     pad_id = min(runner.eos_token_ids) if runner.eos_token_ids else 0
     costs = decode_bytes(runner.runner.model, runner.runner.kv_cache.spec)
@@ -404,19 +412,31 @@ def run(args: argparse.Namespace) -> BenchResult:
             )
         )
 
-    prefill = []  # steps with prompt tokens never replay a graph
+    prefill = []  # with piecewise graphs (steps with prompt tokens) and eagerly, where captured
+    pieces = runner.runner.piecewise_graphs is not None
     for length in lens:
         prompts = make_prompts(prefill_prompts(args, length), length, runner.vocab_size, seed=length)
-        engine_s = engine_prefill_time(runner, prompts)
+        engine_s = engine_prefill_time(in_mode(runner, GRAPHS if pieces else EAGER), prompts)
+        eager_s = engine_prefill_time(in_mode(runner, EAGER), prompts) if pieces else None
         hf_s = hf_prefill_time(hf, prompts) if hf is not None else None
-        prefill.append(PrefillRow(length, len(prompts), engine_s, hf_s))
+        prefill.append(PrefillRow(length, len(prompts), engine_s, hf_s, eager_s))
     return BenchResult(describe(args, runner, costs, bandwidth), rows, prefill)
 
 
 def describe(args: argparse.Namespace, runner: LocalExecutor, costs: DecodeBytes, bandwidth: float) -> dict:
     """The run's setup, for the JSON: what ran, where, and what the roofline assumed."""
     device = runner.device
-    graphs = runner.runner.decode_graphs
+
+    def captured(graphs: DecodeGraphs | PiecewiseGraphs | None) -> dict[str, Any] | None:
+        if graphs is None:
+            return None
+        stats = graphs.stats
+        return {
+            "sizes": list(graphs.sizes),
+            "capture_s": stats.seconds if stats else None,
+            "capture_mib": stats.memory_bytes / 2**20 if stats else None,
+        }
+
     setup: dict[str, Any] = {
         "model": (args.shape + (" (tiny)" if args.tiny else "")) if args.shape else str(runner.model_path),
         "weights": "random (load_format dummy)" if args.shape else "checkpoint",
@@ -425,13 +445,8 @@ def describe(args: argparse.Namespace, runner: LocalExecutor, costs: DecodeBytes
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else cpu_name(),
         "torch": torch.__version__,
         "attention_backend": runner.runner.model.attn_backend.name,
-        "cuda_graphs": None
-        if graphs is None
-        else {
-            "sizes": list(graphs.sizes),
-            "capture_s": graphs.stats.seconds if graphs.stats else None,
-            "capture_mib": graphs.stats.memory_bytes / 2**20 if graphs.stats else None,
-        },
+        "cuda_graphs": captured(runner.runner.decode_graphs),
+        "piecewise_graphs": captured(runner.runner.piecewise_graphs),  # token counts as sizes
         "native_kernels": device.type == "cpu" and cpu_kernels.available(),
         "packed_weights": sum(m.packed is not None for m in packable_layers(runner.runner.model)),
         "prompt_len": args.prompt_len,
@@ -514,7 +529,7 @@ def print_table(result: BenchResult) -> None:
     console.print(table)
     if result.prefill:
         pre = Table(title=f"prefill throughput: one step of about {setup['prefill_tokens']} prompt tokens")
-        for col in ("prompt len", "prompts", "engine tok/s", "HF tok/s", "engine / HF"):
+        for col in ("prompt len", "prompts", "engine tok/s", "eager tok/s", "HF tok/s", "engine / HF"):
             pre.add_column(col, justify="right")
         for p in result.prefill:
             j = p.to_json()
@@ -523,6 +538,7 @@ def print_table(result: BenchResult) -> None:
                 str(p.prompt_len),
                 str(p.num_prompts),
                 fmt(j["engine_tok_s"], ".0f"),
+                fmt(j["eager_tok_s"], ".0f"),
                 fmt(j["hf_tok_s"], ".0f"),
                 fmt(ratio, ".2f", "x"),
             )
