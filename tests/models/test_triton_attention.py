@@ -267,14 +267,15 @@ def test_tiny_llama_matches_transformers() -> None:
 
 
 def test_selection(monkeypatch: pytest.MonkeyPatch) -> None:
-    # flash-attn keeps its place on CUDA when present; triton comes next, ahead of torch-varlen.
+    # triton first on CUDA, flash-attn installed or not (graphs capture triton's steps, not flash-attn's);
+    # then flash-attn, then torch-varlen.
     monkeypatch.setattr(attention, "triton_available", lambda device: True)
     monkeypatch.setattr(attention, "torch_varlen_available", lambda: True)
     monkeypatch.setattr(attention, "flash_attn_available", lambda: True)
-    assert attention.auto_backend_name("cuda") == "flash-attn"
-    monkeypatch.setattr(attention, "flash_attn_available", lambda: False)
     assert attention.auto_backend_name("cuda") == "triton"
     monkeypatch.setattr(attention, "triton_available", lambda device: False)
+    assert attention.auto_backend_name("cuda") == "flash-attn"
+    monkeypatch.setattr(attention, "flash_attn_available", lambda: False)
     assert attention.auto_backend_name("cuda") == "torch-varlen"
     assert attention.auto_backend_name("cpu") == "cpu-decode"  # never the interpreter
     with pytest.raises(ValueError, match="CUDA device.*interpreter"):
