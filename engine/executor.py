@@ -186,6 +186,12 @@ def cuda_graphs_off_reason(config: EngineConfig, runner: ModelRunner) -> str | N
     return None
 
 
+# The most tokens piecewise graphs are captured for (vLLM caps its capture sizes likewise): a larger
+# step is compute-bound enough to run eagerly, and the pieces' memory (their activations at that many
+# tokens, after the KV cache has taken its share of the device) stays small.
+PIECEWISE_MAX_TOKENS = 2048
+
+
 def piecewise_graphs_off_reason(config: EngineConfig) -> str | None:
     """Why an executor that captures decode graphs captures no piecewise ones (None: it does)."""
     if config.cuda_graphs != "all":
@@ -216,7 +222,7 @@ class LocalExecutor(ExecutorBase):
             pieces_off = piecewise_graphs_off_reason(config)
             if pieces_off is None:
                 assert config.max_num_batched_tokens is not None
-                runner.capture_piecewise_graphs(config.max_num_batched_tokens)
+                runner.capture_piecewise_graphs(min(config.max_num_batched_tokens, PIECEWISE_MAX_TOKENS))
             else:
                 logger.info("piecewise CUDA graphs off: %s; steps with prompt tokens run eagerly", pieces_off)
         elif runner.device.type == "cuda":
