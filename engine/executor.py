@@ -203,7 +203,8 @@ def piecewise_graphs_off_reason(config: EngineConfig) -> str | None:
 
 class LocalExecutor(ExecutorBase):
     """The whole model in this process (tensor and pipeline parallel size 1). On CUDA, decode steps
-    replay CUDA graphs captured at start-up (engine/cuda_graphs.py) unless --enforce-eager."""
+    replay CUDA graphs captured at start-up (engine/cuda_graphs.py), and the other steps piecewise ones
+    (engine/piecewise_graphs.py; not with --cuda-graphs decode), unless --enforce-eager."""
 
     def __init__(self, config: EngineConfig) -> None:
         if config.tensor_parallel_size * config.pipeline_parallel_size > 1:
