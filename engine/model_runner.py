@@ -197,7 +197,7 @@ class ModelRunner:
             pieces = self.piecewise_graphs if self.use_cuda_graphs else None
             size = pieces.size_for(host) if pieces is not None else None
             if pieces is not None and size is not None:
-                hidden = pieces.run(host, inputs.attn_metadata, size)  # [T, hidden]
+                hidden = pieces.run(inputs, size)  # [T, hidden]
             else:
                 hidden = self.model(
                     inputs.input_ids,

@@ -38,8 +38,8 @@ from typing import Protocol
 
 import torch
 
-from engine.cuda_graphs import CaptureStats, CudaCapture, Replayable, bucket_for, copy_from_host
-from engine.inputs import HostStepInputs
+from engine.cuda_graphs import CaptureStats, CudaCapture, Replayable, bucket_for
+from engine.inputs import HostStepInputs, StepInputs
 from engine.kv_cache import PagedKVCache
 from models.base import CausalLMBase
 from models.layers.attention import Attention, AttentionStep
@@ -209,8 +209,9 @@ class PiecewiseGraphs:
         start_memory, start = capturer.memory_in_use(), time.perf_counter()
         with torch.inference_mode():
             for size in reversed(self.sizes):
-                self._load_padding(size)
-                step = self._capture_step(size)
+                self._load_tokens(size)  # all padding
+                metadata = self._metadata[size] = self._capture_metadata(size)
+                step = self.model.begin_step(self.int64[:size], metadata)
                 # One eager run first: Triton compiles, cuBLAS picks its kernels, outside the capture.
                 self._forward(size, AttentionSplitter(self, step, size, capturing=False))
                 with capturer.capture_context():
@@ -236,7 +237,7 @@ class PiecewiseGraphs:
     def _forward(self, size: int, splitter: AttentionSplitter) -> None:
         ids, positions = self.int64[:size], self.int64[size : 2 * size]
         # The pieces' own metadata: only its slot mapping is read inside them (the KV cache write).
-        # Built before capture (_capture_step): a capture cannot copy host values to the device.
+        # Built before capture: a capture cannot copy host values to the device.
         metadata = self._metadata[size]
         self.model.attention_splitter = splitter
         try:
@@ -245,16 +246,23 @@ class PiecewiseGraphs:
             self.model.attention_splitter = None
         self.hidden[:size].copy_(hidden)
 
-    def _load_padding(self, size: int) -> None:
-        """Every token a padding token (what capture runs on)."""
-        self.int64[: 2 * size].zero_()
-        self.int64[2 * size : 3 * size].fill_(self._scratch_slot)
+    def _load_tokens(self, size: int, inputs: StepInputs | None = None) -> int:
+        """Put a step's ids, positions and KV slots (None: none) into the buffers of `size`, the rest
+        padding tokens (token 0 at position 0, writing the scratch block's slot); returns its token
+        count. Device-to-device: the step's inputs are on the device already."""
+        n = 0
+        if inputs is not None:
+            n = int(inputs.input_ids.shape[0])
+            self.int64[:n].copy_(inputs.input_ids)
+            self.int64[size : size + n].copy_(inputs.positions)
+            self.int64[2 * size : 2 * size + n].copy_(inputs.attn_metadata.slot_mapping)
+        if n < size:
+            self.int64[n:size].zero_()
+            self.int64[size + n : 2 * size].zero_()
+            self.int64[2 * size + n : 3 * size].fill_(self.kv_cache.scratch_block * self.kv_cache.block_size)
+        return n
 
-    @property
-    def _scratch_slot(self) -> int:
-        return self.kv_cache.scratch_block * self.kv_cache.block_size
-
-    def _capture_metadata(self, size: int, slots: torch.Tensor) -> AttentionMetadata:
+    def _capture_metadata(self, size: int) -> AttentionMetadata:
         """One sequence of `size` prompt tokens whose every block is the scratch block: valid for the
         capture's eager attentions (which compile the prompt variant of the kernel), touching no real
         sequence."""
@@ -262,7 +270,7 @@ class PiecewiseGraphs:
         blocks = -(-size // block_size)
         device = self.device
         return AttentionMetadata(
-            slot_mapping=slots,
+            slot_mapping=self.int64[2 * size : 3 * size],
             query_start_loc=torch.tensor([0, size], dtype=torch.int32, device=device),
             seq_start_loc=torch.tensor([0, size], dtype=torch.int32, device=device),
             seq_lens=torch.tensor([size], dtype=torch.int32, device=device),
@@ -276,28 +284,13 @@ class PiecewiseGraphs:
             block_size=block_size,
         )
 
-    def _capture_step(self, size: int) -> AttentionStep:
-        metadata = self._metadata[size] = self._capture_metadata(size, self.int64[2 * size : 3 * size])
-        backend = self.model.attn_backend
-        assert backend is not None
-        return AttentionStep.begin(backend, metadata)
-
     # ---- replay -----------------------------------------------------------------------------------
 
-    def run(self, host: HostStepInputs, metadata: AttentionMetadata, size: int) -> torch.Tensor:
-        """Replay the pieces of `size` for `host`'s step, its attentions on `metadata` (the step's own,
-        on the device): [T, hidden], a view of the persistent output valid until the next replay."""
-        num_tokens = int(host.input_ids.shape[0])
-        pad = size - num_tokens
-        zeros = torch.zeros(pad, dtype=torch.int64)
-        scratch = torch.full((pad,), self._scratch_slot, dtype=torch.int64)
-        copy_from_host(
-            self.int64[: 3 * size],
-            torch.cat([host.input_ids, zeros, host.positions, zeros, host.slot_mapping, scratch]),
-        )
-        backend = self.model.attn_backend
-        assert backend is not None
-        step = AttentionStep.begin(backend, metadata)
+    def run(self, inputs: StepInputs, size: int) -> torch.Tensor:
+        """Replay the pieces of `size` for the step of `inputs` (on the device), its attentions on the
+        step's own metadata: [T, hidden], a view of the persistent output valid until the next replay."""
+        num_tokens = self._load_tokens(size, inputs)
+        step = self.model.begin_step(inputs.input_ids, inputs.attn_metadata)
         if self.capturer.calls_forward:
             self._forward(size, AttentionSplitter(self, step, num_tokens, capturing=False))
         else:

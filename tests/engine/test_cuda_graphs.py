@@ -339,9 +339,9 @@ def count_piecewise_steps(pieces: PiecewiseGraphs) -> list[int]:
     replayed: list[int] = []
     run = pieces.run
 
-    def counted(host, metadata, size):  # noqa: ANN001, ANN202
-        replayed.append(int(host.input_ids.shape[0]))
-        return run(host, metadata, size)
+    def counted(inputs, size):  # noqa: ANN001, ANN202
+        replayed.append(int(inputs.input_ids.shape[0]))
+        return run(inputs, size)
 
     pieces.run = counted  # type: ignore[method-assign]
     return replayed
