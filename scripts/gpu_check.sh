@@ -68,7 +68,7 @@ setup_python() {
     elif ls .whl/*.whl >/dev/null 2>&1; then
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
             .whl/*.whl || { log "installing the carried wheels failed"; exit 1; }
-        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+        export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH} PATH=/tmp/site/bin:$PATH
     else
         log "no .whl/: run scripts/gpu_prepare.sh where there is a network and carry .whl and .gpu-assets"
     fi
@@ -162,12 +162,16 @@ bench_limit() {
     esac
 }
 
+# write_default_shape DIR: the default model's shape with random weights and its tokenizer, in DIR.
+write_default_shape() {
+    "$PY" -c "import sys; from engine.model_shapes import write_shape; write_shape('smollm2-135m', sys.argv[1])" "$1"
+    cp "$TOKENIZER"/* "$1"/
+}
+
 phase_http() {
     local r=$WORK/http model=$WORK/smollm2-135m
     mkdir -p "$r"
-    # The server on the default model's shape with random weights and the default model's tokenizer.
-    "$PY" -c "import sys; from engine.model_shapes import write_shape; write_shape('smollm2-135m', sys.argv[1])" "$model"
-    cp "$TOKENIZER"/* "$model"/
+    [ -f "$model/config.json" ] || write_default_shape "$model"
     # Speculation off, as in loadtest.paper: random weights repeat themselves, which n-gram lookup
     # would accept every time.
     local server="$PY -m server --model $model --load-format dummy --device $DEVICE --speculative off"
@@ -203,6 +207,42 @@ phase_http() {
         --launch "$server $kv --no-chunked-prefill" --label unchunked
 }
 
+# Where an iteration-level server's time goes under load (PROFILE_RATES, default 64,256; more server and
+# load-test arguments in PROFILE_SERVER_ARGS and PROFILE_LOADTEST_ARGS): one server,
+# py-spy sampling every thread of it (carried by scripts/gpu_prepare.sh), the /live feed's per-step
+# durations and batch shapes, and the load test's own table.
+phase_profile() {
+    local r=$WORK/profile model=$WORK/smollm2-135m port=18177
+    mkdir -p "$r"
+    [ -f "$model/config.json" ] || write_default_shape "$model"
+    "$PY" -m server --model "$model" --load-format dummy --device $DEVICE --speculative off \
+        --kv-cache-memory $KV_MEMORY --scheduling iteration ${PROFILE_SERVER_ARGS:-} --host 127.0.0.1 --port $port \
+        >"$r/server.log" 2>&1 &
+    local server=$! i
+    for i in $(seq 240); do
+        curl -sf "http://127.0.0.1:$port/health" >/dev/null && break
+        sleep 1
+    done
+    curl -sN "http://127.0.0.1:$port/live/events" >"$r/live.txt" 2>/dev/null &
+    local feed=$! spy=""
+    if command -v py-spy >/dev/null; then
+        py-spy record --pid $server --rate 250 --threads --nonblocking --format raw -o "$r/py-spy.txt" \
+            >"$r/py-spy.log" 2>&1 &
+        spy=$!
+    else
+        log "no py-spy: run scripts/gpu_prepare.sh"
+    fi
+    run 200 "$PY" -m loadtest --base-url "http://127.0.0.1:$port" --workload orca --tokenizer "$TOKENIZER" \
+        --seed 0 --no-progress --num-requests $REQUESTS --request-rates "${PROFILE_RATES:-64,256}" \
+        --output "$r/loadtest.json" "${LOADTEST[@]}" ${PROFILE_LOADTEST_ARGS:-}
+    [ -z "$spy" ] || { kill -INT $spy; wait $spy; }
+    kill $feed 2>/dev/null
+    kill -INT $server
+    wait $server
+    "$PY" -m loadtest.step_profile "$r/live.txt" ${spy:+--py-spy "$r/py-spy.txt"} | tee "$r/summary.txt"
+    pack profile
+}
+
 # The load test starts each server in a session of its own and stops it; if the load test itself was
 # killed at its time limit, its servers (found by the model path only this script uses) are stopped here.
 stop_stray_servers() {
@@ -219,8 +259,8 @@ phases=("$@")
 [ ${#phases[@]} -gt 0 ] || phases=(env tests bench http)
 for phase in "${phases[@]}"; do
     case $phase in
-        env | tests | bench | http) ;;
-        *) echo "unknown phase $phase (env, tests, bench, http)" >&2; exit 2 ;;
+        env | tests | bench | http | profile) ;;
+        *) echo "unknown phase $phase (env, tests, bench, http, profile)" >&2; exit 2 ;;
     esac
 done
 setup_python

@@ -27,6 +27,9 @@ for name in "${PACKAGES[@]}"; do
         -d .whl "$name==$version"
 done
 
+# py-spy samples the server's threads in gpu_check.sh's profile phase (a tool, not in .venv: the newest).
+"$PY" -m pip download --quiet --no-deps --only-binary=:all: --platform manylinux_2_5_x86_64 -d .whl py-spy
+
 tokenizer=.gpu-assets/test-cache/smollm2-tokenizer  # the tests' cache layout (tests/conftest.py)
 if [ ! -f "$tokenizer/tokenizer.json" ]; then
     "$PY" - "$tokenizer" <<'PY'

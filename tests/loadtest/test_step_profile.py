@@ -1,0 +1,81 @@
+"""loadtest.step_profile reads what the /live feed sends and what py-spy writes."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from loadtest.step_profile import main, read_feed, summarize_feed, summarize_py_spy
+from scheduler.outputs import StepReport
+from server.live_feed import encode_message
+
+
+def _report(step: int, tokens: list[int], decode: list[bool], ms: float) -> StepReport:
+    return StepReport(
+        num_seqs=len(tokens),
+        num_tokens=sum(tokens),
+        num_prompt_tokens=sum(t for t, d in zip(tokens, decode, strict=True) if not d),
+        num_decode_tokens=sum(decode),
+        duration_s=ms / 1000,
+        step=step,
+        request_ids=[f"r{i}" for i in range(len(tokens))],
+        request_num_tokens=tokens,
+        request_start_positions=[0] * len(tokens),
+        request_is_decode=decode,
+    )
+
+
+def _capture(tmp_path: Path, messages: list[list[StepReport]]) -> Path:
+    """An SSE capture as `curl -N /live/events` writes it: a message per line after `data: `."""
+    lines = []
+    for reports in messages:
+        lines += [f"data: {encode_message(reports, max_steps=64, max_entries=1024)}", ""]
+    lines.append('data: {"steps": [{"step": 9')  # cut off mid-message by the capture's end
+    path = tmp_path / "live.txt"
+    path.write_text("\n".join(lines))
+    return path
+
+
+def test_reads_each_step_once_with_its_shape(tmp_path: Path) -> None:
+    prefill = _report(1, [100, 28], [False, False], 12.0)
+    mixed = _report(2, [1, 1, 50], [True, True, False], 8.0)
+    decode = _report(3, [1, 1, 1], [True, True, True], 2.0)
+    # A viewer's backlog repeats steps it already had: each counts once.
+    path = _capture(tmp_path, [[prefill, mixed], [mixed, decode]])
+    steps = read_feed(path)
+    assert [(s.step, s.num_tokens, s.num_seqs, s.has_prompt) for s in steps] == [
+        (1, 128, 2, True),
+        (2, 52, 3, True),
+        (3, 3, 3, False),
+    ]
+    assert [s.duration_ms for s in steps] == [12.0, 8.0, 2.0]
+    summary = "\n".join(summarize_feed(steps))
+    assert "3 steps" in summary
+    assert "runner busy 0.02 s" in summary
+    assert "decode <=    16 tokens:    1 steps, median    2.00 ms" in summary
+    assert "mixed  <=    64 tokens:    1 steps, median    8.00 ms" in summary
+    assert "mixed  <=   256 tokens:    1 steps, median   12.00 ms" in summary
+
+
+def test_py_spy_samples_per_thread_and_function(tmp_path: Path) -> None:
+    raw = tmp_path / "py-spy.txt"
+    raw.write_text(
+        "thread (1): MainThread;run (asyncio/runners.py:118);send (h11_impl.py:40) 30\n"
+        "thread (1): MainThread;run (asyncio/runners.py:118);send (h11_impl.py:52) 10\n"
+        "thread (2): orca-step_0;_run_step (scheduler/loop.py:430);__call__ (engine/sampler.py:222) 60\n"
+    )
+    lines = summarize_py_spy(raw, top=5)
+    assert lines[0] == "thread (2): orca-step_0: 60 samples"
+    assert "    100.0%  engine/sampler.py:__call__" in lines
+    main_thread = lines.index("thread (1): MainThread: 40 samples")
+    # Two lines of one function add up; the leaf is the function, not the line.
+    assert "    100.0%  h11_impl.py:send" in lines[main_thread:]
+
+
+def test_cli_prints_both(tmp_path: Path, capsys) -> None:
+    path = _capture(tmp_path, [[_report(1, [1], [True], 1.5)]])
+    raw = tmp_path / "py-spy.txt"
+    raw.write_text("thread (7): MainThread;serve (server/cli.py:10) 4\n")
+    main([str(path), "--py-spy", str(raw)])
+    out = capsys.readouterr().out
+    assert "period 0: 1 steps" in out
+    assert "thread (7): MainThread: 4 samples" in out
