@@ -254,6 +254,23 @@ async def leave_mid_stream(client: httpx.AsyncClient, path: str, body: dict, mar
     raise AssertionError(f"the stream ended without a line holding {marker!r}")
 
 
+async def assert_hanging_up_frees_the_request(
+    tokenizer: ServerTokenizer, path: str, body: dict, marker: str
+) -> None:
+    """A client that hangs up mid-reply (leave_mid_stream: at the first line holding `marker`) frees its
+    request: the engine runs the step in flight and at most one more, and /metrics counts the request
+    once, as a 200."""
+    runner = scripted(tokenizer, "Hello there, friend." * 40, step_delay_s=0.02)
+    app = make_app(tokenizer, runner)
+    async with live_server(app) as url, httpx.AsyncClient(base_url=url, timeout=30) as client:
+        await leave_mid_stream(client, path, body, marker)
+        steps = runner.num_steps
+        await drained(app)
+        assert runner.num_steps - steps <= 2  # the step in flight, and at most one more
+        text = (await client.get("/metrics")).text
+        assert metric(text, "orca:http_requests_total", route=path, method="POST", status="200") == 1
+
+
 def error_of(r: httpx.Response, status: int = 400) -> dict:
     """The body of an error answer, checked to be OpenAI's shape with the expected status."""
     assert r.status_code == status, r.text

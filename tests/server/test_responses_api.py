@@ -13,12 +13,11 @@ from fakes import (
     MODEL,
     FakeRunner,
     RecordingRunner,
+    assert_hanging_up_frees_the_request,
     drained,
     error_of,
-    leave_mid_stream,
     live_server,
     make_app,
-    metric,
     parse_sse,
     running_app,
     scripted,
@@ -318,19 +317,8 @@ async def test_reasoning_items(thinking_tokenizer):
 
 
 async def test_client_gone_mid_stream_frees_its_request(tokenizer):
-    runner = scripted(tokenizer, GREETING * 40, step_delay_s=0.02)
-    app = app_for(tokenizer, runner=runner)
-    async with live_server(app) as url:
-        import httpx
-
-        async with httpx.AsyncClient(base_url=url, timeout=30) as client:
-            body = {"input": "Hi", "stream": True, "max_output_tokens": 300}
-            await leave_mid_stream(client, "/v1/responses", body, "response.output_text.delta")
-            steps = runner.num_steps
-        await drained(app)
-        assert runner.num_steps - steps <= 2  # the step in flight, and at most one more
-        text = (await httpx.AsyncClient(base_url=url).get("/metrics")).text
-        assert metric(text, "orca:http_requests_total", route="/v1/responses", method="POST") == 1
+    body = {"input": "Hi", "stream": True, "max_output_tokens": 300}
+    await assert_hanging_up_frees_the_request(tokenizer, "/v1/responses", body, "response.output_text.delta")
 
 
 async def test_background_tasks_end_with_the_server(tokenizer, tmp_path):
