@@ -46,6 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -90,23 +91,46 @@ class PaddedDecodeStep:
     block_tables: torch.Tensor  # [b, max_blocks] int32
 
 
-def pad_decode_step(host: HostStepInputs, size: int, scratch_block: int) -> PaddedDecodeStep:
+def pad_decode_step(
+    host: HostStepInputs, size: int, scratch_block: int, pin: bool = False
+) -> PaddedDecodeStep:
     """`host` (B one-token sequences) padded to `size` rows: each padding row runs token 0 at position 0
-    with a one-token history in `scratch_block`, written at its first slot."""
-    num_seqs = host.num_seqs
-    pad = size - num_seqs
-    if pad < 0 or not host.is_decode_only:
-        raise ValueError(f"a decode step of {num_seqs} sequences does not fit a graph of size {size}")
-    zeros = torch.zeros(pad, dtype=torch.int64)
-    scratch_slot = torch.full((pad,), scratch_block * host.block_size, dtype=torch.int64)
-    int64 = torch.cat([host.input_ids, zeros, host.positions, zeros, host.slot_mapping, scratch_slot])
-    seq_lens = torch.cat([host.seq_lens, torch.ones(pad, dtype=torch.int32)])
-    seq_start_loc = torch.zeros(size + 1, dtype=torch.int32)
-    seq_start_loc[1:] = torch.cumsum(seq_lens, 0)
-    tables = torch.zeros(size, host.block_tables.shape[1], dtype=torch.int32)
-    tables[:num_seqs] = host.block_tables
-    tables[num_seqs:, 0] = scratch_block
-    return PaddedDecodeStep(size, int64, torch.cat([seq_lens, seq_start_loc]), tables)
+    with a one-token history in `scratch_block`, written at its first slot. The three tensors are views
+    of one host tensor, pinned when `pin` (CUDA: the copies into the graph's buffers do not wait).
+
+    It is filled through numpy, not with torch ops: under load the event loop's thread (requests,
+    detokenizing, SSE) holds the GIL for long stretches, and each small torch op on this thread gave it
+    the GIL and waited to get it back; about 20 of them made a GPU server's decode steps 2-3x
+    engine.bench's (docs/benchmarks.md, "Where an iteration-level server's step goes"). numpy's
+    assignments into a preallocated array keep the GIL and cost ~1 us each."""
+    n, b = host.num_seqs, size
+    if b < n or not host.is_decode_only:
+        raise ValueError(f"a decode step of {n} sequences does not fit a graph of size {size}")
+    width = host.block_tables.shape[1]
+    staging = torch.empty(8 * b + 1 + b * width, dtype=torch.int32, pin_memory=pin)
+    words = staging.numpy()
+    int64 = words[: 6 * b].view(np.int64)  # [input_ids | positions | slot_mapping], b each
+    int64[:n] = host.input_ids.numpy()
+    int64[b : b + n] = host.positions.numpy()
+    int64[2 * b : 2 * b + n] = host.slot_mapping.numpy()
+    int64[n:b] = 0
+    int64[b + n : 2 * b] = 0
+    int64[2 * b + n :] = scratch_block * host.block_size
+    int32 = words[6 * b : 8 * b + 1]  # [seq_lens (b) | seq_start_loc (b + 1)]
+    int32[:n] = host.seq_lens.numpy()
+    int32[n:b] = 1
+    int32[b] = 0
+    np.cumsum(int32[:b], dtype=np.int32, out=int32[b + 1 :])
+    tables = words[8 * b + 1 :].reshape(b, width)
+    tables[:n] = host.block_tables.numpy()
+    tables[n:] = 0
+    tables[n:, 0] = scratch_block
+    return PaddedDecodeStep(
+        size,
+        staging[: 6 * b].view(torch.int64),
+        staging[6 * b : 8 * b + 1],
+        staging[8 * b + 1 :].view(b, width),
+    )
 
 
 class GraphInputBuffers:
@@ -131,9 +155,12 @@ class GraphInputBuffers:
         b, width = step.size, step.block_tables.shape[1]
         if width > self.max_blocks_per_seq:
             raise ValueError(f"block tables of {width} blocks exceed the graphs' {self.max_blocks_per_seq}")
-        copy_from_host(self.int64[: 3 * b], step.int64)
-        copy_from_host(self.int32[: 2 * b + 1], step.int32)
-        copy_from_host(self.block_tables[:b, :width], step.block_tables)
+        # On CUDA the step is pinned (pad_decode_step(pin=True)): the copies are queued, not waited for;
+        # torch keeps the pinned block from reuse until they have run.
+        non_blocking = self.int64.device.type == "cuda"
+        self.int64[: 3 * b].copy_(step.int64, non_blocking=non_blocking)
+        self.int32[: 2 * b + 1].copy_(step.int32, non_blocking=non_blocking)
+        self.block_tables[:b, :width].copy_(step.block_tables, non_blocking=non_blocking)
 
     def inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids, positions) of the graph of `size`."""
@@ -155,15 +182,6 @@ class GraphInputBuffers:
             max_seq_len=max_model_len,
             block_size=block_size,
         )
-
-
-def copy_from_host(dst: torch.Tensor, host: torch.Tensor) -> None:
-    """dst[...] = host; on CUDA straight from pinned memory without waiting (torch keeps the pinned
-    block alive until the copy has run)."""
-    if dst.device.type == "cpu":
-        dst.copy_(host)
-    else:
-        dst.copy_(host.pin_memory(), non_blocking=True)
 
 
 class Replayable(Protocol):
@@ -261,9 +279,7 @@ class DecodeGraphs:
         with torch.inference_mode():
             for size in reversed(self.sizes):
                 # Warm-up and capture run on padding rows only: valid inputs that touch no sequence.
-                self.buffers.load(
-                    pad_decode_step(_empty_decode(self.block_size), size, self.kv_cache.scratch_block)
-                )
+                self.buffers.load(self._pad(_empty_decode(self.block_size), size))
                 self.graphs[size] = capturer.capture(self._forward_fn(size))
         capturer.synchronize()
         stats = CaptureStats(self.sizes, time.perf_counter() - start, capturer.memory_in_use() - start_memory)
@@ -290,6 +306,9 @@ class DecodeGraphs:
 
         return forward
 
+    def _pad(self, host: HostStepInputs, size: int) -> PaddedDecodeStep:
+        return pad_decode_step(host, size, self.kv_cache.scratch_block, pin=self.device.type == "cuda")
+
     def size_for(self, host: HostStepInputs) -> int | None:
         """The graph a step can replay, or None when it must run eagerly."""
         assert self.buffers is not None
@@ -301,7 +320,7 @@ class DecodeGraphs:
         """Replay the graph of `size` on `host`'s step: [S, vocab] float32 logits of the rows that
         sample, a view of the shared output buffer valid until the next replay."""
         assert self.buffers is not None and self.logits is not None
-        self.buffers.load(pad_decode_step(host, size, self.kv_cache.scratch_block))
+        self.buffers.load(self._pad(host, size))
         self.graphs[size].replay()
         logits = self.logits[: host.num_seqs]
         if len(host.sample_rows) == host.num_seqs:

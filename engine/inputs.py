@@ -1,7 +1,7 @@
 """One step's flat model inputs and attention metadata, built from the scheduler's batch.
 
 One pass in Python over the batch collects plain lists, then each host tensor is created once
-(build_host_inputs); on CUDA they reach the device through pinned memory with non-blocking copies
+(build_host_inputs); on CUDA they reach the device in one non-blocking copy from pinned memory
 (HostStepInputs.to), or, for a CUDA-graph decode step, into the graph's own buffers.
 """
 
@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate
 
+import numpy as np
 import torch
 
 from engine.contract import Pooling, ScheduledSequence
@@ -93,18 +94,29 @@ class HostStepInputs:
         return len(self.query_lens) == self.input_ids.shape[0]
 
     def to(self, device: torch.device) -> StepInputs:
-        """Device tensors and attention metadata; on CUDA through pinned memory with non-blocking
-        copies, so building a step never waits for the previous one."""
-        # Prefix sums of a few ints: in Python, one tensor each (torch's cumsum and the copies into a
-        # zeroed tensor cost ~10 us an op, a step at batch 1 is ~6 ms).
-        query_start_loc = torch.tensor([0, *accumulate(self.query_lens)], dtype=torch.int32)  # [B+1]
-        seq_start_loc = torch.tensor([0, *accumulate(self.seq_lens_list)], dtype=torch.int32)  # [B+1]
+        """Device tensors and attention metadata. On CUDA every integer input travels in one
+        non-blocking copy from one pinned host tensor filled through numpy (`_staged_on`), so building
+        a step never waits for the previous one and the step thread keeps the GIL while it builds."""
+        # Prefix sums of a few ints: in Python (torch's cumsum and copies into a zeroed tensor cost ~10
+        # us an op, a step at batch 1 is ~6 ms).
+        query_start_loc = [0, *accumulate(self.query_lens)]  # [B+1]
+        seq_start_loc = [0, *accumulate(self.seq_lens_list)]  # [B+1]
+        if device.type == "cpu":
+            ids, positions, slots = self.input_ids, self.positions, self.slot_mapping
+            logits_indices = torch.tensor(self.last_token_index, dtype=torch.int64)
+            qsl = torch.tensor(query_start_loc, dtype=torch.int32)
+            ssl = torch.tensor(seq_start_loc, dtype=torch.int32)
+            seq_lens, tables = self.seq_lens, self.block_tables
+        else:
+            ids, positions, slots, logits_indices, qsl, ssl, seq_lens, tables = self._staged_on(
+                device, query_start_loc, seq_start_loc
+            )
         metadata = AttentionMetadata(
-            slot_mapping=to_device(self.slot_mapping, device),
-            query_start_loc=to_device(query_start_loc, device),
-            seq_start_loc=to_device(seq_start_loc, device),
-            seq_lens=to_device(self.seq_lens, device),
-            block_tables=to_device(self.block_tables, device),
+            slot_mapping=slots,
+            query_start_loc=qsl,
+            seq_start_loc=ssl,
+            seq_lens=seq_lens,
+            block_tables=tables,
             query_lens_cpu=self.query_lens,
             seq_lens_cpu=self.seq_lens_list,
             max_query_len=max(self.query_lens),
@@ -112,14 +124,47 @@ class HostStepInputs:
             block_size=self.block_size,
         )
         return StepInputs(
-            input_ids=to_device(self.input_ids, device),
-            positions=to_device(self.positions, device),
+            input_ids=ids,
+            positions=positions,
             attn_metadata=metadata,
             sample_rows=self.sample_rows,
-            logits_indices=to_device(torch.tensor(self.last_token_index, dtype=torch.int64), device),
+            logits_indices=logits_indices,
             scored=self.scored,
             sample_logit_rows=self.sample_logit_rows,
             pools=self.pools,
+        )
+
+    def _staged_on(
+        self, device: torch.device, query_start_loc: list[int], seq_start_loc: list[int]
+    ) -> tuple[torch.Tensor, ...]:
+        """(input_ids, positions, slot_mapping, logits_indices, query_start_loc, seq_start_loc,
+        seq_lens, block_tables) on `device`, as views of one device tensor that one non-blocking copy
+        filled from one pinned host tensor. The host side is written through numpy, not with torch
+        ops: under load the event loop's thread holds the GIL for long stretches, and each small torch
+        op here handed it the GIL and waited to get it back (docs/benchmarks.md, "Where an
+        iteration-level server's step goes"); numpy's assignments keep it."""
+        t, r, b = self.input_ids.shape[0], len(self.last_token_index), self.num_seqs
+        width = self.block_tables.shape[1]
+        # int32 words: the four int64 arrays first (even offsets: each stays 8-byte aligned).
+        bounds = list(accumulate([0, 2 * t, 2 * t, 2 * t, 2 * r, b + 1, b + 1, b, b * width]))
+        host = torch.empty(bounds[-1], dtype=torch.int32, pin_memory=device.type == "cuda")
+        words = host.numpy()
+        words[bounds[0] : bounds[1]].view(np.int64)[:] = self.input_ids.numpy()
+        words[bounds[1] : bounds[2]].view(np.int64)[:] = self.positions.numpy()
+        words[bounds[2] : bounds[3]].view(np.int64)[:] = self.slot_mapping.numpy()
+        words[bounds[3] : bounds[4]].view(np.int64)[:] = self.last_token_index
+        words[bounds[4] : bounds[5]] = query_start_loc
+        words[bounds[5] : bounds[6]] = seq_start_loc
+        words[bounds[6] : bounds[7]] = self.seq_lens.numpy()
+        words[bounds[7] : bounds[8]] = self.block_tables.numpy().reshape(-1)
+        dev = host.to(device, non_blocking=True)
+        parts = [dev[lo:hi] for lo, hi in zip(bounds, bounds[1:], strict=False)]
+        return (
+            *(p.view(torch.int64) for p in parts[:4]),
+            parts[4],
+            parts[5],
+            parts[6],
+            parts[7].view(b, width),
         )
 
 

@@ -229,6 +229,11 @@ phase_profile() {
         py-spy record --pid $server --rate 250 --threads --nonblocking --format raw -o "$r/py-spy.txt" \
             >"$r/py-spy.log" 2>&1 &
         spy=$!
+        # The same threads with their idle samples too (blocked on a lock, the GIL included, or in a
+        # sleeping system call): where a thread waits, against where it runs.
+        py-spy record --pid $server --rate 250 --threads --nonblocking --idle --format raw \
+            -o "$r/py-spy-idle.txt" >"$r/py-spy-idle.log" 2>&1 &
+        spy="$spy $!"
     else
         log "no py-spy: run scripts/gpu_prepare.sh"
     fi
@@ -236,6 +241,8 @@ phase_profile() {
         --seed 0 --no-progress --num-requests $REQUESTS --request-rates "${PROFILE_RATES:-64,256}" \
         --output "$r/loadtest.json" "${LOADTEST[@]}" ${PROFILE_LOADTEST_ARGS:-}
     [ -z "$spy" ] || { kill -INT $spy; wait $spy; }
+    [ ! -f "$r/py-spy-idle.txt" ] || "$PY" -m loadtest.step_profile "$r/live.txt" --py-spy "$r/py-spy-idle.txt" \
+        --top 40 >"$r/summary-idle.txt"
     kill $feed 2>/dev/null
     kill -INT $server
     wait $server
