@@ -60,6 +60,16 @@ def on_off(text: str) -> bool:
     return value
 
 
+def auto_on_off(text: str) -> bool | None:
+    """'auto' -> None (the program decides), 'on' -> True, 'off' -> False, as an argparse `type`."""
+    if text.strip().lower() == "auto":
+        return None
+    try:
+        return on_off(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"expected auto, on or off, got {text!r}") from None
+
+
 # ---- flags declared on config dataclasses -----------------------------------------------------------
 #
 # A config field that the command line sets says so where it is defined:

@@ -227,6 +227,9 @@ class Executor(Protocol):
     hidden_size: int  # the length of a PooledState's values (the model's hidden size)
     eos_token_ids: frozenset[int]
     pipeline_depth: int  # batches the loop may keep in flight (ORCA: one per pipeline stage)
+    # Where a step computes ("cpu", "cuda", ...): the loop's --overlap-schedule auto overlaps its own
+    # CPU work only with steps that leave the CPU's cores to it.
+    device_type: str
     # Speculative decoding with a draft model: None without one, else what one draft forward costs as a
     # fraction of the target's (the scheduler's cost model prices proposals with it).
     draft_model_cost: float | None

@@ -69,6 +69,7 @@ class ExecutorBase(ABC):
         self.model_path = model_path
         self.runner = runner  # rank 0's share of the model (the whole model in one process)
         self.device = runner.device
+        self.device_type: str = runner.device.type
         self.dtype = runner.dtype
         self.num_kv_blocks: int = runner.num_kv_blocks
         self.block_size: int = runner.block_size

@@ -7,7 +7,7 @@ import argparse
 from dataclasses import dataclass
 from typing import ClassVar, Literal
 
-from engine.cli_args import FlagGroup, flag, on_off
+from engine.cli_args import FlagGroup, auto_on_off, flag
 from scheduler.speculation import SPECULATIVE_METHODS, SpeculativeMethod
 
 Scheduling = Literal["iteration", "request"]
@@ -74,13 +74,15 @@ class SchedulerConfig(FlagGroup):
 
     # Overlapped scheduling (docs/architecture.md, "Overlapped scheduling"): the loop schedules the next
     # step, applies the last one's tokens and sends its deltas while the forward pass runs; a decoding
-    # request's finish is seen one step late (its extra row is discarded).
-    overlap_schedule: bool = flag(
-        True,
+    # request's finish is seen one step late (its extra row is discarded). None (auto): always where
+    # steps run on an accelerator; on the CPU, whose forward pass takes every core, only for steps of
+    # more than one sequence (IterationLoop._schedules_ahead says why).
+    overlap_schedule: bool | None = flag(
+        None,
         "overlap the loop's CPU work (scheduling, applying tokens, detokenizing, stop checks, sending "
-        "deltas) with the next forward pass: on or off",
-        type=on_off,
-        metavar="on|off",
+        "deltas) with the next forward pass: auto (on a GPU always, on a CPU past one stream), on or off",
+        type=auto_on_off,
+        metavar="auto|on|off",
     )
 
     def __post_init__(self) -> None:

@@ -104,6 +104,8 @@ class FakeRunner:
         self.vocab_size = vocab_size
         self.hidden_size = hidden_size  # of the made-up hidden states embedding requests pool
         self.pipeline_depth = pipeline_depth
+        # Not "cpu": a made-up step leaves the cores to the loop, so --overlap-schedule auto overlaps.
+        self.device_type = "fake"
         self.token_fn = token_fn
         self.script = list(script) if script is not None else None
         self.fail_when = fail_when  # a step raises when it returns True

@@ -11,10 +11,10 @@ pipeline parallelism, one batch per stage) and the single-process case is depth 
 trip to the worker thread, which submits the new batch and, when the pipeline is full (always, at depth
 1), collects the oldest one.
 
-At depth 1 with `overlap_schedule` (the default) the loop overlaps instead (_iterate_overlapped): the
-next step is scheduled and queued on the worker thread while the current one runs, its decodes carried
-one token further (scheduler/overlap.py), and the current step's tokens are applied and sent while the
-next one runs. Finishes are seen one step late (docs/architecture.md, "Overlapped scheduling").
+At depth 1 with `overlap_schedule` (auto: on a GPU, and on a CPU past one stream) the loop overlaps instead
+(_iterate_overlapped): the next step is scheduled and queued on the worker thread while the current one
+runs, its decodes carried one token further (scheduler/overlap.py), and the current step's tokens are
+applied and sent while the next one runs. Finishes are seen one step late (docs/architecture.md, "Overlapped scheduling").
 """
 
 from __future__ import annotations
@@ -336,7 +336,7 @@ class IterationLoop:
             self._fail_all(FinishReason.ERROR, f"the scheduler loop died: {type(exc).__name__}: {exc}")
 
     async def _iterate(self) -> None:
-        if self.config.overlap_schedule and self._executor.pipeline_depth == 1:
+        if self._overlaps() and self._executor.pipeline_depth == 1:
             await self._iterate_overlapped()
             return
         loop = asyncio.get_running_loop()
@@ -381,6 +381,23 @@ class IterationLoop:
                 busy.difference_update(r.request_id for r in oldest.step.requests)
                 self._step_done(oldest)
 
+    def _overlaps(self) -> bool:
+        """Whether the overlapped loop runs: --overlap-schedule on or auto (which then decides step by
+        step, _schedules_ahead)."""
+        return self.config.overlap_schedule is not False
+
+    def _schedules_ahead(self, pending: ScheduledStep) -> bool:
+        """Whether to schedule the next step while `pending` runs. auto: always where steps run on an
+        accelerator; on the CPU only past one sequence. A CPU forward pass keeps every core busy, so
+        the loop's work beside it takes a core from its OpenMP team: with one stream there is one delta
+        to hide and the forward pays more than that (phi-4-mini on 2 cores over HTTP, TPOT 79-93 ms
+        with overlap against 65-75 without), while at 8 streams hiding eight deltas pays (the default
+        model: 15.5 against 19.5 ms; docs/benchmarks.md)."""
+        chosen = self.config.overlap_schedule
+        if chosen is not None:
+            return chosen
+        return self._executor.device_type != "cpu" or pending.num_seqs > 1
+
     async def _iterate_overlapped(self) -> None:
         """The loop with overlapped scheduling (one batch at a time on the executor, as at depth 1):
         while step N runs on the worker thread, this schedules step N+1 (its decodes carried one token
@@ -401,7 +418,8 @@ class IterationLoop:
                 await self._recover(loop)
                 continue
             new: _InFlight | None = None
-            if not self._stopping and self._down is None and sched.has_work():
+            ahead = pending is None or self._schedules_ahead(pending.step)
+            if ahead and not self._stopping and self._down is None and sched.has_work():
                 step = sched.schedule(pending=pending.step if pending is not None else None)
                 self._emit_all(step.released)
                 if step.seqs:

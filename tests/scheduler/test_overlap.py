@@ -10,6 +10,7 @@ import threading
 import zlib
 from array import array
 from collections.abc import Sequence
+from types import SimpleNamespace
 
 import pytest
 from fakes import cramped_runner, greedy_through_loop, run_overlapped, run_to_end
@@ -357,3 +358,38 @@ async def test_an_aborted_request_frees_its_blocks_while_its_rows_are_in_flight(
     await loop.shutdown()
     alone = await greedy_through_loop(FakeRunner(), [prompt(1)], 30)
     assert tokens == alone[0]
+
+
+@pytest.mark.parametrize(
+    ("chosen", "device_type", "num_seqs", "ahead"),
+    [
+        (None, "cpu", 1, False),  # auto, one stream on a CPU: one delta to hide, the forward would pay more
+        (None, "cpu", 2, True),  # auto, more streams on a CPU: their deltas are worth hiding
+        (None, "cuda", 1, True),  # auto: a GPU step leaves the CPU to the loop
+        (True, "cpu", 1, True),
+        (False, "cuda", 8, False),
+    ],
+)
+def test_auto_schedules_ahead_where_it_pays(chosen, device_type, num_seqs, ahead):
+    runner = FakeRunner()
+    runner.device_type = device_type
+    loop = IterationLoop(runner, SchedulerConfig(overlap_schedule=chosen))
+    assert loop._overlaps() is (chosen is not False)
+    pending = SimpleNamespace(num_seqs=num_seqs)
+    assert loop._schedules_ahead(pending) is ahead
+
+
+async def test_auto_on_a_cpu_gives_the_same_tokens_one_stream_or_many():
+    """One stream steps one step after another, several overlap: the same tokens as on and off."""
+    prompts = [prompt(i, 4 + 5 * i) for i in range(3)]
+
+    async def run(chosen: bool | None, streams: int) -> list[list[int]]:
+        runner = FakeRunner()
+        runner.device_type = "cpu"
+        loop = IterationLoop(runner, SchedulerConfig(overlap_schedule=chosen, max_num_seqs=4))
+        tokens = await greedy_through_loop(None, prompts[:streams], 9, engine=loop)
+        assert loop.stats().kv_blocks_used == 0
+        return tokens
+
+    for streams in (1, 3):
+        assert await run(None, streams) == await run(False, streams) == await run(True, streams)

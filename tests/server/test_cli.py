@@ -130,12 +130,13 @@ def test_reasoning_and_responses_store_flags(monkeypatch, tmp_path):
 
 
 def test_overlap_schedule_flag(capsys):
-    assert parse_args([]).scheduler.overlap_schedule is True
+    assert parse_args([]).scheduler.overlap_schedule is None  # auto: the loop decides by device
+    assert parse_args(["--overlap-schedule", "auto"]).scheduler.overlap_schedule is None
     assert parse_args(["--overlap-schedule", "off"]).scheduler.overlap_schedule is False
     assert parse_args(["--overlap-schedule", "ON"]).scheduler.overlap_schedule is True
     with pytest.raises(SystemExit):
         parse_args(["--overlap-schedule", "maybe"])
-    assert "expected on or off" in capsys.readouterr().err
+    assert "expected auto, on or off" in capsys.readouterr().err
 
 
 def test_speculative_decoding_flags(capsys):
