@@ -11,10 +11,11 @@ pipeline parallelism, one batch per stage) and the single-process case is depth 
 trip to the worker thread, which submits the new batch and, when the pipeline is full (always, at depth
 1), collects the oldest one.
 
-At depth 1 with `overlap_schedule` (auto: on a GPU, and on a CPU past one stream) the loop overlaps instead
-(_iterate_overlapped): the next step is scheduled and queued on the worker thread while the current one
-runs, its decodes carried one token further (scheduler/overlap.py), and the current step's tokens are
-applied and sent while the next one runs. Finishes are seen one step late (docs/architecture.md, "Overlapped scheduling").
+At depth 1 with `overlap_schedule` (auto: on a GPU, and on a CPU past one stream) the loop overlaps
+instead (_iterate_overlapped): the next step is scheduled and queued on the worker thread while the
+current one runs, its decodes carried one token further (scheduler/overlap.py), and the current step's
+tokens are applied and sent while the next one runs. Finishes are seen one step late
+(docs/architecture.md, "Overlapped scheduling").
 """
 
 from __future__ import annotations
