@@ -69,7 +69,6 @@ class ExecutorBase(ABC):
         self.model_path = model_path
         self.runner = runner  # rank 0's share of the model (the whole model in one process)
         self.device = runner.device
-        self.device_type: str = runner.device.type
         self.dtype = runner.dtype
         self.num_kv_blocks: int = runner.num_kv_blocks
         self.block_size: int = runner.block_size
@@ -84,6 +83,10 @@ class ExecutorBase(ABC):
         self.masker = TokenMasker()
         # Speculative decoding with a draft model (engine/draft_proposer.py): None without one.
         self.proposer: DraftProposer | None = None
+
+    @property
+    def device_type(self) -> str:
+        return self.device.type
 
     @property
     def draft_model_cost(self) -> float | None:
