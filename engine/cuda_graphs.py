@@ -12,8 +12,8 @@ b >= B: rows B..b-1 are padding.
 
 How a graph sees a new step. A graph replays fixed kernels on fixed addresses, so its inputs live in
 persistent device buffers (`GraphInputBuffers`, allocated once at the largest size) and each step copies
-its values there before the replay: three non-blocking copies from pinned host memory (the int64
-inputs, the int32 lengths, the block tables). The host values the kernels were specialised on are
+its values there before the replay: two non-blocking copies from pinned host memory (the ids,
+positions, slots and lengths in one array, `DecodeWords`; the block tables). The host values the kernels were specialised on are
 frozen at capture: a decode-only step (max_query_len 1) of b sequences whose histories may be as long
 as max_model_len, which fixes the triton backend's launch configuration (its split count is the
 long-history one; models/layers/triton_attention.py launch_config explains why that is correct for
@@ -80,34 +80,59 @@ def bucket_for(sizes: tuple[int, ...], num_seqs: int) -> int | None:
 
 
 @dataclass(frozen=True)
+class DecodeWords:
+    """A decode step of b rows in one int32 array of 8b + 1 words, the layout the graph of size b reads:
+    [input_ids | positions | slot_mapping] as int64 (2b words each), then [seq_lens (b) |
+    seq_start_loc (b + 1)]. The same views over a pinned host tensor and over the graphs' device buffer,
+    so a step travels in one copy."""
+
+    input_ids: torch.Tensor  # [b] int64
+    positions: torch.Tensor  # [b] int64
+    slot_mapping: torch.Tensor  # [b] int64
+    seq_lens: torch.Tensor  # [b] int32
+    seq_start_loc: torch.Tensor  # [b + 1] int32
+
+    @staticmethod
+    def words(size: int) -> int:
+        return 8 * size + 1
+
+    @classmethod
+    def over(cls, words: torch.Tensor, size: int) -> DecodeWords:
+        b = size
+        int64 = words[: 6 * b].view(torch.int64)
+        return cls(
+            int64[:b], int64[b : 2 * b], int64[2 * b :], words[6 * b : 7 * b], words[7 * b : 8 * b + 1]
+        )
+
+
+@dataclass
 class PaddedDecodeStep:
-    """A decode step's inputs padded to a captured size b, on the host, laid out as the buffers want
-    them: one int64 tensor [input_ids | positions | slot_mapping] (3b), one int32 tensor
-    [seq_lens | seq_start_loc] (2b + 1), and the block tables [b, max_blocks]."""
+    """A decode step's inputs padded to a captured size b, on the host: its words (`DecodeWords`
+    layout) and its block tables [b, width], views of one host tensor."""
 
     size: int
-    int64: torch.Tensor  # [3b]
-    int32: torch.Tensor  # [2b + 1]
-    block_tables: torch.Tensor  # [b, max_blocks] int32
+    words: torch.Tensor  # [8b + 1] int32
+    block_tables: torch.Tensor  # [b, width] int32
 
 
 def pad_decode_step(
     host: HostStepInputs, size: int, scratch_block: int, pin: bool = False
 ) -> PaddedDecodeStep:
     """`host` (B one-token sequences) padded to `size` rows: each padding row runs token 0 at position 0
-    with a one-token history in `scratch_block`, written at its first slot. The three tensors are views
-    of one host tensor, pinned when `pin` (CUDA: the copies into the graph's buffers do not wait).
+    with a one-token history in `scratch_block`, written at its first slot. One host tensor holds it,
+    pinned when `pin` (CUDA: the copies into the graph's buffers do not wait).
 
-    It is filled through numpy, not with torch ops: under load the event loop's thread (requests,
-    detokenizing, SSE) holds the GIL for long stretches, and each small torch op on this thread gave it
-    the GIL and waited to get it back; about 20 of them made a GPU server's decode steps 2-3x
-    engine.bench's (docs/benchmarks.md, "Where an iteration-level server's step goes"). numpy's
-    assignments into a preallocated array keep the GIL and cost ~1 us each."""
+    It is filled through numpy, and the torch calls are as few as it takes (an allocation, a view; the
+    buffers' load adds two copies): under load the event loop's thread (requests, detokenizing, SSE)
+    holds the GIL, and every torch call releases it and waits to take it back; a native profile of a
+    GPU server put half of a decode step's time in those waits (docs/benchmarks.md, "Where an
+    iteration-level server's step goes"). numpy's assignments keep the GIL and cost ~1 us each."""
     n, b = host.num_seqs, size
     if b < n or not host.is_decode_only:
         raise ValueError(f"a decode step of {n} sequences does not fit a graph of size {size}")
     width = host.block_tables.shape[1]
-    staging = torch.empty(8 * b + 1 + b * width, dtype=torch.int32, pin_memory=pin)
+    head = DecodeWords.words(b)
+    staging = torch.empty(head + b * width, dtype=torch.int32, pin_memory=pin)
     words = staging.numpy()
     int64 = words[: 6 * b].view(np.int64)  # [input_ids | positions | slot_mapping], b each
     int64[:n] = host.input_ids.numpy()
@@ -116,65 +141,59 @@ def pad_decode_step(
     int64[n:b] = 0
     int64[b + n : 2 * b] = 0
     int64[2 * b + n :] = scratch_block * host.block_size
-    int32 = words[6 * b : 8 * b + 1]  # [seq_lens (b) | seq_start_loc (b + 1)]
+    int32 = words[6 * b : head]  # [seq_lens (b) | seq_start_loc (b + 1)]
     int32[:n] = host.seq_lens.numpy()
     int32[n:b] = 1
     int32[b] = 0
     np.cumsum(int32[:b], dtype=np.int32, out=int32[b + 1 :])
-    tables = words[8 * b + 1 :].reshape(b, width)
+    tables = words[head:].reshape(b, width)
     tables[:n] = host.block_tables.numpy()
     tables[n:] = 0
     tables[n:, 0] = scratch_block
-    return PaddedDecodeStep(
-        size,
-        staging[: 6 * b].view(torch.int64),
-        staging[6 * b : 8 * b + 1],
-        staging[8 * b + 1 :].view(b, width),
-    )
+    return PaddedDecodeStep(size, staging[:head], staging[head:].view(b, width))
 
 
 class GraphInputBuffers:
     """The persistent device tensors every graph reads its inputs from, sized for the largest graph.
 
-    The graph of size b reads fixed views of them (`views(b)`): the first 3b entries of `int64` are its
-    input ids, positions and slots, the first 2b + 1 of `int32` its sequence lengths and their prefix
-    sums, the first b rows of `block_tables` its tables (full width: every block max_model_len needs)."""
+    The graph of size b reads fixed views of them: the first 8b + 1 words of `words` in the
+    `DecodeWords` layout of size b, the first b rows of `block_tables` (full width: every block
+    max_model_len needs), and a fixed query_start_loc."""
 
     def __init__(self, max_size: int, max_blocks_per_seq: int, device: torch.device) -> None:
         self.max_size = max_size
         self.max_blocks_per_seq = max_blocks_per_seq
-        self.int64 = torch.zeros(3 * max_size, dtype=torch.int64, device=device)
-        self.int32 = torch.zeros(2 * max_size + 1, dtype=torch.int32, device=device)
+        self.words = torch.zeros(DecodeWords.words(max_size), dtype=torch.int32, device=device)
         self.block_tables = torch.zeros(max_size, max_blocks_per_seq, dtype=torch.int32, device=device)
         # cu_seqlens_q of a decode step: one query per sequence, the same for every step (written once).
         self.query_start_loc = torch.arange(max_size + 1, dtype=torch.int32, device=device)
 
     def load(self, step: PaddedDecodeStep) -> None:
-        """Copy a padded step into the views of its size (non-blocking from pinned memory on CUDA: no
-        wait for the previous step, whose replay reads the same buffers earlier in the same stream)."""
+        """Copy a padded step into the views of its size: two copies, non-blocking from pinned memory on
+        CUDA (no wait for the previous step, whose replay reads the same buffers earlier in the same
+        stream; torch keeps the pinned block from reuse until they have run)."""
         b, width = step.size, step.block_tables.shape[1]
         if width > self.max_blocks_per_seq:
             raise ValueError(f"block tables of {width} blocks exceed the graphs' {self.max_blocks_per_seq}")
-        # On CUDA the step is pinned (pad_decode_step(pin=True)): the copies are queued, not waited for;
-        # torch keeps the pinned block from reuse until they have run.
-        non_blocking = self.int64.device.type == "cuda"
-        self.int64[: 3 * b].copy_(step.int64, non_blocking=non_blocking)
-        self.int32[: 2 * b + 1].copy_(step.int32, non_blocking=non_blocking)
+        non_blocking = self.words.device.type == "cuda"
+        self.words[: DecodeWords.words(b)].copy_(step.words, non_blocking=non_blocking)
         self.block_tables[:b, :width].copy_(step.block_tables, non_blocking=non_blocking)
 
     def inputs(self, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(input_ids, positions) of the graph of `size`."""
-        return self.int64[:size], self.int64[size : 2 * size]
+        views = DecodeWords.over(self.words, size)
+        return views.input_ids, views.positions
 
     def metadata(self, size: int, max_model_len: int, block_size: int) -> AttentionMetadata:
         """The attention metadata the graph of `size` is captured with: views of the buffers, and host
         sizes for the longest history any replay may have (see the module docstring)."""
         b = size
+        views = DecodeWords.over(self.words, b)
         return AttentionMetadata(
-            slot_mapping=self.int64[2 * b : 3 * b],
+            slot_mapping=views.slot_mapping,
             query_start_loc=self.query_start_loc[: b + 1],
-            seq_start_loc=self.int32[b : 2 * b + 1],
-            seq_lens=self.int32[:b],
+            seq_start_loc=views.seq_start_loc,
+            seq_lens=views.seq_lens,
             block_tables=self.block_tables[:b],
             query_lens_cpu=[1] * b,
             seq_lens_cpu=[max_model_len] * b,

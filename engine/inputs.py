@@ -18,6 +18,9 @@ from engine.contract import Pooling, ScheduledSequence
 from engine.kv_cache import slots_of
 from models.layers.metadata import AttentionMetadata
 
+# Staged arrays start on 16-byte boundaries: 4 int32 words.
+_ALIGN_WORDS = 4
+
 
 @dataclass(frozen=True)
 class PoolSpan:
@@ -145,20 +148,24 @@ class HostStepInputs:
         iteration-level server's step goes"); numpy's assignments keep it."""
         t, r, b = self.input_ids.shape[0], len(self.last_token_index), self.num_seqs
         width = self.block_tables.shape[1]
-        # int32 words: the four int64 arrays first (even offsets: each stays 8-byte aligned).
-        bounds = list(accumulate([0, 2 * t, 2 * t, 2 * t, 2 * r, b + 1, b + 1, b, b * width]))
-        host = torch.empty(bounds[-1], dtype=torch.int32, pin_memory=device.type == "cuda")
+        # int32 words, each array starting on a 16-byte boundary: Triton compiles a kernel once per
+        # pointer alignment it sees (divisible by 16 or not), so offsets that moved with the batch's
+        # sizes cost a fresh compile (~0.5 s) for each new combination while serving.
+        sizes = [2 * t, 2 * t, 2 * t, 2 * r, b + 1, b + 1, b, b * width]
+        starts = list(accumulate([0, *(_ALIGN_WORDS * -(-n // _ALIGN_WORDS) for n in sizes)]))
+        host = torch.empty(starts[-1], dtype=torch.int32, pin_memory=device.type == "cuda")
         words = host.numpy()
-        words[bounds[0] : bounds[1]].view(np.int64)[:] = self.input_ids.numpy()
-        words[bounds[1] : bounds[2]].view(np.int64)[:] = self.positions.numpy()
-        words[bounds[2] : bounds[3]].view(np.int64)[:] = self.slot_mapping.numpy()
-        words[bounds[3] : bounds[4]].view(np.int64)[:] = self.last_token_index
-        words[bounds[4] : bounds[5]] = query_start_loc
-        words[bounds[5] : bounds[6]] = seq_start_loc
-        words[bounds[6] : bounds[7]] = self.seq_lens.numpy()
-        words[bounds[7] : bounds[8]] = self.block_tables.numpy().reshape(-1)
+        host_parts = [words[lo : lo + n] for lo, n in zip(starts, sizes, strict=False)]
+        host_parts[0].view(np.int64)[:] = self.input_ids.numpy()
+        host_parts[1].view(np.int64)[:] = self.positions.numpy()
+        host_parts[2].view(np.int64)[:] = self.slot_mapping.numpy()
+        host_parts[3].view(np.int64)[:] = self.last_token_index
+        host_parts[4][:] = query_start_loc
+        host_parts[5][:] = seq_start_loc
+        host_parts[6][:] = self.seq_lens.numpy()
+        host_parts[7][:] = self.block_tables.numpy().reshape(-1)
         dev = host.to(device, non_blocking=True)
-        parts = [dev[lo:hi] for lo, hi in zip(bounds, bounds[1:], strict=False)]
+        parts = [dev[lo : lo + n] for lo, n in zip(starts, sizes, strict=False)]
         return (
             *(p.view(torch.int64) for p in parts[:4]),
             parts[4],

@@ -230,8 +230,12 @@ phase_profile() {
             >"$r/py-spy.log" 2>&1 &
         spy=$!
         # The same threads with their idle samples too (blocked on a lock, the GIL included, or in a
-        # sleeping system call): where a thread waits, against where it runs.
-        py-spy record --pid $server --rate 250 --threads --nonblocking --idle --format raw \
+        # sleeping system call): where a thread waits, against where it runs. PROFILE_NATIVE=1 adds the
+        # C frames, which name what a waiting thread waits in (take_gil: the GIL; a CUDA call: the
+        # GPU); py-spy must pause the process for those, so that recording samples less often.
+        local idle_opts="--rate 250 --nonblocking"
+        [ -z "${PROFILE_NATIVE:-}" ] || idle_opts="--rate 50 --native"
+        py-spy record --pid $server $idle_opts --threads --idle --format raw \
             -o "$r/py-spy-idle.txt" >"$r/py-spy-idle.log" 2>&1 &
         spy="$spy $!"
     else

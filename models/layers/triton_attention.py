@@ -43,8 +43,9 @@ MIN_DOT = 16
 MAX_SPLITS = 16
 
 
-# num_seqs changes every step: specialising on it (== 1, % 16 == 0) would only add compiles.
-@triton.jit(do_not_specialize=["num_seqs"])
+# num_seqs and the block tables' width change every step: specialising on them (== 1, % 16 == 0) would
+# only add compiles, each ~0.5 s of a serving step.
+@triton.jit(do_not_specialize=["num_seqs", "stride_table"])
 def _paged_attention_kernel(
     out_ptr,  # [T, Hq, D], or unused when NUM_SPLITS > 1
     part_out_ptr,  # [T, Hq, NUM_SPLITS, HEAD_DIM_PAD] float32, unnormalised partial outputs

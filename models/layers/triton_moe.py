@@ -41,7 +41,9 @@ NUM_WARPS = 4
 NUM_STAGES = 3
 
 
-@triton.jit
+# num_pairs (tokens x experts per token) changes every step: specialising on it (== 1, % 16 == 0) would
+# only add compiles while serving.
+@triton.jit(do_not_specialize=["num_pairs"])
 def _expert_matmul_kernel(
     a_ptr,  # [rows, K]: x (pair p reads token row p // PAIRS_PER_A_ROW) or one row per pair
     w_ptr,  # [E, N, K] each expert's weight, K contiguous

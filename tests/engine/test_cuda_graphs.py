@@ -25,6 +25,7 @@ from fake_graphs import PiecesByCalling, ReplayByCalling
 from engine.config import EngineConfig
 from engine.contract import SampledToken, SamplingParams, ScheduledSequence
 from engine.cuda_graphs import (
+    DecodeWords,
     GraphInputBuffers,
     bucket_for,
     capture_sizes,
@@ -69,14 +70,13 @@ def test_padding_rows_run_token_0_in_the_scratch_block():
         [decode("a", 11, 5, [3, 7]), decode("b", 12, 0, [2]), decode("c", 13, 8, [4, 5, 6])], BLOCK_SIZE
     )
     step = pad_decode_step(host, size=4, scratch_block=9)
-    ids, positions, slots = step.int64.view(3, 4)
-    assert ids.tolist() == [11, 12, 13, 0]
-    assert positions.tolist() == [5, 0, 8, 0]
+    words = DecodeWords.over(step.words, 4)
+    assert words.input_ids.tolist() == [11, 12, 13, 0]
+    assert words.positions.tolist() == [5, 0, 8, 0]
     # a: position 5 is block 7 offset 1; padding: the scratch block's first slot.
-    assert slots.tolist() == [7 * 4 + 1, 2 * 4, 6 * 4, 9 * 4]
-    seq_lens, seq_start_loc = step.int32[:4], step.int32[4:]
-    assert seq_lens.tolist() == [6, 1, 9, 1]
-    assert seq_start_loc.tolist() == [0, 6, 7, 16, 17]
+    assert words.slot_mapping.tolist() == [7 * 4 + 1, 2 * 4, 6 * 4, 9 * 4]
+    assert words.seq_lens.tolist() == [6, 1, 9, 1]
+    assert words.seq_start_loc.tolist() == [0, 6, 7, 16, 17]
     assert step.block_tables.tolist() == [[3, 7, 0], [2, 0, 0], [4, 5, 6], [9, 0, 0]]
 
 
@@ -105,8 +105,8 @@ def test_buffers_take_a_step_and_graphs_see_views_of_them():
     # Captured for the longest history: the host sizes a graph's kernels are specialised on.
     assert md.max_query_len == 1 and md.max_seq_len == 20 and md.seq_lens_cpu == [20, 20]
     # The graph of size 2 reads the same memory every time: views, not copies.
-    assert ids.data_ptr() == buffers.int64.data_ptr()
-    assert md.seq_lens.data_ptr() == buffers.int32.data_ptr()
+    assert ids.data_ptr() == buffers.words.data_ptr()
+    assert md.seq_lens.data_ptr() == buffers.words.data_ptr() + 6 * 2 * 4
     too_wide = build_host_inputs([decode("w", 1, 23, list(range(6)))], BLOCK_SIZE)
     with pytest.raises(ValueError, match="exceed"):
         buffers.load(pad_decode_step(too_wide, size=1, scratch_block=9))
