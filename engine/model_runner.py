@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -30,6 +31,8 @@ from engine.inputs import HostStepInputs, InputLimits, build_host_inputs, check_
 from engine.kv_cache import PagedKVCache, plan_kv_cache
 from engine.piecewise_graphs import PieceCapturer, PiecewiseGraphs
 from engine.pooling import pool_hidden
+from models.layers.attention import Attention
+from models.layers.attention_backends import WarmUpLayer
 
 if TYPE_CHECKING:
     from engine.distributed import RankGroups
@@ -147,6 +150,31 @@ class ModelRunner:
         self.piecewise_graphs: PiecewiseGraphs | None = None  # set by capture_piecewise_graphs
         # Whether steps replay the captured graphs (engine.bench turns it off to compare).
         self.use_cuda_graphs = False
+        if device.type == "cuda":
+            self.warm_up_attention()
+
+    def warm_up_attention(self) -> None:
+        """Have the attention backend compile every kernel variant a step of this model can need now,
+        not in the first serving step that needs it (models/layers/triton_attention.py,
+        compile_every_config)."""
+        backend = self.model.attn_backend
+        attentions = [m for m in self.model.modules() if isinstance(m, Attention)]
+        if backend is None or len(attentions) != len(self.kv_cache.layers):
+            return  # layers that share a cache, or none: nothing to pair them with
+        layers = [
+            WarmUpLayer(a.num_heads, a.sliding_window, k, v)
+            for a, (k, v) in zip(attentions, self.kv_cache.layers, strict=True)
+        ]
+        start = time.perf_counter()
+        ran = backend.warm_up(layers, self.dtype, self.kv_cache.scratch_block)
+        if ran:
+            torch.cuda.synchronize(self.device)
+            logger.info(
+                "attention: compiled %d %s kernel variants in %.2f s",
+                ran,
+                backend.name,
+                time.perf_counter() - start,
+            )
 
     def prepare_host(self, batch: Sequence[ScheduledSequence]) -> HostStepInputs:
         """The step's flat inputs on the host (a graph step copies them into its own buffers)."""

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -54,6 +55,22 @@ class AttentionBackend(ABC):
         window: int | None = None,  # sliding window in tokens (None: the whole history)
     ) -> torch.Tensor:  # [T, Hq, D]
         """Attention output for every query token."""
+
+    def warm_up(self, layers: Sequence[WarmUpLayer], dtype: torch.dtype, scratch_block: int) -> int:
+        """Compile now what forward would compile the first time a step needs it (a backend of
+        compiled kernels); `scratch_block` is a KV block no sequence owns. Returns the kernel variants
+        it ran (0: nothing to do, the default)."""
+        return 0
+
+
+@dataclass(frozen=True)
+class WarmUpLayer:
+    """What an attention layer runs its backend with, for `AttentionBackend.warm_up`."""
+
+    num_heads: int  # query heads (this rank's)
+    window: int | None  # sliding window in keys (None: the whole history)
+    k_cache: torch.Tensor  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor
 
 
 def history_slots(md: AttentionMetadata) -> torch.Tensor:
@@ -422,3 +439,19 @@ class TritonBackend(AttentionBackend):
             config,
             window=window,
         )
+
+    def warm_up(self, layers: Sequence[WarmUpLayer], dtype: torch.dtype, scratch_block: int) -> int:
+        """Every launch config the model's layers can meet, compiled at start-up (layers that differ
+        in nothing the kernel is compiled for run once)."""
+        seen: set[tuple[object, ...]] = set()
+        ran = 0
+        for layer in layers:
+            k = layer.k_cache
+            key = (layer.num_heads, layer.window, tuple(k.shape[1:]), k.dtype, k.device)
+            if key in seen:
+                continue
+            seen.add(key)
+            ran += self._kernels.compile_every_config(
+                dtype, k, layer.v_cache, layer.num_heads, layer.window, scratch_block
+            )
+        return ran

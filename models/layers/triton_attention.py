@@ -41,6 +41,8 @@ from triton.runtime.interpreter import InterpretedFunction
 MIN_DOT = 16
 # The most KV splits a decode step uses (a power of two: the merge loads them as one vector).
 MAX_SPLITS = 16
+# Keys per inner iteration of a decode step (prompt chunks: 64).
+DECODE_TILE_N = 32
 
 
 # num_seqs and the block tables' width change every step: specialising on them (== 1, % 16 == 0) would
@@ -282,22 +284,60 @@ def launch_config(
     """
     qpk = num_q_heads // num_kv_heads
     decode_only = max_query_len == 1
-    if decode_only:
-        block_m, block_q, tile_n = max(MIN_DOT, triton.next_power_of_2(qpk)), 1, 32
-    else:
-        block_m = max(64, triton.next_power_of_2(qpk))
-        block_q, tile_n = block_m // qpk, 64
     num_splits = 1
     if decode_only:
         programs = num_seqs * num_kv_heads
         target = 2 * _multiprocessor_count(device)
-        useful = max_seq_len // (2 * tile_n)  # at least two key tiles per split
+        useful = max_seq_len // (2 * DECODE_TILE_N)  # at least two key tiles per split
         if programs < target and useful >= 2:
             num_splits = min(
                 MAX_SPLITS, triton.next_power_of_2(-(-target // programs)), 1 << int(math.log2(useful))
             )
+    return _config(qpk, decode_only, num_splits)
+
+
+def _config(qpk: int, decode_only: bool, num_splits: int) -> LaunchConfig:
+    if decode_only:
+        block_m, block_q, tile_n = max(MIN_DOT, triton.next_power_of_2(qpk)), 1, DECODE_TILE_N
+    else:
+        block_m = max(64, triton.next_power_of_2(qpk))
+        block_q, tile_n = block_m // qpk, 64
     # Triton 3.7 does not turn these gathered loads into async copies, so more stages buy nothing.
     return LaunchConfig(block_m, block_q, tile_n, num_splits, decode_only, num_warps=4, num_stages=2)
+
+
+def every_launch_config(num_q_heads: int, num_kv_heads: int) -> list[LaunchConfig]:
+    """Every config `launch_config` can choose for these heads: the prompt chunks' one, and a decode one
+    per split count. They are the kernel's compile-time constants, so each is a compilation of its own
+    the first time a step needs it."""
+    qpk = num_q_heads // num_kv_heads
+    splits = [1 << i for i in range(int(math.log2(MAX_SPLITS)) + 1)]
+    return [_config(qpk, False, 1), *(_config(qpk, True, s) for s in splits)]
+
+
+def compile_every_config(
+    q_dtype: torch.dtype,
+    k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    num_q_heads: int,
+    window: int | None,
+    scratch_block: int,
+) -> int:
+    """Run each of `every_launch_config` once on a one-key history in `scratch_block` (which no
+    sequence owns), so that Triton compiles them now: a fresh machine compiles a variant in 0.5-1 s,
+    which would otherwise stall the serving step that first needs it (a decode step whose histories
+    just grew past a split boundary, with --enforce-eager or beyond the largest CUDA graph). Returns
+    how many configs ran. Arguments are laid out as a serving step's are (fresh, aligned tensors):
+    Triton also compiles per pointer alignment."""
+    device, head_dim = k_cache.device, k_cache.shape[-1]
+    q = torch.zeros(1, num_q_heads, head_dim, dtype=q_dtype, device=device)
+    tables = torch.full((1, 1), scratch_block, dtype=torch.int32, device=device)
+    seq_lens = torch.ones(1, dtype=torch.int32, device=device)
+    query_start_loc = torch.tensor([0, 1], dtype=torch.int32, device=device)
+    configs = every_launch_config(num_q_heads, k_cache.shape[2])
+    for config in configs:
+        paged_attention(q, k_cache, v_cache, tables, seq_lens, query_start_loc, 1.0, config, window=window)
+    return len(configs)
 
 
 def paged_attention(

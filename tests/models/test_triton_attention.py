@@ -179,6 +179,75 @@ def test_split_keys_decode_matches_sdpa(num_splits: int) -> None:
     torch.testing.assert_close(out, sdpa_reference(q, k_cache, v_cache, md, 0.125), atol=2e-5, rtol=2e-5)
 
 
+@pytest.mark.parametrize("heads", [(9, 3), (32, 8), (8, 1), (4, 4)])
+def test_every_config_a_step_can_choose_is_warmed_up(monkeypatch: pytest.MonkeyPatch, heads) -> None:
+    """Whatever a step's sizes, launch_config picks one of every_launch_config's configs (what start-up
+    compiles): on an H100's 132 multiprocessors, short and long histories, decodes and prompt chunks."""
+    pytest.importorskip("triton")
+    from models.layers import triton_attention
+
+    monkeypatch.setattr(triton_attention, "_multiprocessor_count", lambda device: 132)
+    warmed = set(triton_attention.every_launch_config(*heads))
+    chosen = {
+        triton_attention.launch_config(
+            num_tokens=num_seqs * query_len,
+            num_seqs=num_seqs,
+            max_query_len=query_len,
+            max_seq_len=seq_len,
+            num_q_heads=heads[0],
+            num_kv_heads=heads[1],
+            device=torch.device("cuda"),
+        )
+        for num_seqs in (1, 2, 3, 8, 16, 33, 64, 256, 1024)
+        for query_len in (1, 2, 64)
+        for seq_len in (1, 63, 64, 65, 200, 300, 1000, 4096, 131072)
+    }
+    assert chosen <= warmed
+    assert {c.num_splits for c in chosen if c.decode_only} == {1, 2, 4, 8, 16}  # the sweep reaches them all
+
+
+@needs_triton
+def test_warm_up_runs_each_config_once_per_kind_of_layer() -> None:
+    """The backend's warm-up runs every config on the scratch block, once for layers the kernel sees
+    alike (here two full-attention layers, and one windowed layer of its own), and leaves the cache's
+    real blocks untouched."""
+    from models.layers import triton_attention
+    from models.layers.attention_backends import WarmUpLayer
+
+    _, k_cache, v_cache, _ = random_step([5], [1], 4, 2, 32, 16, seed=3)
+    before = k_cache.clone(), v_cache.clone()
+    scratch = k_cache.shape[0] - 1
+    backend = select_attention_backend("triton", k_cache.device)
+    layers = [WarmUpLayer(4, None, k_cache, v_cache), WarmUpLayer(4, None, k_cache, v_cache)]
+    layers.append(WarmUpLayer(4, 8, k_cache, v_cache))
+    ran = backend.warm_up(layers, k_cache.dtype, scratch)
+    assert ran == 2 * len(triton_attention.every_launch_config(4, 2))
+    assert torch.equal(k_cache, before[0]) and torch.equal(v_cache, before[1])
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_after_warm_up_no_step_compiles_the_kernel() -> None:
+    """On a GPU: once every config is compiled, decodes of any history length and prompt chunks of any
+    size (eager, as with --enforce-eager or past the largest CUDA graph) compile nothing more."""
+    from models.layers import triton_attention
+
+    kernel = triton_attention._paged_attention_kernel
+
+    def compiled() -> int:
+        return sum(len(caches[0]) for caches in kernel.device_caches.values())
+
+    _, k_cache, v_cache, _ = random_step([5], [1], 8, 2, 64, 16, torch.float16, seed=1)
+    triton_attention.compile_every_config(torch.float16, k_cache, v_cache, 8, None, k_cache.shape[0] - 1)
+    torch.cuda.synchronize()
+    warmed = compiled()
+    for ctx, q_lens in [([0, 3, 40], [1, 1, 1]), ([700, 2], [1, 1]), ([30, 0], [1, 45]), ([200], [9])]:
+        q, k, v, md = random_step(ctx, q_lens, 8, 2, 64, 16, torch.float16, seed=len(ctx))
+        run_backend(q, k, v, md, 0.125)
+    torch.cuda.synchronize()
+    assert compiled() == warmed
+
+
 @needs_triton
 def test_split_keys_over_prompt_chunks_matches_sdpa() -> None:
     """launch_config splits only decode steps, but the kernel takes any split count: here a chunk's
