@@ -46,3 +46,18 @@ def test_the_benchmark_compares_speculation_on_and_off(tiny_llama_dir: Path, tmp
     assert off > 0 and on > 0 and acceptance.endswith("%")  # the tiny model repeats itself: proposals
     assert (tmp_path / "quote-c1.json").is_file()
     assert "| quote c=1" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("flags", "quote", "chat"),
+    [([], "--no-ignore-eos", "--ignore-eos"), (["--ignore-eos"], "--ignore-eos", "--ignore-eos")]
+    + [(["--no-ignore-eos"], "--no-ignore-eos", "--no-ignore-eos")],
+)
+def test_quote_answers_end_at_the_end_of_turn_unless_told(flags: list[str], quote: str, chat: str) -> None:
+    """Past its end of turn a small model invents text that quotes nothing: by default the quote
+    scenario lets answers end there (the same token with speculation and without, under greedy), the
+    chat scenario keeps exact lengths; the flag sets both."""
+    a = speculation.build_parser().parse_args(flags)
+    for workload, expect in (("quote", quote), ("chat", chat)):
+        args = speculation.loadtest_args(speculation.Scenario(workload, 1), a, "off", "on", Path("out.json"))
+        assert expect in args and len({"--ignore-eos", "--no-ignore-eos"} & set(args)) == 1
