@@ -6,7 +6,9 @@ optionally, a py-spy sample of its threads (`py-spy record --threads --format ra
 scripts/gpu_check.sh's `profile` phase records both while the load test runs. The feed says how busy the
 runner was (the sum of step durations against the wall time the steps spanned) and what each kind of step
 cost; py-spy says what the other threads did meanwhile (the asyncio loop's scheduling, detokenizing and
-streaming, which the runner's time does not include).
+streaming, which the runner's time does not include). A recording with C frames (`py-spy record --native
+--idle`, the profile phase's PROFILE_NATIVE=1) also says how much of each thread waited to retake the GIL
+and where.
 """
 
 from __future__ import annotations
@@ -116,6 +118,58 @@ def summarize_py_spy(path: Path, top: int = 25) -> list[str]:
     return lines
 
 
+# C frames (py-spy --native) in which a thread waits to take the GIL back: libtorch_python's guards
+# around every torch call that released it, and CPython's own.
+GIL_WAIT_FRAMES = ("gil_scoped_acquire", "gil_scoped_release", "take_gil", "PyEval_RestoreThread")
+GIL_WAIT_FRAMES += ("PyEval_AcquireThread", "PyGILState_Ensure")
+# ... and in which it waits for a lock (an executor's queue: no work yet).
+LOCK_WAIT_FRAMES = ("PyThread_acquire_lock", "PyMutex_Lock")
+
+
+def summarize_waits(path: Path, top: int = 10) -> list[str]:
+    """From a recording with C frames and idle samples (`py-spy record --native --idle`): per thread,
+    the samples spent waiting to retake the GIL and waiting on a lock, and the Python lines where the
+    GIL waits happened. Empty when the recording has no C frames."""
+    total: Counter[str] = Counter()
+    gil: Counter[str] = Counter()
+    lock: Counter[str] = Counter()
+    where: dict[str, Counter[str]] = defaultdict(Counter)
+    native = False
+    for line in path.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if not stack or not count_text.isdigit():
+            continue
+        count = int(count_text)
+        thread, *frames = stack.split(";")
+        total[thread] += count
+        python = [i for i, f in enumerate(frames) if _is_python(f)]
+        tail = frames[python[-1] + 1 :] if python else frames
+        native = native or bool(tail)
+        if any(w in f for f in tail for w in GIL_WAIT_FRAMES):
+            gil[thread] += count
+            if python:
+                function, _, at = frames[python[-1]].partition(" (")
+                where[thread][f"{'/'.join(Path(at.rstrip(')')).parts[-2:])} {function}"] += count
+        elif any(w in f for f in tail for w in LOCK_WAIT_FRAMES):
+            lock[thread] += count
+    if not native:
+        return []
+    lines = ["waits (C frames):"]
+    for thread, samples in total.most_common():
+        lines.append(
+            f"{thread}: {gil[thread]} of {samples} samples waiting to retake the GIL "
+            f"({gil[thread] / samples:.0%}), {lock[thread]} waiting on a lock or queue "
+            f"({lock[thread] / samples:.0%})"
+        )
+        lines += [f"    {n:6d}  {at}" for at, n in where[thread].most_common(top)]
+    return lines
+
+
+def _is_python(frame: str) -> bool:
+    _, _, where = frame.partition(" (")
+    return ".py:" in where or where.startswith(("<string>", "<frozen"))
+
+
 def _frame_name(frame: str) -> str:
     """`function (path/to/file.py:123)` -> `file.py:function`, so lines of one function add up."""
     function, _, where = frame.partition(" (")
@@ -134,6 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     print("\n".join(summarize_feed(read_feed(args.feed))))
     if args.py_spy and args.py_spy.exists():
         print("\n".join(summarize_py_spy(args.py_spy, args.top)))
+        print("\n".join(summarize_waits(args.py_spy)))
 
 
 if __name__ == "__main__":

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from loadtest.step_profile import main, read_feed, summarize_feed, summarize_py_spy
+from loadtest.step_profile import main, read_feed, summarize_feed, summarize_py_spy, summarize_waits
 from scheduler.outputs import StepReport
 from server.live_feed import encode_message
 
@@ -79,3 +79,38 @@ def test_cli_prints_both(tmp_path: Path, capsys) -> None:
     out = capsys.readouterr().out
     assert "period 0: 1 steps" in out
     assert "thread (7): MainThread: 4 samples" in out
+
+
+def test_native_recording_says_how_long_each_thread_waited_for_the_gil(tmp_path: Path) -> None:
+    raw = tmp_path / "py-spy-idle.txt"
+    raw.write_text(
+        # a torch call released the GIL and waits to take it back, at two lines
+        "thread (2): orca-step_0;load (engine/cuda_graphs.py:161);THPVariable_copy_ (libtorch_python.so);"
+        "pybind11::gil_scoped_release::~gil_scoped_release (libtorch_python.so);0x1 (libc.so.6) 6\n"
+        "thread (2): orca-step_0;pad (engine/cuda_graphs.py:110);"
+        "pybind11::gil_scoped_acquire::gil_scoped_acquire (libtorch_python.so) 2\n"
+        # no work yet: the executor's queue
+        "thread (2): orca-step_0;_worker (concurrent/futures/thread.py:89);"
+        "PyThread_acquire_lock_timed (python3.12) 4\n"
+        # on a CPU in Python, and in a CUDA call
+        "thread (2): orca-step_0;run (engine/model_runner.py:300) 5\n"
+        "thread (2): orca-step_0;replay (torch/cuda/graphs.py:139);0x2 (libcuda.so) 3\n"
+        "thread (1): MainThread;run (asyncio/runners.py:118);0x3 (libc.so.6) 10\n"
+    )
+    lines = summarize_waits(raw, top=5)
+    assert lines[0] == "waits (C frames):"
+    assert (
+        "thread (2): orca-step_0: 8 of 20 samples waiting to retake the GIL (40%), 4 waiting on a lock or queue (20%)"
+        in lines
+    )
+    assert "         6  engine/cuda_graphs.py:161 load" in lines
+    assert (
+        "thread (1): MainThread: 0 of 10 samples waiting to retake the GIL (0%), 0 waiting on a lock or queue (0%)"
+        in lines
+    )
+
+
+def test_a_recording_without_c_frames_has_no_waits_section(tmp_path: Path) -> None:
+    raw = tmp_path / "py-spy.txt"
+    raw.write_text("thread (1): MainThread;run (asyncio/runners.py:118) 3\n")
+    assert summarize_waits(raw) == []
