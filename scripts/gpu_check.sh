@@ -7,6 +7,8 @@
 #   bash scripts/gpu_check.sh bench       # engine.bench: default model's shape and Llama-3-8B's, graphs
 #                                         # on/off, HF, roofline, prefill; batch-1 profiles
 #   bash scripts/gpu_check.sh http        # the full experiment of docs/benchmarks.md, shortened
+#   bash scripts/gpu_check.sh profile     # one server under load: per-step times, py-spy of its threads
+#                                         # (PROFILE_NATIVE=1: with C frames, i.e. the GIL waits)
 #
 # With no phase named it runs them all in turn. Before: scripts/gpu_prepare.sh on a machine with the
 # network fills .whl/ (wheels the GPU image lacks) and .gpu-assets/ (the tokenizer); carry both.
