@@ -17,6 +17,7 @@ import argparse
 import json
 import statistics
 from collections import Counter, defaultdict
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -96,12 +97,7 @@ def summarize_py_spy(path: Path, top: int = 25) -> list[str]:
     per_thread: Counter[str] = Counter()
     inclusive: dict[str, Counter[str]] = defaultdict(Counter)
     leaf: dict[str, Counter[str]] = defaultdict(Counter)
-    for line in path.read_text().splitlines():
-        stack, _, count_text = line.rpartition(" ")
-        if not stack or not count_text.isdigit():
-            continue
-        count = int(count_text)
-        thread, *frames = stack.split(";")
+    for thread, frames, count in _samples(path):
         per_thread[thread] += count
         names = [_frame_name(f) for f in frames]
         for name in set(names):
@@ -135,12 +131,7 @@ def summarize_waits(path: Path, top: int = 10) -> list[str]:
     lock: Counter[str] = Counter()
     where: dict[str, Counter[str]] = defaultdict(Counter)
     native = False
-    for line in path.read_text().splitlines():
-        stack, _, count_text = line.rpartition(" ")
-        if not stack or not count_text.isdigit():
-            continue
-        count = int(count_text)
-        thread, *frames = stack.split(";")
+    for thread, frames, count in _samples(path):
         total[thread] += count
         python = [i for i, f in enumerate(frames) if _is_python(f)]
         tail = frames[python[-1] + 1 :] if python else frames
@@ -163,6 +154,15 @@ def summarize_waits(path: Path, top: int = 10) -> list[str]:
         )
         lines += [f"    {n:6d}  {at}" for at, n in where[thread].most_common(top)]
     return lines
+
+
+def _samples(path: Path) -> Iterator[tuple[str, list[str], int]]:
+    """(thread, frames from the outermost, samples) of each line of a `py-spy --format raw` file."""
+    for line in path.read_text().splitlines():
+        stack, _, count_text = line.rpartition(" ")
+        if stack and count_text.isdigit():
+            thread, *frames = stack.split(";")
+            yield thread, frames, int(count_text)
 
 
 def _is_python(frame: str) -> bool:

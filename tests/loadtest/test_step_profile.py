@@ -56,12 +56,19 @@ def test_reads_each_step_once_with_its_shape(tmp_path: Path) -> None:
     assert "mixed  <=   256 tokens:    1 steps, median   12.00 ms" in summary
 
 
-def test_py_spy_samples_per_thread_and_function(tmp_path: Path) -> None:
+def _py_spy(tmp_path: Path, *lines: str) -> Path:
+    """A `py-spy record --format raw` file of these lines (each: thread;frames... samples)."""
     raw = tmp_path / "py-spy.txt"
-    raw.write_text(
-        "thread (1): MainThread;run (asyncio/runners.py:118);send (h11_impl.py:40) 30\n"
-        "thread (1): MainThread;run (asyncio/runners.py:118);send (h11_impl.py:52) 10\n"
-        "thread (2): orca-step_0;_run_step (scheduler/loop.py:430);__call__ (engine/sampler.py:222) 60\n"
+    raw.write_text("".join(f"{line}\n" for line in lines))
+    return raw
+
+
+def test_py_spy_samples_per_thread_and_function(tmp_path: Path) -> None:
+    raw = _py_spy(
+        tmp_path,
+        "thread (1): MainThread;run (asyncio/runners.py:118);send (h11_impl.py:40) 30",
+        "thread (1): MainThread;run (asyncio/runners.py:118);send (h11_impl.py:52) 10",
+        "thread (2): orca-step_0;_run_step (scheduler/loop.py:430);__call__ (engine/sampler.py:222) 60",
     )
     lines = summarize_py_spy(raw, top=5)
     assert lines[0] == "thread (2): orca-step_0: 60 samples"
@@ -73,8 +80,7 @@ def test_py_spy_samples_per_thread_and_function(tmp_path: Path) -> None:
 
 def test_cli_prints_both(tmp_path: Path, capsys) -> None:
     path = _capture(tmp_path, [[_report(1, [1], [True], 1.5)]])
-    raw = tmp_path / "py-spy.txt"
-    raw.write_text("thread (7): MainThread;serve (server/cli.py:10) 4\n")
+    raw = _py_spy(tmp_path, "thread (7): MainThread;serve (server/cli.py:10) 4")
     main([str(path), "--py-spy", str(raw)])
     out = capsys.readouterr().out
     assert "period 0: 1 steps" in out
@@ -82,20 +88,19 @@ def test_cli_prints_both(tmp_path: Path, capsys) -> None:
 
 
 def test_native_recording_says_how_long_each_thread_waited_for_the_gil(tmp_path: Path) -> None:
-    raw = tmp_path / "py-spy-idle.txt"
-    raw.write_text(
+    raw = _py_spy(
+        tmp_path,
         # a torch call released the GIL and waits to take it back, at two lines
         "thread (2): orca-step_0;load (engine/cuda_graphs.py:161);THPVariable_copy_ (libtorch_python.so);"
-        "pybind11::gil_scoped_release::~gil_scoped_release (libtorch_python.so);0x1 (libc.so.6) 6\n"
+        "pybind11::gil_scoped_release::~gil_scoped_release (libtorch_python.so);0x1 (libc.so.6) 6",
         "thread (2): orca-step_0;pad (engine/cuda_graphs.py:110);"
-        "pybind11::gil_scoped_acquire::gil_scoped_acquire (libtorch_python.so) 2\n"
+        "pybind11::gil_scoped_acquire::gil_scoped_acquire (libtorch_python.so) 2",
         # no work yet: the executor's queue
-        "thread (2): orca-step_0;_worker (concurrent/futures/thread.py:89);"
-        "PyThread_acquire_lock_timed (python3.12) 4\n"
+        "thread (2): orca-step_0;_worker (concurrent/futures/thread.py:89);PyThread_acquire_lock_timed (python3.12) 4",
         # on a CPU in Python, and in a CUDA call
-        "thread (2): orca-step_0;run (engine/model_runner.py:300) 5\n"
-        "thread (2): orca-step_0;replay (torch/cuda/graphs.py:139);0x2 (libcuda.so) 3\n"
-        "thread (1): MainThread;run (asyncio/runners.py:118);0x3 (libc.so.6) 10\n"
+        "thread (2): orca-step_0;run (engine/model_runner.py:300) 5",
+        "thread (2): orca-step_0;replay (torch/cuda/graphs.py:139);0x2 (libcuda.so) 3",
+        "thread (1): MainThread;run (asyncio/runners.py:118);0x3 (libc.so.6) 10",
     )
     lines = summarize_waits(raw, top=5)
     assert lines[0] == "waits (C frames):"
@@ -111,6 +116,4 @@ def test_native_recording_says_how_long_each_thread_waited_for_the_gil(tmp_path:
 
 
 def test_a_recording_without_c_frames_has_no_waits_section(tmp_path: Path) -> None:
-    raw = tmp_path / "py-spy.txt"
-    raw.write_text("thread (1): MainThread;run (asyncio/runners.py:118) 3\n")
-    assert summarize_waits(raw) == []
+    assert summarize_waits(_py_spy(tmp_path, "thread (1): MainThread;run (asyncio/runners.py:118) 3")) == []
