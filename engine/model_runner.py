@@ -151,9 +151,9 @@ class ModelRunner:
         # Whether steps replay the captured graphs (engine.bench turns it off to compare).
         self.use_cuda_graphs = False
         if device.type == "cuda":
-            self.warm_up_attention()
+            self._warm_up_attention()
 
-    def warm_up_attention(self) -> None:
+    def _warm_up_attention(self) -> None:
         """Have the attention backend compile every kernel variant a step of this model can need now,
         not in the first serving step that needs it (models/layers/triton_attention.py,
         compile_every_config)."""

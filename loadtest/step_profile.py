@@ -140,7 +140,7 @@ def summarize_waits(path: Path, top: int = 10) -> list[str]:
             gil[thread] += count
             if python:
                 function, _, at = frames[python[-1]].partition(" (")
-                where[thread][f"{'/'.join(Path(at.rstrip(')')).parts[-2:])} {function}"] += count
+                where[thread][f"{_short_path(at.rstrip(')'))} {function}"] += count
         elif any(w in f for f in tail for w in LOCK_WAIT_FRAMES):
             lock[thread] += count
     if not native:
@@ -173,8 +173,12 @@ def _is_python(frame: str) -> bool:
 def _frame_name(frame: str) -> str:
     """`function (path/to/file.py:123)` -> `file.py:function`, so lines of one function add up."""
     function, _, where = frame.partition(" (")
-    file = where.rstrip(")").rsplit(":", 1)[0]
-    return f"{'/'.join(Path(file).parts[-2:])}:{function}"
+    return f"{_short_path(where.rstrip(')').rsplit(':', 1)[0])}:{function}"
+
+
+def _short_path(path: str) -> str:
+    """The last folder and the file (`engine/cuda_graphs.py`, `engine/cuda_graphs.py:161`)."""
+    return "/".join(Path(path).parts[-2:])
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -187,8 +191,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     print("\n".join(summarize_feed(read_feed(args.feed))))
     if args.py_spy and args.py_spy.exists():
-        print("\n".join(summarize_py_spy(args.py_spy, args.top)))
-        print("\n".join(summarize_waits(args.py_spy)))
+        print("\n".join(summarize_py_spy(args.py_spy, args.top) + summarize_waits(args.py_spy)))
 
 
 if __name__ == "__main__":
