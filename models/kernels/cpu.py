@@ -150,6 +150,8 @@ def _declare(lib: ctypes.CDLL) -> None:
     lib.orca_qdequant_rows.argtypes = [ptr, i32, i64, i64, ptr, i64, ptr]
     lib.orca_paged_decode_attention.restype = ctypes.c_int
     lib.orca_paged_decode_attention.argtypes = [ptr] * 5 + [i64] * 6 + [ctypes.c_float, i64, i32, ptr]
+    lib.orca_paged_prefill_attention.restype = ctypes.c_int
+    lib.orca_paged_prefill_attention.argtypes = [ptr] * 6 + [i64] * 6 + [ctypes.c_float, i64, i32, ptr]
     lib.orca_rms_norm.restype = None
     lib.orca_rms_norm.argtypes = [ptr, ptr, ptr, ctypes.c_float, i64, i64, ptr]
     lib.orca_qk_norm.restype = None
@@ -395,6 +397,65 @@ class Kernels:
             )
         return out
 
+    def paged_prefill_attention(
+        self,
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        query_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        scale: float,
+        window: int | None = None,
+    ) -> torch.Tensor:
+        """[T, Hq, D] causal attention of the prompt chunks of a step over their paged histories:
+        sequence i's query_lens[i] rows (back to back in q) are the last of its seq_lens[i] positions,
+        each seeing the keys up to its own (with a sliding `window`, its last `window` of them).
+
+        q [T, Hq, D] float32, T = sum(query_lens); caches and block_tables [n, max_blocks] as for
+        paged_decode_attention; query_lens, seq_lens [n] int32. A row's result does not depend on how
+        its prompt was chunked or what else is in the step (paged_prefill_attention.c).
+        """
+        t, hq, d = q.shape
+        num_blocks, block_size, hkv, _ = k_cache.shape
+        q = q.contiguous()
+        _require_f32("q", q)
+        kv_type = _require_caches(k_cache, v_cache, (num_blocks, block_size, hkv, d))
+        tables = block_tables.to(torch.int32).contiguous()
+        qlens = query_lens.to(torch.int32).contiguous()
+        lens = seq_lens.to(torch.int32).contiguous()
+        n = qlens.shape[0]
+        if tables.dim() != 2 or tables.shape[0] != n or tuple(lens.shape) != (n,) or int(qlens.sum()) != t:
+            raise ValueError(
+                f"block_tables {tuple(tables.shape)} / query_lens {tuple(qlens.shape)} / seq_lens "
+                f"{tuple(lens.shape)} do not match {t} query rows"
+            )
+        out = torch.empty_like(q)
+        rc = self.lib.orca_paged_prefill_attention(
+            q.data_ptr(),
+            k_cache.data_ptr(),
+            v_cache.data_ptr(),
+            tables.data_ptr(),
+            qlens.data_ptr(),
+            lens.data_ptr(),
+            n,
+            hq,
+            hkv,
+            d,
+            block_size,
+            tables.shape[1],
+            scale,
+            window or 0,
+            kv_type,
+            out.data_ptr(),
+        )
+        if rc:
+            raise ValueError(
+                f"paged prefill attention: unsupported shapes q {tuple(q.shape)}, cache {tuple(k_cache.shape)}"
+                " or lengths (each query_len in 1..seq_len)"
+            )
+        return out
+
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
     ) -> torch.Tensor:
@@ -555,6 +616,7 @@ def _chosen(method: Callable[Concatenate[Kernels, P], R]) -> Callable[P, R]:
 quant_linear = _chosen(Kernels.quant_linear)
 dequant_rows = _chosen(Kernels.dequant_rows)
 paged_decode_attention = _chosen(Kernels.paged_decode_attention)
+paged_prefill_attention = _chosen(Kernels.paged_prefill_attention)
 rms_norm = _chosen(Kernels.rms_norm)
 qk_norm = _chosen(Kernels.qk_norm)
 router_logits = _chosen(Kernels.router_logits)
@@ -567,6 +629,7 @@ NATIVE_OPS = (
     "quant_linear",
     "dequant_rows",
     "paged_decode_attention",
+    "paged_prefill_attention",
     "rms_norm",
     "qk_norm",
     "router_logits",
@@ -585,6 +648,20 @@ def supports_decode_attention(
         head_dim % 8 == 0
         and head_dim <= 256
         and num_heads % num_kv_heads == 0
+        and kv_row_width(kv_dtype, head_dim) is not None
+    )
+
+
+def supports_prefill_attention(
+    head_dim: int, num_heads: int, num_kv_heads: int, kv_dtype: torch.dtype = torch.float32
+) -> bool:
+    """Shapes and cache types the prefill attention kernel takes (orca_paged_prefill_attention's
+    checks): head sizes a multiple of 16 up to 256, GQA groups of at most 256 query heads."""
+    return (
+        head_dim % 16 == 0
+        and head_dim <= 256
+        and num_heads % num_kv_heads == 0
+        and num_heads // num_kv_heads <= 256
         and kv_row_width(kv_dtype, head_dim) is not None
     )
 

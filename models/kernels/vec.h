@@ -20,6 +20,8 @@ typedef __m512i vi;
 #define vf_zero _mm512_setzero_ps
 #define vf_set1 _mm512_set1_ps
 #define vf_mul _mm512_mul_ps
+#define vf_add _mm512_add_ps
+#define vf_sub _mm512_sub_ps
 #define vf_max _mm512_max_ps
 #define vf_fma _mm512_fmadd_ps
 #define vf_loadu _mm512_loadu_ps
@@ -128,6 +130,8 @@ typedef __m256i vi;
 #define vf_zero _mm256_setzero_ps
 #define vf_set1 _mm256_set1_ps
 #define vf_mul _mm256_mul_ps
+#define vf_add _mm256_add_ps
+#define vf_sub _mm256_sub_ps
 #define vf_max _mm256_max_ps
 #define vf_fma _mm256_fmadd_ps
 #define vf_loadu _mm256_loadu_ps

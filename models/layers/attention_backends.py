@@ -205,12 +205,22 @@ class SdpaBackend(AttentionBackend):
 
 
 @dataclass
+class _PromptChunks:
+    """The requests after the leading decodes, as the native prefill kernel takes them."""
+
+    block_tables: torch.Tensor  # [n, max_blocks] int32, contiguous
+    query_lens: torch.Tensor  # [n] int32: each one's new tokens (its rows of q, back to back)
+    seq_lens: torch.Tensor  # [n] int32: its history after this step, the new tokens the last of it
+
+
+@dataclass
 class _DecodePlan:
     num_decodes: int  # the leading requests with one query token each, batched together
     block_tables: torch.Tensor | None  # [num_decodes, max_blocks] int32, contiguous
     seq_lens: torch.Tensor | None  # [num_decodes] int32
     max_len: int  # longest history among them
-    rest: SdpaPlan | None  # the other requests, per-request sdpa
+    rest: SdpaPlan | None  # the other requests, per-request sdpa (where the native kernels do not fit)
+    chunks: _PromptChunks | None  # the same requests for the native prefill kernel
     # The torch path's padded gather index, built by the first layer that needs it, and its masks
     # (key position < seq_len, and within the window), one per window.
     slots: torch.Tensor | None = None  # [num_decodes, max_len] int64 cache slots (padding: a valid slot)
@@ -218,14 +228,16 @@ class _DecodePlan:
 
 
 class BatchedDecodeBackend(AttentionBackend):
-    """All decode tokens of a step in one call; prompt chunks after them through per-request sdpa.
+    """All decode tokens of a step in one call, then all prompt chunks in another.
 
     Per-request Python work is what dominates small-batch decode on a CPU; here a decode step costs a
     fixed handful of ops per layer whatever the batch size. The engine puts decode tokens first, so the
     leading run of one-token requests is batched. Float32 queries on a CPU with the native kernels
     (models/kernels/cpu.py) read K/V in place from the paged cache, in the cache's own element type
     (float32, float16, bfloat16 or q8_0); otherwise every history is gathered (and widened to the
-    queries' dtype) into a padded [B, Hkv, max_len, D] tensor for one masked sdpa.
+    queries' dtype) into a padded [B, Hkv, max_len, D] tensor for one masked sdpa. The prompt chunks
+    (several query rows a request: prefill, a chunk after a cached prefix) go to the native prefill
+    kernel likewise, in place from the cache, or else through per-request sdpa.
     """
 
     name = "cpu-decode"
@@ -239,11 +251,18 @@ class BatchedDecodeBackend(AttentionBackend):
         while n < md.num_seqs and md.query_lens_cpu[n] == 1:
             n += 1
         rest = self._sdpa.plan(md, first=n) if n < md.num_seqs else None
+        chunks = None
+        if rest is not None and self._native:
+            chunks = _PromptChunks(
+                md.block_tables[n:].to(torch.int32).contiguous(),
+                torch.tensor(md.query_lens_cpu[n:], dtype=torch.int32),
+                md.seq_lens[n:].to(torch.int32).contiguous(),
+            )
         if n == 0:
-            return _DecodePlan(0, None, None, 0, rest)
+            return _DecodePlan(0, None, None, 0, rest, chunks)
         tables = md.block_tables[:n].to(torch.int32).contiguous()
         lens = md.seq_lens[:n].to(torch.int32).contiguous()
-        return _DecodePlan(n, tables, lens, max(md.seq_lens_cpu[:n]), rest)
+        return _DecodePlan(n, tables, lens, max(md.seq_lens_cpu[:n]), rest, chunks)
 
     def _padded(
         self, plan: _DecodePlan, block_size: int, window: int | None
@@ -263,14 +282,19 @@ class BatchedDecodeBackend(AttentionBackend):
             mask = plan.masks[window] = visible.view(n, 1, 1, plan.max_len)
         return plan.slots, mask
 
-    def _native_fits(self, q: torch.Tensor, k_cache: torch.Tensor) -> bool:
+    def _native_fits(self, q: torch.Tensor, k_cache: torch.Tensor, prompts: bool = False) -> bool:
+        """Whether the native kernel takes this layer's shapes: the decode one, or with `prompts` the
+        prefill one."""
         h_kv, d = k_cache.shape[-2], q.shape[-1]
+        supports = (
+            cpu_kernels.supports_prefill_attention if prompts else cpu_kernels.supports_decode_attention
+        )
         return (
             self._native
             and q.device.type == "cpu"
             and q.dtype == torch.float32
             and k_cache.is_contiguous()
-            and cpu_kernels.supports_decode_attention(d, q.shape[1], h_kv, k_cache.dtype)
+            and supports(d, q.shape[1], h_kv, k_cache.dtype)
         )
 
     def forward(self, q, k_cache, v_cache, md, plan, scale, window=None):
@@ -290,7 +314,14 @@ class BatchedDecodeBackend(AttentionBackend):
             qd = q[:n].unsqueeze(2)  # [n, Hq, 1, D]
             o = F.scaled_dot_product_attention(qd, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
             outs.append(o.squeeze(2))  # [n, Hq, D]
-        if plan.rest is not None:
+        if plan.chunks is not None and self._native_fits(q, k_cache, prompts=True):
+            c = plan.chunks
+            outs.append(
+                cpu_kernels.paged_prefill_attention(
+                    q[n:], k_cache, v_cache, c.block_tables, c.query_lens, c.seq_lens, scale, window
+                )
+            )
+        elif plan.rest is not None:
             outs.append(self._sdpa.forward(q, k_cache, v_cache, md, plan.rest, scale, window))
         return outs[0] if len(outs) == 1 else torch.cat(outs, dim=0)
 

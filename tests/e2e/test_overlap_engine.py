@@ -52,7 +52,7 @@ async def run(runner: LocalExecutor, config: SchedulerConfig, specs) -> list[tup
 
     async def one(rid: str, tokens: list[int], params: SamplingParams) -> tuple:
         deltas = [d async for d in loop.generate(tokens, params, rid)]
-        logprobs = [(t.token_id, round(t.logprob, 5)) for d in deltas for t in d.logprobs or ()]
+        logprobs = [(t.token_id, t.logprob) for d in deltas for t in d.logprobs or ()]
         return [t for d in deltas for t in d.token_ids], deltas[-1].finish_reason, deltas[-1].error, logprobs
 
     try:
@@ -118,7 +118,14 @@ async def test_the_same_output_with_overlap_on_and_off(runners, tokenizer, runne
 
     sync = await run(runner, replace(config, overlap_schedule=False), batch())
     overlapped = await run(runner, replace(config, overlap_schedule=True), batch())
-    assert overlapped == sync
+    # Tokens, finish reasons and errors exactly; logprob values to float32 noise: the tiny float32
+    # model's linears run in torch's matmul, whose rows can move by an ulp with the batch's row count,
+    # and the two modes batch differently (the packed GGUF kernels are batch-invariant; their own
+    # tests say so bit for bit).
+    assert [o[:3] for o in overlapped] == [o[:3] for o in sync]
+    for got, want in zip(overlapped, sync, strict=True):
+        assert [t for t, _ in got[3]] == [t for t, _ in want[3]]
+        assert [lp for _, lp in got[3]] == pytest.approx([lp for _, lp in want[3]], abs=1e-5)
     by_id = dict(zip([s[0] for s in batch()], sync, strict=True))
     assert by_id["plain"][0] == plain and by_id["stop id"][0] == plain[:stop_at] and stop_at < len(plain)
     assert all(r[2] is None for r in sync)
