@@ -23,7 +23,7 @@ from engine.contract import (
 from scheduler.block_allocator import BlockAllocator, BlockHash, blocks_for_tokens
 from scheduler.config import SchedulerConfig
 from scheduler.outputs import FinishReason, PrefixCacheStats, SchedulerStats, SpecStats
-from scheduler.policy import make_batching_policy, make_kv_policy
+from scheduler.policy import MIN_PROMPT_CHUNK, make_batching_policy, make_kv_policy
 from scheduler.request import Request, RequestStatus
 from scheduler.speculation import Proposal, SpeculationPolicy
 from scheduler.stop import check_stop
@@ -409,9 +409,17 @@ class Scheduler:
         return out
 
     def _prompt_share(self, num_uncomputed: int, budget: int, alone: bool) -> int:
-        """Tokens of a prompt (or of a recompute) to run this step: 0 if it must wait."""
+        """Tokens of a prompt (or of a recompute) to run this step: 0 if it must wait. A chunk of a
+        longer prompt is MIN_PROMPT_CHUNK tokens or more and leaves as many, unless the whole budget
+        is smaller."""
         if self.config.chunked_prefill:
-            return min(num_uncomputed, budget)
+            share = min(num_uncomputed, budget)
+            if share < num_uncomputed:
+                fitted = min(share, num_uncomputed - MIN_PROMPT_CHUNK)
+                if fitted >= MIN_PROMPT_CHUNK:
+                    return fitted
+                return 0 if budget < self.config.max_num_batched_tokens else share
+            return share
         if num_uncomputed <= budget:
             return num_uncomputed
         # Without chunking a prompt longer than the whole budget would never fit: it runs alone.

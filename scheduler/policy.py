@@ -9,6 +9,12 @@ from scheduler.block_allocator import BlockAllocator, BlockHash, blocks_for_toke
 from scheduler.config import SchedulerConfig
 from scheduler.request import Request
 
+# The fewest tokens of a prompt that run in one step, but for a prompt of one token or a token budget
+# too small to split it so: a chunk of one token would run through the decode attention kernel, and a
+# prompt row must get the same bits whether its prompt came whole, in chunks or after a cached prefix
+# (the prompt kernel's results depend on the row alone: models/kernels/paged_prefill_attention.c).
+MIN_PROMPT_CHUNK = 2
+
 # --------------------------------------------------------------------------------------------------
 # KV policies
 
@@ -74,12 +80,16 @@ class KVPolicy(ABC):
 
     def num_cacheable_blocks(self, req: Request) -> int:
         """Blocks of the request that may come from the cache: the last token is always computed, since
-        its logits give the next token; none for a request that scores its prompt (prompt logprobs
-        need the logits at every prompt position, as in vLLM) nor for an embedding that pools over
-        the first or every token (it needs their hidden states; "last" needs the last token's only)."""
+        its logits give the next token, and so is the one before it: what follows a cached prefix is
+        then a chunk of two tokens or more, which runs through the prompt attention kernel like the
+        whole prompt would, never through the decode one (a row's result then does not depend on
+        whether its prefix came from the cache; MIN_PROMPT_CHUNK). None for a request that scores
+        its prompt (prompt logprobs need the logits at every prompt position, as in vLLM) nor for an
+        embedding that pools over the first or every token (it needs their hidden states; "last" needs
+        the last token's only)."""
         if req.sampling.prompt_logprobs is not None or req.pooling in ("mean", "cls"):
             return 0
-        return (req.num_tokens - 1) // self.block_size
+        return max(0, req.num_tokens - MIN_PROMPT_CHUNK) // self.block_size
 
     def cached_prefix(self, req: Request) -> list[int]:
         """The cached blocks that continue the request from its first uncomputed block: the longest run

@@ -186,3 +186,40 @@ async def test_mixture_of_experts_from_the_cache_batched_with_others(model: str,
         got = await run.together([*prompts, *strangers])
     assert got == await cold(moe, [*prompts, *strangers])
     assert all(run.cached[f"r{i}"] == 28 for i in range(1, 4))
+
+
+async def logprobs_of(
+    runner: LocalExecutor, prompts: list[list[int]], **cfg
+) -> list[tuple[list[tuple[int, float]], int]]:
+    """Each prompt's greedy tokens with their logprobs, and its cached tokens, one request after the
+    other on one engine."""
+    loop = IterationLoop(runner, SchedulerConfig(**cfg))
+    await loop.start()
+    try:
+        out = []
+        for i, p in enumerate(prompts):
+            params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
+            deltas = [d async for d in loop.generate(p, params, f"r{i}")]
+            assert deltas[-1].error is None
+            tokens = [(t.token_id, t.logprob) for d in deltas for t in d.logprobs or ()]
+            out.append((tokens, deltas[-1].num_cached_tokens))
+        return out
+    finally:
+        await loop.shutdown()
+
+
+@pytest.mark.parametrize("n", [13, 14, 15, 16])  # every remainder of the block size (4)
+async def test_a_prompt_gets_the_same_logprobs_bit_for_bit_cold_cached_and_chunked(tiny_gguf_llama_dir, n):
+    """With packed weights every step is batch-invariant, so a prompt's logprobs are the same floats
+    whether it ran whole, in chunks of a small token budget, or after its own cached blocks: every
+    prompt row goes through the prompt attention kernel (a cache hit or a chunk never leaves a
+    one-token chunk, which would run through the decode kernel)."""
+    packed = LocalExecutor(cpu_engine_config(tiny_gguf_llama_dir, block_size=BLOCK_SIZE, num_kv_blocks=256))
+    p = prompt(n, seed=n)
+    ((whole, _),) = await logprobs_of(packed, [p], enable_prefix_caching=False)
+    (first, _), (again, cached) = await logprobs_of(packed, [p, p], enable_prefix_caching=True)
+    ((chunked, _),) = await logprobs_of(
+        packed, [p], enable_prefix_caching=False, max_num_batched_tokens=5, max_num_seqs=2
+    )
+    assert len(whole) == 6 and cached == (n - 2) // BLOCK_SIZE * BLOCK_SIZE
+    assert first == whole and again == whole and chunked == whole

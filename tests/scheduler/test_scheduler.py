@@ -215,13 +215,33 @@ def test_step_order_decodes_then_prefill_chunks_then_new():
     sched.add(req("n", 3, max_tokens=2))
     step, _ = run_step(sched, runner)
     assert [(s.request_id, s.num_tokens, s.sample) for s in step.seqs] == [("d", 1, True), ("p", 9, False)]
-    step, _ = run_step(sched, runner)  # p's last 7 tokens, then n gets the remaining 2 of its 3
+    # p's last 7 tokens; n waits: 2 of its 3 would leave a chunk of one (MIN_PROMPT_CHUNK).
+    step, _ = run_step(sched, runner)
+    assert [(s.request_id, s.num_tokens, s.sample) for s in step.seqs] == [("d", 1, True), ("p", 7, True)]
+    assert step.num_decode_tokens == 1 and step.num_prompt_tokens == 7
+    step, _ = run_step(sched, runner)
     assert [(s.request_id, s.num_tokens, s.sample) for s in step.seqs] == [
         ("d", 1, True),
-        ("p", 7, True),
-        ("n", 2, False),
+        ("p", 1, True),
+        ("n", 3, True),
     ]
-    assert step.num_decode_tokens == 1 and step.num_prompt_tokens == 9
+
+
+@pytest.mark.parametrize("budget", [3, 5, 8])  # 2: too small to split a prompt so (it falls back)
+def test_no_prompt_runs_a_chunk_of_one_token(budget: int):
+    """Every chunk of a prompt longer than one token has two tokens or more and leaves as many: a
+    one-token chunk would run through the decode attention kernel instead of the prompt one."""
+    runner = FakeRunner(num_kv_blocks=128, block_size=4)
+    sched = make(runner, max_num_seqs=2, max_num_batched_tokens=budget)
+    lengths = {f"r{i}": n for i, n in enumerate((2, 3, 5, 7, 9, 12))}
+    for rid, n in lengths.items():
+        sched.add(req(rid, n, max_tokens=3))
+    drain(sched, runner)
+    prompt_chunks = [
+        s for step in runner.history for s in step if s.start_position + s.num_tokens <= lengths[s.request_id]
+    ]
+    assert sum(s.num_tokens for s in prompt_chunks) == sum(lengths.values())
+    assert all(s.num_tokens >= 2 for s in prompt_chunks)
 
 
 def test_chunked_prefill_does_not_stall_running_decodes():
