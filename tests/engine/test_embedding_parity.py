@@ -105,13 +105,14 @@ def test_pool_hidden_per_span() -> None:
 def test_last_token_pooling_takes_the_prompt_from_the_prefix_cache(tiny_llama_dir: Path) -> None:
     """The second time a prompt comes, "last" pooling computes only its last block (the cache holds
     the rest) and gives the same vector; "mean" and "cls" need every state, so they compute all."""
+    prompt = [*PROMPT, 40]  # 18 tokens: the cache may hold the first 16 (never the last two)
 
     async def twice(pooling: Pooling) -> list[RequestDelta]:
         engine = IterationLoop(make_runner(tiny_llama_dir), SchedulerConfig(max_num_seqs=4))
         try:
             out = []
             for i in range(2):  # one after the other: the second finds the first's blocks cached
-                out.append([d async for d in engine.embed(PROMPT, pooling, f"{pooling}-{i}")][-1])
+                out.append([d async for d in engine.embed(prompt, pooling, f"{pooling}-{i}")][-1])
             return out
         finally:
             await engine.shutdown()

@@ -32,7 +32,7 @@ async def test_a_repeated_completion_prompt_reports_its_cached_tokens(app):
     second = (await client.post("/v1/completions", json=body)).json()
     n = first["usage"]["prompt_tokens"]
     assert n > 2 * BLOCK and cached(first) == 0
-    assert cached(second) == (n - 1) // BLOCK * BLOCK  # all but the block holding the last token
+    assert cached(second) == (n - 2) // BLOCK * BLOCK  # all but the block(s) holding the last two tokens
     assert second["choices"][0]["text"] == first["choices"][0]["text"]
 
 
@@ -65,11 +65,11 @@ async def test_n_choices_count_their_prompt_once(app):
     second = (await client.post("/v1/completions", json=body)).json()
     n = first["usage"]["prompt_tokens"]
     assert cached(first) == 0  # three choices reused the first one's blocks, but none was cached before
-    assert cached(second) == (n - 1) // BLOCK * BLOCK
+    assert cached(second) == (n - 2) // BLOCK * BLOCK
     text = (await client.get("/metrics")).text
-    # The prompt was computed once for the four choices of the first request, then its last partial
-    # block once per choice: 4 x (n % BLOCK) more for each request.
-    assert metric(text, "orca:prompt_tokens_computed_total") == n + 7 * (n - (n - 1) // BLOCK * BLOCK)
+    # The prompt was computed once for the four choices of the first request, then what the cache
+    # never serves (past the full blocks before the last two tokens) once per choice.
+    assert metric(text, "orca:prompt_tokens_computed_total") == n + 7 * (n - (n - 2) // BLOCK * BLOCK)
 
 
 async def test_metrics_count_queries_and_hits_and_cached_blocks_are_free(app):
@@ -83,7 +83,7 @@ async def test_metrics_count_queries_and_hits_and_cached_blocks_are_free(app):
         "prompt_tokens"
     ]
     assert metric(text, "vllm:prefix_cache_queries_total", model_name=MODEL) == 2 * n
-    assert metric(text, "vllm:prefix_cache_hits_total", model_name=MODEL) == (n - 1) // BLOCK * BLOCK
+    assert metric(text, "vllm:prefix_cache_hits_total", model_name=MODEL) == (n - 2) // BLOCK * BLOCK
     assert metric(text, "vllm:kv_cache_usage_perc") == 0.0  # nothing running: cached blocks are free
     assert metric(text, "orca:kv_cache_blocks_used") == 0.0
     assert metric(text, "orca:kv_cache_blocks_cached") >= n // BLOCK
