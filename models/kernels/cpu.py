@@ -41,6 +41,7 @@ import subprocess
 import sys
 import tempfile
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar
 
@@ -279,6 +280,48 @@ def _require_f32(name: str, t: torch.Tensor, shape: tuple[int, ...] | None = Non
         raise ValueError(f"{name}: expected shape {shape}, got {tuple(t.shape)}")
 
 
+@dataclass(frozen=True)
+class _PagedCall:
+    """The arguments the paged attention kernels share, checked: q, the caches, the block tables, and
+    the output they write. Each kernel's own per-sequence lengths go between head() and tail()."""
+
+    q: torch.Tensor  # contiguous float32 [rows, Hq, D]
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    kv_type: int
+    tables: torch.Tensor  # [n, max_blocks] int32, contiguous
+    out: torch.Tensor  # like q
+
+    @staticmethod
+    def check(
+        q: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        block_tables: torch.Tensor,
+        seq_lens: torch.Tensor,
+        n: int,
+    ) -> _PagedCall:
+        num_blocks, block_size, hkv, _ = k_cache.shape
+        q = q.contiguous()
+        _require_f32("q", q)
+        kv_type = _require_caches(k_cache, v_cache, (num_blocks, block_size, hkv, q.shape[-1]))
+        tables = block_tables.to(torch.int32).contiguous()
+        if tables.dim() != 2 or tables.shape[0] != n or tuple(seq_lens.shape) != (n,):
+            raise ValueError(
+                f"block_tables {tuple(tables.shape)} / seq_lens {tuple(seq_lens.shape)} do not match {n} sequences"
+            )
+        return _PagedCall(q, k_cache, v_cache, kv_type, tables, torch.empty_like(q))
+
+    def head(self) -> tuple[int, ...]:
+        return self.q.data_ptr(), self.k_cache.data_ptr(), self.v_cache.data_ptr(), self.tables.data_ptr()
+
+    def tail(self, n: int, scale: float, window: int | None) -> tuple[Any, ...]:
+        _, hq, d = self.q.shape
+        _, block_size, hkv, _ = self.k_cache.shape
+        sizes = (n, hq, hkv, d, block_size, self.tables.shape[1])
+        return (*sizes, scale, window or 0, self.kv_type, self.out.data_ptr())
+
+
 class Kernels:
     """One variant's library, with torch-tensor wrappers around its entry points."""
 
@@ -362,40 +405,15 @@ class Kernels:
         block_tables [n, max_blocks] and seq_lens [n] int32. Sequence i's token t is at block
         block_tables[i, t // block_size].
         """
-        n, hq, d = q.shape
-        num_blocks, block_size, hkv, _ = k_cache.shape
-        q = q.contiguous()
-        _require_f32("q", q)
-        kv_type = _require_caches(k_cache, v_cache, (num_blocks, block_size, hkv, d))
-        tables = block_tables.to(torch.int32).contiguous()
+        n = q.shape[0]
         lens = seq_lens.to(torch.int32).contiguous()
-        if tables.dim() != 2 or tables.shape[0] != n or tuple(lens.shape) != (n,):
-            raise ValueError(
-                f"block_tables {tuple(tables.shape)} / seq_lens {tuple(lens.shape)} do not match {n} queries"
-            )
-        out = torch.empty_like(q)
-        rc = self.lib.orca_paged_decode_attention(
-            q.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            tables.data_ptr(),
-            lens.data_ptr(),
-            n,
-            hq,
-            hkv,
-            d,
-            block_size,
-            tables.shape[1],
-            scale,
-            window or 0,
-            kv_type,
-            out.data_ptr(),
-        )
+        call = _PagedCall.check(q, k_cache, v_cache, block_tables, lens, n)
+        rc = self.lib.orca_paged_decode_attention(*call.head(), lens.data_ptr(), *call.tail(n, scale, window))
         if rc:
             raise ValueError(
                 f"paged decode attention: unsupported shapes q {tuple(q.shape)}, cache {tuple(k_cache.shape)}"
             )
-        return out
+        return call.out
 
     def paged_prefill_attention(
         self,
@@ -416,45 +434,21 @@ class Kernels:
         paged_decode_attention; query_lens, seq_lens [n] int32. A row's result does not depend on how
         its prompt was chunked or what else is in the step (paged_prefill_attention.c).
         """
-        t, hq, d = q.shape
-        num_blocks, block_size, hkv, _ = k_cache.shape
-        q = q.contiguous()
-        _require_f32("q", q)
-        kv_type = _require_caches(k_cache, v_cache, (num_blocks, block_size, hkv, d))
-        tables = block_tables.to(torch.int32).contiguous()
         qlens = query_lens.to(torch.int32).contiguous()
         lens = seq_lens.to(torch.int32).contiguous()
         n = qlens.shape[0]
-        if tables.dim() != 2 or tables.shape[0] != n or tuple(lens.shape) != (n,) or int(qlens.sum()) != t:
-            raise ValueError(
-                f"block_tables {tuple(tables.shape)} / query_lens {tuple(qlens.shape)} / seq_lens "
-                f"{tuple(lens.shape)} do not match {t} query rows"
-            )
-        out = torch.empty_like(q)
+        if int(qlens.sum()) != q.shape[0]:
+            raise ValueError(f"query_lens {qlens.tolist()} do not match {q.shape[0]} query rows")
+        call = _PagedCall.check(q, k_cache, v_cache, block_tables, lens, n)
         rc = self.lib.orca_paged_prefill_attention(
-            q.data_ptr(),
-            k_cache.data_ptr(),
-            v_cache.data_ptr(),
-            tables.data_ptr(),
-            qlens.data_ptr(),
-            lens.data_ptr(),
-            n,
-            hq,
-            hkv,
-            d,
-            block_size,
-            tables.shape[1],
-            scale,
-            window or 0,
-            kv_type,
-            out.data_ptr(),
+            *call.head(), qlens.data_ptr(), lens.data_ptr(), *call.tail(n, scale, window)
         )
         if rc:
             raise ValueError(
                 f"paged prefill attention: unsupported shapes q {tuple(q.shape)}, cache {tuple(k_cache.shape)}"
                 " or lengths (each query_len in 1..seq_len)"
             )
-        return out
+        return call.out
 
     def rms_norm(
         self, x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None

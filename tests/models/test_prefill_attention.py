@@ -6,10 +6,13 @@ that sends a step's prompt chunks to it."""
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import pytest
 import torch
 from kernel_marks import EVERY_VARIANT, kernels_for, needs_native_kernels
 from paged_cache import reference_attention
+from test_cpu_kernels import paged_case
 
 from models.kernels import cpu as cpu_kernels
 from models.layers.attention_backends import BatchedDecodeBackend
@@ -38,19 +41,10 @@ def chunk_metadata(query_lens: list[int], seq_lens: list[int], tables: torch.Ten
 def chunk_case(
     query_lens: list[int], seq_lens: list[int], hq: int, hkv: int, d: int, block_size: int, seed: int = 0
 ):
-    """Random float32 caches over shuffled blocks, block tables, queries [sum(query_lens), hq, d]."""
-    g = torch.Generator().manual_seed(seed)
-    per_seq = [-(-n // block_size) for n in seq_lens]
-    num_blocks = sum(per_seq) + 2
-    k_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g) * 2
-    v_cache = torch.randn(num_blocks, block_size, hkv, d, generator=g)
-    order = torch.randperm(num_blocks, generator=g).tolist()
-    tables = torch.zeros(len(seq_lens), max(per_seq) + 1, dtype=torch.int32)  # padded with block 0
-    start = 0
-    for i, nb in enumerate(per_seq):
-        tables[i, :nb] = torch.tensor(order[start : start + nb], dtype=torch.int32)
-        start += nb
-    q = torch.randn(sum(query_lens), hq, d, generator=g)
+    """paged_case's random caches over shuffled blocks and block tables, with queries for every new
+    token: [sum(query_lens), hq, d]."""
+    _, k_cache, v_cache, tables, _ = paged_case(seq_lens, hq, hkv, d, block_size, seed)
+    q = torch.randn(sum(query_lens), hq, d, generator=torch.Generator().manual_seed(seed + 1))
     return q, k_cache, v_cache, tables
 
 
@@ -67,36 +61,38 @@ def run_kernel(kern, q, k_cache, v_cache, tables, query_lens, seq_lens, scale, w
     )
 
 
+class Case(NamedTuple):
+    query_lens: list[int]  # new tokens a sequence
+    seq_lens: list[int]  # its history after them
+    hq: int
+    hkv: int
+    d: int
+    block_size: int
+
+
 CASES = [
-    # (query_lens, seq_lens, hq, hkv, d, block_size)
-    ([1], [1], 1, 1, 16, 16),
-    ([7, 64, 65], [7, 64, 65], 4, 2, 16, 16),  # whole prompts at key-tile edges (64 keys a tile)
-    ([100, 30, 1, 129], [100, 94, 200, 300], 9, 3, 64, 16),  # SmolLM2's heads; chunks after a prefix
-    ([300], [300], 32, 8, 64, 16),  # Llama 3.2 1B's heads, several row tiles
-    ([40, 77], [170, 77], 8, 8, 128, 32),  # no GQA, head_dim 128
-    ([33], [90], 6, 1, 80, 1),  # MQA, block size 1, head_dim 80
-    ([20, 5], [20, 300], 8, 1, 256, 16),  # head_dim 256 (Gemma 3), a group of 8
+    Case([1], [1], 1, 1, 16, 16),
+    Case([7, 64, 65], [7, 64, 65], 4, 2, 16, 16),  # whole prompts at key-tile edges (64 keys a tile)
+    Case([100, 30, 1, 129], [100, 94, 200, 300], 9, 3, 64, 16),  # SmolLM2's heads; chunks after a prefix
+    Case([300], [300], 32, 8, 64, 16),  # Llama 3.2 1B's heads, several row tiles
+    Case([40, 77], [170, 77], 8, 8, 128, 32),  # no GQA, head_dim 128
+    Case([33], [90], 6, 1, 80, 1),  # MQA, block size 1, head_dim 80
+    Case([20, 5], [20, 300], 8, 1, 256, 16),  # head_dim 256 (Gemma 3), a group of 8
 ]
 
 
 @needs_native_kernels
 @pytest.mark.parametrize("variant", EVERY_VARIANT)
-@pytest.mark.parametrize(("query_lens", "seq_lens", "hq", "hkv", "d", "block_size"), CASES)
+@pytest.mark.parametrize(
+    "case", CASES, ids=[f"{c.query_lens}-{c.seq_lens}-{c.hq}/{c.hkv}x{c.d}" for c in CASES]
+)
 @pytest.mark.parametrize("window", [None, 1, 5, 64, 70])
-def test_kernel_matches_attention_by_definition(
-    variant: str,
-    query_lens: list[int],
-    seq_lens: list[int],
-    hq: int,
-    hkv: int,
-    d: int,
-    block_size: int,
-    window: int | None,
-) -> None:
-    q, k_cache, v_cache, tables = chunk_case(query_lens, seq_lens, hq, hkv, d, block_size, seed=d + hq)
-    md = chunk_metadata(query_lens, seq_lens, tables, block_size)
-    scale = d**-0.5
-    got = run_kernel(kernels_for(variant), q, k_cache, v_cache, tables, query_lens, seq_lens, scale, window)
+def test_kernel_matches_attention_by_definition(variant: str, case: Case, window: int | None) -> None:
+    q, k_cache, v_cache, tables = chunk_case(*case, seed=case.d + case.hq)
+    md = chunk_metadata(case.query_lens, case.seq_lens, tables, case.block_size)
+    scale = case.d**-0.5
+    kern = kernels_for(variant)
+    got = run_kernel(kern, q, k_cache, v_cache, tables, case.query_lens, case.seq_lens, scale, window)
     expect = reference_attention(q, k_cache, v_cache, md, scale, window)
     torch.testing.assert_close(got, expect, atol=1e-5, rtol=1e-5)
 
