@@ -13,7 +13,7 @@
  * aligned to absolute positions, from the first one any of its rows sees to the last row's own:
  *   K tile, widened to float32 and transposed [D][KEY_TILE]; V tile [KEY_TILE][D] (keys outside the
  *   history: zeros)
- *   S = Q K^T      register-tiled: QK_ROWS queries x CW vectors of keys, multiply-adds over d
+ *   S = Q K^T      register-tiled (tile_gemm): REG_ROWS queries x CW vectors of keys, multiply-adds over d
  *   online softmax per query (running max m, sum l; the tile's keys outside [lo, p] weigh exactly 0)
  *   O = O * alpha + P V   register-tiled: the same shape over the head's values
  * and ends with O / l. OpenMP over tasks, largest (last rows) first.
@@ -36,10 +36,10 @@
 #define TILE_QUERIES 256 /* (row, head) queries a task: Q, O, S of 64-256 KB stay in L2 */
 #define KV_VECS (KEY_TILE / LANES)
 #if LANES == 16
-#define QK_ROWS 6 /* 6 x 4 accumulators + 4 key vectors + a broadcast: 29 of 32 registers */
+#define REG_ROWS 6 /* 6 x 4 accumulators + 4 key vectors + a broadcast: 29 of 32 registers */
 #define CW 4
 #else
-#define QK_ROWS 3 /* 3 x 4 accumulators + 4 key vectors + a broadcast: 17 of 16 (one reloaded) */
+#define REG_ROWS 3 /* 3 x 4 accumulators + 4 key vectors + a broadcast: 17 of 16 (one reloaded) */
 #define CW 4
 #endif
 
@@ -61,86 +61,55 @@ static inline float vf_hsum(vf v) {
 #endif
 }
 
-/* S[r][c0 * LANES ..] for rr queries (rows of Q, D apart) against CW vectors of keys of KT [D][KEY_TILE]. */
-static inline __attribute__((always_inline)) void qk_kernel(const float *Q, const float *KT, int64_t D, const int rr,
-                                                            int c0, float *S) {
-    vf acc[QK_ROWS][CW];
+/* C[r][c0 * LANES ..] (cw vectors) = C * alpha[r] (0 without alpha) + sum over k < K of A[r][k] B[k] for
+ * rr rows: one register tile of both products, S = Q K^T (A = Q, B = K^T, K = D) and O = O * alpha + P V
+ * (A = P, B = V, K = KEY_TILE). Each output's multiply-adds run over k in order whatever rr is. */
+static inline __attribute__((always_inline)) void tile_kernel(const float *A, int64_t lda, const float *B, int64_t ldb,
+                                                              int64_t K, const int rr, const int cw, int64_t c0,
+                                                              const float *alpha, float *C, int64_t ldc) {
+    vf acc[REG_ROWS][CW];
     for (int r = 0; r < rr; r++)
-        for (int c = 0; c < CW; c++) acc[r][c] = vf_zero();
-    for (int64_t d = 0; d < D; d++) {
-        vf kt[CW];
-        for (int c = 0; c < CW; c++) kt[c] = vf_load(KT + d * KEY_TILE + (c0 + c) * LANES);
+        for (int c = 0; c < cw; c++)
+            acc[r][c] = alpha ? vf_mul(vf_load(C + r * ldc + (c0 + c) * LANES), vf_set1(alpha[r])) : vf_zero();
+    for (int64_t k = 0; k < K; k++) {
+        vf b[CW];
+        for (int c = 0; c < cw; c++) b[c] = vf_load(B + k * ldb + (c0 + c) * LANES);
         for (int r = 0; r < rr; r++) {
-            const vf qb = vf_set1(Q[r * D + d]);
-            for (int c = 0; c < CW; c++) acc[r][c] = vf_fma(qb, kt[c], acc[r][c]);
+            const vf a = vf_set1(A[r * lda + k]);
+            for (int c = 0; c < cw; c++) acc[r][c] = vf_fma(a, b[c], acc[r][c]);
         }
     }
     for (int r = 0; r < rr; r++)
-        for (int c = 0; c < CW; c++) vf_store(S + r * KEY_TILE + (c0 + c) * LANES, acc[r][c]);
+        for (int c = 0; c < cw; c++) vf_store(C + r * ldc + (c0 + c) * LANES, acc[r][c]);
 }
 
-/* O[r][c0 * LANES ..] = O * alpha[r] + P[r] V over cw vectors of the head's values, rr queries. */
-static inline __attribute__((always_inline)) void pv_kernel(const float *P, const float *V, int64_t D, const int rr,
-                                                            const int cw, int64_t c0, const float *alpha, float *O) {
-    vf acc[QK_ROWS][CW];
-    for (int r = 0; r < rr; r++)
-        for (int c = 0; c < cw; c++) acc[r][c] = vf_mul(vf_load(O + r * D + (c0 + c) * LANES), vf_set1(alpha[r]));
-    for (int64_t k = 0; k < KEY_TILE; k++) {
-        vf vv[CW];
-        for (int c = 0; c < cw; c++) vv[c] = vf_load(V + k * D + (c0 + c) * LANES);
-        for (int r = 0; r < rr; r++) {
-            const vf pb = vf_set1(P[r * KEY_TILE + k]);
-            for (int c = 0; c < cw; c++) acc[r][c] = vf_fma(pb, vv[c], acc[r][c]);
-        }
-    }
-    for (int r = 0; r < rr; r++)
-        for (int c = 0; c < cw; c++) vf_store(O + r * D + (c0 + c) * LANES, acc[r][c]);
-}
-
-#define QK_CASE(n) \
-    case n: qk_kernel(Q + i * D, KT, D, n, c0, S + i * KEY_TILE); break;
-/* S = Q K^T for nq queries. */
-static void scores(const float *Q, const float *KT, int64_t D, int64_t nq, float *S) {
-    for (int64_t i = 0; i < nq; i += QK_ROWS)
-        for (int c0 = 0; c0 < KV_VECS; c0 += CW) switch (nq - i < QK_ROWS ? nq - i : QK_ROWS) {
-                QK_CASE(1)
-                QK_CASE(2)
-#if QK_ROWS > 3
-                QK_CASE(3)
-                QK_CASE(4)
-                QK_CASE(5)
-                QK_CASE(6)
-#else
-                QK_CASE(3)
-#endif
-            }
-}
-
-#define PV_ROWS(n)                                                                                   \
-    case n:                                                                                          \
-        switch (cw) {                                                                                \
-        case 1: pv_kernel(P + i * KEY_TILE, V, D, n, 1, c0, alpha + i, O + i * D); break;            \
-        case 2: pv_kernel(P + i * KEY_TILE, V, D, n, 2, c0, alpha + i, O + i * D); break;            \
-        case 3: pv_kernel(P + i * KEY_TILE, V, D, n, 3, c0, alpha + i, O + i * D); break;            \
-        default: pv_kernel(P + i * KEY_TILE, V, D, n, CW, c0, alpha + i, O + i * D); break;          \
-        }                                                                                            \
+#define TILE_COLS(n)                                                                                           \
+    case n:                                                                                                    \
+        switch (cw) {                                                                                          \
+        case 1: tile_kernel(A + i * lda, lda, B, ldb, K, n, 1, c0, alpha ? alpha + i : NULL, C + i * ldc, ldc); break; \
+        case 2: tile_kernel(A + i * lda, lda, B, ldb, K, n, 2, c0, alpha ? alpha + i : NULL, C + i * ldc, ldc); break; \
+        case 3: tile_kernel(A + i * lda, lda, B, ldb, K, n, 3, c0, alpha ? alpha + i : NULL, C + i * ldc, ldc); break; \
+        default: tile_kernel(A + i * lda, lda, B, ldb, K, n, CW, c0, alpha ? alpha + i : NULL, C + i * ldc, ldc); \
+        }                                                                                                      \
         break;
-/* O = O * alpha + P V for nq queries. */
-static void weigh_values(const float *P, const float *V, int64_t D, int64_t nq, const float *alpha, float *O) {
-    const int64_t dv = D / LANES;
-    for (int64_t i = 0; i < nq; i += QK_ROWS)
-        for (int64_t c0 = 0; c0 < dv; c0 += CW) {
-            const int cw = dv - c0 < CW ? (int)(dv - c0) : CW;
-            switch (nq - i < QK_ROWS ? nq - i : QK_ROWS) {
-                PV_ROWS(1)
-                PV_ROWS(2)
-#if QK_ROWS > 3
-                PV_ROWS(3)
-                PV_ROWS(4)
-                PV_ROWS(5)
-                PV_ROWS(6)
+/* C [rows][width] (= C * alpha, or from 0) += A [rows][K] B [K][width] in register tiles (tile_kernel);
+ * width a multiple of LANES. */
+static void tile_gemm(const float *A, int64_t lda, const float *B, int64_t ldb, int64_t K, int64_t rows,
+                      int64_t width, const float *alpha, float *C, int64_t ldc) {
+    const int64_t vecs = width / LANES;
+    for (int64_t i = 0; i < rows; i += REG_ROWS)
+        for (int64_t c0 = 0; c0 < vecs; c0 += CW) {
+            const int cw = vecs - c0 < CW ? (int)(vecs - c0) : CW;
+            switch (rows - i < REG_ROWS ? rows - i : REG_ROWS) {
+                TILE_COLS(1)
+                TILE_COLS(2)
+#if REG_ROWS > 3
+                TILE_COLS(3)
+                TILE_COLS(4)
+                TILE_COLS(5)
+                TILE_COLS(6)
 #else
-                PV_ROWS(3)
+                TILE_COLS(3)
 #endif
             }
         }
@@ -297,14 +266,14 @@ static void run_task(const pf_args *A, const pf_task *t, float *buf) {
             load_tile(kc, vc, table, A->block_size, token_stride, t0, klo, p_last + 1, D, KV_Q8_0, KT,
                       V);
         }
-        scores(Q, KT, D, nq, S);
+        tile_gemm(Q, D, KT, KEY_TILE, D, nq, KEY_TILE, NULL, S, KEY_TILE); /* S = Q K^T */
         for (int64_t r = 0; r < t->rows; r++) {
             const int64_t p = p_first + r, lo = W > 0 && p - W + 1 > 0 ? p - W + 1 : 0;
             ab[2 * r] = lo > t0 ? lo - t0 : 0;
             ab[2 * r + 1] = p + 1 < t0 + KEY_TILE ? p + 1 - t0 : KEY_TILE;
         }
         tile_softmax(S, nq, G, ab, m, mt, alpha, lv);
-        weigh_values(S, V, D, nq, alpha, O);
+        tile_gemm(S, KEY_TILE, V, D, KEY_TILE, nq, D, alpha, O, D); /* O = O * alpha + P V */
     }
     for (int64_t r = 0; r < t->rows; r++)
         for (int64_t g = 0; g < G; g++) {
