@@ -414,12 +414,12 @@ class Scheduler:
         is smaller."""
         if self.config.chunked_prefill:
             share = min(num_uncomputed, budget)
-            if share < num_uncomputed:
-                fitted = min(share, num_uncomputed - MIN_PROMPT_CHUNK)
-                if fitted >= MIN_PROMPT_CHUNK:
-                    return fitted
-                return 0 if budget < self.config.max_num_batched_tokens else share
-            return share
+            if share == num_uncomputed:
+                return share
+            fitted = min(share, num_uncomputed - MIN_PROMPT_CHUNK)
+            if fitted >= MIN_PROMPT_CHUNK:
+                return fitted
+            return 0 if budget < self.config.max_num_batched_tokens else share
         if num_uncomputed <= budget:
             return num_uncomputed
         # Without chunking a prompt longer than the whole budget would never fit: it runs alone.

@@ -88,6 +88,27 @@ class PagedCacheHarness:
         return PagedBatch(torch.tensor(ids), torch.tensor(positions), md)
 
 
+def step_metadata(
+    query_lens: list[int], seq_lens: list[int], block_tables: torch.Tensor, block_size: int
+) -> AttentionMetadata:
+    """A step's metadata over given block tables: sequence i runs query_lens[i] new tokens, the last of
+    its seq_lens[i] positions (slots unused: the tests calling this write no cache)."""
+    q_starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
+    k_starts = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32)
+    return AttentionMetadata(
+        slot_mapping=torch.zeros(sum(query_lens), dtype=torch.int64),
+        query_start_loc=q_starts,
+        seq_start_loc=k_starts,
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=block_tables,
+        query_lens_cpu=list(query_lens),
+        seq_lens_cpu=list(seq_lens),
+        max_query_len=max(query_lens),
+        max_seq_len=max(seq_lens),
+        block_size=block_size,
+    )
+
+
 def reference_attention(
     q: torch.Tensor,  # [T, Hq, D]
     k_cache: torch.Tensor,

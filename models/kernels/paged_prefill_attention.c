@@ -43,23 +43,8 @@
 #define CW 4
 #endif
 
-static inline vf vf_exp(vf x) {
-#if LANES == 16
-    const __m256 lo = exp8(_mm512_castps512_ps256(x));
-    const __m256 hi = exp8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
-    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
-#else
-    return exp8(x);
-#endif
-}
-
-static inline float vf_hsum(vf v) {
-#if LANES == 16
-    return hsum8(_mm512_castps512_ps256(v)) + hsum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-#else
-    return hsum8(v);
-#endif
-}
+/* The first key a query at position p sees: 0, or with a sliding window W its window's start. */
+static inline int64_t first_key(int64_t p, int64_t W) { return W > 0 && p - W + 1 > 0 ? p - W + 1 : 0; }
 
 /* C[r][c0 * LANES ..] (cw vectors) = C * alpha[r] (0 without alpha) + sum over k < K of A[r][k] B[k] for
  * rr rows: one register tile of both products, S = Q K^T (A = Q, B = K^T, K = D) and O = O * alpha + P V
@@ -249,7 +234,7 @@ static void run_task(const pf_args *A, const pf_task *t, float *buf) {
         }
     for (int64_t i = nq; i < (nq + LANES - 1) / LANES * LANES; i++) m[i] = mt[i] = 0.0f; /* lanes of no query */
     const int64_t p_first = ctx + t->r0, p_last = p_first + t->rows - 1, W = A->window;
-    const int64_t klo = W > 0 && p_first - W + 1 > 0 ? p_first - W + 1 : 0;
+    const int64_t klo = first_key(p_first, W);
     for (int64_t t0 = klo / KEY_TILE * KEY_TILE; t0 <= p_last; t0 += KEY_TILE) {
         switch (A->kv_type) {
         case KV_F32:
@@ -268,7 +253,7 @@ static void run_task(const pf_args *A, const pf_task *t, float *buf) {
         }
         tile_gemm(Q, D, KT, KEY_TILE, D, nq, KEY_TILE, NULL, S, KEY_TILE); /* S = Q K^T */
         for (int64_t r = 0; r < t->rows; r++) {
-            const int64_t p = p_first + r, lo = W > 0 && p - W + 1 > 0 ? p - W + 1 : 0;
+            const int64_t p = p_first + r, lo = first_key(p, W);
             ab[2 * r] = lo > t0 ? lo - t0 : 0;
             ab[2 * r + 1] = p + 1 < t0 + KEY_TILE ? p + 1 - t0 : KEY_TILE;
         }

@@ -267,4 +267,23 @@ static inline vi vi_bcast32(const void *p) {
 #endif
 }
 
+/* e^x (simd.h's exp8 per 8 lanes) and the sum of the lanes (simd.h's hsum8 per 8, then added). */
+static inline vf vf_exp(vf x) {
+#if LANES == 16
+    const __m256 lo = exp8(_mm512_castps512_ps256(x));
+    const __m256 hi = exp8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(x), 1)));
+    return _mm512_insertf32x8(_mm512_castps256_ps512(lo), hi, 1);
+#else
+    return exp8(x);
+#endif
+}
+
+static inline float vf_hsum(vf v) {
+#if LANES == 16
+    return hsum8(_mm512_castps512_ps256(v)) + hsum8(_mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+#else
+    return hsum8(v);
+#endif
+}
+
 #endif

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from kernel_marks import EVERY_VARIANT, kernels_for
-from paged_cache import reference_attention
+from paged_cache import reference_attention, step_metadata
 
 from models.kernels import cpu as cpu_kernels
 from models.layers.attention_backends import BatchedDecodeBackend
@@ -133,23 +133,9 @@ def test_unsupported_head_dims_are_declined() -> None:
 @pytest.mark.parametrize("d", [16, 12])
 def test_backend_paths_agree(native: bool, d: int, window: int | None) -> None:
     """cpu-decode with and without the kernel (and with a head_dim the kernel declines) gives SDPA."""
-    from models.layers.metadata import AttentionMetadata
-
     seq_lens = [4, 19, 1]
-    q, k_cache, v_cache, tables, lens = paged_case(seq_lens, 4, 2, d, 8)
-    starts = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32)
-    md = AttentionMetadata(
-        slot_mapping=torch.zeros(3, dtype=torch.int64),
-        query_start_loc=torch.arange(4, dtype=torch.int32),
-        seq_start_loc=starts,
-        seq_lens=lens,
-        block_tables=tables,
-        query_lens_cpu=[1, 1, 1],
-        seq_lens_cpu=seq_lens,
-        max_query_len=1,
-        max_seq_len=max(seq_lens),
-        block_size=8,
-    )
+    q, k_cache, v_cache, tables, _ = paged_case(seq_lens, 4, 2, d, 8)
+    md = step_metadata([1, 1, 1], seq_lens, tables, 8)
     backend = BatchedDecodeBackend()
     backend._native = native and cpu_kernels.available()
     out = backend.forward(q, k_cache, v_cache, md, backend.plan(md), d**-0.5, window)

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 from kernel_marks import EVERY_VARIANT, kernels_for, needs_native_kernels
-from paged_cache import reference_attention
+from paged_cache import reference_attention, step_metadata
 from test_cpu_kernels import assert_batch_invariant, paged_case, reference
 
 from models.kernels import cpu as cpu_kernels
@@ -22,7 +22,6 @@ from models.layers.kv_format import (
     kv_format,
     quantize_q8_0,
 )
-from models.layers.metadata import AttentionMetadata
 
 KV_DTYPES = ("float32", "float16", "bfloat16", "q8_0")
 # Largest error against attention over the float32 values, per type, for unit-variance q and V and K of
@@ -108,7 +107,7 @@ def test_kernel_reads_each_dtype_in_place(
     if window is None:
         expect = reference(q, k32, v32, tables, lens, d**-0.5)
     else:
-        md = _decode_metadata(seq_lens, tables, block_size)
+        md = step_metadata([1] * len(seq_lens), seq_lens, tables, block_size)
         expect = reference_attention(q, k32, v32, md, d**-0.5, window)
     torch.testing.assert_close(got, expect, atol=TOLERANCE[dtype], rtol=0)
 
@@ -147,23 +146,6 @@ def test_native_and_torch_cache_writes_store_the_same_bytes(variant: str, dtype:
     assert torch.equal(v_cache.view(torch.uint8), v_ref.view(torch.uint8))
 
 
-def _decode_metadata(seq_lens: list[int], tables: torch.Tensor, block_size: int) -> AttentionMetadata:
-    n = len(seq_lens)
-    starts = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return AttentionMetadata(
-        slot_mapping=torch.zeros(n, dtype=torch.int64),
-        query_start_loc=torch.arange(n + 1, dtype=torch.int32),
-        seq_start_loc=starts,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=tables,
-        query_lens_cpu=[1] * n,
-        seq_lens_cpu=seq_lens,
-        max_query_len=1,
-        max_seq_len=max(seq_lens),
-        block_size=block_size,
-    )
-
-
 @pytest.mark.parametrize("dtype", KV_DTYPES)
 @pytest.mark.parametrize("native", [True, False])
 @pytest.mark.parametrize("window", [None, 6])
@@ -173,7 +155,7 @@ def test_backends_read_every_dtype(dtype: str, native: bool, window: int | None)
     seq_lens, d, bs = [4, 19, 1], 32, 8
     q, k32, v32, tables, _ = paged_case(seq_lens, 4, 2, d, bs)
     k, v = stored(k32, dtype), stored(v32, dtype)
-    md = _decode_metadata(seq_lens, tables, bs)
+    md = step_metadata([1] * len(seq_lens), seq_lens, tables, bs)
     expect = reference_attention(q, widened(k, d), widened(v, d), md, d**-0.5, window)
     backend = BatchedDecodeBackend()
     backend._native = native and cpu_kernels.available()

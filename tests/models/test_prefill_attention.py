@@ -11,31 +11,12 @@ from typing import NamedTuple
 import pytest
 import torch
 from kernel_marks import EVERY_VARIANT, kernels_for, needs_native_kernels
-from paged_cache import reference_attention
+from paged_cache import reference_attention, step_metadata
 from test_cpu_kernels import paged_case
 
 from models.kernels import cpu as cpu_kernels
 from models.layers.attention_backends import BatchedDecodeBackend
 from models.layers.kv_format import decode, encode, kv_format
-from models.layers.metadata import AttentionMetadata
-
-
-def chunk_metadata(query_lens: list[int], seq_lens: list[int], tables: torch.Tensor, block_size: int):
-    """A step's metadata for requests whose new tokens (query_lens) end their histories (seq_lens)."""
-    q_starts = torch.tensor([0, *torch.tensor(query_lens).cumsum(0).tolist()], dtype=torch.int32)
-    k_starts = torch.tensor([0, *torch.tensor(seq_lens).cumsum(0).tolist()], dtype=torch.int32)
-    return AttentionMetadata(
-        slot_mapping=torch.zeros(sum(query_lens), dtype=torch.int64),
-        query_start_loc=q_starts,
-        seq_start_loc=k_starts,
-        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-        block_tables=tables,
-        query_lens_cpu=list(query_lens),
-        seq_lens_cpu=list(seq_lens),
-        max_query_len=max(query_lens),
-        max_seq_len=max(seq_lens),
-        block_size=block_size,
-    )
 
 
 def chunk_case(
@@ -89,7 +70,7 @@ CASES = [
 @pytest.mark.parametrize("window", [None, 1, 5, 64, 70])
 def test_kernel_matches_attention_by_definition(variant: str, case: Case, window: int | None) -> None:
     q, k_cache, v_cache, tables = chunk_case(*case, seed=case.d + case.hq)
-    md = chunk_metadata(case.query_lens, case.seq_lens, tables, case.block_size)
+    md = step_metadata(case.query_lens, case.seq_lens, tables, case.block_size)
     scale = case.d**-0.5
     kern = kernels_for(variant)
     got = run_kernel(kern, q, k_cache, v_cache, tables, case.query_lens, case.seq_lens, scale, window)
@@ -146,7 +127,7 @@ def test_a_row_is_the_same_bits_however_its_prompt_is_chunked(variant: str, wind
 def test_kernel_is_stable_for_large_scores() -> None:
     # Scores in the hundreds: the online softmax must rescale across key tiles, not overflow.
     q, k_cache, v_cache, tables = chunk_case([150], [150], 2, 1, 16, 4)
-    md = chunk_metadata([150], [150], tables, 4)
+    md = step_metadata([150], [150], tables, 4)
     got = run_kernel(cpu_kernels.kernels(), q * 40, k_cache, v_cache, tables, [150], [150], 1.0)
     assert torch.isfinite(got).all()
     torch.testing.assert_close(
@@ -182,7 +163,7 @@ def test_backend_sends_decodes_and_prompt_chunks_to_their_paths(
     and without the native kernels: attention by definition."""
     query_lens, seq_lens = [1, 1, 40, 13], [9, 30, 40, 77]
     q, k_cache, v_cache, tables = chunk_case(query_lens, seq_lens, 4, 2, d, 8, seed=d)
-    md = chunk_metadata(query_lens, seq_lens, tables, 8)
+    md = step_metadata(query_lens, seq_lens, tables, 8)
     backend = BatchedDecodeBackend()
     backend._native = native and cpu_kernels.available()
     out = backend.forward(q, k_cache, v_cache, md, backend.plan(md), d**-0.5, window)
