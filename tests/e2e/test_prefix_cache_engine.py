@@ -5,6 +5,7 @@ choices of one prompt compute it once."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,7 @@ from engine.contract import SamplingParams
 from engine.executor import LocalExecutor
 from scheduler.config import SchedulerConfig
 from scheduler.loop import IterationLoop
-from scheduler.outputs import FinishReason
+from scheduler.outputs import FinishReason, RequestDelta
 
 GUARD_S = 120
 BLOCK_SIZE = 4
@@ -188,6 +189,10 @@ async def test_mixture_of_experts_from_the_cache_batched_with_others(model: str,
     assert all(run.cached[f"r{i}"] == 28 for i in range(1, 4))
 
 
+async def collect(stream: AsyncIterator[RequestDelta]) -> list[RequestDelta]:
+    return [d async for d in stream]
+
+
 async def logprobs_of(
     runner: LocalExecutor, prompts: list[list[int]], **cfg
 ) -> list[tuple[list[tuple[int, float]], int]]:
@@ -199,7 +204,7 @@ async def logprobs_of(
         out = []
         for i, p in enumerate(prompts):
             params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=0)
-            deltas = [d async for d in loop.generate(p, params, f"r{i}")]
+            deltas = await asyncio.wait_for(collect(loop.generate(p, params, f"r{i}")), GUARD_S)
             assert deltas[-1].error is None
             tokens = [(t.token_id, t.logprob) for d in deltas for t in d.logprobs or ()]
             out.append((tokens, deltas[-1].num_cached_tokens))
