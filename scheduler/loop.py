@@ -82,24 +82,19 @@ class LoopStoppedError(RuntimeError):
 
 
 def _merge(a: RequestDelta, b: RequestDelta) -> RequestDelta:
-    """Two consecutive deltas of one request as one (the consumer fell behind the loop)."""
+    """Two consecutive deltas of one request as one (the consumer fell behind the loop): the later
+    one's state (finish, counts, embedding) with both deltas' tokens, logprobs and text, and what only
+    a first delta carries from whichever has it."""
     logprobs = (
         None if a.logprobs is None and b.logprobs is None else [*(a.logprobs or ()), *(b.logprobs or ())]
     )
-    return RequestDelta(
-        request_id=a.request_id,
+    return replace(
+        b,
         token_ids=[*a.token_ids, *b.token_ids],
         logprobs=logprobs,
         text=a.text + b.text,
-        finish_reason=b.finish_reason,
-        stop_string=b.stop_string,
-        error=b.error,
-        num_prompt_tokens=b.num_prompt_tokens,
-        num_output_tokens=b.num_output_tokens,
-        num_cached_tokens=b.num_cached_tokens,
         queue_time_s=a.queue_time_s if a.queue_time_s is not None else b.queue_time_s,
         prompt_logprobs=a.prompt_logprobs if a.prompt_logprobs is not None else b.prompt_logprobs,
-        embedding=b.embedding,
     )
 
 
