@@ -106,6 +106,15 @@ def build_parser() -> argparse.ArgumentParser:
         help="start every --launch server at once and run the configurations in turn at each rate, so "
         "drift in a shared machine's load falls on all of them alike",
     )
+    g.add_argument(
+        "--slices",
+        type=int,
+        default=1,
+        help="with --interleave: run each rate in this many turns per configuration, alternating (A B A B "
+        "...), each a slice of --duration or --num-requests with prompts of its own, pooled into one "
+        "result, so a machine whose speed drifts over minutes weighs on every configuration alike (a "
+        "closed loop drains at each turn's end: for long requests under high concurrency keep 1)",
+    )
 
     g = p.add_argument_group("workload")
     g.add_argument(
@@ -263,6 +272,12 @@ def validate(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
         args.num_requests = DEFAULT_NUM_REQUESTS
     if args.num_requests is not None and args.num_requests < 1:
         parser.error("--num-requests must be >= 1")
+    if args.slices < 1:
+        parser.error("--slices must be >= 1")
+    if args.slices > 1 and not args.interleave:
+        parser.error("--slices needs --interleave (the turns alternate between the configurations)")
+    if args.num_requests is not None and args.num_requests < args.slices:
+        parser.error("--slices cannot exceed --num-requests (every turn sends at least one request)")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         parser.error("--max-concurrency must be >= 1")
     for rate in args.request_rates:

@@ -29,6 +29,12 @@ def add_run_args(p: argparse.ArgumentParser, output_dir: Path) -> None:
     and whether outputs have exact lengths."""
     p.add_argument("--duration", type=float, default=60.0, help="seconds of traffic per server and scenario")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--slices",
+        type=int,
+        default=1,
+        help="each scenario in this many alternating turns per server, pooled (`python -m loadtest --slices`)",
+    )
     p.add_argument("--output-dir", type=Path, default=output_dir)
     p.add_argument(
         "--ignore-eos",
@@ -52,6 +58,7 @@ def closed_loop_args(
         "--endpoint", "chat", *workload, "--ignore-eos" if a.ignore_eos else "--no-ignore-eos",
         "--request-rates", "inf", "--max-concurrency", str(concurrency), "--duration", str(a.duration),
         "--warmup-requests", str(max(2, concurrency)), "--seed", str(a.seed), "--temperature", "0",
+        "--slices", str(a.slices),
         "--interleave", "--launch-timeout", "600", "--no-plot", "--no-progress",
         *launches, "--output", str(out),
     ]  # fmt: skip

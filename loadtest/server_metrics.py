@@ -8,6 +8,8 @@ preempted for lack of KV blocks. Names are vLLM's, which orca-serve also exports
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -52,11 +54,30 @@ async def scrape(client: httpx.AsyncClient) -> dict[str, float] | None:
         return None
 
 
+# Figures computed from the counters rather than counted: pooled runs recompute them from the sums.
+DERIVED = ("tokens_per_step", "generation_tokens_per_step", "spec_acceptance_rate")
+
+
 def counter_deltas(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, float]:
     """Per counter, after minus before; plus tokens per step when both are known."""
     if not before or not after:
         return {}
-    out = {key: after[key] - before.get(key, 0.0) for key in after}
+    return with_derived({key: after[key] - before.get(key, 0.0) for key in after})
+
+
+def pooled_deltas(parts: Sequence[dict[str, float]]) -> dict[str, float]:
+    """The counter deltas of several runs of one server as one run's (a sliced run's turns)."""
+    if not parts or not all(parts):
+        return {}
+    out: dict[str, float] = {}
+    for part in parts:
+        for key, value in part.items():
+            if key not in DERIVED:
+                out[key] = out.get(key, 0.0) + value
+    return with_derived(out)
+
+
+def with_derived(out: dict[str, float]) -> dict[str, float]:
     steps = out.get("steps", 0.0)
     tokens = out.get("prompt_tokens", 0.0) + out.get("generation_tokens", 0.0)
     if steps > 0 and tokens > 0:

@@ -12,7 +12,7 @@ import asyncio
 import re
 from collections.abc import Callable, Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +33,7 @@ from loadtest.metrics import SLO, summarize
 from loadtest.records import RequestRecord
 from loadtest.results import RunResult, format_rate
 from loadtest.runner import RunConfig, make_client, run_load, warm_up
-from loadtest.server_metrics import counter_deltas, scrape
+from loadtest.server_metrics import counter_deltas, pooled_deltas, scrape
 from loadtest.tokenizer import PromptTokenizer, resolve_tokenizer
 from loadtest.workload import Workload
 
@@ -85,16 +85,27 @@ class SweepOptions:
     slos: Sequence[SLO] = ()
     show_progress: bool = True
     ignore_eos: bool = True  # client.Target.ignore_eos
+    # With interleave: each rate runs in this many turns per configuration, alternating (A B A B ...),
+    # each a slice of the duration or the requests with prompts of its own, pooled into one result.
+    slices: int = 1
 
     @property
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"} if self.api_key else {}
 
-    def run_config(self, rate: float) -> RunConfig:
-        """The run at `rate`, with the prompts of that rate's round (its place in the sweep)."""
-        round_ = self.rates.index(rate) if rate in self.rates else 0
+    def run_config(self, rate: float, slice_: int = 0) -> RunConfig:
+        """The run at `rate` (its `slice_`-th turn of `slices`), with the prompts of its own round (its
+        place in the sweep), so no turn resends prompts a server's prefix cache holds."""
+        round_ = (self.rates.index(rate) if rate in self.rates else 0) * self.slices + slice_
+        n = self.num_requests
         return RunConfig(
-            rate, self.num_requests, self.duration, self.burstiness, self.max_concurrency, self.seed, round_
+            rate,
+            None if n is None else n // self.slices + (slice_ < n % self.slices),
+            None if self.duration is None else self.duration / self.slices,
+            self.burstiness,
+            self.max_concurrency,
+            self.seed,
+            round_,
         )
 
 
@@ -204,8 +215,11 @@ async def warm(prepared: Prepared, opts: SweepOptions, console: Console) -> None
         raise BenchmarkError(f"every warm-up request failed, e.g. {failed[0].error_kind}: {failed[0].error}")
 
 
-async def run_rate(prepared: Prepared, rate: float, opts: SweepOptions, console: Console) -> RunResult:
+async def run_rate(
+    prepared: Prepared, rate: float, opts: SweepOptions, console: Console, slice_: int = 0
+) -> RunResult:
     config, target, workload = prepared.config, prepared.target, prepared.workload
+    run_config = opts.run_config(rate, slice_)
     async with make_client(target.base_url, opts.api_key, opts.request_timeout) as client:
         with Progress(
             SpinnerColumn(),
@@ -218,7 +232,7 @@ async def run_rate(prepared: Prepared, rate: float, opts: SweepOptions, console:
             disable=not opts.show_progress,
         ) as progress:
             task = progress.add_task(
-                f"{config.label} @ {format_rate(rate)} req/s", total=opts.num_requests, errors=0
+                f"{config.label} @ {format_rate(rate)} req/s", total=run_config.num_requests, errors=0
             )
             errors = 0
 
@@ -228,7 +242,7 @@ async def run_rate(prepared: Prepared, rate: float, opts: SweepOptions, console:
                 progress.update(task, advance=1, errors=errors)
 
             before = await scrape(client)
-            records = await run_load(client, target, workload, opts.run_config(rate), on_done=done)
+            records = await run_load(client, target, workload, run_config, on_done=done)
             after = await scrape(client)
     summary = summarize(records, opts.slos)
     summary.extras["server"] = counter_deltas(before, after)
@@ -245,6 +259,34 @@ async def run_rate(prepared: Prepared, rate: float, opts: SweepOptions, console:
         first = next(r for r in records if r.error_kind is not None)
         console.print(f"[red]{config.label} @ {format_rate(rate)}: {summary.errors}; first: {first.error}")
     return RunResult(config.label, rate, summary, records, extras)
+
+
+def pool_turns(turns: Sequence[RunResult], slos: Sequence[SLO] = ()) -> RunResult:
+    """A configuration's turns at one rate as one run: their records on one timeline (each turn's times
+    shifted past the turns before it), its duration the turns' durations summed (what the other
+    configurations ran in between counts for none)."""
+    if len(turns) == 1:
+        return turns[0]
+    records: list[RequestRecord] = []
+    offset = 0.0
+    for turn in turns:
+        records += [shifted(r, offset) for r in turn.records]
+        offset += turn.summary.duration_s
+    summary = summarize(records, slos, duration=offset)
+    summary.extras["server"] = pooled_deltas([t.summary.extras.get("server", {}) for t in turns])
+    first = turns[0]
+    return RunResult(first.label, first.rate, summary, records, {**first.extras, "turns": len(turns)})
+
+
+def shifted(r: RequestRecord, dt: float) -> RequestRecord:
+    return replace(
+        r,
+        scheduled_time=r.scheduled_time + dt,
+        send_time=r.send_time + dt,
+        first_token_time=None if r.first_token_time is None else r.first_token_time + dt,
+        token_times=[t + dt for t in r.token_times],
+        end_time=None if r.end_time is None else r.end_time + dt,
+    )
 
 
 def run_sweep(
@@ -311,13 +353,19 @@ def _run_interleaved(
                     failed += 1
                     console.print(f"[red]{prepared.config.label}: {exc}")
             for rate in opts.rates:
-                for prepared in list(live):
-                    try:
-                        on_run(await run_rate(prepared, rate, opts, console))
-                    except CONFIG_ERRORS as exc:
-                        failed += 1
-                        live.remove(prepared)
-                        console.print(f"[red]{prepared.config.label}: {exc}")
+                turns: dict[str, list[RunResult]] = {p.config.label: [] for p in live}
+                for slice_ in range(opts.slices):
+                    for prepared in list(live):
+                        try:
+                            turns[prepared.config.label].append(
+                                await run_rate(prepared, rate, opts, console, slice_)
+                            )
+                        except CONFIG_ERRORS as exc:
+                            failed += 1
+                            live.remove(prepared)
+                            console.print(f"[red]{prepared.config.label}: {exc}")
+                for prepared in live:
+                    on_run(pool_turns(turns[prepared.config.label], opts.slos))
             return failed
 
         failures += asyncio.run(interleaved())

@@ -182,6 +182,37 @@ def test_launch_compares_configurations_and_plot_cli(tmp_path, capsys, smollm2_t
     assert (tmp_path / "sweep-throughput-latency.png").exists()
 
 
+def test_sliced_interleave_alternates_turns_and_pools_them(tmp_path, smollm2_tokenizer_dir):
+    fake = f"python -m loadtest.fakeserver --step-ms 1 --max-batch 4 --tokenizer {smollm2_tokenizer_dir}"
+    out = tmp_path / "sliced.json"
+    rc = cli.main(
+        [
+            "--launch", f"{fake} --scheduling iteration", "--launch", f"{fake} --scheduling request",
+            "--tokenizer", "server", "--prompt-format", "text", "--request-rates", "inf", "--max-concurrency",
+            "2", "--num-requests", "7", "--slices", "3", "--interleave", "--output", str(out), "--no-progress",
+            "--no-plot", *SMALL,
+        ]
+    )  # fmt: skip
+    assert rc == 0
+    runs = BenchmarkResults.load(out).runs
+    assert [r.label for r in runs] == ["scheduling=iteration", "scheduling=request"]  # one result each
+    for run in runs:
+        assert run.extras["turns"] == 3 and run.summary.completed == 7  # 3 + 2 + 2 requests
+        records = sorted(run.records, key=lambda r: r.send_time)
+        # The turns follow each other on one timeline: each starts where the one before it ended.
+        ends = [r.end_time for r in records]
+        assert all(r.end_time is not None for r in records)
+        assert run.summary.duration_s == pytest.approx(max(ends), abs=1e-5)  # times saved to 6 decimals
+        assert [r.index for r in records] == [0, 1, 2, 0, 1, 0, 1]
+        # Each turn has prompts of its own (a prefix cache holds the earlier turns'): index 0 of three
+        # turns, three prompts.
+        firsts = [r for r in records if r.index == 0]
+        assert firsts[0].end_time <= firsts[1].send_time and firsts[1].end_time <= firsts[2].send_time
+    assert cli.build_parser().parse_args(["--slices", "2", "--base-url", "http://x"]).slices == 2
+    with pytest.raises(SystemExit):
+        cli.main(["--base-url", "http://127.0.0.1:9", "--slices", "2", "--no-progress"])  # no --interleave
+
+
 def test_auto_labels_name_what_differs():
     base = "python -m server --model default"
     assert cli.auto_labels([f"{base} --kv-policy lazy", f"{base} --kv-policy reserve"]) == [

@@ -143,6 +143,15 @@ def test_a_sweep_sends_each_rate_its_own_round():
     assert [opts.run_config(r).prompt_round for r in opts.rates] == [0, 1, 2]
 
 
+def test_each_turn_of_a_sliced_rate_has_its_own_round_and_share():
+    opts = SweepOptions(rates=[4.0, 16.0], num_requests=10, duration=None, slices=3)
+    turns = [opts.run_config(r, s) for r in opts.rates for s in range(3)]
+    assert [t.prompt_round for t in turns] == [0, 1, 2, 3, 4, 5]  # no turn resends another's prompts
+    assert [t.num_requests for t in turns[:3]] == [4, 3, 3]  # the 10 requests, split
+    timed = SweepOptions(rates=[float("inf")], num_requests=None, duration=45.0, max_concurrency=1, slices=3)
+    assert timed.run_config(float("inf"), 2).duration == 15.0
+
+
 def test_file_workload(tmp_path, builder):
     path = tmp_path / "prompts.jsonl"
     lines = [
