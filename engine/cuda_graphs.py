@@ -42,6 +42,7 @@ from __future__ import annotations
 import bisect
 import logging
 import time
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -271,12 +272,10 @@ class CaptureDevice(Protocol):
     def synchronize(self) -> None: ...
 
 
-class CapturedSizes:
+class CapturedSizes(ABC):
     """What decode graphs and piecewise graphs share: the model and KV cache they run, their sizes
     (ascending), the device and capturer, and a capture that takes every size largest first (one
     memory pool serves them all) and measures what it cost."""
-
-    _logger = logger  # a subclass logs under its own module's name
 
     def __init__(
         self,
@@ -304,7 +303,7 @@ class CapturedSizes:
         capturer.synchronize()
         stats = CaptureStats(self.sizes, time.perf_counter() - start, capturer.memory_in_use() - start_memory)
         self.stats = stats
-        self._logger.info(
+        logging.getLogger(type(self).__module__).info(  # under the subclass's module, as its tests read
             "CUDA graphs: captured %s in %.2f s, %.0f MiB of device memory",
             self._captured(),
             stats.seconds,
@@ -312,12 +311,13 @@ class CapturedSizes:
         )
         return stats
 
+    @abstractmethod
     def _capture_size(self, size: int) -> None:
-        raise NotImplementedError
+        """Capture the graphs of one size."""
 
+    @abstractmethod
     def _captured(self) -> str:
         """What a capture made, for the log."""
-        raise NotImplementedError
 
 
 class DecodeGraphs(CapturedSizes):

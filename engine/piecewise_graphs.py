@@ -166,7 +166,7 @@ class SizePieces:
 class PiecewiseGraphs(CapturedSizes):
     """The pieces of each token count, their persistent buffers, and the replay of a step."""
 
-    _logger = logger
+    model: CausalLMBase
     capturer: PieceCapturer
 
     def __init__(
@@ -180,7 +180,6 @@ class PiecewiseGraphs(CapturedSizes):
     ) -> None:
         capturer = capturer if capturer is not None else CudaPieceCapturer(device)
         super().__init__(model, kv_cache, token_capture_sizes(max_tokens), device, capturer)
-        self.model: CausalLMBase = model
         max_size = self.sizes[-1]
         attentions = [m for m in model.modules() if isinstance(m, Attention)]
         width = max(a.num_heads * a.head_dim for a in attentions)

@@ -78,6 +78,7 @@ def pooled_deltas(parts: Sequence[dict[str, float]]) -> dict[str, float]:
 
 
 def with_derived(out: dict[str, float]) -> dict[str, float]:
+    """`out` (counter deltas) with the figures computed from them added."""
     steps = out.get("steps", 0.0)
     tokens = out.get("prompt_tokens", 0.0) + out.get("generation_tokens", 0.0)
     if steps > 0 and tokens > 0:
