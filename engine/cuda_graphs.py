@@ -55,8 +55,6 @@ from engine.inputs import HostStepInputs, to_device
 from engine.kv_cache import PagedKVCache
 from models.layers.metadata import AttentionMetadata
 
-logger = logging.getLogger(__name__)
-
 
 def capture_sizes(max_num_seqs: int) -> tuple[int, ...]:
     """The batch sizes to capture: powers of two below max_num_seqs, and max_num_seqs itself.

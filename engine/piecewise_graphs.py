@@ -30,7 +30,6 @@ into one memory pool. Tests on a CPU use a capturer that replays by running the 
 
 from __future__ import annotations
 
-import logging
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Protocol
@@ -43,8 +42,6 @@ from engine.kv_cache import PagedKVCache
 from models.base import CausalLMBase
 from models.layers.attention import Attention, AttentionStep
 from models.layers.metadata import AttentionMetadata, KVCache
-
-logger = logging.getLogger(__name__)
 
 SMALLEST_SIZE = 16  # a step of fewer tokens replays the 16-token pieces (padding costs ~nothing there)
 
