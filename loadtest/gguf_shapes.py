@@ -1,6 +1,6 @@
-"""`python -m loadtest.gguf_shapes SHAPE [--mix Q4_K_M|IQ4_XS]`: a GGUF file at a published model's
-shape, with random weights in llama.cpp's Q4_K_M mix (or its IQ4_XS mix: `iq4_xs_type`), for comparing
-servers on it without the checkpoint:
+"""`python -m loadtest.gguf_shapes SHAPE [--mix Q4_K_M|Q3_K_M|Q2_K|IQ4_XS]`: a GGUF file at a published
+model's shape, with random weights in llama.cpp's Q4_K_M mix (or its Q3_K_M, Q2_K or IQ4_XS mix: `MIXES`),
+for comparing servers on it without the checkpoint:
 
     make bench-peers GGUF=$(python -m loadtest.gguf_shapes qwen3-0.6b)
 
@@ -209,7 +209,7 @@ def use_more_bits(layer: int, layers: int) -> bool:
 
 # llama.cpp's fallback for a tensor whose rows are not whole 256-weight super-blocks (Gemma 3 1B's 1152
 # columns): the legacy type of about the same size.
-K_QUANT_FALLBACK = {"Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
+K_QUANT_FALLBACK = {"Q2_K": "Q4_0", "Q3_K": "Q4_0", "Q4_K": "Q5_0", "Q5_K": "Q5_1", "Q6_K": "Q8_0"}
 
 
 def q4_k_m_type(name: str, dims: tuple[int, ...], shape: GGUFShape) -> str:
@@ -231,8 +231,46 @@ def iq4_xs_type(name: str, dims: tuple[int, ...], shape: GGUFShape) -> str:
     return "IQ4_XS" if dims[-1] % 256 == 0 else "IQ4_NL"
 
 
+def _low_bit_choice(name: str, shape: GGUFShape, mix: str) -> str:
+    """llama.cpp's Q3_K_M and Q2_K choices (llama_tensor_get_type, for these architectures without 8
+    experts): the output Q6_K; attn_v Q5_K in the first two layers then Q4_K (Q3_K_M), or Q4_K where 4
+    or more query heads share a KV head, else Q3_K (Q2_K); ffn_down Q5_K in the first 1/16 of the layers
+    then Q4_K (Q3_K_M), or Q3_K (Q2_K); attn_output and a fused attn_qkv Q4_K (Q3_K_M), attn_output Q3_K
+    (Q2_K); every other matrix the mix's own type."""
+    if name == "output.weight" or (shape.tied and name == "token_embd.weight"):
+        return "Q6_K"
+    layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
+    if mix == "Q3_K_M":
+        if ".attn_v." in name:
+            return "Q5_K" if layer < 2 else "Q4_K"
+        if ".ffn_down." in name or ".ffn_down_exps." in name:
+            return "Q5_K" if layer < shape.layers // 16 else "Q4_K"
+        return "Q4_K" if ".attn_output." in name or ".attn_qkv." in name else "Q3_K"
+    if ".attn_v." in name:
+        return "Q4_K" if shape.heads // shape.kv_heads >= 4 else "Q3_K"
+    return "Q3_K" if ".ffn_down." in name or ".ffn_down_exps." in name or ".attn_output." in name else "Q2_K"
+
+
+def low_bit_type(mix: str) -> Callable[[str, tuple[int, ...], GGUFShape], str]:
+    """The type llama.cpp's Q3_K_M or Q2_K mix gives a tensor; rows that are not whole super-blocks fall
+    back as llama.cpp's do (Q2_K, Q3_K: Q4_0)."""
+
+    def choose(name: str, dims: tuple[int, ...], shape: GGUFShape) -> str:
+        if len(dims) == 1 or ".ffn_gate_inp." in name:
+            return "F32"
+        chosen = _low_bit_choice(name, shape, mix)
+        return chosen if dims[-1] % 256 == 0 else K_QUANT_FALLBACK[chosen]
+
+    return choose
+
+
 # The mixes a file can be written in: llama.cpp's names, and the type each gives a tensor.
-MIXES = {"Q4_K_M": q4_k_m_type, "IQ4_XS": iq4_xs_type}
+MIXES = {
+    "Q4_K_M": q4_k_m_type,
+    "Q3_K_M": low_bit_type("Q3_K_M"),
+    "Q2_K": low_bit_type("Q2_K"),
+    "IQ4_XS": iq4_xs_type,
+}
 
 
 def _q4_k_m_choice(name: str, shape: GGUFShape) -> str:
@@ -352,10 +390,8 @@ def default_vocabulary(first: int | None = None) -> Vocabulary:
 def random_blocks(ggml_type: str, rows: int, cols: int, rng: np.random.Generator) -> np.ndarray:
     """uint8 [rows, row bytes]: random codes and sub-scales with small super-block scales (weights of
     about 0.02, so activations stay finite through the layers), packed as the type's blocks."""
-    import torch
-
-    from models.gguf.encode import encode
-    from models.layers.packed_weight import CODE_RANGE, FORMATS, BlockComponents
+    from models.gguf.encode import ENCODABLE, encode
+    from models.layers.packed_weight import FORMATS
 
     if ggml_type in ("IQ4_XS", "IQ4_NL"):  # gguf-py does not quantize these: random indices and scales
         from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -367,36 +403,39 @@ def random_blocks(ggml_type: str, rows: int, cols: int, rng: np.random.Generator
         d = (rng.random((rows, cols // block)) * top + top / 20).astype(np.float16)
         raw[..., 0:2] = d.view(np.uint8).reshape(rows, cols // block, 2)
         return raw.reshape(rows, -1)
-    if ggml_type not in ("Q4_K", "Q5_K", "Q6_K"):  # a legacy fallback type: gguf-py quantizes those
+    if ggml_type not in ENCODABLE:  # a legacy fallback type: gguf-py quantizes those
         from gguf import GGMLQuantizationType, quants
 
         values = (rng.standard_normal((rows, cols)) * 0.02).astype(np.float32)
         return quants.quantize(values, GGMLQuantizationType[ggml_type])
-    fmt = FORMATS[ggml_type]
-    supers = cols // 256
     out = []
     for start in range(0, rows, ROWS_PER_CHUNK):
         n = min(ROWS_PER_CHUNK, rows - start)
-        lo, hi = CODE_RANGE[ggml_type]
-        codes = rng.integers(lo, hi + 1, (n, cols), dtype=np.int16).astype(np.uint8)
-        d = (rng.random((n, supers)) * 2e-4 + 1e-5).astype(np.float16)
-        if ggml_type == "Q6_K":
-            sc = rng.integers(-64, 64, (n, cols // 16), dtype=np.int8)
-            c = BlockComponents(fmt, torch.from_numpy(codes), torch.from_numpy(d), None, torch.from_numpy(sc))
-        else:
-            sc = rng.integers(16, 64, (n, cols // 32), dtype=np.uint8)
-            m = rng.integers(0, 64, (n, cols // 32), dtype=np.uint8)
-            dmin = (d.astype(np.float32) * (hi / 2) * 0.6).astype(np.float16)  # centres the weights near 0
-            c = BlockComponents(
-                fmt,
-                torch.from_numpy(codes),
-                torch.from_numpy(d),
-                torch.from_numpy(dmin),
-                torch.from_numpy(sc),
-                torch.from_numpy(m),
-            )
-        out.append(encode(ggml_type, c))
+        out.append(encode(ggml_type, _random_k_quant(FORMATS[ggml_type], n, cols, rng)))
     return np.concatenate(out)
+
+
+def _random_k_quant(fmt: Any, n: int, cols: int, rng: np.random.Generator) -> Any:
+    """Random codes and sub-scales of a K-quant for n rows, with small super-block scales (and, for the
+    types with minimums, minimums that centre the weights near 0)."""
+    import torch
+
+    from models.layers.packed_weight import CODE_RANGE, BlockComponents
+
+    lo, hi = CODE_RANGE[fmt.name]
+    codes = torch.from_numpy(rng.integers(lo, hi + 1, (n, cols), dtype=np.int16).astype(np.uint8))
+    d = (rng.random((n, cols // 256)) * 2e-4 + 1e-5).astype(np.float16)
+    subs = cols // fmt.sub_group
+    top = {"Q6_K": 64, "Q3_K": 32, "Q2_K": 16}.get(fmt.name, 64)  # the sub-scales' bound (6, 6, 4 bits)
+    if not fmt.has_min:  # Q6_K, Q3_K: signed sub-scales, codes centred by the format's offset
+        sc = rng.integers(-top, top, (n, subs), dtype=np.int8)
+        return BlockComponents(fmt, codes, torch.from_numpy(d), None, torch.from_numpy(sc))
+    sc = rng.integers(top // 4, top, (n, subs), dtype=np.uint8)
+    m = rng.integers(0, top, (n, subs), dtype=np.uint8)
+    dmin = (d.astype(np.float32) * (hi / 2) * 0.6).astype(np.float16)  # centres the weights near 0
+    return BlockComponents(
+        fmt, codes, torch.from_numpy(d), torch.from_numpy(dmin), torch.from_numpy(sc), torch.from_numpy(m)
+    )
 
 
 def rope_factors(shape: GGUFShape, long: bool) -> np.ndarray:

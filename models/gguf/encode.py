@@ -1,9 +1,9 @@
 """Codes and scales -> a K-quant's raw GGUF blocks: the inverse of blocks.decode_blocks, byte for byte as
 ggml lays them out (its quantize_row_q*_K_ref's packing, without the search for the best scales).
 
-gguf-py quantizes only the legacy types (Q4_0 ... Q8_0); this writes Q4_K, Q5_K and Q6_K, the types of
-llama.cpp's Q4_K_M and Q5_K_M mixes, from codes and scales that are given (random ones for files at a
-model's shape: loadtest/gguf_shapes.py). `decode_blocks(t, encode(t, c), k)` gives back `c`
+gguf-py quantizes only the legacy types (Q4_0 ... Q8_0); this writes the K-quants (Q2_K ... Q6_K), the
+types of llama.cpp's Q2_K, Q3_K_M, Q4_K_M and Q5_K_M mixes, from codes and scales that are given (random
+ones for files at a model's shape: loadtest/gguf_shapes.py). `decode_blocks(t, encode(t, c), k)` gives back `c`
 (tests/models/test_gguf_native.py).
 """
 
@@ -15,7 +15,7 @@ import numpy as np
 
 from models.layers.packed_weight import BlockComponents
 
-ENCODABLE = ("Q4_K", "Q5_K", "Q6_K")
+ENCODABLE = ("Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 
 
 def _f16_bytes(x: np.ndarray) -> np.ndarray:
@@ -42,6 +42,25 @@ def _k_nibbles(q: np.ndarray) -> np.ndarray:
     return (pairs[..., 0, :] | (pairs[..., 1, :] << 4)).reshape(*q.shape[:2], 128)
 
 
+def _k_crumbs(q: np.ndarray) -> np.ndarray:
+    """Q2_K / Q3_K: [n, nb, 256] codes 0..3 -> [n, nb, 64]: byte 32c + j holds weights 128c + 32s + j in
+    bits 2s, 2s + 1 (s = 0..3)."""
+    q = q.astype(np.uint8).reshape(*q.shape[:2], 2, 4, 32)
+    out = q[:, :, :, 0] | (q[:, :, :, 1] << 2) | (q[:, :, :, 2] << 4) | (q[:, :, :, 3] << 6)
+    return out.reshape(*q.shape[:2], 64)
+
+
+def _q3_k_scales(sc: np.ndarray) -> np.ndarray:
+    """Q3_K: int8 sub-scales [n, nb, 16] (-32..31, stored + 32) -> the 12 packed bytes: the low 4 bits of
+    sub-scales j and 8 + j in byte j (low, high nibble), the top 2 bits of sub-scale 4s + j in bits 2s,
+    2s + 1 of byte 8 + j."""
+    u = (sc.astype(np.int16) + 32).astype(np.uint8)
+    low = (u[..., 0:8] & 0x0F) | ((u[..., 8:16] & 0x0F) << 4)
+    top = (u >> 4).reshape(*u.shape[:-1], 4, 4)  # (s, j)
+    high = top[..., 0, :] | (top[..., 1, :] << 2) | (top[..., 2, :] << 4) | (top[..., 3, :] << 6)
+    return np.concatenate([low, high], axis=-1)
+
+
 def encode(ggml_type: str, c: BlockComponents) -> np.ndarray:
     """uint8 [N, row bytes] blocks of one tensor from its codes and scales (the components
     blocks.decode_blocks would return for them)."""
@@ -51,6 +70,18 @@ def encode(ggml_type: str, c: BlockComponents) -> np.ndarray:
     nb = k // 256
     codes = c.codes.numpy().astype(np.int16).reshape(n, nb, 8, 32)
     d = _f16_bytes(c.scale.numpy())  # [n, nb, 2]
+    if ggml_type == "Q2_K":  # scales (sc low nibble, m high) per 16, 2-bit codes, d, dmin
+        sc = c.sub_scale.numpy().reshape(n, nb, 16) | (c.sub_min.numpy().reshape(n, nb, 16) << 4)
+        parts = [sc.astype(np.uint8), _k_crumbs(codes.reshape(n, nb, 256)), d, _f16_bytes(c.minimum.numpy())]
+        return np.concatenate(parts, axis=-1).reshape(n, -1)
+    if ggml_type == "Q3_K":  # hmask (weight 32s + j's third bit at bit s of byte j), 2-bit codes, scales, d
+        q = codes.reshape(n, nb, 8, 32).astype(np.uint8)
+        hmask = np.zeros((n, nb, 32), dtype=np.uint8)
+        for s in range(8):
+            hmask |= ((q[:, :, s] >> 2) & 1) << s
+        sc = _q3_k_scales(c.sub_scale.numpy().reshape(n, nb, 16))
+        parts = [hmask, _k_crumbs(q.reshape(n, nb, 256) & 0x03), sc, d]
+        return np.concatenate(parts, axis=-1).reshape(n, -1)
     if ggml_type == "Q6_K":
         q = codes.astype(np.uint8).reshape(n, nb, 2, 2, 64)  # (128-chunk, nibble shift, l)
         ql = (q[:, :, :, 0] & 0x0F) | ((q[:, :, :, 1] & 0x0F) << 4)  # [n, nb, 2, 64]

@@ -45,17 +45,18 @@
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 2048
 #endif
-/* Rows of x from which the int8 micro-kernels prefetch plain 4-bit and 8-bit codes. At one or two rows
- * their loop does little but read the tile, and the hardware prefetcher alone streams it faster: with
- * the software prefetches a Q4_K GEMM over weights from memory ran 10-27% slower at one row and 5-10%
- * at two, Q8_0 1-4% and 12-16% (2-core Zen 4). Codes that take more work a byte to unpack (5 and 6
- * bits, a codebook's) want the prefetches at every row count: without them Q6_K ran 9-12% slower at
- * one row, 23-28% at two, IQ4_XS 16% at two. */
+/* Rows of x from which the int8 micro-kernels prefetch codes held in one plane (2- and 4-bit) or as
+ * bytes (8-bit). At one or two rows their loop does little but read the tile, and the hardware
+ * prefetcher alone streams it faster: with the software prefetches a Q4_K GEMM over weights from
+ * memory ran 10-27% slower at one row and 5-10% at two, Q8_0 1-4% and 12-16% (2-core Zen 4). Codes
+ * that take more work a byte to unpack (two planes: 3, 5 and 6 bits; a codebook's) want the
+ * prefetches at every row count: without them Q6_K ran 9-12% slower at one row, 23-28% at two, IQ4_XS
+ * 16% at two, Q3_K 3-11% faster at one row but 11-17% slower at two. */
 #ifndef PREFETCH_MIN_ROWS
 #define PREFETCH_MIN_ROWS 3
 #endif
 static inline int prefetches(const int fmt, const int mr) {
-    const int cheap_codes = qf_bits(fmt) == 8 || (qf_bits(fmt) == 4 && !qf_codebook(fmt));
+    const int cheap_codes = qf_bits(fmt) == 8 || (qf_bits(fmt) == qf_low_bits(fmt) && !qf_codebook(fmt));
     return mr >= PREFETCH_MIN_ROWS || !cheap_codes;
 }
 
@@ -160,22 +161,24 @@ static inline __attribute__((always_inline)) bscale block_scales(const uint8_t *
 }
 
 /* Unit u (k = 4u..4u+3) of half h of a block's codes, as bytes: codes below 8 bits unpacked to their
- * unsigned value (the nibble, and for 5- and 6-bit codes the high bits from their plane), or, for a
- * codebook format, to the codebook's int8 values. */
+ * unsigned value (the low bits from their plane and, for codes wider than it, the high bits from theirs),
+ * or, for a codebook format, to the codebook's int8 values. */
 static inline __attribute__((always_inline)) vi code_unit(const uint8_t *codes, const int fmt, int u, int h) {
     const int bits = qf_bits(fmt);
     if (bits == 8) return vi_loadu(codes + 64 * u + UNIT_BYTES * h);
-    const vi p = vi_loadu(codes + 64 * (u & 3) + UNIT_BYTES * h);
-    vi n = vi_and(u < 4 ? p : vi_srli16(p, 4), vi_set1_8(0x0f));
-    if (bits > 4) {
-        const int hb = bits - 4, per = 8 / hb; /* high bits a code; units a byte of the plane holds */
-        const vi hp = vi_loadu(codes + 256 + 64 * (u / per) + UNIT_BYTES * h);
-        /* Unit u's high bits (at bit hb * (u % per)) moved to bit 4. The shifts are 16-bit, so bits of
-         * the neighbouring byte move in, but only at bits 0..sh-1 (left) or 8-sh..7 (right, sh <= 3),
-         * never at the 4 .. 3 + hb that the mask keeps. */
-        const int sh = 4 - hb * (u % per);
+    const int lb = qf_low_bits(fmt), ls = lb * (u / lb);
+    /* The shifts are 16-bit: the neighbouring byte's bits move in at bits 8 - ls .. 7, above the mask. */
+    const vi p = vi_loadu(codes + 64 * (u % lb) + UNIT_BYTES * h);
+    vi n = vi_and(ls ? vi_srli16(p, ls) : p, vi_set1_8((char)((1 << lb) - 1)));
+    if (bits > lb) {
+        const int hb = bits - lb, per = 8 / hb; /* high bits a code; units a byte of the plane holds */
+        const vi hp = vi_loadu(codes + 64 * lb + 64 * (u / per) + UNIT_BYTES * h);
+        /* Unit u's high bits (at bit hb * (u % per)) moved to bit lb. Bits of the neighbouring byte
+         * move in only at bits 0..sh-1 (left) or 8-sh..7 (right, sh <= 5), never at the lb .. lb + hb - 1
+         * that the mask keeps. */
+        const int sh = lb - hb * (u % per);
         const vi hs = sh > 0 ? vi_slli16(hp, sh) : sh < 0 ? vi_srli16(hp, -sh) : hp;
-        n = vi_or_and(n, hs, vi_set1_8((char)(((1 << hb) - 1) << 4)));
+        n = vi_or_and(n, hs, vi_set1_8((char)(((1 << hb) - 1) << lb)));
     }
     return qf_codebook(fmt) ? vi_table16(n, IQ4_NL_VALUES) : n;
 }
@@ -192,7 +195,7 @@ static inline __attribute__((always_inline)) void sub_group_dots(const uint8_t *
     const int8_t *xq = x->q + m0 * K + g * QBLOCK;
     const int units = 8 / sub_groups(fmt);
 #if DOT_US16
-    if (qf_bits(fmt) == 4 && !qf_signed_units(fmt)) { /* 4-bit codes: up to 8 units' sums fit 16 bits (vec.h) */
+    if (qf_small_codes(fmt)) { /* 4-bit codes: up to 8 units' sums fit 16 bits (vec.h) */
         vi s16[MR_INT];
         for (int m = 0; m < mr; m++) s16[m] = vi_zero();
         for (int u = units * p; u < units * (p + 1); u++) {
@@ -253,8 +256,8 @@ static inline __attribute__((always_inline)) void int_tile(const uint8_t *tile, 
                 _mm_prefetch((const char *)pf, _MM_HINT_T0);
 #endif
 #if DOT_US16 && HALVES == 2
-        if (!sgn && qf_bits(fmt) == 4) { /* one broadcast of x feeds both halves; 4-bit codes keep 8 units'
-                                            sums within 16 bits (vec.h) */
+        if (qf_small_codes(fmt)) { /* one broadcast of x feeds both halves; codes of up to 4 bits keep 8
+                                      units' sums within 16 bits (vec.h) */
             const bscale sc[2] = {block_scales(hdr, sub, fmt, 0), block_scales(hdr, sub, fmt, 1)};
             const int64_t K = x->K;
             vi s16[MR_INT][2];
@@ -387,7 +390,7 @@ static inline __attribute__((always_inline)) void int_tile_super(const uint8_t *
                     _mm_prefetch((const char *)pf, _MM_HINT_T0);
 #endif
 #if DOT_US16 && HALVES == 2
-            if (qf_bits(fmt) == 4 && !qf_signed_units(fmt)) { /* AVX2: one broadcast of x feeds both halves */
+            if (qf_small_codes(fmt)) { /* AVX2: one broadcast of x feeds both halves */
                 const int units = 8 / sub_groups(fmt);
                 for (int p = 0; p < sub_groups(fmt); p++) {
                     vi s16[MR_INT][2];
@@ -1000,12 +1003,13 @@ int orca_qdequant_rows(const uint8_t *w, int fmt, int64_t K, int64_t N, const in
                 const int bits = qf_bits(fmt);
                 if (bits == 8)
                     c = (int8_t)codes[64 * u + 4 * l + t];
-                else {
-                    const uint8_t byte = codes[64 * (u & 3) + 4 * l + t];
-                    int q = u < 4 ? byte & 15 : byte >> 4;
-                    if (bits > 4) { /* the high bits' plane (quant_tiles.h) */
-                        const int hb = bits - 4, per = 8 / hb;
-                        q |= ((codes[256 + 64 * (u / per) + 4 * l + t] >> (hb * (u % per))) & ((1 << hb) - 1)) << 4;
+                else { /* the low bits' plane, then the high bits' (quant_tiles.h) */
+                    const int lb = qf_low_bits(fmt);
+                    int q = (codes[64 * (u % lb) + 4 * l + t] >> (lb * (u / lb))) & ((1 << lb) - 1);
+                    if (bits > lb) {
+                        const int hb = bits - lb, per = 8 / hb;
+                        q |= ((codes[64 * lb + 64 * (u / per) + 4 * l + t] >> (hb * (u % per))) & ((1 << hb) - 1))
+                             << lb;
                     }
                     c = qf_codebook(fmt) ? IQ4_NL_VALUES[q] : q + qf_offset(fmt);
                 }

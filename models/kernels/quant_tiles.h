@@ -8,13 +8,16 @@
  *   super = header, then blocks_per_super x (codes, sub-scales)
  *   codes = 8 units of 4 k x 16 rows ("unit u" holds k = 4u..4u+3 of the block, bytes row-major:
  *           row r's 4 codes at 4r..4r+3; the VNNI/AMX B-operand layout: one vpdpbusd per unit).
- *           8-bit codes: 8 x 64 bytes, signed. 4-bit codes: 4 x 64 bytes, unit u in the low
- *           nibbles of byte group u and unit u + 4 in the high nibbles (GGUF's own nibble order:
- *           k and k + 16 share a byte), unsigned 0..15. 5- and 6-bit codes (Q5_*, Q6_K): the low 4
- *           bits exactly as 4-bit codes, then a plane of the high bits, (bits - 4) x 64 bytes: the
- *           h = bits - 4 high bits of unit u lie in byte group u / (8 / h) at bit h * (u % (8 / h))
- *           (6-bit: 2 groups, units 0..3 and 4..7 at bits 0, 2, 4, 6; 5-bit: 1 group, unit u at bit
- *           u), so a block holds exactly the file's 5 or 6 bits a weight.
+ *           8-bit codes: 8 x 64 bytes, signed. Codes below 8 bits are unsigned, in a plane of their
+ *           low L bits (qf_low_bits: L = 4 for 4- to 6-bit codes, 2 for 2- and 3-bit ones), L x 64
+ *           bytes, unit u's at bit L * (u / L) of byte group u % L: 4-bit codes (L = 4) have unit u
+ *           in the low nibbles of byte group u and unit u + 4 in the high nibbles (GGUF's own nibble
+ *           order: k and k + 16 share a byte); 2-bit codes (L = 2) units u and u + 2, u + 4, u + 6
+ *           at bits 0, 2, 4, 6 of byte group u (u = 0, 1). Codes of more than L bits (Q5_*, Q6_K,
+ *           Q3_K) then have a plane of their high bits, h = bits - L bits a code, h x 64 bytes:
+ *           unit u's in byte group u / (8 / h) at bit h * (u % (8 / h)) (6-bit: 2 groups, units
+ *           0..3 and 4..7 at bits 0, 2, 4, 6; 5- and 3-bit: 1 group, unit u at bit u). So a block
+ *           holds exactly the file's 2, 3, 4, 5 or 6 bits a weight.
  *
  * Every weight is w = a * q + z, with a * q exact in float32 for every format (so fma(a, q, z)
  * rounds once, as gguf-py's (a * q) + z does) and:
@@ -29,7 +32,7 @@
  *                         (Q2_K: u8) sc for k 0..15 and 16..31 [+ 2 x 16 x u8 m]; a = d * sc and
  *                         z = -(dmin * m) per 16 k; 8 blocks per super
  * Codes below 8 bits are stored unsigned, as in the file: Q4_0's (0..15) offset by -8, Q3_K's by -4,
- * Q5_0's (0..31) by -16, Q6_K's (0..63) by -32; Q2_K's 2-bit codes are 4-bit codes 0..3. IQ4_XS's and IQ4_NL's 4-bit codes index a
+ * Q5_0's (0..31) by -16, Q6_K's (0..63) by -32; Q2_K's (0..3) as they are. IQ4_XS's and IQ4_NL's 4-bit codes index a
  * 16-entry codebook of int8 values (IQ4_NL_VALUES: llama.cpp's kvalues_iq4nl); the kernels turn a unit of them into those int8 values
  * with one byte shuffle, and from there on treat them as 8-bit signed codes (llama.cpp's route).
  */
@@ -52,8 +55,12 @@ static inline int qf_bits(int f) {
            : f == QF_Q8_0                                ? 8
            : f == QF_Q6_K                                ? 6
            : f == QF_Q5_0 || f == QF_Q5_1 || f == QF_Q5_K ? 5
+           : f == QF_Q3_K                                ? 3
+           : f == QF_Q2_K                                ? 2
                                                          : 4;
 }
+/* Bits of a code below 8 bits that its low plane holds (the rest are in the high bits' plane). */
+static inline int qf_low_bits(int f) { return qf_bits(f) < 4 ? 2 : 4; }
 static inline int qf_kind(int f) {
     return f == QF_Q4_K || f == QF_Q5_K || f == QF_IQ4_XS             ? KIND_K
            : f == QF_Q6_K || f == QF_Q3_K || f == QF_Q2_K ? KIND_K16
@@ -73,6 +80,8 @@ static inline int qf_sub_signed(int f) { return f == QF_Q6_K || f == QF_Q3_K || 
 /* A unit of codes, as the kernels use it, holds signed int8 values (8-bit codes, codebook values)
  * rather than unsigned codes of 4 to 6 bits. */
 static inline int qf_signed_units(int f) { return qf_bits(f) == 8 || qf_codebook(f); }
+/* Unsigned codes of at most 4 bits (0..15): a block's 8 units of products with int8 x sum within 16 bits. */
+static inline int qf_small_codes(int f) { return qf_bits(f) <= 4 && !qf_codebook(f); }
 static inline int qf_blocks_per_super(int f) { return qf_kind(f) == KIND_F16 || qf_kind(f) == KIND_RAW ? 1 : 8; }
 static inline int64_t qf_code_bytes(int f) { return (int64_t)qf_bits(f) * 64; }
 static inline int64_t qf_sub_bytes(int f) {

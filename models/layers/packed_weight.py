@@ -18,21 +18,23 @@ The formats (`FORMATS`, ids shared with the C code):
     Q4_K  4-bit           d, dmin: f16 per 256; sc, m: u8 per 32; a = d sc, z = -dmin m   4.5 (4.63)
     Q5_K  5-bit           as Q4_K                                                     5.5 (5.63)
     Q6_K  6-bit, q - 32   d: f16 per 256; sc: s8 per 16; a = d sc                     6.56
-    Q2_K  4-bit, 0..3     d, dmin: f16 per 256; sc, m: u8 per 16; a = d sc, z = -dmin m   2.63 (kept in 5.13)
-    Q3_K  4-bit, q - 4    d: f16 per 256; sc: s8 per 16; a = d sc                     3.44 (kept in 4.56)
+    Q2_K  2-bit           d, dmin: f16 per 256; sc, m: u8 per 16; a = d sc, z = -dmin m   2.63 (3.13)
+    Q3_K  3-bit, q - 4    d: f16 per 256; sc: s8 per 16; a = d sc                     3.44 (3.56)
     IQ4_XS 4-bit index    d: f16 per 256; sc: s8 per 32; a = d sc; q = IQ4_NL_VALUES[code]  4.25 (4.31)
     IQ4_NL 4-bit index    a: f16 per 32; q = IQ4_NL_VALUES[code]                       4.5
     F16   the weight      none (the raw kind: 16-bit floats, k-major in a block)       16
     BF16  the weight      none                                                         16
 
-(In brackets: the packed size where it differs from the file's.) Codes below 8 bits are stored unsigned,
-as in the file, with the format's offset; 5- and 6-bit codes keep their low nibble as 4-bit codes do and
-their high bits in a plane of their own, so Q6_K's output heads and down projections (a Q4_K_M file's
-largest 6-bit tensors) are read at the file's 6.56 bits a weight, not as bytes. Q2_K's and Q3_K's 2- and
-3-bit codes take a nibble each: the 4-bit kernels run them unchanged, where packing them tighter would
-need kernels of their own for 1 to 2 bits a weight. IQ4_XS's and IQ4_NL's codes index a 16-entry int8
-codebook; the kernels look a unit of them up with one byte shuffle (llama.cpp's route) and multiply the
-int8 values exactly as 8-bit codes.
+(In brackets: the packed size where it differs from the file's: the K-quants' 4- and 6-bit sub-scales
+and minimums kept a byte each.) Codes below 8 bits are stored unsigned, as in the file, with the
+format's offset, in a plane of their low bits (a nibble for 4- to 6-bit codes, 2 bits for 2- and 3-bit
+ones) and, for 5-, 6- and 3-bit codes, a plane of their high bits: so every code costs the file's bits,
+Q6_K's output heads and down projections (a Q4_K_M file's largest 6-bit tensors) 6 bits a weight, a
+Q3_K_M file's Q3_K matrices 3 (they took a nibble each before 2026-11-28: a Llama-3.2-1B Q3_K_M file
+held 776 MB for its 683, a Q2_K file 814 MB for 573; now 698 and 617). The kernels rebuild a vector of
+codes from the planes with a load, a shift and a mask per plane (`code_unit`). IQ4_XS's and IQ4_NL's
+codes index a 16-entry int8 codebook; the kernels look a unit of them up with one byte shuffle
+(llama.cpp's route) and multiply the int8 values exactly as 8-bit codes.
 
 Two ways in: `pack_components` from a format's codes and scales (models/gguf/blocks.py decodes them from a
 GGUF file's raw blocks), and `pack_exact`, which recognises Q4_0 / Q4_1 / Q8_0 structure in float32
@@ -61,7 +63,7 @@ class BlockFormat:
 
     name: str
     id: int  # QF_* in quant_tiles.h
-    bits: int  # bits a code: 4, 5, 6 or 8; 16 for the raw kind
+    bits: int  # bits a code: 2, 3, 4, 5, 6 or 8; 16 for the raw kind
     kind: str  # "f16": scale (and min) f16 per 32; "k": K-quant super-blocks; "k16": scales per 16;
     # "raw": no scales, the weights themselves as 16-bit floats (F16, BF16)
     has_min: bool
@@ -83,6 +85,12 @@ class BlockFormat:
         """Codes stored as uint8 values below 2**bits (all but Q8_0's int8 and the raw kind's int16
         bit patterns)."""
         return self.bits < 8
+
+    @property
+    def low_bits(self) -> int:
+        """Bits of an unsigned code in its low plane (quant_tiles.h): a nibble for 4- to 6-bit codes,
+        2 for 2- and 3-bit ones; the rest are in the high bits' plane."""
+        return 2 if self.bits < 4 else 4
 
     @property
     def code_bytes(self) -> int:
@@ -125,8 +133,8 @@ FORMATS: dict[str, BlockFormat] = {
         BlockFormat("Q4_K", 5, 4, "k", True, 0, 4.5),
         BlockFormat("Q5_K", 6, 5, "k", True, 0, 5.5),
         BlockFormat("Q6_K", 7, 6, "k16", False, -32, 6.5625, sub_signed=True),
-        BlockFormat("Q2_K", 8, 4, "k16", True, 0, 2.625),
-        BlockFormat("Q3_K", 9, 4, "k16", False, -4, 3.4375, sub_signed=True),
+        BlockFormat("Q2_K", 8, 2, "k16", True, 0, 2.625),
+        BlockFormat("Q3_K", 9, 3, "k16", False, -4, 3.4375, sub_signed=True),
         BlockFormat("IQ4_XS", 10, 4, "k", False, 0, 4.25, sub_signed=True, codebook=IQ4_NL_VALUES),
         BlockFormat("IQ4_NL", 11, 4, "f16", False, 0, 4.5, codebook=IQ4_NL_VALUES),
         BlockFormat("F16", 12, 16, "raw", False, 0, 16.0),
@@ -317,12 +325,24 @@ def _byte_values(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.uint8) if x.dtype == torch.int8 else x.to(torch.uint8)
 
 
-def _high_plane(codes: torch.Tensor, hb: int, t: int, g: int) -> torch.Tensor:
-    """The high `hb` bits of 5- or 6-bit codes [T, 16, K] as quant_tiles.h lays them out: unit u's
-    (k = 4u..4u+3) in byte group u // (8 // hb) at bit hb * (u % (8 // hb)), bytes (row, k % 4)
-    as in a unit. -> [T, G, hb * 64]."""
+def _low_plane(codes: torch.Tensor, lb: int, t: int, g: int) -> torch.Tensor:
+    """The low `lb` bits of codes [T, 16, K] as quant_tiles.h lays them out: unit u's (k = 4u..4u+3)
+    in byte group u % lb at bit lb * (u // lb), bytes (row, k % 4) as in a unit (for 4-bit codes:
+    k and k + 16 share a byte, GGUF's nibble order). -> [T, G, lb * 64]."""
+    per = 8 // lb
+    lo = (codes & ((1 << lb) - 1)).reshape(t, TILE_ROWS, g, per, lb, 4).permute(0, 2, 3, 4, 1, 5)
+    plane = torch.zeros(t, g, lb, TILE_ROWS, 4, dtype=torch.uint8)
+    for j in range(per):
+        plane |= lo[:, :, j] << (lb * j)
+    return plane.reshape(t, g, lb * 64)
+
+
+def _high_plane(codes: torch.Tensor, lb: int, hb: int, t: int, g: int) -> torch.Tensor:
+    """The high `hb` bits (above the low `lb`) of codes [T, 16, K] as quant_tiles.h lays them out:
+    unit u's in byte group u // (8 // hb) at bit hb * (u % (8 // hb)), bytes (row, k % 4) as in a
+    unit. -> [T, G, hb * 64]."""
     per = 8 // hb
-    hi = (codes >> 4).reshape(t, TILE_ROWS, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(t, g, hb, per, 64)
+    hi = (codes >> lb).reshape(t, TILE_ROWS, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(t, g, hb, per, 64)
     plane = torch.zeros(t, g, hb, 64, dtype=torch.uint8)
     for j in range(per):
         plane |= hi[:, :, :, j] << (hb * j)
@@ -342,12 +362,9 @@ def pack_components(c: BlockComponents, row_start: int = 0) -> PackedSegment:
         return PackedSegment(f, row_start, n, k, blocks.view(torch.uint8).reshape(t, -1))
     codes = _tiled(c.codes.view(torch.uint8), t)  # [T, 16, K]
     if f.unsigned_codes:
-        # byte (unit u, row r, t) of a block: low nibble k = 4u + t, high nibble k = 16 + 4u + t
-        q = (codes & 0x0F).reshape(t, TILE_ROWS, g, 2, 4, 4)
-        q = q[:, :, :, 0] | (q[:, :, :, 1] << 4)  # [T, 16, G, 4, 4]
-        blocks = q.permute(0, 2, 3, 1, 4).reshape(t, g, 256)
-        if f.bits > 4:
-            blocks = torch.cat([blocks, _high_plane(codes, f.bits - 4, t, g)], dim=-1)
+        blocks = _low_plane(codes, f.low_bits, t, g)
+        if f.bits > f.low_bits:
+            blocks = torch.cat([blocks, _high_plane(codes, f.low_bits, f.bits - f.low_bits, t, g)], dim=-1)
     else:
         blocks = codes.reshape(t, TILE_ROWS, g, 8, 4).permute(0, 2, 3, 1, 4).reshape(t, g, 512)
 

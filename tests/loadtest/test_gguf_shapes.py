@@ -125,3 +125,47 @@ def test_iq4_xs_mix_falls_back_to_iq4_nl_and_loads_packed(tmp_path: Path, monkey
     assert formats == {"IQ4_NL", "IQ4_XS", "Q8_0"} and model.native_decode is not None
     logits = single_seq_logits(model, [1, 5, 400, 2000, 3000])
     assert torch.isfinite(logits).all() and logits.std() > 0.1
+
+
+def test_low_bit_mixes_follow_llama_cpp() -> None:
+    """llama.cpp's Q3_K_M and Q2_K mixes (llama_tensor_get_type): more bits for attn_v, ffn_down and
+    attn_output, a Q6_K head, and Q4_0 for rows that are not whole super-blocks."""
+    q3 = {name: t for name, _, t in tensors(SHAPES["llama-3.2-1b"], "Q3_K_M")}  # 16 layers, tied
+    assert (
+        q3["token_embd.weight"] == "Q6_K" and q3["blk.5.attn_q.weight"] == q3["blk.5.ffn_up.weight"] == "Q3_K"
+    )
+    assert q3["blk.1.attn_v.weight"] == "Q5_K" and q3["blk.2.attn_v.weight"] == "Q4_K"
+    assert q3["blk.0.ffn_down.weight"] == "Q5_K" and q3["blk.1.ffn_down.weight"] == "Q4_K"
+    assert q3["blk.9.attn_output.weight"] == "Q4_K"
+    phi = {name: t for name, _, t in tensors(SHAPES["phi-4-mini"], "Q3_K_M")}
+    assert phi["blk.3.attn_qkv.weight"] == "Q4_K"
+    q2 = {name: t for name, _, t in tensors(SHAPES["llama-3.2-1b"], "Q2_K")}  # 32 heads on 8 KV heads
+    assert (
+        q2["blk.5.attn_q.weight"] == q2["blk.5.ffn_gate.weight"] == "Q2_K"
+        and q2["blk.5.attn_v.weight"] == "Q4_K"
+    )
+    assert q2["blk.5.ffn_down.weight"] == q2["blk.5.attn_output.weight"] == "Q3_K"
+    gemma = {name: t for name, _, t in tensors(SHAPES["gemma-3-1b"], "Q3_K_M")}  # 1152 columns
+    assert gemma["blk.0.attn_q.weight"] == "Q4_0" and gemma["blk.0.ffn_down.weight"] == "Q5_K"
+
+
+@pytest.mark.parametrize("mix", ["Q3_K_M", "Q2_K"])
+def test_low_bit_files_load_packed_at_their_size(mix: str, tmp_path: Path, monkeypatch) -> None:
+    """A file in a low-bit mix loads with every matrix packed in its own type, in about the file's
+    bytes (2- and 3-bit codes in planes of their own bits, not a nibble each)."""
+    from models.loader import load_model, resolve_model
+
+    monkeypatch.setenv("ORCA_CACHE_DIR", str(tmp_path / "cache"))
+    shape = replace(tiny(SHAPES["llama-3.2-1b"]), hidden=512, ff=1024)
+    path = write_gguf(shape, tmp_path / f"llama-{mix}.gguf", name="llama-3.2-1b", mix=mix)
+    model = load_model(resolve_model(str(path)), torch.float32, "cpu")
+    packed = [m.packed for m in model.modules() if getattr(m, "packed", None) is not None]
+    formats = {f for p in packed for f in p.formats}
+    assert formats == {t for _, _, t in tensors(shape, mix) if t != "F32"} and model.native_decode is not None
+    from gguf import GGUFReader
+
+    file_bytes = sum(int(t.n_bytes) for t in GGUFReader(path).tensors if t.tensor_type.name != "F32")
+    held = sum(p.nbytes for p in {id(p): p for p in packed}.values())
+    assert held < 1.08 * file_bytes  # 1.02x and 1.06x; with a nibble per 2- or 3-bit code 1.11x and 1.32x
+    logits = single_seq_logits(model, [1, 5, 400, 2000, 3000])
+    assert torch.isfinite(logits).all() and logits.std() > 0.1

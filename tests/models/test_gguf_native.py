@@ -85,7 +85,7 @@ def test_blocks_decode_to_gguf_py_values(qtype: str) -> None:
     packed = PackedWeight((pack_components(decode_blocks(qtype, raw, k)),))
     assert torch.equal(packed.dequantize(), expect)
     # Bits per weight as stored (21 rows pad to two 16-row tiles): the file's, but for the K-quants'
-    # 6-bit sub-scales and minimums kept as bytes (Q4_K, Q5_K) and Q2_K's / Q3_K's codes in a nibble.
+    # 4- and 6-bit sub-scales and minimums kept as bytes (Q4_K, Q5_K, Q2_K, Q3_K).
     stored = {
         "Q4_0": 4.5,
         "Q4_1": 5.0,
@@ -95,8 +95,8 @@ def test_blocks_decode_to_gguf_py_values(qtype: str) -> None:
         "Q4_K": 4.625,
         "Q5_K": 5.625,
         "Q6_K": 6.5625,
-        "Q2_K": 5.125,  # 2-bit codes in a nibble, sc and m per 16 as bytes
-        "Q3_K": 4.5625,  # 3-bit codes in a nibble
+        "Q2_K": 3.125,  # sc and m per 16 as bytes (the file: a nibble each)
+        "Q3_K": 3.5625,  # sc per 16 as bytes (the file: 6 bits)
         "IQ4_XS": 4.3125,
         "IQ4_NL": 4.5,
     }
