@@ -195,7 +195,7 @@ static inline __attribute__((always_inline)) void sub_group_dots(const uint8_t *
     const int8_t *xq = x->q + m0 * K + g * QBLOCK;
     const int units = 8 / sub_groups(fmt);
 #if DOT_US16
-    if (qf_small_codes(fmt)) { /* 4-bit codes: up to 8 units' sums fit 16 bits (vec.h) */
+    if (qf_small_codes(fmt)) { /* codes of up to 4 bits: 8 units' sums fit 16 bits (vec.h) */
         vi s16[MR_INT];
         for (int m = 0; m < mr; m++) s16[m] = vi_zero();
         for (int u = units * p; u < units * (p + 1); u++) {
