@@ -47,6 +47,7 @@ void orca_router_logits(const float *x, int64_t T, int64_t H, const float *w, in
  * (softmax_first 0) the top k logits, then a softmax over those k. weights, experts: [T, k]. */
 void orca_moe_route(const float *logits, int64_t T, int64_t E, int64_t k, int normalize, int softmax_first,
                     float *weights, int64_t *experts) {
+    if (T <= 0 || E <= 0 || k <= 0) return; /* nothing to route (and no negative sizes for malloc/memset) */
     float *p = malloc((size_t)E * sizeof(float));
     char *taken = malloc((size_t)E);
     if (!p || !taken) abort(); /* E floats: only a broken process fails here */
