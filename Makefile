@@ -69,7 +69,8 @@ bench-tpot: install
 # orca-serve against llama.cpp's llama-server on the same GGUF file (../shared/peers/llama.cpp/), in one
 # run: closed-loop streaming chat at concurrency 1, 8 and 32 and a 512-token prefill run, as ratios.
 # GGUF=<file> for another file than the default model's, e.g. a published shape with random Q4_K_M
-# weights (loadtest/gguf_shapes.py: qwen3-0.6b, phi-4-mini, gemma-3-1b, llama-3.2-1b, -3b, llama-3.1-8b):
+# weights (loadtest/gguf_shapes.py: qwen3-0.6b, phi-4-mini, gemma-3-1b, llama-3.2-1b, -3b, llama-3.1-8b;
+# --mix Q3_K_M, Q2_K or IQ4_XS for llama.cpp's other mixes):
 #   make bench-peers GGUF=$$(.venv/bin/python -m loadtest.gguf_shapes qwen3-0.6b)
 bench-peers: install
 	$(PY) -m loadtest.peers $(if $(GGUF),--gguf $(GGUF))
