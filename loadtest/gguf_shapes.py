@@ -31,9 +31,12 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+if TYPE_CHECKING:  # torch is imported only when weights are written
+    from models.layers.packed_weight import BlockComponents, BlockFormat
 
 CHATML_TEMPLATE = (
     "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' }}{%- endfor %}"
@@ -415,7 +418,7 @@ def random_blocks(ggml_type: str, rows: int, cols: int, rng: np.random.Generator
     return np.concatenate(out)
 
 
-def _random_k_quant(fmt: Any, n: int, cols: int, rng: np.random.Generator) -> Any:
+def _random_k_quant(fmt: BlockFormat, n: int, cols: int, rng: np.random.Generator) -> BlockComponents:
     """Random codes and sub-scales of a K-quant for n rows, with small super-block scales (and, for the
     types with minimums, minimums that centre the weights near 0)."""
     import torch

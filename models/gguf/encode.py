@@ -43,11 +43,20 @@ def _k_nibbles(q: np.ndarray) -> np.ndarray:
 
 
 def _k_crumbs(q: np.ndarray) -> np.ndarray:
-    """Q2_K / Q3_K: [n, nb, 256] codes 0..3 -> [n, nb, 64]: byte 32c + j holds weights 128c + 32s + j in
-    bits 2s, 2s + 1 (s = 0..3)."""
+    """Q2_K / Q3_K codes, Q6_K's high bits: [n, nb, 256 (any shape)] values 0..3 -> [n, nb, 64]: byte 32c + j holds
+    weights 128c + 32s + j in bits 2s, 2s + 1 (s = 0..3)."""
     q = q.astype(np.uint8).reshape(*q.shape[:2], 2, 4, 32)
     out = q[:, :, :, 0] | (q[:, :, :, 1] << 2) | (q[:, :, :, 2] << 4) | (q[:, :, :, 3] << 6)
     return out.reshape(*q.shape[:2], 64)
+
+
+def _k_bits(b: np.ndarray) -> np.ndarray:
+    """Q3_K's hmask, Q5_K's qh: [n, nb, 8, 32] bits -> [n, nb, 32]: sub-block s's bit of weight j at bit s
+    of byte j."""
+    out = np.zeros((*b.shape[:2], 32), dtype=np.uint8)
+    for s in range(8):
+        out |= b[:, :, s].astype(np.uint8) << s
+    return out
 
 
 def _q3_k_scales(sc: np.ndarray) -> np.ndarray:
@@ -72,33 +81,24 @@ def encode(ggml_type: str, c: BlockComponents) -> np.ndarray:
     d = _f16_bytes(c.scale.numpy())  # [n, nb, 2]
     if ggml_type == "Q2_K":  # scales (sc low nibble, m high) per 16, 2-bit codes, d, dmin
         sc = c.sub_scale.numpy().reshape(n, nb, 16) | (c.sub_min.numpy().reshape(n, nb, 16) << 4)
-        parts = [sc.astype(np.uint8), _k_crumbs(codes.reshape(n, nb, 256)), d, _f16_bytes(c.minimum.numpy())]
+        parts = [sc.astype(np.uint8), _k_crumbs(codes), d, _f16_bytes(c.minimum.numpy())]
         return np.concatenate(parts, axis=-1).reshape(n, -1)
     if ggml_type == "Q3_K":  # hmask (weight 32s + j's third bit at bit s of byte j), 2-bit codes, scales, d
-        q = codes.reshape(n, nb, 8, 32).astype(np.uint8)
-        hmask = np.zeros((n, nb, 32), dtype=np.uint8)
-        for s in range(8):
-            hmask |= ((q[:, :, s] >> 2) & 1) << s
+        q = codes.astype(np.uint8)
         sc = _q3_k_scales(c.sub_scale.numpy().reshape(n, nb, 16))
-        parts = [hmask, _k_crumbs(q.reshape(n, nb, 256) & 0x03), sc, d]
+        parts = [_k_bits((q >> 2) & 1), _k_crumbs(q & 0x03), sc, d]
         return np.concatenate(parts, axis=-1).reshape(n, -1)
     if ggml_type == "Q6_K":
         q = codes.astype(np.uint8).reshape(n, nb, 2, 2, 64)  # (128-chunk, nibble shift, l)
         ql = (q[:, :, :, 0] & 0x0F) | ((q[:, :, :, 1] & 0x0F) << 4)  # [n, nb, 2, 64]
-        high = (q >> 4).reshape(n, nb, 2, 4, 32)  # (128-chunk, 2-bit shift, l)
-        qh = high[:, :, :, 0] | (high[:, :, :, 1] << 2) | (high[:, :, :, 2] << 4) | (high[:, :, :, 3] << 6)
         sc = c.sub_scale.numpy().astype(np.int8).view(np.uint8).reshape(n, nb, 16)
-        parts = [ql.reshape(n, nb, 128), qh.reshape(n, nb, 64), sc, d]
+        parts = [ql.reshape(n, nb, 128), _k_crumbs(q >> 4), sc, d]
     else:
         q = codes.astype(np.uint8)
         scales = _k_scales(c.sub_scale.numpy().reshape(n, nb, 8), c.sub_min.numpy().reshape(n, nb, 8))
         parts = [d, _f16_bytes(c.minimum.numpy()), scales]
         if ggml_type == "Q5_K":
-            fifth = (q >> 4) & 1  # [n, nb, 8, 32]: bit s of byte l is sub-block s's fifth bit
-            qh = np.zeros((n, nb, 32), dtype=np.uint8)
-            for s in range(8):
-                qh |= fifth[:, :, s] << s
-            parts.append(qh)
+            parts.append(_k_bits((q >> 4) & 1))
         parts.append(_k_nibbles(q & 0x0F))
     return np.concatenate(parts, axis=-1).reshape(n, -1)
 
