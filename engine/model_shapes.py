@@ -74,21 +74,95 @@ SHAPES: dict[str, dict[str, Any]] = {
         "bos_token_id": 50279,
         "eos_token_id": 50279,
     },
+    # google/gemma-3-1b-it's config.json: head_dim 256, MQA, local layers (a 512-token window, rope
+    # base 10000) with every sixth layer global (rope base 1e6), a 262144-token vocabulary, tied.
+    "gemma-3-1b": {
+        "architectures": ["Gemma3ForCausalLM"],
+        "model_type": "gemma3_text",
+        "hidden_size": 1152,
+        "intermediate_size": 6912,
+        "num_hidden_layers": 26,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 1,
+        "head_dim": 256,
+        "query_pre_attn_scalar": 256,
+        "sliding_window": 512,
+        "sliding_window_pattern": 6,
+        "vocab_size": 262144,
+        "max_position_embeddings": 32768,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1_000_000.0,
+        "rope_local_base_freq": 10_000.0,
+        "tie_word_embeddings": True,
+        "bos_token_id": 2,
+        "eos_token_id": 1,
+        "pad_token_id": 0,
+    },
+    # Qwen/Qwen3-8B's config.json: q/k norms, head_dim 128, untied (8.2B parameters, 6.95B without
+    # the embeddings).
+    "qwen3-8b": {
+        "architectures": ["Qwen3ForCausalLM"],
+        "model_type": "qwen3",
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1_000_000.0,
+        "tie_word_embeddings": False,
+        "bos_token_id": 151643,
+        "eos_token_id": 151645,
+    },
+    # microsoft/Phi-4-mini-instruct's config.json: fused qkv and gate/up, 96 of 128 head dims turn,
+    # LongRoPE from 4096 to 131072 tokens (synthetic factors: they change which frequencies turn, not
+    # what a step costs), tied (3.8B parameters).
+    "phi-4-mini": {
+        "architectures": ["Phi3ForCausalLM"],
+        "model_type": "phi3",
+        "hidden_size": 3072,
+        "intermediate_size": 8192,
+        "num_hidden_layers": 32,
+        "num_attention_heads": 24,
+        "num_key_value_heads": 8,
+        "partial_rotary_factor": 0.75,
+        "vocab_size": 200064,
+        "max_position_embeddings": 131072,
+        "original_max_position_embeddings": 4096,
+        "rms_norm_eps": 1e-5,
+        "rope_theta": 10000.0,
+        "rope_scaling": {
+            "type": "longrope",
+            "short_factor": [1.0] * 48,
+            "long_factor": [1.0 + i for i in range(48)],
+        },
+        "tie_word_embeddings": True,
+        "bos_token_id": 199999,
+        "eos_token_id": 199999,
+        "pad_token_id": 199999,
+    },
 }
 TINY_HEAD_DIM = 16
 TINY_VOCAB = 512
 
 
 def shape_config(name: str, tiny: bool = False) -> dict[str, Any]:
-    """The config.json of a shape; `tiny`: 2 layers, one KV head and the shape's query heads per KV
-    head, head_dim 16, a 512-token vocabulary (the family, GQA ratio, tying and rope kept)."""
+    """The config.json of a shape as transformers writes it (transformers 5's `rope_parameters`, per
+    layer type for Gemma 3, beside the flat keys transformers 4 reads); `tiny`: 2 layers, one KV head
+    and the shape's query heads per KV head, head_dim 16, a 512-token vocabulary (the family, GQA ratio,
+    tying, windows and rope kept)."""
+    from transformers import AutoConfig
+
     if name not in SHAPES:
         raise ValueError(f"unknown model shape {name!r}; choose one of {', '.join(SHAPES)}")
-    config = dict(SHAPES[name])
+    shape = dict(SHAPES[name])
     if tiny:
-        group = config["num_attention_heads"] // config["num_key_value_heads"]
+        group = shape["num_attention_heads"] // shape["num_key_value_heads"]
         hidden = group * TINY_HEAD_DIM
-        config.update(
+        shape.update(
             hidden_size=hidden,
             intermediate_size=2 * hidden,
             num_hidden_layers=2,
@@ -99,7 +173,17 @@ def shape_config(name: str, tiny: bool = False) -> dict[str, Any]:
             bos_token_id=1,
             eos_token_id=2,
         )
-    config["rope_parameters"] = {"rope_type": "default", "rope_theta": config["rope_theta"]}
+        if "pad_token_id" in shape:
+            shape["pad_token_id"] = 0
+        if "rope_scaling" in shape:  # LongRoPE: a factor per rotated pair of the smaller head
+            pairs = int(TINY_HEAD_DIM * shape.get("partial_rotary_factor", 1.0)) // 2
+            scaling = shape["rope_scaling"]
+            shape["rope_scaling"] = {
+                **scaling,
+                **{k: scaling[k][:pairs] for k in ("short_factor", "long_factor")},
+            }
+    fields = {k: v for k, v in shape.items() if k != "model_type"}
+    config = {**shape, **AutoConfig.for_model(shape["model_type"], **fields).to_dict()}
     config["torch_dtype"] = "bfloat16"
     return config
 

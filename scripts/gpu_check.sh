@@ -117,9 +117,10 @@ phase_tests() {
             tests/models/test_triton_moe.py tests/models/test_triton_fused.py tests/engine/test_cuda_graphs.py}
 }
 
-# The shapes the bench phase runs (BENCH_SHAPES, default all three), whether it compares the fused small
-# ops off and on (FUSED_AB=0: no) and whether it profiles (PROFILES=0: no), so that a short device lease
-# can split the phase over two calls.
+# The shapes the bench phase runs (BENCH_SHAPES, default three of engine/model_shapes.py's; BENCH_LIMIT
+# seconds each, BENCH_ARGS more engine.bench flags), whether it compares the fused small ops off and on
+# (FUSED_AB=0: no) and whether it profiles (PROFILES=0: no), so that a short device lease can split the
+# phase over two calls.
 BENCH_SHAPES=${BENCH_SHAPES-smollm2-135m llama3-8b olmoe-1b-7b}  # set and empty: none
 PROFILES=${PROFILES:-1}
 
@@ -132,7 +133,7 @@ phase_bench() {
         # olmoe-1b-7b: a mixture of experts (14 GB of bf16 weights, 1.3B active), its experts in the fused
         # Triton kernels, decode steps in CUDA graphs.
         run "$(bench_limit "$shape")" "$PY" -m engine.bench --device $DEVICE --shape "$shape" \
-            --batch-sizes $BATCHES --new-tokens 32 --prompt-len 64 "${BENCH[@]}" --json "$r/bench-$shape.json"
+            --batch-sizes $BATCHES --new-tokens 32 --prompt-len 64 "${BENCH[@]}" ${BENCH_ARGS:-} --json "$r/bench-$shape.json"
         pack bench
     done
     # The fused small ops (models/layers/triton_fused.py) off and on: batch-1 to 64 decode of the
@@ -158,8 +159,9 @@ phase_bench() {
 }
 
 bench_limit() {
+    [ -z "${BENCH_LIMIT:-}" ] || { echo "$BENCH_LIMIT"; return; }
     case $1 in
-        llama3-8b) echo 270 ;;
+        llama3-8b | qwen3-8b) echo 270 ;;
         *) echo 200 ;;
     esac
 }

@@ -50,6 +50,9 @@ def test_the_shapes_have_their_published_parameter_counts():
     assert parameter_count(shape_config("llama3-8b")) == 8_030_261_248  # Meta-Llama-3-8B's count
     assert parameter_count(shape_config("smollm2-135m")) == 134_515_008  # tied: the embedding once
     assert parameter_count(shape_config("olmoe-1b-7b")) == 6_919_161_856  # 64 experts: 6.9B, 1.3B active
+    assert parameter_count(shape_config("gemma-3-1b")) == 999_885_952
+    assert parameter_count(shape_config("qwen3-8b")) == 8_190_735_360
+    assert parameter_count(shape_config("phi-4-mini")) == 3_836_021_760
 
 
 @pytest.mark.parametrize("shape", sorted(SHAPES))

@@ -219,3 +219,51 @@ def test_default_model_batched_greedy_equals_solo_generate():
     got = generate_batched(runner, prompts, new_tokens=16, chunk=64)
     for prompt, tokens in zip(prompts, got, strict=True):
         assert tokens == hf_generate(hf, prompt, 16)
+
+
+# ------------------------------------------------------------------------------------------ CUDA
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+
+def hf_generate_on(model, prompt: Sequence[int], new_tokens: int, device: str) -> list[int]:
+    """hf_generate with the model and its inputs on `device`."""
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([list(prompt)], device=device),
+            attention_mask=torch.ones(1, len(prompt), dtype=torch.long, device=device),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+    return out[0, len(prompt) :].tolist()
+
+
+@pytest.mark.cuda
+@cuda
+def test_every_family_on_cuda_with_graphs_equals_solo_generate(model_dir: Path):
+    """What serving runs on a GPU (the Triton attention, decode steps in CUDA graphs of 1-8 rows, steps
+    with prompt chunks in piecewise graphs of 16-64 tokens), in float32 so that it can be held to
+    transformers on the same GPU token for token: the sliding windows of gemma3 and mistral-window in
+    the compiled kernel, qwen3's q/k norms and phi3's partial rotary in the fused small ops, the
+    mixtures of experts in the fused Triton experts."""
+    runner = LocalExecutor(
+        EngineConfig(
+            model=str(model_dir),
+            dtype="float32",
+            device="cuda",
+            block_size=BLOCK_SIZE,
+            num_kv_blocks=128,
+            attention_backend="triton",
+            max_num_seqs=8,
+            max_num_batched_tokens=64,
+        )
+    )
+    assert runner.runner.use_cuda_graphs and runner.runner.piecewise_graphs is not None
+    hf = hf_model(model_dir).to("cuda")
+    rng = random.Random(1)
+    prompts = [[rng.randrange(3, 49152) for _ in range(n)] for n in (3, 17, 8, 1, 12, 25, 5, 9)]
+    got = generate_batched(runner, prompts, new_tokens=8, chunk=10)
+    for prompt, tokens in zip(prompts, got, strict=True):
+        assert tokens == hf_generate_on(hf, prompt, 8, "cuda"), f"prompt of {len(prompt)} tokens"
