@@ -40,7 +40,7 @@ from models.layers.linear import (
 from models.layers.metadata import KVCache
 from models.layers.mlp import GatedMLP
 from models.layers.native_decode import DecodeLayerParts
-from models.layers.norm import RMSNorm, qk_rms_norm
+from models.layers.norm import RMSNorm
 from models.layers.parallel import SINGLE_STAGE, PPContext, TPContext
 from models.layers.rotary import RotaryEmbedding, rope_params_from_config
 
@@ -105,8 +105,8 @@ class Gemma3Attention(nn.Module):
         self.attn = Attention(self.num_heads, head_dim, self.num_kv_heads, scale, spec.window)
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, step: AttentionStep):
-        qkv = qk_rms_norm(self.qkv_proj(x), self.q_norm, self.k_norm, self.num_heads, self.num_kv_heads)
-        return self.o_proj(self.attn.forward_rotary_qkv(qkv, positions, self.rotary, kv_cache, step))
+        qkv, qk_norm = self.qkv_proj(x), (self.q_norm, self.k_norm)
+        return self.o_proj(self.attn.forward_rotary_qkv(qkv, positions, self.rotary, kv_cache, step, qk_norm))
 
 
 def gemma3_mlp(spec: LayerSpec) -> GatedMLP:

@@ -29,7 +29,7 @@ from models.layers.metadata import KVCache
 from models.layers.mlp import GatedMLP
 from models.layers.moe import MoESizes, Routing, SparseMoE
 from models.layers.native_decode import DecodeLayerParts
-from models.layers.norm import RMSNorm, qk_rms_norm
+from models.layers.norm import RMSNorm
 from models.layers.parallel import SINGLE_STAGE, PPContext, TPContext
 from models.layers.rotary import RotaryEmbedding, rope_params_from_config
 
@@ -126,9 +126,8 @@ class LlamaAttention(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor, kv_cache: KVCache, step: AttentionStep):
         qkv = self.qkv_proj(x)  # [T, (Hq + 2 Hkv) * D]
-        if self.q_norm is not None and self.k_norm is not None:
-            qkv = qk_rms_norm(qkv, self.q_norm, self.k_norm, self.num_heads, self.num_kv_heads)
-        return self.o_proj(self.attn.forward_rotary_qkv(qkv, positions, self.rotary, kv_cache, step))
+        qk_norm = (self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None else None
+        return self.o_proj(self.attn.forward_rotary_qkv(qkv, positions, self.rotary, kv_cache, step, qk_norm))
 
 
 def llama_mlp(spec: LayerSpec, layout: LlamaLayout) -> GatedMLP:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 from torch import nn
@@ -27,7 +27,11 @@ from models.layers.attention_backends import (
 from models.layers.gpu_fused import fused_ops, triton_imports
 from models.layers.kv_format import write_kv
 from models.layers.metadata import AttentionMetadata, KVCache
+from models.layers.norm import RMSNorm, qk_rms_norm
 from models.layers.rotary import RotaryEmbedding
+
+if TYPE_CHECKING:  # triton is imported only where it runs
+    from models.layers.triton_fused import QKNorm
 from models.options import ATTENTION_BACKEND_NAMES, ATTENTION_BACKENDS, CUDA_ONLY_ATTENTION_BACKENDS
 
 BACKENDS: dict[str, type[AttentionBackend]] = {
@@ -195,17 +199,26 @@ class Attention(nn.Module):
         rotary: RotaryEmbedding,
         kv_cache: KVCache,
         step: AttentionStep,
+        qk_norm: tuple[RMSNorm, RMSNorm] | None = None,  # per-head norms of q and k (Qwen3, Gemma 3)
     ) -> torch.Tensor:  # [T, Hq * D]
-        """Attention of a rotary model from its fused qkv: rotary on q and k, the cache write, then the
-        backend. In float32 on a CPU the first two are one native call (models/kernels/cpu.py), on a GPU
-        one Triton launch (triton_fused.py); the engine has already checked every position against the
-        model's maximum."""
+        """Attention of a rotary model from its fused qkv: the q/k norms where the model has them,
+        rotary on q and k, the cache write, then the backend. In float32 on a CPU the norms and the
+        rest are two native calls (models/kernels/cpu.py), on a GPU all of it one Triton launch
+        (triton_fused.py); the engine has already checked every position against the model's maximum."""
         t, d = qkv.shape[0], self.head_dim
         k_cache, v_cache = kv_cache
         cos_sin, slots = rotary.cos_sin_cache, step.metadata.slot_mapping
+        fused = fused_ops(qkv)
+        if fused is not None and fused.fits_rope_and_cache(qkv, cos_sin, k_cache):
+            norms = None if qk_norm is None else fused_qk_norm(*qk_norm)
+            if qk_norm is None or norms is not None:
+                fused.rope_and_cache(qkv, positions, cos_sin, slots, k_cache, v_cache, self.num_heads, norms)
+                return self.attend(qkv[:, : self.num_heads * d].view(t, self.num_heads, d), kv_cache, step)
+        if qk_norm is not None:
+            qkv = qk_rms_norm(qkv, *qk_norm, self.num_heads, self.num_kv_heads)
         if cpu_kernels.fits_rope_and_cache(qkv, cos_sin, k_cache, d):
             cpu_kernels.rope_and_cache(qkv, positions, cos_sin, slots, k_cache, v_cache, self.num_heads)
-        elif (fused := fused_ops(qkv)) is not None and fused.fits_rope_and_cache(qkv, cos_sin, k_cache):
+        elif fused is not None and fused.fits_rope_and_cache(qkv, cos_sin, k_cache):
             fused.rope_and_cache(qkv, positions, cos_sin, slots, k_cache, v_cache, self.num_heads)
         else:  # torch's ops: rotary, then forward's cache write and backend
             qk_heads = self.num_heads + self.num_kv_heads
@@ -229,3 +242,13 @@ class Attention(nn.Module):
             q, k_cache, v_cache, step.metadata, step.plan, self.scale, self.sliding_window
         )
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
+
+
+def fused_qk_norm(q_norm: RMSNorm, k_norm: RMSNorm) -> QKNorm | None:
+    """The q/k norms as the fused rotary kernel takes them (triton_fused.QKNorm), or None where it
+    cannot: norms of different epsilons or scalings."""
+    if q_norm.eps != k_norm.eps or q_norm.scale_in_float32 != k_norm.scale_in_float32:
+        return None
+    from models.layers.triton_fused import QKNorm
+
+    return QKNorm(q_norm.weight, k_norm.weight, q_norm.eps, q_norm.scale_in_float32)

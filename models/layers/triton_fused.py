@@ -1,5 +1,6 @@
 """A decoder layer's small ops on a GPU in one Triton launch each: RMSNorm with the residual add,
-SiLU/GELU-and-mul, and rotary on q and k with the step's K/V written into the paged cache.
+SiLU/GELU-and-mul, and rotary on q and k (after their per-head RMSNorm, where the model has one) with
+the step's K/V written into the paged cache.
 
 Measured on an H200 (docs/benchmarks.md, "Results on an H200"): a CUDA-graph decode step of the
 default model ran about 850 kernels, 28 a layer, 1.2-4 us each, so a batch-1 step took 2.27 ms for
@@ -20,6 +21,7 @@ interpreter, which is how CI tests them; on a GPU they run where `runs_on` says 
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
@@ -31,6 +33,16 @@ NUM_WARPS = 4
 # Columns of one program of the activation kernel (a row of 14336 is 7 programs).
 ACT_BLOCK = 2048
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+@dataclass(frozen=True)
+class QKNorm:
+    """The per-head RMSNorm of q and k that rope_and_cache applies before rotary (Qwen3's, Gemma 3's)."""
+
+    q_weight: torch.Tensor  # [D]
+    k_weight: torch.Tensor  # [D]
+    eps: float
+    scale_in_float32: bool  # Gemma: the weight (1 + w, float32) multiplies before the cast
 
 
 def runs_on(x: torch.Tensor) -> bool:
@@ -147,14 +159,19 @@ def _rope_and_cache_kernel(
     slot_ptr,  # [T] int64 cache slots (block * block_size + offset)
     k_cache_ptr,  # [slots, HKV, D]
     v_cache_ptr,  # [slots, HKV, D]
+    q_norm_ptr,  # [D] the q heads' RMSNorm weight (HAS_QK_NORM)
+    k_norm_ptr,  # [D] the k heads'
     stride_qkv,
     stride_cs,
     HQ,
     HKV,
+    eps,
     D: tl.constexpr,
     HALF: tl.constexpr,  # R / 2: the rotated pairs (d, d + HALF) for d < HALF
     BLOCK_HALF: tl.constexpr,
     BLOCK_D: tl.constexpr,
+    HAS_QK_NORM: tl.constexpr,  # Qwen3, Gemma 3: a per-head RMSNorm of q and k before rotary
+    NORM_SCALE_IN_FLOAT32: tl.constexpr,  # Gemma: as _rms_norm_kernel's SCALE_IN_FLOAT32
 ):
     t = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -164,8 +181,31 @@ def _rope_and_cache_kernel(
         pos = tl.load(pos_ptr + t)
         i = tl.arange(0, BLOCK_HALF)
         ok = i < HALF
+        rest = 2 * HALF + tl.arange(0, BLOCK_D)  # the dims past the rotary ones (partial rotary)
+        rest_ok = rest < D
         x1 = tl.load(base + i, mask=ok, other=0.0)
         x2 = tl.load(base + HALF + i, mask=ok, other=0.0)
+        passed = tl.load(base + rest, mask=rest_ok, other=0.0)
+        if HAS_QK_NORM:
+            # The head's sum of squares from its three pieces, then each piece normalised and rounded
+            # as _rms_norm_kernel rounds a row: rotary below reads what the norm would have stored.
+            w_ptr = q_norm_ptr if h < HQ else k_norm_ptr
+            f1, f2, fr = x1.to(tl.float32), x2.to(tl.float32), passed.to(tl.float32)
+            ss = tl.sum(f1 * f1, axis=0) + tl.sum(f2 * f2, axis=0) + tl.sum(fr * fr, axis=0)
+            r = tl.rsqrt(ss / D + eps)
+            w1 = tl.load(w_ptr + i, mask=ok, other=0.0).to(tl.float32)
+            w2 = tl.load(w_ptr + HALF + i, mask=ok, other=0.0).to(tl.float32)
+            wr = tl.load(w_ptr + rest, mask=rest_ok, other=0.0).to(tl.float32)
+            dt = x1.dtype
+            if NORM_SCALE_IN_FLOAT32:
+                x1 = (f1 * r * w1).to(dt)
+                x2 = (f2 * r * w2).to(dt)
+                passed = (fr * r * wr).to(dt)
+            else:
+                x1 = ((f1 * r).to(dt).to(tl.float32) * w1).to(dt)
+                x2 = ((f2 * r).to(dt).to(tl.float32) * w2).to(dt)
+                passed = ((fr * r).to(dt).to(tl.float32) * wr).to(dt)
+            tl.store(base + rest, passed, mask=rest_ok)
         cos = tl.load(cos_sin_ptr + pos * stride_cs + i, mask=ok, other=0.0).to(tl.float32)
         sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + i, mask=ok, other=0.0).to(tl.float32)
         a, b = x1.to(tl.float32), x2.to(tl.float32)
@@ -177,9 +217,6 @@ def _rope_and_cache_kernel(
             k_dst = k_cache_ptr + (slot * HKV + (h - HQ)) * D
             tl.store(k_dst + i, o1.to(k_cache_ptr.dtype.element_ty), mask=ok)
             tl.store(k_dst + HALF + i, o2.to(k_cache_ptr.dtype.element_ty), mask=ok)
-            rest = 2 * HALF + tl.arange(0, BLOCK_D)
-            rest_ok = rest < D
-            passed = tl.load(base + rest, mask=rest_ok, other=0.0)
             tl.store(k_dst + rest, passed.to(k_cache_ptr.dtype.element_ty), mask=rest_ok)
     else:
         d = tl.arange(0, BLOCK_D)
@@ -210,16 +247,22 @@ def rope_and_cache(
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,
     num_heads: int,
+    qk_norm: QKNorm | None = None,
 ) -> None:
     """Rotary on the q and k heads of `qkv` (neox layout: pairs (d, d + R/2) of the first R dims), then
-    k and v into the cache at `slots`."""
+    k and v into the cache at `slots`; with `qk_norm`, each q and k head is RMS-normalised first (as
+    rms_norm would, so two launches and a concatenation fewer a layer)."""
     t = qkv.shape[0]
     hkv, d = k_cache.shape[-2], k_cache.shape[-1]
     half = cos_sin.shape[-1] // 2
     if not t:
         return
+    q_w, k_w = (qk_norm.q_weight, qk_norm.k_weight) if qk_norm is not None else (qkv, qkv)  # unread
     _rope_and_cache_kernel[(t, num_heads + 2 * hkv)](
-        qkv, positions, cos_sin, slots, k_cache, v_cache, qkv.stride(0), cos_sin.stride(0), num_heads, hkv,
+        qkv, positions, cos_sin, slots, k_cache, v_cache, q_w, k_w, qkv.stride(0), cos_sin.stride(0),
+        num_heads, hkv, qk_norm.eps if qk_norm is not None else 0.0,
         D=d, HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(d),
+        HAS_QK_NORM=qk_norm is not None,
+        NORM_SCALE_IN_FLOAT32=qk_norm is not None and qk_norm.scale_in_float32,
         num_warps=1,
     )  # fmt: skip

@@ -9,6 +9,8 @@ layers pick them only on CUDA, so here the tests point `fused_ops` at the CPU te
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -129,6 +131,41 @@ def test_rope_and_cache_matches_rotary_then_the_cache_write(
     torch.testing.assert_close(v_cache, v_expect, **tol)
 
 
+@pytest.mark.parametrize("gemma", [False, True])
+@pytest.mark.parametrize(
+    ("rotary_dim", "head_dim", "dtype"),
+    [(64, 64, torch.float32), (48, 64, torch.float32), (96, 128, torch.bfloat16)],
+)
+def test_rope_and_cache_with_qk_norm_matches_the_norms_then_rotary(
+    rotary_dim: int, head_dim: int, dtype: torch.dtype, gemma: bool
+) -> None:
+    """Qwen3's and Gemma 3's per-head q/k norms in the rotary launch: as the norm layers (torch's ops)
+    followed by the plain rotary + cache kernel, the dims past a partial rotary normalised too."""
+    from models.families.gemma3 import GemmaRMSNorm
+    from models.layers.norm import qk_rms_norm
+
+    hq, hkv, rotary, qkv, positions, slots, cache = _rope_case(rotary_dim, head_dim, dtype, dtype)
+    if gemma:
+        q_norm, k_norm = GemmaRMSNorm(head_dim, 1e-6).to(DEVICE), GemmaRMSNorm(head_dim, 1e-6).to(DEVICE)
+    else:
+        q_norm, k_norm = (RMSNorm(head_dim, 1e-6, dtype).to(DEVICE) for _ in range(2))
+    q_norm.weight.data = _rows(1, head_dim, q_norm.weight.dtype, seed=20)[0].abs() + 0.5
+    k_norm.weight.data = _rows(1, head_dim, k_norm.weight.dtype, seed=21)[0].abs() + 0.5
+    expect, k_expect, v_expect = qk_rms_norm(qkv.clone(), q_norm, k_norm, hq, hkv), cache(), cache()
+    fused().rope_and_cache(expect, positions, rotary.cos_sin_cache, slots, k_expect, v_expect, hq)
+    got, k_cache, v_cache = qkv.clone(), cache(), cache()
+    norms = attention.fused_qk_norm(q_norm, k_norm)
+    assert norms is not None and norms.scale_in_float32 == gemma
+    fused().rope_and_cache(got, positions, rotary.cos_sin_cache, slots, k_cache, v_cache, hq, norms)
+    # bfloat16: the interpreter truncates where the GPU rounds, and the sum of squares runs in
+    # another order, so a normalised value may land a bfloat16 step away (1/64 at 2-4), which
+    # rotary's difference carries to a value near zero.
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=5e-2, rtol=2e-2)
+    torch.testing.assert_close(got, expect, **tol)
+    torch.testing.assert_close(k_cache, k_expect, **tol)
+    assert torch.equal(v_cache, v_expect)
+
+
 def test_rows_do_not_depend_on_the_batch() -> None:
     """Each row's result, bit for bit, alone and among others."""
     x, residual = _rows(7, 576, torch.bfloat16, seed=8), _rows(7, 576, torch.bfloat16, seed=9)
@@ -171,6 +208,8 @@ H100_CASES = [
     {"kernel": "act_and_mul", "dtype": "bfloat16", "gelu": True},
     {"kernel": "rope_and_cache", "dtype": "bfloat16", "rotary_dim": 128, "head_dim": 128},
     {"kernel": "rope_and_cache", "dtype": "bfloat16", "rotary_dim": 96, "head_dim": 128},
+    {"kernel": "rope_and_cache", "dtype": "bfloat16", "rotary_dim": 128, "head_dim": 128, "qk_norm": "llama"},
+    {"kernel": "rope_and_cache", "dtype": "bfloat16", "rotary_dim": 256, "head_dim": 256, "qk_norm": "gemma"},
 ]
 
 
@@ -182,16 +221,23 @@ def test_kernels_compile_for_an_h100_without_spills() -> None:
             assert report["stack"] == 0 and report["local"] == 0, f"spills: {report}"
 
 
-def test_a_model_step_with_the_fused_ops_matches_torchs(monkeypatch, tiny_llama_dir) -> None:
-    """A tiny Llama's prompt and decode steps (the triton attention backend, float32): every token's
+# A layer's fused norms: Llama's two; Qwen3's two (its q/k norms run in the rotary launch); Gemma 3's
+# four (input, post-attention, pre- and post-feedforward; q/k norms in the rotary launch too).
+NORMS_PER_LAYER = {"tiny_llama_dir": 2, "tiny_qwen3_dir": 2, "tiny_gemma3_dir": 4}
+
+
+@pytest.mark.parametrize("model", sorted(NORMS_PER_LAYER))
+def test_a_model_step_with_the_fused_ops_matches_torchs(monkeypatch, request, model: str) -> None:
+    """A tiny model's prompt and decode steps (the triton attention backend, float32): every token's
     logits with the fused kernels as with torch's ops, the fused kernels run in every layer."""
     from engine.config import EngineConfig
     from engine.contract import SamplingParams, ScheduledSequence
     from engine.executor import LocalExecutor
 
     greedy = SamplingParams(temperature=0.0)
+    path = request.getfixturevalue(model)
     config = EngineConfig(
-        model=str(tiny_llama_dir), dtype="float32", device=DEVICE, block_size=4, num_kv_blocks=8,
+        model=str(path), dtype="float32", device=DEVICE, block_size=4, num_kv_blocks=8,
         attention_backend="triton", enforce_eager=True,
     )  # fmt: skip
 
@@ -214,6 +260,7 @@ def test_a_model_step_with_the_fused_ops_matches_torchs(monkeypatch, tiny_llama_
     with_fused = run()
     for a, b in zip(with_fused, plain, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-    layers = 2 * 4  # the tiny decoder's layers, a prompt and three decode steps
+    steps = 4  # a prompt and three decode steps
+    layers = steps * json.loads((path / "config.json").read_text())["num_hidden_layers"]
     assert calls.count("rope_and_cache") == layers and calls.count("act_and_mul") == layers
-    assert calls.count("rms_norm") == 2 * layers + 4  # two a layer, and the final norm
+    assert calls.count("rms_norm") == NORMS_PER_LAYER[model] * layers + steps  # and the final norm

@@ -170,16 +170,19 @@ def build_fused(case: dict) -> dict:
         constexprs = dict(GELU_TANH=case.get("gelu", False), BLOCK=tf.ACT_BLOCK)
     else:
         kernel, warps = tf._rope_and_cache_kernel, 1
+        norm = case.get("qk_norm")  # None, "llama" (weights in the model dtype) or "gemma" (float32)
         pointers = {
             **{p: f"*{dtype}" for p in ("qkv_ptr", "cos_sin_ptr", "k_cache_ptr", "v_cache_ptr")},
             **{p: "*i64" for p in ("pos_ptr", "slot_ptr")},
+            **{p: "*fp32" if norm == "gemma" else f"*{dtype}" for p in ("q_norm_ptr", "k_norm_ptr")},
         }
         half, d = case["rotary_dim"] // 2, case["head_dim"]
         constexprs = dict(
-            D=d, HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(d)
-        )
+            D=d, HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(d),
+            HAS_QK_NORM=norm is not None, NORM_SCALE_IN_FLOAT32=norm == "gemma",
+        )  # fmt: skip
     source = _source(kernel, pointers, constexprs)
-    if name == "rms_norm":  # eps is a float argument
+    if "eps" in source.signature:  # the norm's and the rotary kernel's epsilon is a float argument
         source.signature["eps"] = "fp32"
     compiled = triton.compile(source, target=H100, options=dict(num_warps=warps))
     return {**case, "shared": compiled.metadata.shared, **_resources(compiled.asm["cubin"])}
