@@ -233,6 +233,11 @@ class Executor(Protocol):
     # Speculative decoding with a draft model: None without one, else what one draft forward costs as a
     # fraction of the target's (the scheduler's cost model prices proposals with it).
     draft_model_cost: float | None
+    # The keys a query at position p may still read, p - kv_window + 1 .. p, in EVERY layer (a model
+    # whose layers all have this sliding window, Mistral's way; None: some layer reads the whole
+    # history). The scheduler gives back the KV blocks that fall behind it and puts block
+    # `num_kv_blocks` (the cache's scratch block, which no request owns) in their table entries.
+    kv_window: int | None
 
     @property
     def dead_reason(self) -> str | None:

@@ -93,6 +93,12 @@ class ExecutorBase(ABC):
         return self.proposer.cost if self.proposer is not None else None
 
     @property
+    def kv_window(self) -> int | None:
+        # A draft model catches up on the positions it has not seen, reading keys the target's window
+        # has left behind: with one, every block stays.
+        return self.runner.kv_window if self.proposer is None else None
+
+    @property
     def dead_reason(self) -> str | None:
         return None
 

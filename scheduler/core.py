@@ -75,6 +75,7 @@ class Scheduler:
             max_len,
             executor.eos_token_ids,
             draft_model_cost=executor.draft_model_cost,
+            kv_window=executor.kv_window,
         )
 
     def __init__(
@@ -85,14 +86,16 @@ class Scheduler:
         max_model_len: int,
         eos_token_ids: Set[int],
         draft_model_cost: float | None = None,
+        kv_window: int | None = None,
     ) -> None:
         """`draft_model_cost`: the executor's (Executor.draft_model_cost): None when it has no draft
-        model, which `speculative="draft"` needs."""
+        model, which `speculative="draft"` needs. `kv_window`: the executor's (Executor.kv_window):
+        KV blocks behind it are given back as requests move on."""
         self.config = config
         self.max_model_len = max_model_len
         self.eos_token_ids = frozenset(eos_token_ids)
         self.allocator = BlockAllocator(num_kv_blocks, block_size, config.enable_prefix_caching)
-        self.kv = make_kv_policy(config, self.allocator, max_model_len)
+        self.kv = make_kv_policy(config, self.allocator, max_model_len, kv_window)
         self.batching = make_batching_policy(config)
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
@@ -568,6 +571,7 @@ class Scheduler:
                     req.first_token_time = now
             req.num_computed_tokens += computed
             self.kv.offer_computed(req)
+            self.kv.release_behind_window(req)
             claim = self._claims.get(req)
             if claim is not None and req.num_computed_tokens >= claim[1]:
                 self._unclaim(req)

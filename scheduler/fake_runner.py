@@ -95,6 +95,7 @@ class FakeRunner:
         can_restart: bool = False,
         draft_fn: Callable[[Sequence[int]], int] | None = None,
         hidden_size: int = 16,
+        kv_window: int | None = None,
     ) -> None:
         self.num_kv_blocks = num_kv_blocks
         self.block_size = block_size
@@ -129,6 +130,11 @@ class FakeRunner:
         # The "draft model": the token it proposes after a context (None: no draft model).
         self.draft_fn = draft_fn
         self.draft_model_cost: float | None = 0.05 if draft_fn is not None else None
+        # A model whose every layer has this sliding window (Executor.kv_window): a step reads back
+        # only the keys its queries' windows reach, and the scheduler may give back blocks behind them
+        # (their table entries name block num_kv_blocks). The tokens stay a function of the whole
+        # context, the part behind the window taken from the request's ids, so outputs do not change.
+        self.kv_window = kv_window
         # slot -> (token, digest of the context through it) of the last write
         self._slots: list[tuple[int, int] | None] = [None] * (
             num_kv_blocks * block_size if simulate_kv else 0
@@ -181,7 +187,7 @@ class FakeRunner:
             start = seq.start_position
             assert start == self._computed.get(seq.request_id, 0) or start % bs == 0, seq.request_id
             # Blocks it reads without writing hold K/V that exist: no batch in flight is writing them.
-            assert not set(seq.block_table[: start // bs]) & writing, (
+            assert not set(seq.block_table[self._first_read(seq) // bs : start // bs]) & writing, (
                 f"{seq.request_id} reads a block in flight"
             )
             assert not seq.num_spec_tokens or (seq.sample and seq.num_tokens == 1), seq.request_id
@@ -294,7 +300,7 @@ class FakeRunner:
         wrong K/V pools something else, as a real model's would)."""
         end = seq.start_position + seq.num_tokens
         if digest is not None:
-            context = [self._read(seq, pos, digest[pos]) for pos in range(end)]
+            context = self._context(seq, end, digest)
         else:
             context = list(seq.prompt_token_ids[:end])
         states = [self.hidden_state(context[: pos + 1]) for pos in range(seq.start_position, end)]
@@ -332,7 +338,7 @@ class FakeRunner:
         params = seq.sampling
         end = seq.start_position + seq.num_tokens + spec_index
         if digest is not None:
-            context = [self._read(seq, pos, digest[pos]) for pos in range(end)]
+            context = self._context(seq, end, digest)
         else:
             context = [*seq.prompt_token_ids, *seq.output_token_ids, *seq.spec_token_ids[:spec_index]]
         if self.script is not None:
@@ -367,6 +373,20 @@ class FakeRunner:
             digests.append(crc)
         return digests
 
+    def _first_read(self, seq: ScheduledSequence) -> int:
+        """The first position any query of the entry reads from the cache: 0, or its first query's
+        window start."""
+        if self.kv_window is None:
+            return 0
+        return max(0, seq.start_position - self.kv_window + 1)
+
+    def _context(self, seq: ScheduledSequence, end: int, digest: list[int]) -> list[int]:
+        """The entry's context through position end - 1: read back from the simulated cache where its
+        queries' windows reach, from its ids behind that."""
+        lo = min(self._first_read(seq), end)
+        behind = [*seq.prompt_token_ids, *seq.output_token_ids][:lo]
+        return behind + [self._read(seq, pos, digest[pos]) for pos in range(lo, end)]
+
     def _read(self, seq: ScheduledSequence, pos: int, digest: int) -> int:
         bs = self.block_size
         entry = self._slots[seq.block_table[pos // bs] * bs + pos % bs]
@@ -384,9 +404,12 @@ class FakeRunner:
                 )
             if seq.context_len > self.max_model_len:
                 raise AssertionError(f"{seq.request_id}: context {seq.context_len} > {self.max_model_len}")
-            if len(set(seq.block_table)) != len(seq.block_table):
+            live = seq.block_table[self._first_read(seq) // bs :]  # behind it: given back, or not
+            if len(set(live)) != len(live):
                 raise AssertionError(f"{seq.request_id}: a block twice in one table")
-            if not all(0 <= b < self.num_kv_blocks for b in seq.block_table):
+            if not all(0 <= b < self.num_kv_blocks for b in live):
+                raise AssertionError(f"{seq.request_id}: a block out of range in {list(seq.block_table)}")
+            if not all(0 <= b <= self.num_kv_blocks for b in seq.block_table):
                 raise AssertionError(f"{seq.request_id}: a block out of range in {list(seq.block_table)}")
         # A block a sequence writes is in no other sequence's table this step: shared blocks are only
         # read (a cached prefix), never written under another reader.
@@ -397,7 +420,7 @@ class FakeRunner:
                 if written.setdefault(block, seq.request_id) != seq.request_id:
                     raise AssertionError(f"{seq.request_id}: block {block} is written by two sequences")
         for seq in batch:
-            for b in seq.block_table:
+            for b in seq.block_table[self._first_read(seq) // bs :]:
                 if written.get(b, seq.request_id) != seq.request_id:
                     raise AssertionError(f"{seq.request_id}: reads block {b}, which another sequence writes")
 

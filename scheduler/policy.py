@@ -26,10 +26,15 @@ class KVPolicy(ABC):
     # Whether running out of blocks preempts a running request (else it is a bug: the policy reserved).
     preempts: bool
 
-    def __init__(self, allocator: BlockAllocator, max_model_len: int) -> None:
+    def __init__(self, allocator: BlockAllocator, max_model_len: int, kv_window: int | None = None) -> None:
         self.allocator = allocator
         self.block_size = allocator.block_size
         self.max_model_len = max_model_len
+        self.kv_window = kv_window  # Executor.kv_window: blocks behind it are given back
+        # What a given-back block's table entry names: the engine's scratch block (one past the
+        # scheduler's, engine/kv_cache.py), which no request owns. Kernels skip keys behind a window;
+        # one that read them would meet finite values (every block starts as zeros) and mask them.
+        self.released_block = allocator.num_blocks
 
     @abstractmethod
     def _tokens_to_hold(self, req: Request, num_tokens_after: int) -> int:
@@ -62,9 +67,29 @@ class KVPolicy(ABC):
         return None
 
     def release(self, req: Request) -> None:
-        self.allocator.free(reversed(req.block_ids))  # the tail first: it is evicted first
+        # The tail first: it is evicted first. Entries behind the window were given back already.
+        self.allocator.free(reversed(req.block_ids[req.num_released_blocks :]))
         req.block_ids.clear()
         req.num_offered_blocks = 0
+        req.num_released_blocks = 0
+
+    def release_behind_window(self, req: Request) -> None:
+        """Give back the blocks that every layer's sliding window has left behind (vLLM frees a
+        sliding-window layer group's blocks the same way): the request's next query is at position
+        num_computed_tokens or later and sees keys from num_computed_tokens - kv_window + 1 on, so a
+        block that ends before that is never read again. Called once a step's K/V exist (after
+        offer_computed: a full block is cached first, and stays reusable as a prefix until evicted).
+        A step already in flight carries the old entries, for keys it does not read either."""
+        if self.kv_window is None:
+            return
+        behind = max(0, req.num_computed_tokens - self.kv_window + 1) // self.block_size
+        start = req.num_released_blocks
+        if behind <= start:
+            return
+        table = req.block_ids
+        self.allocator.free(reversed(table[start:behind]))
+        table[start:behind] = [self.released_block] * (behind - start)
+        req.num_released_blocks = behind
 
     # ---- the prefix cache -------------------------------------------------------------------------
 
@@ -168,9 +193,11 @@ class ReserveKV(KVPolicy):
         return min(req.num_tokens + remaining_outputs, self.max_model_len)
 
 
-def make_kv_policy(config: SchedulerConfig, allocator: BlockAllocator, max_model_len: int) -> KVPolicy:
+def make_kv_policy(
+    config: SchedulerConfig, allocator: BlockAllocator, max_model_len: int, kv_window: int | None = None
+) -> KVPolicy:
     cls = {"lazy": LazyKV, "reserve": ReserveKV}[config.kv_policy]
-    return cls(allocator, max_model_len)
+    return cls(allocator, max_model_len, kv_window)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -61,6 +61,9 @@ class Request:
     # usage.prompt_tokens_details.cached_tokens; fixed once the request is first preempted).
     block_hashes: list[BlockHash] = field(default_factory=list)
     num_offered_blocks: int = 0
+    # Blocks at the front of `block_ids` given back because every layer's sliding window has passed
+    # them (scheduler.policy.KVPolicy.release_behind_window); their entries name the scratch block.
+    num_released_blocks: int = 0
     num_cached_tokens: int = 0
     # Output tokens already handed to the client, so a recomputed request never re-emits them.
     num_emitted_tokens: int = 0

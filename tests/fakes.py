@@ -412,9 +412,12 @@ def _wait_healthy(proc: subprocess.Popen, url: str, log: Path) -> None:
         pytest.fail(f"server never became healthy:\n{log.read_text()}")
 
 
-def cramped_runner(longest: int, block_size: int, extra_blocks: int) -> fake_runner.FakeRunner:
+def cramped_runner(
+    longest: int, block_size: int, extra_blocks: int, kv_window: int | None = None
+) -> fake_runner.FakeRunner:
     """A fake runner whose KV cache holds the longest sequence plus `extra_blocks` (few: preemption and
-    eviction are common), speculating with a mostly-right draft where a config turns speculation on."""
+    eviction are common), speculating with a mostly-right draft where a config turns speculation on;
+    `kv_window`: every layer's sliding window (blocks behind it are given back)."""
     from scheduler.block_allocator import blocks_for_tokens
 
     num_blocks = blocks_for_tokens(longest, block_size) + extra_blocks
@@ -423,4 +426,5 @@ def cramped_runner(longest: int, block_size: int, extra_blocks: int) -> fake_run
         block_size=block_size,
         max_model_len=num_blocks * block_size,
         draft_fn=fake_runner.mostly_right_draft,
+        kv_window=kv_window,
     )

@@ -154,6 +154,39 @@ async def test_sliding_window_model_from_the_cache_and_after_preemption(tiny_gem
         assert run.engine.stats().num_preemptions > 0
 
 
+async def test_a_model_windowed_everywhere_gives_blocks_back(
+    tiny_mistral_window_dir: Path, tiny_gemma3_dir: Path
+) -> None:
+    """Mistral with a 6-token window on every layer reads no key behind it, so the scheduler gives
+    those blocks back (Executor.kv_window): three requests of 52-54 tokens run at once in 14 blocks of
+    4 (56 tokens), each with transformers' greedy tokens. Gemma 3's global layers read every key: it
+    keeps every block."""
+    import torch
+
+    from models.loader import load_hf_model
+
+    assert (
+        LocalExecutor(cpu_engine_config(tiny_gemma3_dir, block_size=BLOCK_SIZE, num_kv_blocks=8)).kv_window
+        is None
+    )
+    runner = LocalExecutor(
+        cpu_engine_config(tiny_mistral_window_dir, block_size=BLOCK_SIZE, num_kv_blocks=14)
+    )
+    assert runner.kv_window == 6
+    prompts = [prompt(22 + 2 * i, seed=70 + i) for i in range(3)]
+    async with Run(runner, caching=True, max_num_seqs=3, max_num_batched_tokens=12) as run:
+        got = await run.together(prompts, max_tokens=30)
+        assert run.engine.stats().num_preemptions == 0
+    hf = load_hf_model(tiny_mistral_window_dir, torch.float32)
+    for p, tokens in zip(prompts, got, strict=True):
+        with torch.inference_mode():
+            out = hf.generate(
+                torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                max_new_tokens=30, min_new_tokens=30, do_sample=False, pad_token_id=0,
+            )  # fmt: skip
+        assert tokens == out[0, len(p) :].tolist()
+
+
 @pytest.mark.parametrize("family", ["qwen3", "phi3"])
 async def test_new_families_from_the_cache_equal_cold_runs(family: str, request: pytest.FixtureRequest):
     """Qwen3 (q/k norms) and Phi-4-mini-like (partial rotary, LongRoPE) models: prompts that start

@@ -65,7 +65,9 @@ def check_pool(sched: Scheduler) -> None:
     """Reference counts equal the block tables' use; no evictable block is in a live table; every
     block is exactly one of held / free / evictable; every cached name maps back to its block."""
     alloc = sched.allocator
-    tables = [r.block_ids for r in sched.requests.values()]
+    for r in sched.requests.values():  # blocks behind a sliding window went back: their entries say so
+        assert r.block_ids[: r.num_released_blocks] == [sched.kv.released_block] * r.num_released_blocks
+    tables = [r.block_ids[r.num_released_blocks :] for r in sched.requests.values()]
     uses = Counter(b for t in tables for b in t)
     for b in range(alloc.num_blocks):
         assert alloc.ref_count(b) == uses[b], f"block {b}: {alloc.ref_count(b)} refs, {uses[b]} tables"
@@ -364,14 +366,17 @@ def shared_prefix_workloads(draw):
     config=scheduler_configs(max_extra_budget=20),
     extra_blocks=st.integers(0, 10),
     depth=st.sampled_from([1, 2]),
+    window=st.sampled_from([None, 1, 5, 8]),
 )
-def test_random_shared_prefix_workloads_keep_every_invariant(wl, config, extra_blocks, depth):
+def test_random_shared_prefix_workloads_keep_every_invariant(wl, config, extra_blocks, depth, window):
     """Reference counts match the tables, nothing leaks or is freed twice, an evicted block is never
     in a live table, a block being written by a batch in flight is never read by another request,
-    every output is the unshared one, and at the end no block is held (cached ones remain)."""
+    every output is the unshared one, and at the end no block is held (cached ones remain). With a
+    sliding window on every layer (`window`), blocks behind it go back as requests move on, and what
+    the windows still reach is each request's own context (the fake runner reads it back)."""
     arrivals, ends = wl
     longest = max(len(p) + m for _, p, m in arrivals)
-    runner = cramped_runner(longest, BS, extra_blocks)
+    runner = cramped_runner(longest, BS, extra_blocks, kv_window=window)
     sched = make(runner, config)
     reqs = [request(f"r{i}", p, m) for i, (_, p, m) in enumerate(arrivals)]
     pending = list(zip(arrivals, reqs, strict=True))
@@ -392,7 +397,8 @@ def test_random_shared_prefix_workloads_keep_every_invariant(wl, config, extra_b
         step = sched.schedule(in_flight=busy) if len(in_flight) < depth else ScheduledStep()
         check_pool(sched)
         for seq in step.seqs:  # what a request reads without writing it must already exist
-            read_only = set(seq.block_table[: seq.start_position // BS])
+            first_read = max(0, seq.start_position - window + 1) if window else 0
+            read_only = set(seq.block_table[first_read // BS : seq.start_position // BS])
             assert not read_only & writing, f"{seq.request_id} reads a block a batch in flight writes"
         if step.seqs:
             in_flight.append((step, runner.step(step.seqs)))  # K/V written now, applied later
