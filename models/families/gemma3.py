@@ -132,11 +132,12 @@ class Gemma3DecoderLayer(nn.Module):
 
     def forward(self, positions, hidden, kv_cache: KVCache, step: AttentionStep) -> torch.Tensor:
         attn_out = self.self_attn(positions, self.input_layernorm(hidden), kv_cache, step)
-        # The residual add is fused into the pre-feedforward norm (hidden is the updated stream after).
-        normed, hidden = self.pre_feedforward_layernorm(
-            self.post_attention_layernorm(attn_out), residual=hidden
+        # The post-attention norm, the residual add and the pre-feedforward norm, fused where they can
+        # be (hidden is the updated stream after); then the post-feedforward norm and its residual add.
+        normed, hidden = self.post_attention_layernorm.norm_then(
+            attn_out, self.pre_feedforward_layernorm, hidden
         )
-        return hidden + self.post_feedforward_layernorm(self.mlp(normed))
+        return self.post_feedforward_layernorm.add_to(self.mlp(normed), hidden)
 
 
 class ScaledEmbedding(VocabParallelEmbedding):

@@ -46,6 +46,37 @@ class RMSNorm(nn.Module):
             return self._norm(x), x
         return self._norm(x)
 
+    def norm_then(
+        self, x: torch.Tensor, then: RMSNorm, residual: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """then(self(x), residual): (then's output, the updated stream), as `forward` with a residual
+        returns them (Gemma 3's post-attention norm before its pre-feedforward one). One launch where
+        the fused GPU kernels run (the stream updated in place); else the two norms."""
+        fused = fused_ops(x)
+        if fused is not None and _rows_fit(x, residual) and self._pairs_with(then):
+            h = x.shape[-1]
+            normed = fused.rms_norm(
+                x.view(-1, h), then.weight, then.eps, residual.view(-1, h), then.scale_in_float32, self.weight
+            ).view(x.shape)
+            return normed, residual
+        return then(self(x), residual=residual)  # type: ignore[return-value]
+
+    def add_to(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        """residual + self(x) (Gemma 3's post-feedforward norm and the residual add after it): one
+        launch where the fused GPU kernels run, which updates `residual` in place."""
+        fused = fused_ops(x)
+        if fused is not None and _rows_fit(x, residual):
+            h = x.shape[-1]
+            fused.add_rms_normed(
+                x.view(-1, h), self.weight, self.eps, residual.view(-1, h), self.scale_in_float32
+            )
+            return residual
+        return residual + self(x)
+
+    def _pairs_with(self, other: RMSNorm) -> bool:
+        """Whether one fused launch can run this norm and `other` (the same epsilon and rounding)."""
+        return self.eps == other.eps and self.scale_in_float32 == other.scale_in_float32
+
     def _norm(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
             return F.rms_norm(x, self.weight.shape, self.weight, self.eps)

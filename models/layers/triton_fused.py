@@ -52,11 +52,23 @@ def runs_on(x: torch.Tensor) -> bool:
 
 
 @triton.jit
+def _scaled_rms(x, w, H, eps, SCALE_IN_FLOAT32: tl.constexpr):
+    """x / rms(x) * w in float32, rounded to x's dtype where torch's norm rounds (before the product,
+    or, Gemma's way, only after it): the caller casts the result."""
+    xf = x.to(tl.float32)
+    normed = xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
+    if SCALE_IN_FLOAT32:
+        return normed * w
+    return normed.to(x.dtype).to(tl.float32) * w
+
+
+@triton.jit
 def _rms_norm_kernel(
     x_ptr,  # [T, H]
     res_ptr,  # [T, H] the residual stream, updated in place to x + residual (HAS_RESIDUAL)
     w_ptr,  # [H]
     out_ptr,  # [T, H]
+    pre_w_ptr,  # [H] the norm x goes through before the residual add (PRE_NORM)
     stride_x,
     stride_res,
     stride_out,
@@ -64,24 +76,25 @@ def _rms_norm_kernel(
     eps,
     HAS_RESIDUAL: tl.constexpr,
     SCALE_IN_FLOAT32: tl.constexpr,  # Gemma: the weight (1 + w, float32) multiplies before the cast
+    PRE_NORM: tl.constexpr,  # Gemma 3's sandwich: x is normalised (pre_w) before it joins the stream
+    NORM_OUT: tl.constexpr,  # out = the normalised stream (else only the stream is written)
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     ok = offs < H
     x = tl.load(x_ptr + row * stride_x + offs, mask=ok, other=0.0)
+    if PRE_NORM:
+        pre_w = tl.load(pre_w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        x = _scaled_rms(x, pre_w, H, eps, SCALE_IN_FLOAT32).to(x.dtype)
     if HAS_RESIDUAL:
         r = tl.load(res_ptr + row * stride_res + offs, mask=ok, other=0.0)
         x = (x.to(tl.float32) + r.to(tl.float32)).to(r.dtype)  # rounded as torch's add rounds
         tl.store(res_ptr + row * stride_res + offs, x, mask=ok)
-    xf = x.to(tl.float32)
-    normed = xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
-    w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-    if SCALE_IN_FLOAT32:
-        y = normed * w
-    else:
-        y = normed.to(x.dtype).to(tl.float32) * w
-    tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
+    if NORM_OUT:
+        w = tl.load(w_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        y = _scaled_rms(x, w, H, eps, SCALE_IN_FLOAT32)
+        tl.store(out_ptr + row * stride_out + offs, y.to(out_ptr.dtype.element_ty), mask=ok)
 
 
 def rms_norm(
@@ -90,20 +103,46 @@ def rms_norm(
     eps: float,
     residual: torch.Tensor | None = None,
     scale_in_float32: bool = False,
+    pre_weight: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [T, H] / rms * weight; with `residual`, x + residual is normalised and written into
-    `residual` (in place, as the CPU kernel and vLLM's fused_add_rms_norm do)."""
-    t, h = x.shape
+    `residual` (in place, as the CPU kernel and vLLM's fused_add_rms_norm do); with `pre_weight`, x
+    is first normalised with that weight (Gemma 3's post-attention norm, then its pre-feedforward
+    one: two norms and the residual add in one launch)."""
     out = torch.empty_like(x)
-    if t:
-        res = residual if residual is not None else x
-        block = triton.next_power_of_2(h)
-        _rms_norm_kernel[(t,)](
-            x, res, weight, out, x.stride(0), res.stride(0), out.stride(0), h, eps,
-            HAS_RESIDUAL=residual is not None, SCALE_IN_FLOAT32=scale_in_float32,
-            BLOCK=block, num_warps=norm_warps(block),
-        )  # fmt: skip
+    _launch_norm(x, weight, out, eps, residual, scale_in_float32, pre_weight)
     return out
+
+
+def add_rms_normed(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor, scale_in_float32: bool = False
+) -> torch.Tensor:
+    """residual + x / rms * weight, written into `residual` (in place) and returned: Gemma 3's
+    post-feedforward norm and the residual add after it in one launch."""
+    _launch_norm(x, weight, None, eps, residual, scale_in_float32, weight)
+    return residual
+
+
+def _launch_norm(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out: torch.Tensor | None,
+    eps: float,
+    residual: torch.Tensor | None,
+    scale_in_float32: bool,
+    pre_weight: torch.Tensor | None,
+) -> None:
+    t, h = x.shape
+    if not t:
+        return
+    res = residual if residual is not None else x
+    block = triton.next_power_of_2(h)
+    _rms_norm_kernel[(t,)](
+        x, res, weight, out if out is not None else x, pre_weight if pre_weight is not None else weight,
+        x.stride(0), res.stride(0), out.stride(0) if out is not None else 0, h, eps,
+        HAS_RESIDUAL=residual is not None, SCALE_IN_FLOAT32=scale_in_float32,
+        PRE_NORM=pre_weight is not None, NORM_OUT=out is not None, BLOCK=block, num_warps=norm_warps(block),
+    )  # fmt: skip
 
 
 def norm_warps(block: int) -> int:

@@ -86,6 +86,29 @@ def test_gemma_norm_scales_in_float32_before_the_cast() -> None:
     torch.testing.assert_close(got, layer._norm(x), atol=2e-2, rtol=1e-2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_gemma_sandwich_norms_in_one_launch_match_the_two_norms(dtype: torch.dtype) -> None:
+    """Gemma 3's post-attention norm, the residual add and its pre-feedforward norm in one launch, and
+    its post-feedforward norm with the residual add after it: as the norm layers (torch's ops) do."""
+    from models.families.gemma3 import GemmaRMSNorm
+
+    post, pre = GemmaRMSNorm(1152, 1e-6).to(DEVICE), GemmaRMSNorm(1152, 1e-6).to(DEVICE)
+    post.weight.data = _rows(1, 1152, torch.float32, seed=30)[0].abs() + 0.5
+    pre.weight.data = _rows(1, 1152, torch.float32, seed=31)[0].abs() + 0.5
+    x, residual = _rows(5, 1152, dtype, seed=32), _rows(5, 1152, dtype, seed=33)
+    expect, expect_stream = pre(post(x), residual=residual.clone())
+    stream = residual.clone()
+    got = fused().rms_norm(x, pre.weight, 1e-6, stream, scale_in_float32=True, pre_weight=post.weight)
+    # bfloat16: the interpreter truncates where torch rounds (the first norm's output, the sum).
+    tol = dict(atol=1e-5, rtol=1e-5) if dtype == torch.float32 else dict(atol=6e-2, rtol=2e-2)
+    torch.testing.assert_close(stream, expect_stream, **tol)
+    torch.testing.assert_close(got, expect, **tol)
+    stream = residual.clone()
+    out = fused().add_rms_normed(x, post.weight, 1e-6, stream, scale_in_float32=True)
+    assert out is stream
+    torch.testing.assert_close(stream, residual + post(x), **tol)
+
+
 @pytest.mark.parametrize("gelu", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_activation_and_mul_matches_torch(gelu: bool, dtype: torch.dtype) -> None:
@@ -203,6 +226,15 @@ H100_CASES = [
     {"kernel": "rms_norm", "dtype": "bfloat16", "hidden": 8192},
     {"kernel": "rms_norm", "dtype": "bfloat16", "hidden": 16384, "residual": False},
     {"kernel": "rms_norm", "dtype": "bfloat16", "hidden": 1152, "gemma": True},
+    {"kernel": "rms_norm", "dtype": "bfloat16", "hidden": 5376, "gemma": True, "pre_norm": True},
+    {
+        "kernel": "rms_norm",
+        "dtype": "bfloat16",
+        "hidden": 5376,
+        "gemma": True,
+        "pre_norm": True,
+        "norm_out": False,
+    },
     {"kernel": "rms_norm", "dtype": "float32", "hidden": 576},
     {"kernel": "act_and_mul", "dtype": "bfloat16"},
     {"kernel": "act_and_mul", "dtype": "bfloat16", "gelu": True},
@@ -221,9 +253,10 @@ def test_kernels_compile_for_an_h100_without_spills() -> None:
             assert report["stack"] == 0 and report["local"] == 0, f"spills: {report}"
 
 
-# A layer's fused norms: Llama's two; Qwen3's two (its q/k norms run in the rotary launch); Gemma 3's
-# four (input, post-attention, pre- and post-feedforward; q/k norms in the rotary launch too).
-NORMS_PER_LAYER = {"tiny_llama_dir": 2, "tiny_qwen3_dir": 2, "tiny_gemma3_dir": 4}
+# A layer's fused norm launches: Llama's two; Qwen3's two (its q/k norms run in the rotary launch);
+# Gemma 3's input norm and its post-attention + pre-feedforward pair (q/k norms in the rotary launch,
+# the post-feedforward norm with its residual add in add_rms_normed).
+NORMS_PER_LAYER = {"tiny_llama_dir": 2, "tiny_qwen3_dir": 2, "tiny_gemma3_dir": 2}
 
 
 @pytest.mark.parametrize("model", sorted(NORMS_PER_LAYER))
@@ -264,3 +297,4 @@ def test_a_model_step_with_the_fused_ops_matches_torchs(monkeypatch, request, mo
     layers = steps * json.loads((path / "config.json").read_text())["num_hidden_layers"]
     assert calls.count("rope_and_cache") == layers and calls.count("act_and_mul") == layers
     assert calls.count("rms_norm") == NORMS_PER_LAYER[model] * layers + steps  # and the final norm
+    assert calls.count("add_rms_normed") == (layers if model == "tiny_gemma3_dir" else 0)

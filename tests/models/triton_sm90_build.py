@@ -160,10 +160,12 @@ def build_fused(case: dict) -> dict:
             "res_ptr": f"*{dtype}",
             "w_ptr": f"*{weight}",
             "out_ptr": f"*{dtype}",
+            "pre_w_ptr": f"*{weight}",
         }
         constexprs = dict(
-            HAS_RESIDUAL=case.get("residual", True), SCALE_IN_FLOAT32=bool(case.get("gemma")), BLOCK=block
-        )
+            HAS_RESIDUAL=case.get("residual", True), SCALE_IN_FLOAT32=bool(case.get("gemma")),
+            PRE_NORM=case.get("pre_norm", False), NORM_OUT=case.get("norm_out", True), BLOCK=block,
+        )  # fmt: skip
     elif name == "act_and_mul":
         kernel, warps = tf._act_and_mul_kernel, tf.NUM_WARPS
         pointers = {"x_ptr": f"*{dtype}", "out_ptr": f"*{dtype}"}
