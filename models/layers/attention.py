@@ -29,10 +29,10 @@ from models.layers.kv_format import write_kv
 from models.layers.metadata import AttentionMetadata, KVCache
 from models.layers.norm import RMSNorm, qk_rms_norm
 from models.layers.rotary import RotaryEmbedding
+from models.options import ATTENTION_BACKEND_NAMES, ATTENTION_BACKENDS, CUDA_ONLY_ATTENTION_BACKENDS
 
 if TYPE_CHECKING:  # triton is imported only where it runs
     from models.layers.triton_fused import QKNorm
-from models.options import ATTENTION_BACKEND_NAMES, ATTENTION_BACKENDS, CUDA_ONLY_ATTENTION_BACKENDS
 
 BACKENDS: dict[str, type[AttentionBackend]] = {
     "sdpa": SdpaBackend,
@@ -209,17 +209,14 @@ class Attention(nn.Module):
         k_cache, v_cache = kv_cache
         cos_sin, slots = rotary.cos_sin_cache, step.metadata.slot_mapping
         fused = fused_ops(qkv)
-        if fused is not None and fused.fits_rope_and_cache(qkv, cos_sin, k_cache):
-            norms = None if qk_norm is None else fused_qk_norm(*qk_norm)
-            if qk_norm is None or norms is not None:
-                fused.rope_and_cache(qkv, positions, cos_sin, slots, k_cache, v_cache, self.num_heads, norms)
-                return self.attend(qkv[:, : self.num_heads * d].view(t, self.num_heads, d), kv_cache, step)
-        if qk_norm is not None:
+        on_gpu = fused is not None and fused.fits_rope_and_cache(qkv, cos_sin, k_cache)
+        norms = fused_qk_norm(*qk_norm) if on_gpu and qk_norm is not None else None
+        if qk_norm is not None and norms is None:  # the norms on their own (native or torch's ops)
             qkv = qk_rms_norm(qkv, *qk_norm, self.num_heads, self.num_kv_heads)
-        if cpu_kernels.fits_rope_and_cache(qkv, cos_sin, k_cache, d):
+        if on_gpu:
+            fused.rope_and_cache(qkv, positions, cos_sin, slots, k_cache, v_cache, self.num_heads, norms)
+        elif cpu_kernels.fits_rope_and_cache(qkv, cos_sin, k_cache, d):
             cpu_kernels.rope_and_cache(qkv, positions, cos_sin, slots, k_cache, v_cache, self.num_heads)
-        elif fused is not None and fused.fits_rope_and_cache(qkv, cos_sin, k_cache):
-            fused.rope_and_cache(qkv, positions, cos_sin, slots, k_cache, v_cache, self.num_heads)
         else:  # torch's ops: rotary, then forward's cache write and backend
             qk_heads = self.num_heads + self.num_kv_heads
             qk = rotary(positions, qkv[:, : qk_heads * d].view(t, qk_heads, d))
@@ -247,7 +244,7 @@ class Attention(nn.Module):
 def fused_qk_norm(q_norm: RMSNorm, k_norm: RMSNorm) -> QKNorm | None:
     """The q/k norms as the fused rotary kernel takes them (triton_fused.QKNorm), or None where it
     cannot: norms of different epsilons or scalings."""
-    if q_norm.eps != k_norm.eps or q_norm.scale_in_float32 != k_norm.scale_in_float32:
+    if not q_norm.pairs_with(k_norm):
         return None
     from models.layers.triton_fused import QKNorm
 

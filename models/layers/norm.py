@@ -53,7 +53,7 @@ class RMSNorm(nn.Module):
         returns them (Gemma 3's post-attention norm before its pre-feedforward one). One launch where
         the fused GPU kernels run (the stream updated in place); else the two norms."""
         fused = fused_ops(x)
-        if fused is not None and _rows_fit(x, residual) and self._pairs_with(then):
+        if fused is not None and _rows_fit(x, residual) and self.pairs_with(then):
             h = x.shape[-1]
             normed = fused.rms_norm(
                 x.view(-1, h), then.weight, then.eps, residual.view(-1, h), then.scale_in_float32, self.weight
@@ -73,7 +73,7 @@ class RMSNorm(nn.Module):
             return residual
         return residual + self(x)
 
-    def _pairs_with(self, other: RMSNorm) -> bool:
+    def pairs_with(self, other: RMSNorm) -> bool:
         """Whether one fused launch can run this norm and `other` (the same epsilon and rounding)."""
         return self.eps == other.eps and self.scale_in_float32 == other.scale_in_float32
 
