@@ -128,9 +128,7 @@ class ModelRunner:
         self.vocab_size: int = self.model.vocab_size
         self.hidden_size: int = self.model.hidden_size
         self.eos_token_ids: frozenset[int] = read_eos_token_ids(model_path, hf_config)
-        # The sliding window every layer has, if they share one (Executor.kv_window).
-        windows = set(self.model.family.layer_windows(hf_config))
-        self.kv_window: int | None = windows.pop() if len(windows) == 1 and None not in windows else None
+        self.kv_window: int | None = self.model.family.shared_window(hf_config)  # Executor.kv_window
         # This stage's layers and this tensor rank's KV heads.
         spec, num_blocks = plan_kv_cache(self.model, config, self.dtype, device)
         if groups is not None:

@@ -179,3 +179,10 @@ class ModelFamily:
         if types is None:
             return (int(window),) * n
         return tuple(int(window) if t == SLIDING else None for t in types)
+
+    def shared_window(self, config: Any) -> int | None:
+        """The sliding window every layer has (Mistral's configs), or None where some layer attends to
+        the whole history (Gemma 3's global layers, Qwen2's below max_window_layers, no window at all):
+        a request's KV blocks behind it are never read again (Executor.kv_window)."""
+        windows = set(self.layer_windows(config))
+        return windows.pop() if len(windows) == 1 and None not in windows else None

@@ -130,6 +130,15 @@ def test_layer_windows() -> None:
     assert windows(Qwen2Config(**qwen2)) == (None, None, None)
     assert windows(Qwen2Config(**qwen2, use_sliding_window=True)) == (None, 16, 16)
 
+    # The window every layer shares, whose blocks behind it the scheduler gives back: Mistral's only.
+    def shared(config):
+        return family_for(config).shared_window(config)
+
+    assert shared(mistral) == 16
+    assert shared(Qwen2Config(**qwen2, use_sliding_window=True)) is None
+    assert shared(Qwen2Config(**{**qwen2, "max_window_layers": 0}, use_sliding_window=True)) == 16
+    assert shared(tiny_llama_config(num_hidden_layers=3)) is None
+
 
 # --------------------------------------------------------------------------------------- errors
 
