@@ -46,6 +46,9 @@ class TpotRow:
     # Median time the executor sat idle between one step's end and the next one's start: what the
     # loop adds on the forward's critical path (what overlap removes), less noisy than TPOT.
     idle_ms: float | None = None
+    # Median step inside the loop (executor submit to collect): against the bare step, whether the
+    # loop's steps themselves are slower (work beside them) or only further apart (idle_ms).
+    step_ms: float | None = None
 
 
 @dataclass
@@ -53,6 +56,7 @@ class ModeRuns:
     tpots: list[float] = field(default_factory=list)
     gaps: list[float] = field(default_factory=list)
     idles: list[float] = field(default_factory=list)
+    steps: list[float] = field(default_factory=list)
 
 
 class StepClock:
@@ -74,6 +78,10 @@ class StepClock:
         out = self._executor.collect(handle)
         self.spans.append((self._start, time.perf_counter()))
         return out
+
+    def durations(self) -> list[float]:
+        """Seconds of each step, submit to collect."""
+        return [end - start for start, end in self.spans]
 
     def idle_gaps(self) -> list[float]:
         """Seconds between each step's end and the next one's start."""
@@ -135,6 +143,7 @@ async def interleaved_runs(
                     out[overlap].tpots.append(tpot)
                     out[overlap].gaps.extend(gaps)
                 out[overlap].idles.extend(clock.idle_gaps()[1:])  # after the prompts' step
+                out[overlap].steps.extend(clock.durations()[1:])
     return bare, out
 
 
@@ -173,15 +182,20 @@ def main(argv: Sequence[str] | None = None) -> None:
         label = f"TPOT, --overlap-schedule {'on' if overlap else 'off'}"
         gap_ms = statistics.median(mode.gaps) * 1e3
         idle_ms = statistics.median(mode.idles) * 1e3 if mode.idles else None
-        rows.append(TpotRow(label, tpot_ms, gap_ms, tpot_ms / bare_ms, idle_ms))
+        step_ms = statistics.median(mode.steps) * 1e3 if mode.steps else None
+        rows.append(TpotRow(label, tpot_ms, gap_ms, tpot_ms / bare_ms, idle_ms, step_ms))
     print(
         f"{args.concurrency} stream(s) at once, prompt {args.prompt_len} tokens, {args.new_tokens} new "
         f"tokens, {args.repeats} runs each"
     )
-    print(f"{'':34} {'ms/token':>9} {'median gap':>11} {'/ bare':>7} {'idle between steps':>19}")
+    print(
+        f"{'':34} {'ms/token':>9} {'median gap':>11} {'/ bare':>7} {'step in the loop':>17} "
+        f"{'idle between steps':>19}"
+    )
     for row in rows:
+        step = f"{row.step_ms:14.3f} ms" if row.step_ms is not None else " " * 17
         idle = f"{row.idle_ms:16.3f} ms" if row.idle_ms is not None else ""
-        print(f"{row.label:34} {row.tpot_ms:9.2f} {row.median_gap_ms:11.2f} {row.ratio:7.3f} {idle}")
+        print(f"{row.label:34} {row.tpot_ms:9.2f} {row.median_gap_ms:11.2f} {row.ratio:7.3f} {step} {idle}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=2)

@@ -160,4 +160,5 @@ def test_the_tpot_tool_prints_the_bare_step_and_both_modes(tiny_llama_dir: Path,
     ]
     assert all(r["tpot_ms"] > 0 and r["ratio"] > 0 for r in rows)
     assert rows[0]["idle_ms"] is None and all(r["idle_ms"] >= 0 for r in rows[1:])
+    assert rows[0]["step_ms"] is None and all(r["step_ms"] > 0 for r in rows[1:])
     assert "/ bare" in capsys.readouterr().out
