@@ -404,12 +404,12 @@ class FakeRunner:
                 )
             if seq.context_len > self.max_model_len:
                 raise AssertionError(f"{seq.request_id}: context {seq.context_len} > {self.max_model_len}")
-            live = seq.block_table[self._first_read(seq) // bs :]  # behind it: given back, or not
+            first = self._first_read(seq) // bs
+            behind, live = seq.block_table[:first], seq.block_table[first:]  # behind: maybe given back
             if len(set(live)) != len(live):
                 raise AssertionError(f"{seq.request_id}: a block twice in one table")
-            if not all(0 <= b < self.num_kv_blocks for b in live):
-                raise AssertionError(f"{seq.request_id}: a block out of range in {list(seq.block_table)}")
-            if not all(0 <= b <= self.num_kv_blocks for b in seq.block_table):
+            n = self.num_kv_blocks  # block n: the scratch block a given-back entry names
+            if not (all(0 <= b < n for b in live) and all(0 <= b <= n for b in behind)):
                 raise AssertionError(f"{seq.request_id}: a block out of range in {list(seq.block_table)}")
         # A block a sequence writes is in no other sequence's table this step: shared blocks are only
         # read (a cached prefix), never written under another reader.

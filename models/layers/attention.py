@@ -10,7 +10,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -30,9 +30,6 @@ from models.layers.metadata import AttentionMetadata, KVCache
 from models.layers.norm import RMSNorm, qk_rms_norm
 from models.layers.rotary import RotaryEmbedding
 from models.options import ATTENTION_BACKEND_NAMES, ATTENTION_BACKENDS, CUDA_ONLY_ATTENTION_BACKENDS
-
-if TYPE_CHECKING:  # triton is imported only where it runs
-    from models.layers.triton_fused import QKNorm
 
 BACKENDS: dict[str, type[AttentionBackend]] = {
     "sdpa": SdpaBackend,
@@ -210,7 +207,7 @@ class Attention(nn.Module):
         cos_sin, slots = rotary.cos_sin_cache, step.metadata.slot_mapping
         fused = fused_ops(qkv)
         on_gpu = fused is not None and fused.fits_rope_and_cache(qkv, cos_sin, k_cache)
-        norms = fused_qk_norm(*qk_norm) if on_gpu and qk_norm is not None else None
+        norms = qk_norm if on_gpu and qk_norm is not None and qk_norm[0].pairs_with(qk_norm[1]) else None
         if qk_norm is not None and norms is None:  # the norms on their own (native or torch's ops)
             qkv = qk_rms_norm(qkv, *qk_norm, self.num_heads, self.num_kv_heads)
         if on_gpu:
@@ -239,13 +236,3 @@ class Attention(nn.Module):
             q, k_cache, v_cache, step.metadata, step.plan, self.scale, self.sliding_window
         )
         return out.reshape(out.shape[0], self.num_heads * self.head_dim)
-
-
-def fused_qk_norm(q_norm: RMSNorm, k_norm: RMSNorm) -> QKNorm | None:
-    """The q/k norms as the fused rotary kernel takes them (triton_fused.QKNorm), or None where it
-    cannot: norms of different epsilons or scalings."""
-    if not q_norm.pairs_with(k_norm):
-        return None
-    from models.layers.triton_fused import QKNorm
-
-    return QKNorm(q_norm.weight, k_norm.weight, q_norm.eps, q_norm.scale_in_float32)

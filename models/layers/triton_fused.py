@@ -21,7 +21,7 @@ interpreter, which is how CI tests them; on a GPU they run where `runs_on` says 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import triton
@@ -35,12 +35,10 @@ ACT_BLOCK = 2048
 FLOAT_TYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
-@dataclass(frozen=True)
-class QKNorm:
-    """The per-head RMSNorm of q and k that rope_and_cache applies before rotary (Qwen3's, Gemma 3's)."""
+class Norm(Protocol):
+    """What a fused kernel reads of an RMSNorm layer (models.layers.norm.RMSNorm)."""
 
-    q_weight: torch.Tensor  # [D]
-    k_weight: torch.Tensor  # [D]
+    weight: torch.Tensor
     eps: float
     scale_in_float32: bool  # Gemma: the weight (1 + w, float32) multiplies before the cast
 
@@ -52,14 +50,19 @@ def runs_on(x: torch.Tensor) -> bool:
 
 
 @triton.jit
-def _scaled_rms(x, w, H, eps, SCALE_IN_FLOAT32: tl.constexpr):
-    """x / rms(x) * w in float32, rounded to x's dtype where torch's norm rounds (before the product,
-    or, Gemma's way, only after it): the caller casts the result."""
-    xf = x.to(tl.float32)
-    normed = xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps)
+def _scaled(normed, w, dtype: tl.constexpr, SCALE_IN_FLOAT32: tl.constexpr):
+    """normed (float32, x / rms(x)) times the weight w, rounded to `dtype` where torch's norm rounds:
+    before the product (Llama) or, Gemma's way, only after it. The caller casts the result."""
     if SCALE_IN_FLOAT32:
         return normed * w
-    return normed.to(x.dtype).to(tl.float32) * w
+    return normed.to(dtype).to(tl.float32) * w
+
+
+@triton.jit
+def _scaled_rms(x, w, H, eps, SCALE_IN_FLOAT32: tl.constexpr):
+    """A row x normalised and scaled by w (_scaled), in float32."""
+    xf = x.to(tl.float32)
+    return _scaled(xf * tl.rsqrt(tl.sum(xf * xf, axis=0) / H + eps), w, x.dtype, SCALE_IN_FLOAT32)
 
 
 @triton.jit
@@ -236,14 +239,9 @@ def _rope_and_cache_kernel(
             w2 = tl.load(w_ptr + HALF + i, mask=ok, other=0.0).to(tl.float32)
             wr = tl.load(w_ptr + rest, mask=rest_ok, other=0.0).to(tl.float32)
             dt = x1.dtype
-            if NORM_SCALE_IN_FLOAT32:
-                x1 = (f1 * r * w1).to(dt)
-                x2 = (f2 * r * w2).to(dt)
-                passed = (fr * r * wr).to(dt)
-            else:
-                x1 = ((f1 * r).to(dt).to(tl.float32) * w1).to(dt)
-                x2 = ((f2 * r).to(dt).to(tl.float32) * w2).to(dt)
-                passed = ((fr * r).to(dt).to(tl.float32) * wr).to(dt)
+            x1 = _scaled(f1 * r, w1, dt, NORM_SCALE_IN_FLOAT32).to(dt)
+            x2 = _scaled(f2 * r, w2, dt, NORM_SCALE_IN_FLOAT32).to(dt)
+            passed = _scaled(fr * r, wr, dt, NORM_SCALE_IN_FLOAT32).to(dt)
             tl.store(base + rest, passed, mask=rest_ok)
         cos = tl.load(cos_sin_ptr + pos * stride_cs + i, mask=ok, other=0.0).to(tl.float32)
         sin = tl.load(cos_sin_ptr + pos * stride_cs + HALF + i, mask=ok, other=0.0).to(tl.float32)
@@ -286,22 +284,24 @@ def rope_and_cache(
     k_cache: torch.Tensor,  # [num_blocks, block_size, Hkv, D]
     v_cache: torch.Tensor,
     num_heads: int,
-    qk_norm: QKNorm | None = None,
+    qk_norm: tuple[Norm, Norm] | None = None,
 ) -> None:
     """Rotary on the q and k heads of `qkv` (neox layout: pairs (d, d + R/2) of the first R dims), then
-    k and v into the cache at `slots`; with `qk_norm`, each q and k head is RMS-normalised first (as
-    rms_norm would, so two launches and a concatenation fewer a layer)."""
+    k and v into the cache at `slots`; with `qk_norm` (q's and k's norms, which RMSNorm.pairs_with
+    says share a launch), each q and k head is RMS-normalised first (as rms_norm would, so two
+    launches and a concatenation fewer a layer)."""
     t = qkv.shape[0]
     hkv, d = k_cache.shape[-2], k_cache.shape[-1]
     half = cos_sin.shape[-1] // 2
     if not t:
         return
-    q_w, k_w = (qk_norm.q_weight, qk_norm.k_weight) if qk_norm is not None else (qkv, qkv)  # unread
+    q_norm, k_norm = qk_norm if qk_norm is not None else (None, None)
     _rope_and_cache_kernel[(t, num_heads + 2 * hkv)](
-        qkv, positions, cos_sin, slots, k_cache, v_cache, q_w, k_w, qkv.stride(0), cos_sin.stride(0),
-        num_heads, hkv, qk_norm.eps if qk_norm is not None else 0.0,
+        qkv, positions, cos_sin, slots, k_cache, v_cache,
+        q_norm.weight if q_norm is not None else qkv, k_norm.weight if k_norm is not None else qkv,  # unread
+        qkv.stride(0), cos_sin.stride(0), num_heads, hkv, q_norm.eps if q_norm is not None else 0.0,
         D=d, HALF=half, BLOCK_HALF=triton.next_power_of_2(half), BLOCK_D=triton.next_power_of_2(d),
-        HAS_QK_NORM=qk_norm is not None,
-        NORM_SCALE_IN_FLOAT32=qk_norm is not None and qk_norm.scale_in_float32,
+        HAS_QK_NORM=q_norm is not None,
+        NORM_SCALE_IN_FLOAT32=q_norm is not None and q_norm.scale_in_float32,
         num_warps=1,
     )  # fmt: skip

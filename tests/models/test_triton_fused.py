@@ -177,9 +177,10 @@ def test_rope_and_cache_with_qk_norm_matches_the_norms_then_rotary(
     expect, k_expect, v_expect = qk_rms_norm(qkv.clone(), q_norm, k_norm, hq, hkv), cache(), cache()
     fused().rope_and_cache(expect, positions, rotary.cos_sin_cache, slots, k_expect, v_expect, hq)
     got, k_cache, v_cache = qkv.clone(), cache(), cache()
-    norms = attention.fused_qk_norm(q_norm, k_norm)
-    assert norms is not None and norms.scale_in_float32 == gemma
-    fused().rope_and_cache(got, positions, rotary.cos_sin_cache, slots, k_cache, v_cache, hq, norms)
+    assert q_norm.pairs_with(k_norm) and q_norm.scale_in_float32 == gemma
+    fused().rope_and_cache(
+        got, positions, rotary.cos_sin_cache, slots, k_cache, v_cache, hq, (q_norm, k_norm)
+    )
     # bfloat16: the interpreter truncates where the GPU rounds, and the sum of squares runs in
     # another order, so a normalised value may land a bfloat16 step away (1/64 at 2-4), which
     # rotary's difference carries to a value near zero.
