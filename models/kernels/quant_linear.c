@@ -34,9 +34,9 @@
 #define MR_INT 4 /* 4-bit codes: 2 x 4 16-bit sums + 2 weight vectors + x (the 8 float accumulators wait in L1) */
 #define MR_FLT 6 /* the BLIS-style 6 x 16: 12 accumulators */
 #endif
-/* Rows of x from which the K kind's tiles go in pairs (pair_tile_super, AVX-512 VNNI); below,
- * int_tile_super's one tile a pass (at one or two rows the loop waits on the weights' stream, not on its
- * loads of x: pairs there ran 0.99x). */
+/* Rows of x from which tiles go in pairs (pair_tile, pair_tile_super: AVX-512 VNNI); below, one tile a
+ * pass (at one or two rows the loop waits on the weights' stream, not on its loads of x: pairs there ran
+ * 0.99x). */
 #ifndef PAIR_MIN_ROWS
 #define PAIR_MIN_ROWS 3
 #endif
@@ -453,15 +453,16 @@ static inline __attribute__((always_inline)) void int_tile_super(const uint8_t *
 }
 
 #if defined(__AVX512VNNI__) && LANES == 16
-/* The K kind (Q4_K, Q5_K, IQ4_XS) on two neighbouring tiles (tile + tb) against mr (<= PAIR_ROWS) rows
- * of x: int_tile_super's sums and float steps for a core that issues two vpdpbusd a cycle (Zen 5), where
- * one tile a pass waits on its loads: here each broadcast of x feeds both tiles, and each row's
- * broadcasts come from a pointer of its own (addresses recomputed from m * K cost a stack load a
- * broadcast). The integer sums are exact in any order and the float steps are super_epilogue's, so the
- * results are int_tile_super's to the bit. 2-core Zen 5, weights in cache, against int_tile_super:
- * 1.09-1.29x for Q4_K at 3 to 512 rows (1.1x a 512-token prefill of Llama-3.2-1B), Q5_K 1.07-1.22x,
- * IQ4_XS 1.04-1.15x. Not the K16 kind (Q6_K, Q2_K, Q3_K): with a scale per 16 k, twice the integer
- * scaling a block, its pairs ran 0.88-0.95x. */
+/* Two neighbouring tiles (tile + tb) a pass against mr (<= PAIR_ROWS) rows of x, for a core that issues
+ * two vpdpbusd a cycle (Zen 5), where one tile a pass waits on its loads: each broadcast of x feeds both
+ * tiles, and each row's broadcasts come from a pointer of its own (addresses recomputed from m * K cost a
+ * stack load a broadcast). pair_tile_super has int_tile_super's integer sums (exact in any order) and
+ * float steps (super_epilogue), pair_tile int_tile's (group_epilogue): the results are theirs to the bit.
+ * 2-core Zen 5, weights in cache, against one tile a pass at 3 to 512 rows: Q4_K 1.09-1.29x (a
+ * 512-token prefill of Llama-3.2-1B 1.09x), Q5_K 1.07-1.22x, IQ4_XS 1.04-1.15x, Q4_0 1.21-1.29x, Q8_0
+ * 1.13-1.26x, Q4_1 1.05-1.19x (SmolLM2-135M's shapes 1.07-1.19x), Q5_0/Q5_1/IQ4_NL 1.08-1.15x. Not the
+ * K16 kind (Q6_K, Q2_K, Q3_K): with a scale per 16 k, twice the integer scaling a block, its pairs ran
+ * 0.88-0.95x. */
 #ifndef PAIR_ROWS
 #define PAIR_ROWS 4
 #endif
@@ -527,19 +528,67 @@ static inline __attribute__((always_inline)) void pair_tile_super(const uint8_t 
                 vf_store_n(yo, vf_load(acc[m][t]), nvalid[t]);
         }
 }
+/* The F16 kind (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL): int_tile on two tiles. */
+static inline __attribute__((always_inline)) void pair_tile(const uint8_t *tile, int64_t tb, const int fmt,
+                                                            const qx_t *x, int64_t m0, const int mr, float *y,
+                                                            int64_t ldy, const int nvalid[2]) {
+    const int32_t per_sum = qf_signed_units(fmt) ? -SIGNED_BIAS : qf_offset(fmt);
+    const int lines = (int)((qf_code_bytes(fmt) + 63) / 64);
+    const int8_t *xrow[PAIR_ROWS];
+    for (int m = 0; m < mr; m++) xrow[m] = x->q + (m0 + m) * x->K;
+    vf acc[PAIR_ROWS][2];
+    for (int m = 0; m < mr; m++) acc[m][0] = acc[m][1] = vf_zero();
+    for (int64_t g = 0; g < x->G; g++) {
+        const qblock blk = qf_block(tile, fmt, g);
+        const uint8_t *codes[2] = {blk.codes, blk.codes + tb};
+        for (int t = 0; t < 2; t++)
+            for (int i = 0; i < lines; i++)
+                _mm_prefetch((const char *)(codes[t] + PREFETCH_AHEAD + 64 * i), _MM_HINT_T0);
+        vi is[PAIR_ROWS][2];
+        for (int m = 0; m < mr; m++) is[m][0] = is[m][1] = vi_zero();
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; u++) {
+            vi w[2];
+            for (int t = 0; t < 2; t++) {
+                const vi c = code_unit(codes[t], fmt, u, 0);
+                w[t] = qf_signed_units(fmt) ? prep_signed(c).w : c;
+            }
+            for (int m = 0; m < mr; m++) {
+                const vi xb = vi_bcast32(xrow[m] + g * QBLOCK + 4 * u);
+                for (int t = 0; t < 2; t++) is[m][t] = _mm512_dpbusd_epi32(is[m][t], w[t], xb);
+            }
+        }
+        for (int t = 0; t < 2; t++) {
+            const bscale sc = block_scales(blk.hdr + t * tb, blk.sub + t * tb, fmt, 0);
+            for (int m = 0; m < mr; m++)
+                acc[m][t] = group_epilogue(acc[m][t], is[m][t], sc.a0, sc.z0, fmt, x, m0 + m, g, per_sum);
+        }
+    }
+    for (int m = 0; m < mr; m++)
+        for (int t = 0; t < 2; t++) {
+            float *yo = y + (m0 + m) * ldy + t * TILE_ROWS;
+            if (nvalid[t] >= LANES)
+                vf_storeu(yo, acc[m][t]);
+            else if (nvalid[t] > 0)
+                vf_store_n(yo, acc[m][t], nvalid[t]);
+        }
+}
 typedef void (*pair_fn)(const uint8_t *, int64_t, const qx_t *, int64_t, float *, int64_t, const int *);
 #define PAIR_FN(F, R)                                                                                    \
     static void pair_##F##_##R(const uint8_t *t, int64_t tb, const qx_t *x, int64_t m0, float *y, int64_t ldy, \
                                const int *nv) {                                                          \
-        pair_tile_super(t, tb, F, x, m0, R, y, ldy, nv);                                                 \
+        if (qf_kind(F) == KIND_F16)                                                                      \
+            pair_tile(t, tb, F, x, m0, R, y, ldy, nv);                                                   \
+        else                                                                                             \
+            pair_tile_super(t, tb, F, x, m0, R, y, ldy, nv);                                             \
     }
 #define PAIR_FNS(F) PAIR_FN(F, 1) PAIR_FN(F, 2) PAIR_FN(F, 3) PAIR_FN(F, 4)
 #define PAIR_ROW(F) {pair_##F##_1, pair_##F##_2, pair_##F##_3, pair_##F##_4}
-PAIR_FNS(5) PAIR_FNS(6) PAIR_FNS(10)
-/* PAIR_TABLE[fmt][r - 1]: two tiles against r rows of x, for the K kind (NULL: no pair kernel). */
-static const pair_fn PAIR_TABLE[QF_COUNT][PAIR_ROWS] = {{NULL}, {NULL}, {NULL}, {NULL},      {NULL}, PAIR_ROW(5),
-                                                        PAIR_ROW(6), {NULL}, {NULL}, {NULL}, PAIR_ROW(10), {NULL},
-                                                        {NULL}, {NULL}};
+PAIR_FNS(0) PAIR_FNS(1) PAIR_FNS(2) PAIR_FNS(3) PAIR_FNS(4) PAIR_FNS(5) PAIR_FNS(6) PAIR_FNS(10) PAIR_FNS(11)
+/* PAIR_TABLE[fmt][r - 1]: two tiles against r rows of x (NULL: none, the K16 kind and 16-bit floats). */
+static const pair_fn PAIR_TABLE[QF_COUNT][PAIR_ROWS] = {
+    PAIR_ROW(0), PAIR_ROW(1), PAIR_ROW(2), PAIR_ROW(3),  PAIR_ROW(4),  PAIR_ROW(5), PAIR_ROW(6),
+    {NULL},      {NULL},      {NULL},      PAIR_ROW(10), PAIR_ROW(11), {NULL},      {NULL}};
 #define HAVE_PAIRS 1
 #endif
 
@@ -891,7 +940,7 @@ static inline void int_tile_rows(const uint8_t *w, int64_t tb, const int_fn *fns
 }
 
 #if defined(HAVE_PAIRS)
-/* Whether a K kind's tiles go two at a time (pair_tile_super): from PAIR_MIN_ROWS rows of x. */
+/* Whether the tiles go two at a time: a format with pair kernels, from PAIR_MIN_ROWS rows of x. */
 static inline int pairs(int fmt, int64_t M, int64_t T) { return PAIR_TABLE[fmt][0] != NULL && M >= PAIR_MIN_ROWS && T >= 2; }
 
 /* Rows m0..m1 of x against tiles t and t + 1. */

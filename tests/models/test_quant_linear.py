@@ -257,10 +257,11 @@ def test_int8_sums_at_their_largest(variant: str, fmt: str) -> None:
 
 
 @pytest.mark.parametrize("variant", EVERY_VARIANT)
-@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "IQ4_XS", "Q6_K"])
+@pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "IQ4_XS", "Q6_K", "Q4_0", "Q4_1", "Q8_0", "Q5_1", "IQ4_NL"])
 @pytest.mark.parametrize("n", [16, 21, 32, 40, 53])
 def test_tile_pairs_at_every_edge(variant: str, fmt: str, n: int) -> None:
-    """Tiles go two at a time from a few rows of x on AVX-512 VNNI (pair_tile_super): one tile alone, a
+    """Tiles go two at a time from a few rows of x on AVX-512 VNNI (pair_tile, pair_tile_super; not
+    Q6_K, here as the control): one tile alone, a
     pair whose second tile is short, an odd tile left alone after the pairs, in blocks of rows with
     remainders. Each row equals the int8 reference and itself computed alone (one row runs one tile a
     pass), bit for bit."""
