@@ -34,12 +34,20 @@
 #define MR_INT 4 /* 4-bit codes: 2 x 4 16-bit sums + 2 weight vectors + x (the 8 float accumulators wait in L1) */
 #define MR_FLT 6 /* the BLIS-style 6 x 16: 12 accumulators */
 #endif
-/* Rows of x from which tiles go in pairs (pair_tile, pair_tile_super: AVX-512 VNNI); below, one tile a
- * pass (at one or two rows the loop waits on the weights' stream, not on its loads of x: pairs there ran
- * 0.99x). */
+/* Rows of x from which tiles go in pairs (pair_tile, pair_tile_super: AVX-512 VNNI): PAIR_MIN_ROWS, or
+ * PAIR_MIN_ROWS_LONG for weights of K >= PAIR_LONG_K. Below, one tile a pass. A pair kernel takes 4 rows
+ * a pass where the one-tile kernel takes 8, so at few rows a pair streams its weights from memory with
+ * half the work to hide it behind, then passes over them again from cache: with weights streamed from
+ * memory (more of them than the L3 holds), Q4_1 3072 x 576 ran 0.78x at 8 rows and 0.91x at 16, 1.04x
+ * at 32; with K 2048 pairs won from 16 rows (Q4_K 1.10x, Q4_1 1.12x, Q8_0 1.11x), Q4_1 lost at 3 (0.89x)
+ * and 8 (0.96x). Compute-bound (prompts, large batches) every row count gained. */
 #ifndef PAIR_MIN_ROWS
-#define PAIR_MIN_ROWS 3
+#define PAIR_MIN_ROWS 32
 #endif
+#ifndef PAIR_MIN_ROWS_LONG
+#define PAIR_MIN_ROWS_LONG 16
+#endif
+#define PAIR_LONG_K 2048
 #define M_BLOCK 256 /* rows of x per block (int8 x of 256 rows x K = 1536: 384 KB, in L2) */
 #define KC_FLT 512  /* columns per dequantized float chunk: 16 x 512 floats = 32 KB */
 /* Rows x tiles x K below which one thread does it all. 1 << 13: a batch-1 decode step's smallest
@@ -458,7 +466,8 @@ static inline __attribute__((always_inline)) void int_tile_super(const uint8_t *
  * tiles, and each row's broadcasts come from a pointer of its own (addresses recomputed from m * K cost a
  * stack load a broadcast). pair_tile_super has int_tile_super's integer sums (exact in any order) and
  * float steps (super_epilogue), pair_tile int_tile's (group_epilogue): the results are theirs to the bit.
- * 2-core Zen 5, weights in cache, against one tile a pass at 3 to 512 rows: Q4_K 1.09-1.29x (a
+ * 2-core Zen 5, weights in cache, against one tile a pass at 3 to 512 rows (PAIR_MIN_ROWS says where
+ * they run): Q4_K 1.09-1.29x (a
  * 512-token prefill of Llama-3.2-1B 1.09x), Q5_K 1.07-1.22x, IQ4_XS 1.04-1.15x, Q4_0 1.21-1.29x, Q8_0
  * 1.13-1.26x, Q4_1 1.05-1.19x (SmolLM2-135M's shapes 1.07-1.19x), Q5_0/Q5_1/IQ4_NL 1.08-1.15x. Not the
  * K16 kind (Q6_K, Q2_K, Q3_K): with a scale per 16 k, twice the integer scaling a block, its pairs ran
@@ -940,8 +949,10 @@ static inline void int_tile_rows(const uint8_t *w, int64_t tb, const int_fn *fns
 }
 
 #if defined(HAVE_PAIRS)
-/* Whether the tiles go two at a time: a format with pair kernels, from PAIR_MIN_ROWS rows of x. */
-static inline int pairs(int fmt, int64_t M, int64_t T) { return PAIR_TABLE[fmt][0] != NULL && M >= PAIR_MIN_ROWS && T >= 2; }
+/* Whether the tiles go two at a time: a format with pair kernels, enough rows of x for a weight of K. */
+static inline int pairs(int fmt, int64_t M, int64_t K, int64_t T) {
+    return PAIR_TABLE[fmt][0] != NULL && M >= (K >= PAIR_LONG_K ? PAIR_MIN_ROWS_LONG : PAIR_MIN_ROWS) && T >= 2;
+}
 
 /* Rows m0..m1 of x against tiles t and t + 1. */
 static inline void pair_tile_rows(const uint8_t *w, int64_t tb, int fmt, int64_t N, const qx_t *x, int64_t m0,
@@ -954,7 +965,7 @@ static inline void pair_tile_rows(const uint8_t *w, int64_t tb, int fmt, int64_t
     }
 }
 #else
-static inline int pairs(int fmt, int64_t M, int64_t T) { return (void)fmt, (void)M, (void)T, 0; }
+static inline int pairs(int fmt, int64_t M, int64_t K, int64_t T) { return (void)fmt, (void)M, (void)K, (void)T, 0; }
 static inline void pair_tile_rows(const uint8_t *w, int64_t tb, int fmt, int64_t N, const qx_t *x, int64_t m0,
                                   int64_t m1, int64_t t, float *y, int64_t ldy) {
     (void)w, (void)tb, (void)fmt, (void)N, (void)x, (void)m0, (void)m1, (void)t, (void)y, (void)ldy;
@@ -970,7 +981,7 @@ static inline void pair_tile_rows(const uint8_t *w, int64_t tb, int fmt, int64_t
 static void int_gemm(const uint8_t *w, int fmt, int64_t N, const qx_t *x, int64_t M, float *y, int64_t ldy) {
     const int64_t T = (N + TILE_ROWS - 1) / TILE_ROWS, tb = qf_tile_bytes(fmt, x->K);
     const int_fn *fns = INT_FNS_TABLE[fmt];
-    const int64_t per = pairs(fmt, M, T) ? 2 : 1; /* tiles a work item: two, the odd last one alone */
+    const int64_t per = pairs(fmt, M, x->K, T) ? 2 : 1; /* tiles a work item: two, the odd last one alone */
     for (int64_t m0 = 0; m0 < M; m0 += M_BLOCK) {
         const int64_t m1 = m0 + M_BLOCK < M ? m0 + M_BLOCK : M;
 #pragma omp parallel for schedule(guided) if ((m1 - m0) * T * x->K >= PARALLEL_MIN_WORK)

@@ -260,19 +260,18 @@ def test_int8_sums_at_their_largest(variant: str, fmt: str) -> None:
 @pytest.mark.parametrize("fmt", ["Q4_K", "Q5_K", "IQ4_XS", "Q6_K", "Q4_0", "Q4_1", "Q8_0", "Q5_1", "IQ4_NL"])
 @pytest.mark.parametrize("n", [16, 21, 32, 40, 53])
 def test_tile_pairs_at_every_edge(variant: str, fmt: str, n: int) -> None:
-    """Tiles go two at a time from a few rows of x on AVX-512 VNNI (pair_tile, pair_tile_super; not
-    Q6_K, here as the control): one tile alone, a
-    pair whose second tile is short, an odd tile left alone after the pairs, in blocks of rows with
-    remainders. Each row equals the int8 reference and itself computed alone (one row runs one tile a
-    pass), bit for bit."""
+    """Tiles go two at a time from 32 rows of x on AVX-512 VNNI (pair_tile, pair_tile_super; not Q6_K,
+    here as the control): one tile alone, a pair whose second tile is short, an odd tile left alone
+    after the pairs, in passes of 4 rows with remainders. Each row equals the int8 reference and itself
+    computed alone or among fewer rows (one tile a pass), bit for bit."""
     kern = kernels_for(variant)
     k = 512
     c = random_components(FORMATS[fmt], n, k, seed=11)
     w = packed(c)
-    x = torch.randn(11, k, generator=torch.Generator().manual_seed(6))
+    x = torch.randn(35, k, generator=torch.Generator().manual_seed(6))
     got = kern.quant_linear(x, w, "int8")
     torch.testing.assert_close(got.double(), int8_reference(x, c), atol=1e-5 * (k / 16) ** 0.5, rtol=1e-5)
-    for m in (3, 5, 11):
+    for m in (3, 11, 32, 33, 34):
         assert torch.equal(kern.quant_linear(x[:m], w, "int8"), got[:m]), f"{m} rows"
-    for r in (0, 4, 10):
+    for r in (0, 4, 34):
         assert torch.equal(kern.quant_linear(x[r : r + 1], w, "int8"), got[r : r + 1]), f"row {r} alone"
