@@ -475,6 +475,29 @@ static inline __attribute__((always_inline)) void int_tile_super(const uint8_t *
 #ifndef PAIR_ROWS
 #define PAIR_ROWS 4
 #endif
+/* Block g's integer dot products on the two tiles (codes at blk_codes and blk_codes + tb) against mr rows
+ * of x (a pointer each), into is; the block's codes (and scales) PREFETCH_AHEAD bytes on are prefetched. */
+static inline __attribute__((always_inline)) void pair_block_dots(const uint8_t *blk_codes, int64_t tb, const int fmt,
+                                                                  const int8_t *const xrow[PAIR_ROWS], const int mr,
+                                                                  int64_t g, int lines, vi is[PAIR_ROWS][2]) {
+    const uint8_t *codes[2] = {blk_codes, blk_codes + tb};
+    for (int t = 0; t < 2; t++)
+        for (int i = 0; i < lines; i++) _mm_prefetch((const char *)(codes[t] + PREFETCH_AHEAD + 64 * i), _MM_HINT_T0);
+    for (int m = 0; m < mr; m++) is[m][0] = is[m][1] = vi_zero();
+#pragma GCC unroll 8
+    for (int u = 0; u < 8; u++) {
+        vi w[2];
+        for (int t = 0; t < 2; t++) {
+            const vi c = code_unit(codes[t], fmt, u, 0);
+            w[t] = qf_signed_units(fmt) ? prep_signed(c).w : c; /* vpdpbusd's unsigned operand */
+        }
+        for (int m = 0; m < mr; m++) {
+            const vi xb = vi_bcast32(xrow[m] + g * QBLOCK + 4 * u);
+            for (int t = 0; t < 2; t++) is[m][t] = _mm512_dpbusd_epi32(is[m][t], w[t], xb);
+        }
+    }
+}
+
 static inline __attribute__((always_inline)) void pair_tile_super(const uint8_t *tile, int64_t tb, const int fmt,
                                                                   const qx_t *x, int64_t m0, const int mr, float *y,
                                                                   int64_t ldy, const int nvalid[2]) {
@@ -493,24 +516,8 @@ static inline __attribute__((always_inline)) void pair_tile_super(const uint8_t 
         for (int b = 0; b < 8; b++) {
             const int64_t g = 8 * s + b;
             const qblock blk = qf_block(tile, fmt, g);
-            const uint8_t *codes[2] = {blk.codes, blk.codes + tb};
-            for (int t = 0; t < 2; t++)
-                for (int i = 0; i < lines; i++)
-                    _mm_prefetch((const char *)(codes[t] + PREFETCH_AHEAD + 64 * i), _MM_HINT_T0);
             vi is[PAIR_ROWS][2];
-            for (int m = 0; m < mr; m++) is[m][0] = is[m][1] = vi_zero();
-#pragma GCC unroll 8
-            for (int u = 0; u < 8; u++) {
-                vi w[2];
-                for (int t = 0; t < 2; t++) {
-                    const vi c = code_unit(codes[t], fmt, u, 0);
-                    w[t] = qf_signed_units(fmt) ? prep_signed(c).w : c; /* vpdpbusd's unsigned operand */
-                }
-                for (int m = 0; m < mr; m++) {
-                    const vi xb = vi_bcast32(xrow[m] + g * QBLOCK + 4 * u);
-                    for (int t = 0; t < 2; t++) is[m][t] = _mm512_dpbusd_epi32(is[m][t], w[t], xb);
-                }
-            }
+            pair_block_dots(blk.codes, tb, fmt, xrow, mr, g, lines, is);
             for (int t = 0; t < 2; t++) {
                 const vi sc = sub_scale_i(blk.sub + t * tb, fmt, 0, 0);
                 for (int m = 0; m < mr; m++) isum[m][t] = vi_add(isum[m][t], vi_mullo(is[m][t], sc));
@@ -549,24 +556,8 @@ static inline __attribute__((always_inline)) void pair_tile(const uint8_t *tile,
     for (int m = 0; m < mr; m++) acc[m][0] = acc[m][1] = vf_zero();
     for (int64_t g = 0; g < x->G; g++) {
         const qblock blk = qf_block(tile, fmt, g);
-        const uint8_t *codes[2] = {blk.codes, blk.codes + tb};
-        for (int t = 0; t < 2; t++)
-            for (int i = 0; i < lines; i++)
-                _mm_prefetch((const char *)(codes[t] + PREFETCH_AHEAD + 64 * i), _MM_HINT_T0);
         vi is[PAIR_ROWS][2];
-        for (int m = 0; m < mr; m++) is[m][0] = is[m][1] = vi_zero();
-#pragma GCC unroll 8
-        for (int u = 0; u < 8; u++) {
-            vi w[2];
-            for (int t = 0; t < 2; t++) {
-                const vi c = code_unit(codes[t], fmt, u, 0);
-                w[t] = qf_signed_units(fmt) ? prep_signed(c).w : c;
-            }
-            for (int m = 0; m < mr; m++) {
-                const vi xb = vi_bcast32(xrow[m] + g * QBLOCK + 4 * u);
-                for (int t = 0; t < 2; t++) is[m][t] = _mm512_dpbusd_epi32(is[m][t], w[t], xb);
-            }
-        }
+        pair_block_dots(blk.codes, tb, fmt, xrow, mr, g, lines, is);
         for (int t = 0; t < 2; t++) {
             const bscale sc = block_scales(blk.hdr + t * tb, blk.sub + t * tb, fmt, 0);
             for (int m = 0; m < mr; m++)

@@ -111,7 +111,13 @@ def test_a_tokens_experts_do_not_depend_on_its_batch() -> None:
     together = fused_experts(x, gate_up, down, weights, chosen, act)
     for i in (0, 7, 19):
         alone = fused_experts(x[i : i + 1], gate_up, down, weights[i : i + 1], chosen[i : i + 1], act)
-        assert torch.equal(alone[0], together[i])
+        if DEVICE == "cuda":
+            assert torch.equal(alone[0], together[i])
+        else:
+            # Triton's interpreter runs tl.dot as numpy's matmul, whose BLAS may round a row by its place
+            # in the tile (numpy's OpenBLAS on a Zen 5: rows 6-15 of a 16-row sgemm differ from row 0 in
+            # the last bits), so on a CPU the tokens' blocks are checked for the right rows and experts.
+            torch.testing.assert_close(alone[0], together[i], rtol=1e-6, atol=1e-6)
 
 
 def _layer(config, index: int = 0) -> tuple[SparseMoE, torch.Tensor]:
