@@ -302,11 +302,7 @@ static inline __attribute__((always_inline)) void int_tile(const uint8_t *tile, 
     }
     for (int m = 0; m < mr; m++)
         for (int h = 0; h < HALVES; h++) {
-            const int n = nvalid - h * LANES;
-            if (n >= LANES)
-                vf_storeu(y + (m0 + m) * ldy + h * LANES, acc[m][h]);
-            else if (n > 0)
-                vf_store_n(y + (m0 + m) * ldy + h * LANES, acc[m][h], n);
+            vf_store_upto(y + (m0 + m) * ldy + h * LANES, acc[m][h], nvalid - h * LANES);
         }
 }
 
@@ -452,13 +448,14 @@ static inline __attribute__((always_inline)) void int_tile_super(const uint8_t *
     }
     for (int m = 0; m < mr; m++)
         for (int h = 0; h < HALVES; h++) {
-            const int n = nvalid - h * LANES;
-            if (n >= LANES)
-                vf_storeu(y + (m0 + m) * ldy + h * LANES, vf_load(acc[m] + h * LANES));
-            else if (n > 0)
-                vf_store_n(y + (m0 + m) * ldy + h * LANES, vf_load(acc[m] + h * LANES), n);
+            vf_store_upto(y + (m0 + m) * ldy + h * LANES, vf_load(acc[m] + h * LANES), nvalid - h * LANES);
         }
 }
+
+/* A micro-kernel: a tile (and, for a pair, the next one at tile + tb) against rows m0.. of x, each tile's
+ * valid output rows in nvalid[]. One type for both, so one loop (tile_pass) hands out their rows. */
+typedef void (*int_fn)(const uint8_t *tile, int64_t tb, const qx_t *x, int64_t m0, float *y, int64_t ldy,
+                       const int *nvalid);
 
 #if defined(__AVX512VNNI__) && LANES == 16
 /* Two neighbouring tiles (tile + tb) a pass against mr (<= PAIR_ROWS) rows of x, for a core that issues
@@ -479,7 +476,8 @@ static inline __attribute__((always_inline)) void int_tile_super(const uint8_t *
  * of x (a pointer each), into is; the block's codes (and scales) PREFETCH_AHEAD bytes on are prefetched. */
 static inline __attribute__((always_inline)) void pair_block_dots(const uint8_t *blk_codes, int64_t tb, const int fmt,
                                                                   const int8_t *const xrow[PAIR_ROWS], const int mr,
-                                                                  int64_t g, int lines, vi is[PAIR_ROWS][2]) {
+                                                                  int64_t g, vi is[PAIR_ROWS][2]) {
+    const int lines = (int)((qf_code_bytes(fmt) + qf_sub_bytes(fmt) + 63) / 64);
     const uint8_t *codes[2] = {blk_codes, blk_codes + tb};
     for (int t = 0; t < 2; t++)
         for (int i = 0; i < lines; i++) _mm_prefetch((const char *)(codes[t] + PREFETCH_AHEAD + 64 * i), _MM_HINT_T0);
@@ -503,7 +501,6 @@ static inline __attribute__((always_inline)) void pair_tile_super(const uint8_t 
                                                                   int64_t ldy, const int nvalid[2]) {
     const int32_t per_code = qf_signed_units(fmt) ? -SIGNED_BIAS : qf_offset(fmt);
     const int need_corr = qf_has_min(fmt) || per_code;
-    const int lines = (int)((qf_code_bytes(fmt) + qf_sub_bytes(fmt) + 63) / 64); /* a block's, prefetched */
     const int8_t *xrow[PAIR_ROWS];
     for (int m = 0; m < mr; m++) xrow[m] = x->q + (m0 + m) * x->K;
     float acc[PAIR_ROWS][2][16] __attribute__((aligned(64)));
@@ -517,7 +514,7 @@ static inline __attribute__((always_inline)) void pair_tile_super(const uint8_t 
             const int64_t g = 8 * s + b;
             const qblock blk = qf_block(tile, fmt, g);
             vi is[PAIR_ROWS][2];
-            pair_block_dots(blk.codes, tb, fmt, xrow, mr, g, lines, is);
+            pair_block_dots(blk.codes, tb, fmt, xrow, mr, g, is);
             for (int t = 0; t < 2; t++) {
                 const vi sc = sub_scale_i(blk.sub + t * tb, fmt, 0, 0);
                 for (int m = 0; m < mr; m++) isum[m][t] = vi_add(isum[m][t], vi_mullo(is[m][t], sc));
@@ -536,20 +533,13 @@ static inline __attribute__((always_inline)) void pair_tile_super(const uint8_t 
         }
     }
     for (int m = 0; m < mr; m++)
-        for (int t = 0; t < 2; t++) {
-            float *yo = y + (m0 + m) * ldy + t * TILE_ROWS;
-            if (nvalid[t] >= LANES)
-                vf_storeu(yo, vf_load(acc[m][t]));
-            else if (nvalid[t] > 0)
-                vf_store_n(yo, vf_load(acc[m][t]), nvalid[t]);
-        }
+        for (int t = 0; t < 2; t++) vf_store_upto(y + (m0 + m) * ldy + t * TILE_ROWS, vf_load(acc[m][t]), nvalid[t]);
 }
 /* The F16 kind (Q4_0, Q4_1, Q8_0, Q5_0, Q5_1, IQ4_NL): int_tile on two tiles. */
 static inline __attribute__((always_inline)) void pair_tile(const uint8_t *tile, int64_t tb, const int fmt,
                                                             const qx_t *x, int64_t m0, const int mr, float *y,
                                                             int64_t ldy, const int nvalid[2]) {
     const int32_t per_sum = qf_signed_units(fmt) ? -SIGNED_BIAS : qf_offset(fmt);
-    const int lines = (int)((qf_code_bytes(fmt) + 63) / 64);
     const int8_t *xrow[PAIR_ROWS];
     for (int m = 0; m < mr; m++) xrow[m] = x->q + (m0 + m) * x->K;
     vf acc[PAIR_ROWS][2];
@@ -557,7 +547,7 @@ static inline __attribute__((always_inline)) void pair_tile(const uint8_t *tile,
     for (int64_t g = 0; g < x->G; g++) {
         const qblock blk = qf_block(tile, fmt, g);
         vi is[PAIR_ROWS][2];
-        pair_block_dots(blk.codes, tb, fmt, xrow, mr, g, lines, is);
+        pair_block_dots(blk.codes, tb, fmt, xrow, mr, g, is);
         for (int t = 0; t < 2; t++) {
             const bscale sc = block_scales(blk.hdr + t * tb, blk.sub + t * tb, fmt, 0);
             for (int m = 0; m < mr; m++)
@@ -565,15 +555,8 @@ static inline __attribute__((always_inline)) void pair_tile(const uint8_t *tile,
         }
     }
     for (int m = 0; m < mr; m++)
-        for (int t = 0; t < 2; t++) {
-            float *yo = y + (m0 + m) * ldy + t * TILE_ROWS;
-            if (nvalid[t] >= LANES)
-                vf_storeu(yo, acc[m][t]);
-            else if (nvalid[t] > 0)
-                vf_store_n(yo, acc[m][t], nvalid[t]);
-        }
+        for (int t = 0; t < 2; t++) vf_store_upto(y + (m0 + m) * ldy + t * TILE_ROWS, acc[m][t], nvalid[t]);
 }
-typedef void (*pair_fn)(const uint8_t *, int64_t, const qx_t *, int64_t, float *, int64_t, const int *);
 #define PAIR_FN(F, R)                                                                                    \
     static void pair_##F##_##R(const uint8_t *t, int64_t tb, const qx_t *x, int64_t m0, float *y, int64_t ldy, \
                                const int *nv) {                                                          \
@@ -586,10 +569,12 @@ typedef void (*pair_fn)(const uint8_t *, int64_t, const qx_t *, int64_t, float *
 #define PAIR_ROW(F) {pair_##F##_1, pair_##F##_2, pair_##F##_3, pair_##F##_4}
 PAIR_FNS(0) PAIR_FNS(1) PAIR_FNS(2) PAIR_FNS(3) PAIR_FNS(4) PAIR_FNS(5) PAIR_FNS(6) PAIR_FNS(10) PAIR_FNS(11)
 /* PAIR_TABLE[fmt][r - 1]: two tiles against r rows of x (NULL: none, the K16 kind and 16-bit floats). */
-static const pair_fn PAIR_TABLE[QF_COUNT][PAIR_ROWS] = {
+static const int_fn PAIR_TABLE[QF_COUNT][PAIR_ROWS] = {
     PAIR_ROW(0), PAIR_ROW(1), PAIR_ROW(2), PAIR_ROW(3),  PAIR_ROW(4),  PAIR_ROW(5), PAIR_ROW(6),
     {NULL},      {NULL},      {NULL},      PAIR_ROW(10), PAIR_ROW(11), {NULL},      {NULL}};
-#define HAVE_PAIRS 1
+#else
+#define PAIR_ROWS 1
+static const int_fn PAIR_TABLE[QF_COUNT][PAIR_ROWS]; /* none: all NULL */
 #endif
 
 /* ------------------------------------------------------------------------------------------------
@@ -646,11 +631,7 @@ static inline __attribute__((always_inline)) void float_tile(const float *x, int
     }
     for (int m = 0; m < mr; m++)
         for (int h = 0; h < HALVES; h++) {
-            const int n = nvalid - h * LANES;
-            if (n >= LANES)
-                vf_storeu(y + m * ldy + h * LANES, acc[m][h]);
-            else if (n > 0)
-                vf_store_n(y + m * ldy + h * LANES, acc[m][h], n);
+            vf_store_upto(y + m * ldy + h * LANES, acc[m][h], nvalid - h * LANES);
         }
 }
 
@@ -662,16 +643,17 @@ static inline __attribute__((always_inline)) void float_tile(const float *x, int
  * a few rows that unpacking costs as much as the dot products (a 3-row step of the default model took
  * longer than a 4-row one). The float path covers the rest by halving: MR, 4, 2, 1. */
 
-typedef void (*int_fn)(const uint8_t *, const qx_t *, int64_t, float *, int64_t, int);
 typedef void (*flt_fn)(const uint8_t *, int64_t, int64_t, float *);
 typedef void (*ftile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int, int);
 
 #define INT_FN(F, R)                                                                                         \
-    static void int_##F##_##R(const uint8_t *t, const qx_t *x, int64_t m0, float *y, int64_t ldy, int nv) { \
-        if (qf_kind(F) != KIND_F16)                                                                           \
-            int_tile_super(t, F, x, m0, R, y, ldy, nv);                                                       \
-        else                                                                                                  \
-            int_tile(t, F, x, m0, R, y, ldy, nv);                                                             \
+    static void int_##F##_##R(const uint8_t *t, int64_t tb, const qx_t *x, int64_t m0, float *y, int64_t ldy, \
+                              const int *nv) {                                                           \
+        (void)tb;                                                                                        \
+        if (qf_kind(F) != KIND_F16)                                                                      \
+            int_tile_super(t, F, x, m0, R, y, ldy, nv[0]);                                               \
+        else                                                                                             \
+            int_tile(t, F, x, m0, R, y, ldy, nv[0]);                                                     \
     }
 #if MR_INT == 8
 #define INT_FNS(F) \
@@ -915,7 +897,7 @@ static void amx_gemm(const uint8_t *w, int fmt, int64_t N, const qx_t *x, int64_
                     AMX_TABLE[fmt](tile, bbuf, x, m, abuf, zbuf, cbuf, y + t * TILE_ROWS, ldy, nvalid);
                 while (m < m1) {
                     const int rows = int_rows(m1 - m);
-                    fns[rows - 1](tile, x, m, y + t * TILE_ROWS, ldy, nvalid);
+                    fns[rows - 1](tile, tb, x, m, y + t * TILE_ROWS, ldy, &nvalid);
                     m += rows;
                 }
             }
@@ -928,40 +910,22 @@ static void amx_gemm(const uint8_t *w, int fmt, int64_t N, const qx_t *x, int64_
 }
 #endif
 
-/* Rows m0..m1 of x against weight tile t. */
-static inline void int_tile_rows(const uint8_t *w, int64_t tb, const int_fn *fns, int64_t N, const qx_t *x,
-                                 int64_t m0, int64_t m1, int64_t t, float *y, int64_t ldy) {
-    const int nvalid = tile_rows(N, t);
-    for (int64_t m = m0; m < m1;) {
-        const int rows = int_rows(m1 - m);
-        fns[rows - 1](w + t * tb, x, m, y + t * TILE_ROWS, ldy, nvalid);
-        m += rows;
-    }
-}
-
-#if defined(HAVE_PAIRS)
 /* Whether the tiles go two at a time: a format with pair kernels, enough rows of x for a weight of K. */
 static inline int pairs(int fmt, int64_t M, int64_t K, int64_t T) {
     return PAIR_TABLE[fmt][0] != NULL && M >= (K >= PAIR_LONG_K ? PAIR_MIN_ROWS_LONG : PAIR_MIN_ROWS) && T >= 2;
 }
 
-/* Rows m0..m1 of x against tiles t and t + 1. */
-static inline void pair_tile_rows(const uint8_t *w, int64_t tb, int fmt, int64_t N, const qx_t *x, int64_t m0,
-                                  int64_t m1, int64_t t, float *y, int64_t ldy) {
-    const int nvalid[2] = {tile_rows(N, t), tile_rows(N, t + 1)};
+/* Rows m0..m1 of x against nt tiles from tile t (1, or 2 for a pair), with micro-kernels fns of up to mr
+ * rows. */
+static inline void tile_pass(const uint8_t *w, int64_t tb, const int_fn *fns, int mr, int nt, int64_t N,
+                             const qx_t *x, int64_t m0, int64_t m1, int64_t t, float *y, int64_t ldy) {
+    const int nvalid[2] = {tile_rows(N, t), nt == 2 ? tile_rows(N, t + 1) : 0};
     for (int64_t m = m0; m < m1;) {
-        const int rows = m1 - m < PAIR_ROWS ? (int)(m1 - m) : PAIR_ROWS;
-        PAIR_TABLE[fmt][rows - 1](w + t * tb, tb, x, m, y + t * TILE_ROWS, ldy, nvalid);
+        const int rows = m1 - m < mr ? (int)(m1 - m) : mr;
+        fns[rows - 1](w + t * tb, tb, x, m, y + t * TILE_ROWS, ldy, nvalid);
         m += rows;
     }
 }
-#else
-static inline int pairs(int fmt, int64_t M, int64_t K, int64_t T) { return (void)fmt, (void)M, (void)K, (void)T, 0; }
-static inline void pair_tile_rows(const uint8_t *w, int64_t tb, int fmt, int64_t N, const qx_t *x, int64_t m0,
-                                  int64_t m1, int64_t t, float *y, int64_t ldy) {
-    (void)w, (void)tb, (void)fmt, (void)N, (void)x, (void)m0, (void)m1, (void)t, (void)y, (void)ldy;
-}
-#endif
 
 /* Tiles are handed out guided (halves first, then ever smaller runs to whichever thread is free)
  * rather than in two fixed halves: on a 2-core machine the server's event loop takes turns on one of
@@ -971,16 +935,15 @@ static inline void pair_tile_rows(const uint8_t *w, int64_t tb, int fmt, int64_t
  * of tiles is one work item. */
 static void int_gemm(const uint8_t *w, int fmt, int64_t N, const qx_t *x, int64_t M, float *y, int64_t ldy) {
     const int64_t T = (N + TILE_ROWS - 1) / TILE_ROWS, tb = qf_tile_bytes(fmt, x->K);
-    const int_fn *fns = INT_FNS_TABLE[fmt];
     const int64_t per = pairs(fmt, M, x->K, T) ? 2 : 1; /* tiles a work item: two, the odd last one alone */
     for (int64_t m0 = 0; m0 < M; m0 += M_BLOCK) {
         const int64_t m1 = m0 + M_BLOCK < M ? m0 + M_BLOCK : M;
 #pragma omp parallel for schedule(guided) if ((m1 - m0) * T * x->K >= PARALLEL_MIN_WORK)
         for (int64_t i = 0; i < (T + per - 1) / per; i++) {
             if (per == 2 && per * i + 1 < T)
-                pair_tile_rows(w, tb, fmt, N, x, m0, m1, per * i, y, ldy);
+                tile_pass(w, tb, PAIR_TABLE[fmt], PAIR_ROWS, 2, N, x, m0, m1, per * i, y, ldy);
             else
-                int_tile_rows(w, tb, fns, N, x, m0, m1, per * i, y, ldy);
+                tile_pass(w, tb, INT_FNS_TABLE[fmt], MR_INT, 1, N, x, m0, m1, per * i, y, ldy);
         }
     }
 }
@@ -1053,12 +1016,8 @@ static inline __attribute__((always_inline)) void raw_tiles(const uint8_t *w, in
     for (int m = 0; m < mr; m++)
         for (int t = 0; t < nt; t++)
             for (int h = 0; h < HALVES; h++) {
-                const int n = (t == nt - 1 ? last_valid : TILE_ROWS) - h * LANES;
-                float *out = y + m * ldy + t * TILE_ROWS + h * LANES;
-                if (n >= LANES)
-                    vf_storeu(out, acc[m][t][h]);
-                else if (n > 0)
-                    vf_store_n(out, acc[m][t][h], n);
+                vf_store_upto(y + m * ldy + t * TILE_ROWS + h * LANES, acc[m][t][h],
+                              (t == nt - 1 ? last_valid : TILE_ROWS) - h * LANES);
             }
 }
 

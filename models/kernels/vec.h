@@ -249,6 +249,13 @@ static inline vi dot_pairs16(vi acc, vi a, vi b) {
 }
 
 #define HALVES (16 / LANES)
+/* The first n lanes of v to p: all of them from LANES on, none from 0 down (a tile's short last rows). */
+static inline void vf_store_upto(float *p, vf v, int n) {
+    if (n >= LANES)
+        vf_storeu(p, v);
+    else if (n > 0)
+        vf_store_n(p, v, n);
+}
 #define UNIT_BYTES (4 * LANES) /* one vector of codes: LANES rows x 4 k */
 
 static inline int32_t load_i32(const void *p) {
