@@ -115,11 +115,11 @@ def run(
             setups[name] = (spec, random_caches(spec, b, context))
         times: dict[tuple[str, str], list[float]] = {(n, v): [] for n in dtypes for v in variants}
         for _ in range(rounds):  # interleaved: every (type, variant) once a round
-            for name, (_spec, (layers, tables, lens)) in setups.items():
+            for name, (_spec, (caches, tables, lens)) in setups.items():
                 for v in variants:
                     kern = cpu_kernels.for_variant(v)
-                    bench_step(kern, layers, q, tables, lens)  # warm: this type's pages touched
-                    times[(name, v)].append(bench_step(kern, layers, q, tables, lens))
+                    bench_step(kern, caches, q, tables, lens)  # warm: this type's pages touched
+                    times[(name, v)].append(bench_step(kern, caches, q, tables, lens))
         for (name, v), ts in times.items():
             spec = setups[name][0]
             kv_bytes = b * context * spec.bytes_per_token

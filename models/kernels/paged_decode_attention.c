@@ -30,6 +30,17 @@
  * the softmax (max, exp, sum), then the weighted V rows; nothing grows with the context. AVX2 + FMA;
  * OpenMP over (span, group of query heads) tasks. Measured on a 2-core AVX2 EPYC, 30 layers from
  * DRAM: 1.3-1.4x faster than the per-head online softmax it replaced at batch 1, 8 and 32.
+ *
+ * Tasks over every KV head (heads_span; AVX-512VL, a 16-bit or q8_0 cache, up to 4 query heads a KV
+ * head, from HEADS_MIN_SPANS spans a call): the cache puts a token's rows of all KV heads side by side,
+ * so a task per KV head reads 128-byte pieces a row apart (1 KB for Llama-3.2-1B's 8 heads of 64), and
+ * DRAM delivered those at 6-8 GB/s where block-sized runs come at 25-30. One task per span walks its
+ * rows in address order instead: 16 tokens of every head's scores, the next 16 tokens' K rows and
+ * these tokens' V rows prefetched a slice per head meanwhile, then the softmaxes, then the weighted V
+ * rows likewise, and the next task (taken one ahead) has its first rows on the way. Each head's
+ * arithmetic is direct_span's, so the bits do not move. 2-core Zen 5, Llama-3.2-1B's heads, a float16
+ * or bfloat16 cache in shuffled blocks, 16 layers from DRAM: batch 32 at 144 tokens 1.19-1.53 ->
+ * 0.56-0.62 ms a layer, batch 1 at 4,096 tokens 1.06-1.32 -> 0.46-0.55 ms (6-8 -> 15-18 GB/s).
  */
 #include <math.h>
 #include <stdint.h>
@@ -86,13 +97,13 @@ static inline __m128 hsum4x8(const __m256 *a) {
  * arithmetic is the buffered path's, operation for operation (same FMA order, hsum4x8 = hsum8x8 per
  * token, the shared softmax_row; tokens past a query's own are weighted by exactly 0), so a row
  * gives the same bits whichever path its task took. */
-static inline __attribute__((always_inline)) void direct_span(const float *q, const uint8_t *const *kr,
-                                                              const uint8_t *const *vr, int64_t n,
-                                                              const int64_t *nv, const int64_t DV, const int kvt,
-                                                              const int NQ, float *acc, float *m, float *l) {
+/* The scores of NQ queries (q [NQ, D], scaled) against tokens [j0, j1) of a span of n (j0 a multiple of 4),
+ * 4 tokens a tile, into s[h][j] (a short last tile reads token 0 for its missing rows: masked later). */
+static inline __attribute__((always_inline)) void direct_scores(const float *q, const uint8_t *const *kr, int64_t j0,
+                                                                int64_t j1, int64_t n, const int64_t DV, const int kvt,
+                                                                const int NQ, float (*s)[SPAN_TOKENS]) {
     const int64_t D = DV * 8;
-    float s[DIRECT_QUERIES][SPAN_TOKENS] __attribute__((aligned(32)));
-    for (int64_t t0 = 0; t0 < n; t0 += 4) {
+    for (int64_t t0 = j0; t0 < j1; t0 += 4) {
         const uint8_t *kt[4];
         for (int j = 0; j < 4; j++) kt[j] = kr[t0 + j < n ? t0 + j : 0]; /* a short tile reads token 0 */
         __m256 dots[DIRECT_QUERIES][4];
@@ -108,16 +119,21 @@ static inline __attribute__((always_inline)) void direct_span(const float *q, co
         }
         for (int h = 0; h < NQ; h++) _mm_store_ps(s[h] + t0, hsum4x8(dots[h]));
     }
-    for (int h = 0; h < NQ; h++) {
-        softmax_row(s[h], nv[h], m + h, l + h);
-        for (int64_t j = (nv[h] + 7) & ~(int64_t)7; j < n; j++) s[h][j] = 0.0f;
-    }
+}
+
+/* acc [NQ, D] (+)= sum over tokens [j0, j1) of s[h][j] v_j, from zero when `first`: per element the same
+ * multiply-adds in token order however the span's tokens are cut into ranges. */
+static inline __attribute__((always_inline)) void direct_values(const float (*s)[SPAN_TOKENS], const uint8_t *const *vr,
+                                                                int64_t j0, int64_t j1, const int64_t DV,
+                                                                const int kvt, const int NQ, int first, float *acc) {
+    const int64_t D = DV * 8;
     for (int64_t d0 = 0; d0 < DV; d0 += 4) {
         const int64_t dn = DV - d0 < 4 ? DV - d0 : 4;
         __m256 a[DIRECT_QUERIES][4];
         for (int h = 0; h < NQ; h++)
-            for (int64_t d = 0; d < 4; d++) a[h][d] = _mm256_setzero_ps();
-        for (int64_t j = 0; j < n; j++) {
+            for (int64_t d = 0; d < 4; d++)
+                a[h][d] = first || d >= dn ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + h * D + 8 * (d0 + d));
+        for (int64_t j = j0; j < j1; j++) {
             __m256 vv[4];
             for (int64_t d = 0; d < dn; d++) vv[d] = kv_load8(vr[j], 8 * (d0 + d), kvt);
             for (int h = 0; h < NQ; h++) {
@@ -127,6 +143,87 @@ static inline __attribute__((always_inline)) void direct_span(const float *q, co
         }
         for (int h = 0; h < NQ; h++)
             for (int64_t d = 0; d < dn; d++) _mm256_storeu_ps(acc + h * D + 8 * (d0 + d), a[h][d]);
+    }
+}
+
+/* The softmax of each query's scores over its nv[h] tokens; tiles past a query's own weighted 0. */
+static inline __attribute__((always_inline)) void direct_softmax(float (*s)[SPAN_TOKENS], int64_t n, const int64_t *nv,
+                                                                 const int NQ, float *m, float *l) {
+    for (int h = 0; h < NQ; h++) {
+        softmax_row(s[h], nv[h], m + h, l + h);
+        for (int64_t j = (nv[h] + 7) & ~(int64_t)7; j < n; j++) s[h][j] = 0.0f;
+    }
+}
+
+static inline __attribute__((always_inline)) void direct_span(const float *q, const uint8_t *const *kr,
+                                                              const uint8_t *const *vr, int64_t n,
+                                                              const int64_t *nv, const int64_t DV, const int kvt,
+                                                              const int NQ, float *acc, float *m, float *l) {
+    float s[DIRECT_QUERIES][SPAN_TOKENS] __attribute__((aligned(32)));
+    direct_scores(q, kr, 0, n, n, DV, kvt, NQ, s);
+    direct_softmax(s, n, nv, NQ, m, l);
+    direct_values((const float(*)[SPAN_TOKENS])s, vr, 0, n, DV, kvt, NQ, 1, acc);
+}
+
+/* Slice `part` of `parts` of the cache lines of tokens [j0, j1)'s rows (token_bytes each, at tok[j]), on
+ * their way into L1 (to_l2: into L2). */
+static inline __attribute__((always_inline)) void prefetch_rows(const uint8_t *cache, const int64_t *tok, int64_t j0,
+                                                                int64_t j1, int64_t token_bytes, int64_t part,
+                                                                int64_t parts, int to_l2) {
+    const int64_t per_token = token_bytes / 64, lines = (j1 - j0) * per_token;
+    for (int64_t x = lines * part / parts; x < lines * (part + 1) / parts; x++) {
+        const char *p = (const char *)(cache + tok[j0 + x / per_token] + x % per_token * 64);
+        if (to_l2)
+            _mm_prefetch(p, _MM_HINT_T1);
+        else
+            _mm_prefetch(p, _MM_HINT_T0);
+    }
+}
+
+/* Tokens a range of a span that heads_span walks all KV heads over before the next: a block's worth,
+ * so that its rows (contiguous in the cache: every head's row of a token side by side) are read together
+ * and the next range's are fetched meanwhile. */
+#define RANGE_TOKENS 16
+#define HEADS_MAX_QUERIES 64 /* query heads heads_span takes */
+
+/* A span of one sequence for every KV head (NQ query heads each), the span's K and V rows walked in
+ * address order: the scores of every head over a range of tokens, range after range, then the softmaxes,
+ * then the weighted V rows likewise. Each head's arithmetic is direct_span's, so the bits are the same.
+ * Per KV head the rows lie in 128-byte pieces a token apart (row bytes x KV heads); reading one head's
+ * pieces over a whole span before the next head's (one task per head) read DRAM at a third of the
+ * bandwidth a block-sized run gets. tok [n]: the byte offset of each token's rows in the caches. */
+static inline __attribute__((always_inline)) void heads_span(const float *qs, const uint8_t *k_cache,
+                                                             const uint8_t *v_cache, const int64_t *tok, int64_t n,
+                                                             int64_t Hkv, const int64_t DV, const int kvt,
+                                                             const int NQ, float *acc, float *m, float *l) {
+    const int64_t D = DV * 8, row_bytes = kv_row_bytes(kvt, D), token_bytes = Hkv * row_bytes;
+    float s[HEADS_MAX_QUERIES][SPAN_TOKENS] __attribute__((aligned(32)));
+    const uint8_t *kr[SPAN_TOKENS], *vr[SPAN_TOKENS];
+    int64_t nv[DIRECT_QUERIES];
+    for (int h = 0; h < NQ; h++) nv[h] = n;
+    for (int64_t j0 = 0; j0 < n; j0 += RANGE_TOKENS) {
+        const int64_t j1 = j0 + RANGE_TOKENS < n ? j0 + RANGE_TOKENS : n;
+        const int64_t j2 = j1 + RANGE_TOKENS < n ? j1 + RANGE_TOKENS : n;
+        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+            /* A slice of the next range's K rows and of this range's V rows a head: the fetches spread
+             * over the arithmetic rather than queued all at once. */
+            prefetch_rows(k_cache, tok, j1, j2, token_bytes, kvh, Hkv, 0);
+            prefetch_rows(v_cache, tok, j0, j1, token_bytes, kvh, Hkv, 1);
+            kr[0] = k_cache + tok[0] + kvh * row_bytes; /* what a short tile's missing rows read */
+            for (int64_t j = j0; j < j1; j++) kr[j] = k_cache + tok[j] + kvh * row_bytes;
+            direct_scores(qs + kvh * NQ * D, kr, j0, j1, n, DV, kvt, NQ, s + kvh * NQ);
+        }
+    }
+    for (int64_t kvh = 0; kvh < Hkv; kvh++) direct_softmax(s + kvh * NQ, n, nv, NQ, m + kvh * NQ, l + kvh * NQ);
+    for (int64_t j0 = 0; j0 < n; j0 += RANGE_TOKENS) {
+        const int64_t j1 = j0 + RANGE_TOKENS < n ? j0 + RANGE_TOKENS : n;
+        const int64_t j2 = j1 + RANGE_TOKENS < n ? j1 + RANGE_TOKENS : n;
+        for (int64_t kvh = 0; kvh < Hkv; kvh++) {
+            prefetch_rows(v_cache, tok, j1, j2, token_bytes, kvh, Hkv, 0);
+            for (int64_t j = j0; j < j1; j++) vr[j] = v_cache + tok[j] + kvh * row_bytes;
+            direct_values((const float(*)[SPAN_TOKENS])(s + kvh * NQ), vr, j0, j1, DV, kvt, NQ, j0 == 0,
+                          acc + kvh * NQ * D);
+        }
     }
 }
 #endif
@@ -299,6 +396,53 @@ static inline __attribute__((always_inline)) void run_task(
     }
 }
 
+#if defined(__AVX512VL__)
+/* run_task for a one-row run over all query heads at once (heads_span): group (<= DIRECT_QUERIES) query
+ * heads a KV head, a 16-bit or q8_0 cache. */
+static inline __attribute__((always_inline)) void run_heads_task(
+    const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const int32_t *table, const run_t *run,
+    const int32_t *seq_lens, const int64_t *part_start, int64_t abs_span, int64_t Hq, int64_t Hkv,
+    int64_t block_size, const int64_t DV, const int kvt, const int NQ, float scale, float *out, float *part,
+    int64_t span_stride) {
+    const int64_t D = DV * 8, i = run->first, len = seq_lens[i], token_bytes = Hkv * kv_row_bytes(kvt, D);
+    const int64_t t_begin = abs_span * SPAN_TOKENS > run->lo ? abs_span * SPAN_TOKENS : run->lo;
+    const int64_t t_end = (abs_span + 1) * SPAN_TOKENS < len ? (abs_span + 1) * SPAN_TOKENS : len;
+    const int64_t n = t_end - t_begin;
+    float qs[HEADS_MAX_QUERIES * MAX_HEAD_DIM / 2] __attribute__((aligned(32)));
+    float acc[HEADS_MAX_QUERIES * MAX_HEAD_DIM / 2] __attribute__((aligned(32)));
+    float m[HEADS_MAX_QUERIES], l[HEADS_MAX_QUERIES];
+    int64_t tok[SPAN_TOKENS];
+    int64_t block = t_begin / block_size, offset = t_begin % block_size;
+    for (int64_t j = 0; j < n; j++) {
+        tok[j] = ((int64_t)table[block] * block_size + offset) * token_bytes;
+        if (++offset == block_size) {
+            offset = 0;
+            block++;
+        }
+    }
+    for (int64_t h = 0; h < Hq; h++)
+        for (int64_t d = 0; d < DV; d++)
+            _mm256_store_ps(qs + h * D + 8 * d,
+                            _mm256_mul_ps(_mm256_loadu_ps(q + (i * Hq + h) * D + 8 * d), _mm256_set1_ps(scale)));
+    heads_span(qs, k_cache, v_cache, tok, n, Hkv, DV, kvt, NQ, acc, m, l);
+    const int64_t spans = part_start[i + 1] - part_start[i];
+    for (int64_t h = 0; h < Hq; h++) {
+        if (spans == 0) { /* a row of one span: its output directly */
+            const __m256 inv = _mm256_set1_ps(1.0f / l[h]);
+            for (int64_t d = 0; d < DV; d++)
+                _mm256_storeu_ps(out + (i * Hq + h) * D + 8 * d,
+                                 _mm256_mul_ps(_mm256_load_ps(acc + h * D + 8 * d), inv));
+            continue;
+        }
+        float *ph = part + (part_start[i] + abs_span - run->lo / SPAN_TOKENS) * span_stride + h * (D + 2);
+        for (int64_t d = 0; d < D; d++) ph[d] = acc[h * D + d];
+        ph[D] = m[h];
+        ph[D + 1] = l[h];
+    }
+}
+
+#endif
+
 /* The spans' partials of one query head merged in span order: out = sum_c acc_c e^(m_c - M) /
  * sum_c l_c e^(m_c - M), M the largest m_c. part: the first span's [D + 2] of this head; spans are
  * span_stride floats apart. */
@@ -315,6 +459,28 @@ static void merge_spans(const float *part, int64_t num_spans, int64_t span_strid
     const float inv = 1.0f / l;
     for (int64_t d = 0; d < D; d++) out[d] *= inv;
 }
+
+/* Tasks of a span for every KV head (heads_span) from this many spans in a call; below, the spans alone
+ * would leave threads idle and a task per span and KV head runs instead (the same bits either way). */
+#define HEADS_MIN_SPANS 8
+#if defined(__AVX512VL__)
+#define HEADS_SPAN 1
+/* The first RANGE_TOKENS tokens' K rows (every KV head's) of span c, on their way into L1. */
+static void prefetch_span_start(const uint8_t *k_cache, const int32_t *tables, const run_t *runs,
+                                const int64_t *span_run, int64_t c, int64_t max_blocks, int64_t block_size,
+                                int64_t token_bytes) {
+    const run_t *run = &runs[span_run[c]];
+    const int64_t abs_span = run->lo / SPAN_TOKENS + (c - run->span_begin);
+    const int64_t t0 = abs_span * SPAN_TOKENS > run->lo ? abs_span * SPAN_TOKENS : run->lo;
+    const int32_t *table = tables + run->first * max_blocks;
+    for (int64_t t = t0; t < t0 + RANGE_TOKENS && t / block_size < max_blocks; t++) {
+        const uint8_t *row = k_cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * token_bytes;
+        for (int64_t x = 0; x < token_bytes; x += 64) _mm_prefetch((const char *)(row + x), _MM_HINT_T0);
+    }
+}
+#else
+#define HEADS_SPAN 0 /* the direct path (AVX-512VL's 32 registers) is what it runs */
+#endif
 
 /* The largest divisor of the GQA group that is at most MAX_GROUP: the heads of one task. */
 static int64_t heads_per_task(int64_t group) {
@@ -360,6 +526,38 @@ static void run_typed(const float *q, const uint8_t *k, const uint8_t *v, const 
         RUN_TYPES(D / 8)
     }
 }
+
+#if HEADS_SPAN
+/* run_heads_task specialised on the head size (64, 128 unrolled), the cache's type and the group. */
+#define HEADS_TASK(DV, KVT, NQ)                                                                                \
+    run_heads_task(q, k, v, table, run, lens, part_start, abs_span, Hq, Hkv, bs, DV, KVT, NQ, scale, out, part, \
+                   span_stride)
+#define HEADS_NQ(DV, KVT)                                                                                      \
+    switch (group) {                                                                                           \
+    case 1: HEADS_TASK(DV, KVT, 1); break;                                                                     \
+    case 2: HEADS_TASK(DV, KVT, 2); break;                                                                     \
+    case 3: HEADS_TASK(DV, KVT, 3); break;                                                                     \
+    default: HEADS_TASK(DV, KVT, 4);                                                                           \
+    }
+#define HEADS_TYPES(DV)                                                                                        \
+    switch (kvt) {                                                                                             \
+    case KV_F16: HEADS_NQ(DV, KV_F16) break;                                                                   \
+    case KV_BF16: HEADS_NQ(DV, KV_BF16) break;                                                                 \
+    default: HEADS_NQ(DV, KV_Q8_0)                                                                             \
+    }
+static void run_heads_typed(const float *q, const uint8_t *k, const uint8_t *v, const int32_t *table,
+                            const run_t *run, const int32_t *lens, const int64_t *part_start, int64_t abs_span,
+                            int64_t Hq, int64_t group, int64_t Hkv, int64_t bs, int64_t D, int kvt, float scale,
+                            float *out, float *part, int64_t span_stride) {
+    if (D == 64) {
+        HEADS_TYPES(8)
+    } else if (D == 128) {
+        HEADS_TYPES(16)
+    } else {
+        HEADS_TYPES(D / 8)
+    }
+}
+#endif
 
 /* Whether row i + 1 extends row i's run: the next position over the same blocks (every block its
  * history touches), with no sliding window (a window would give the rows different first keys). */
@@ -428,16 +626,43 @@ int orca_paged_decode_attention(const float *q, const void *k_cache_, const void
         const int64_t end = r + 1 < num_runs ? runs[r + 1].span_begin : spans;
         for (int64_t c = runs[r].span_begin; c < end; c++) span_run[c] = r;
     }
+    /* Every KV head of a span in one task (heads_span) where the direct path serves them all and the spans
+     * alone keep every thread busy. The tasks are taken one ahead, so that the next one's first rows are
+     * on their way while this one runs. */
+#if HEADS_SPAN
+    const int all_heads = kv_type != KV_F32 && group <= DIRECT_QUERIES && Hq <= HEADS_MAX_QUERIES &&
+                          Hq * D <= HEADS_MAX_QUERIES * MAX_HEAD_DIM / 2 && num_runs == n && spans >= HEADS_MIN_SPANS;
+    const int64_t token_bytes = Hkv * kv_row_bytes(kv_type, D);
+    int64_t next_task = 0;
+#endif
 #pragma omp parallel
     {
+#if HEADS_SPAN
+        if (all_heads) {
+            int64_t c = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
+            while (c < spans) {
+                const int64_t cn = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
+                if (cn < spans)
+                    prefetch_span_start(k_cache, block_tables, runs, span_run, cn, max_blocks, block_size, token_bytes);
+                const run_t *run = &runs[span_run[c]];
+                run_heads_typed(q, k_cache, v_cache, block_tables + run->first * max_blocks, run, seq_lens,
+                                part_start, run->lo / SPAN_TOKENS + (c - run->span_begin), Hq, group, Hkv,
+                                block_size, D, kv_type, scale, out, part, span_stride);
+                c = cn;
+            }
+#pragma omp barrier
+        } else
+#endif
+        {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t task = 0; task < spans * groups; task++) {
-            const int64_t c = task / groups, h0 = task % groups * g;
-            const run_t *run = &runs[span_run[c]];
-            /* This span's 64 absolute positions, cut to the window and each row's history. */
-            const int64_t abs_span = run->lo / SPAN_TOKENS + (c - run->span_begin);
-            run_typed(q, k_cache, v_cache, block_tables + run->first * max_blocks, run, seq_lens, part_start,
-                      abs_span, h0, g, Hq, group, Hkv, block_size, D, kv_type, scale, out, part, span_stride);
+            for (int64_t task = 0; task < spans * groups; task++) {
+                const int64_t c = task / groups, h0 = task % groups * g;
+                const run_t *run = &runs[span_run[c]];
+                /* This span's 64 absolute positions, cut to the window and each row's history. */
+                const int64_t abs_span = run->lo / SPAN_TOKENS + (c - run->span_begin);
+                run_typed(q, k_cache, v_cache, block_tables + run->first * max_blocks, run, seq_lens, part_start,
+                          abs_span, h0, g, Hq, group, Hkv, block_size, D, kv_type, scale, out, part, span_stride);
+            }
         }
         if (parts) {
 #pragma omp for schedule(static)

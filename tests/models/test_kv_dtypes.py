@@ -212,3 +212,33 @@ def test_verification_rows_read_their_history_once_and_match_alone(variant: str,
     got = kern.paged_decode_attention(q, k, v, tables, lens, 0.125)
     expect = reference(q, widened(k, 64), widened(v, 64), tables, lens, 0.125)
     torch.testing.assert_close(got, expect, atol=2e-6, rtol=1e-5)
+
+
+@pytest.mark.parametrize("variant", EVERY_VARIANT)
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "q8_0"])
+@pytest.mark.parametrize(
+    ("hq", "hkv", "d", "window"),
+    [
+        (32, 8, 64, None),  # Llama-3.2-1B's heads: groups of 4
+        (9, 3, 64, 70),  # SmolLM2's, under a sliding window across spans
+        (8, 4, 128, None),  # groups of 2, head_dim 128
+        (4, 1, 96, None),  # MQA's one KV head, head_dim neither 64 nor 128
+        (6, 6, 32, None),  # no GQA
+    ],
+)
+def test_tasks_over_every_kv_head_match_tasks_per_head(
+    variant: str, dtype: str, hq: int, hkv: int, d: int, window: int | None
+) -> None:
+    """With enough spans in a step (a batch, or long histories) one task takes a span for every KV head,
+    reading its rows in address order; alone, a short history goes one task per KV head. Both give every
+    sequence the same bits, and the same as a float32 cache of the same values (one task per head)."""
+    seq_lens = [1, 63, 64, 65, 129, 200, 300, 17, 520]
+    q, k32, v32, tables, lens = paged_case(seq_lens, hq, hkv, d, 16, seed=hq + d)
+    k, v = stored(k32, dtype), stored(v32, dtype)
+    kern = kernels_for(variant)
+    got = kern.paged_decode_attention(q, k, v, tables, lens, 0.125, window)
+    for i in range(len(seq_lens)):
+        alone = kern.paged_decode_attention(q[i : i + 1], k, v, tables[i : i + 1], lens[i : i + 1], 0.125, window)
+        assert torch.equal(alone[0], got[i]), f"sequence {i} changed with its batch"
+    same_values = kern.paged_decode_attention(q, widened(k, d), widened(v, d), tables, lens, 0.125, window)
+    assert torch.equal(got, same_values)
