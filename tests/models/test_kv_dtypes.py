@@ -238,7 +238,9 @@ def test_tasks_over_every_kv_head_match_tasks_per_head(
     kern = kernels_for(variant)
     got = kern.paged_decode_attention(q, k, v, tables, lens, 0.125, window)
     for i in range(len(seq_lens)):
-        alone = kern.paged_decode_attention(q[i : i + 1], k, v, tables[i : i + 1], lens[i : i + 1], 0.125, window)
+        alone = kern.paged_decode_attention(
+            q[i : i + 1], k, v, tables[i : i + 1], lens[i : i + 1], 0.125, window
+        )
         assert torch.equal(alone[0], got[i]), f"sequence {i} changed with its batch"
     same_values = kern.paged_decode_attention(q, widened(k, d), widened(v, d), tables, lens, 0.125, window)
     assert torch.equal(got, same_values)
