@@ -465,22 +465,38 @@ static void merge_spans(const float *part, int64_t num_spans, int64_t span_strid
 #define HEADS_MIN_SPANS 8
 #if defined(__AVX512VL__)
 #define HEADS_SPAN 1
-/* The first RANGE_TOKENS tokens' K rows (every KV head's) of span c, on their way into L1. */
-static void prefetch_span_start(const uint8_t *k_cache, const int32_t *tables, const run_t *runs,
-                                const int64_t *span_run, int64_t c, int64_t max_blocks, int64_t block_size,
-                                int64_t token_bytes) {
-    const run_t *run = &runs[span_run[c]];
-    const int64_t abs_span = run->lo / SPAN_TOKENS + (c - run->span_begin);
-    const int64_t t0 = abs_span * SPAN_TOKENS > run->lo ? abs_span * SPAN_TOKENS : run->lo;
-    const int32_t *table = tables + run->first * max_blocks;
-    for (int64_t t = t0; t < t0 + RANGE_TOKENS && t / block_size < max_blocks; t++) {
-        const uint8_t *row = k_cache + ((int64_t)table[t / block_size] * block_size + t % block_size) * token_bytes;
-        for (int64_t x = 0; x < token_bytes; x += 64) _mm_prefetch((const char *)(row + x), _MM_HINT_T0);
-    }
-}
 #else
 #define HEADS_SPAN 0 /* the direct path (AVX-512VL's 32 registers) is what it runs */
 #endif
+
+/* Slice `part` of `parts` of the first `tokens` tokens of span c: their rows of every KV head (contiguous:
+ * token_bytes a token) in K, and in V unless v_cache is NULL, on their way into L1 (to_l2: L2), in
+ * address order. */
+static void prefetch_span(const uint8_t *k_cache, const uint8_t *v_cache, const int32_t *tables, const run_t *runs,
+                          const int64_t *span_run, const int32_t *seq_lens, int64_t c, int64_t max_blocks,
+                          int64_t block_size, int64_t token_bytes, int64_t tokens, int64_t part, int64_t parts,
+                          int to_l2) {
+    const run_t *run = &runs[span_run[c]];
+    const int32_t *table = tables + run->first * max_blocks;
+    const int64_t abs_span = run->lo / SPAN_TOKENS + (c - run->span_begin);
+    int64_t len = 0;
+    for (int64_t r = 0; r < run->rows; r++) len = seq_lens[run->first + r] > len ? seq_lens[run->first + r] : len;
+    const int64_t s0 = abs_span * SPAN_TOKENS > run->lo ? abs_span * SPAN_TOKENS : run->lo;
+    int64_t s1 = (abs_span + 1) * SPAN_TOKENS < len ? (abs_span + 1) * SPAN_TOKENS : len;
+    s1 = s1 - s0 > tokens ? s0 + tokens : s1;
+    for (int64_t t = s0 + (s1 - s0) * part / parts; t < s0 + (s1 - s0) * (part + 1) / parts; t++) {
+        const int64_t off = ((int64_t)table[t / block_size] * block_size + t % block_size) * token_bytes;
+        for (int64_t x = 0; x < token_bytes; x += 64) {
+            if (to_l2) {
+                _mm_prefetch((const char *)(k_cache + off + x), _MM_HINT_T1);
+                if (v_cache) _mm_prefetch((const char *)(v_cache + off + x), _MM_HINT_T1);
+            } else {
+                _mm_prefetch((const char *)(k_cache + off + x), _MM_HINT_T0);
+                if (v_cache) _mm_prefetch((const char *)(v_cache + off + x), _MM_HINT_T0);
+            }
+        }
+    }
+}
 
 /* The largest divisor of the GQA group that is at most MAX_GROUP: the heads of one task. */
 static int64_t heads_per_task(int64_t group) {
@@ -632,9 +648,10 @@ int orca_paged_decode_attention(const float *q, const void *k_cache_, const void
 #if HEADS_SPAN
     const int all_heads = kv_type != KV_F32 && group <= DIRECT_QUERIES && Hq <= HEADS_MAX_QUERIES &&
                           Hq * D <= HEADS_MAX_QUERIES * MAX_HEAD_DIM / 2 && num_runs == n && spans >= HEADS_MIN_SPANS;
+#endif
+    const int span_tasks = spans >= HEADS_MIN_SPANS && groups > 1;
     const int64_t token_bytes = Hkv * kv_row_bytes(kv_type, D);
     int64_t next_task = 0;
-#endif
 #pragma omp parallel
     {
 #if HEADS_SPAN
@@ -642,8 +659,9 @@ int orca_paged_decode_attention(const float *q, const void *k_cache_, const void
             int64_t c = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
             while (c < spans) {
                 const int64_t cn = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
-                if (cn < spans)
-                    prefetch_span_start(k_cache, block_tables, runs, span_run, cn, max_blocks, block_size, token_bytes);
+                if (cn < spans) /* its first rows' K */
+                    prefetch_span(k_cache, NULL, block_tables, runs, span_run, seq_lens, cn, max_blocks, block_size,
+                                  token_bytes, RANGE_TOKENS, 0, 1, 0);
                 const run_t *run = &runs[span_run[c]];
                 run_heads_typed(q, k_cache, v_cache, block_tables + run->first * max_blocks, run, seq_lens,
                                 part_start, run->lo / SPAN_TOKENS + (c - run->span_begin), Hq, group, Hkv,
@@ -653,7 +671,28 @@ int orca_paged_decode_attention(const float *q, const void *k_cache_, const void
 #pragma omp barrier
         } else
 #endif
-        {
+        if (span_tasks) {
+            /* A span for every group of query heads a task (the buffered or direct path per group, as
+             * below), the next task's rows into L2 a slice per group meanwhile: each group still reads
+             * its pieces a token apart, but from L2. 16 layers of Llama-3.2-1B's heads from DRAM, batch
+             * 32 at 144 tokens: the AVX2 build's 16-bit cache 1.04-1.07x, a float32 cache 1.05x. */
+            int64_t c = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
+            while (c < spans) {
+                const int64_t cn = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
+                const run_t *run = &runs[span_run[c]];
+                const int64_t abs_span = run->lo / SPAN_TOKENS + (c - run->span_begin);
+                for (int64_t i = 0; i < groups; i++) {
+                    if (cn < spans)
+                        prefetch_span(k_cache, v_cache, block_tables, runs, span_run, seq_lens, cn, max_blocks,
+                                      block_size, token_bytes, SPAN_TOKENS, i, groups, 1);
+                    run_typed(q, k_cache, v_cache, block_tables + run->first * max_blocks, run, seq_lens,
+                              part_start, abs_span, i * g, g, Hq, group, Hkv, block_size, D, kv_type, scale, out,
+                              part, span_stride);
+                }
+                c = cn;
+            }
+#pragma omp barrier
+        } else {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t task = 0; task < spans * groups; task++) {
                 const int64_t c = task / groups, h0 = task % groups * g;
