@@ -185,6 +185,7 @@ static inline __attribute__((always_inline)) void prefetch_rows(const uint8_t *c
  * and the next range's are fetched meanwhile. */
 #define RANGE_TOKENS 16
 #define HEADS_MAX_QUERIES 64 /* query heads heads_span takes */
+#define HEADS_MAX_FLOATS (HEADS_MAX_QUERIES * MAX_HEAD_DIM / 2) /* and their values: Hq x D */
 
 /* A span of one sequence for every KV head (NQ query heads each), the span's K and V rows walked in
  * address order: the scores of every head over a range of tokens, range after range, then the softmaxes,
@@ -228,6 +229,20 @@ static inline __attribute__((always_inline)) void heads_span(const float *qs, co
 }
 #endif
 
+/* off [n]: where tokens t_begin.. of a history (block table `table`) lie, as multiples of token_stride
+ * bytes from the cache's start; the block table walked without a division per token. */
+static inline void token_offsets(const int32_t *table, int64_t t_begin, int64_t n, int64_t block_size,
+                                 int64_t token_stride, int64_t *off) {
+    int64_t block = t_begin / block_size, offset = t_begin % block_size;
+    for (int64_t j = 0; j < n; j++) {
+        off[j] = ((int64_t)table[block] * block_size + offset) * token_stride;
+        if (++offset == block_size) {
+            offset = 0;
+            block++;
+        }
+    }
+}
+
 /* Attention of nq queries (q [nq, D], already scaled) sharing one KV head over tokens [t_begin,
  * t_begin + n) of one history (n at most SPAN_TOKENS), query i seeing the first nv[i] of them (a run's
  * earlier rows see fewer: their positions come before the later rows'): acc [nq, D] gets
@@ -243,16 +258,11 @@ static inline __attribute__((always_inline)) void group_span(
     for (int64_t h = 0; h < nq; h++) n = nv[h] > n ? nv[h] : n;
     const int64_t n8 = (n + 7) & ~(int64_t)7, row_bytes = kv_row_bytes(kvt, DV * 8);
     const uint8_t *kr[SPAN_TOKENS], *vr[SPAN_TOKENS];
-    int64_t block = t_begin / block_size, offset = t_begin % block_size;
+    int64_t off[SPAN_TOKENS];
+    token_offsets(table, t_begin, n, block_size, token_stride, off);
     for (int64_t j = 0; j < n; j++) {
-        /* Walk the block table without a division per token. */
-        const int64_t slot = (int64_t)table[block] * block_size + offset;
-        kr[j] = k_cache + slot * token_stride;
-        vr[j] = v_cache + slot * token_stride;
-        if (++offset == block_size) {
-            offset = 0;
-            block++;
-        }
+        kr[j] = k_cache + off[j];
+        vr[j] = v_cache + off[j];
     }
 #if defined(__AVX512VL__)
     if (kvt != KV_F32 && nq <= DIRECT_QUERIES) {
@@ -351,6 +361,36 @@ typedef struct {
     int64_t span_begin;  /* the run's first span among all tasks' spans */
 } run_t;
 
+/* The absolute span (positions [64 abs, 64 abs + 64)) of the call's span c, which belongs to `run`. */
+static inline int64_t abs_span_of(const run_t *run, int64_t c) { return run->lo / SPAN_TOKENS + (c - run->span_begin); }
+
+/* The first key of span abs_span that a row of `run` sees, and the end of a history of len tokens there. */
+static inline int64_t span_first(const run_t *run, int64_t abs_span) {
+    return abs_span * SPAN_TOKENS > run->lo ? abs_span * SPAN_TOKENS : run->lo;
+}
+static inline int64_t span_end(int64_t abs_span, int64_t len) {
+    return (abs_span + 1) * SPAN_TOKENS < len ? (abs_span + 1) * SPAN_TOKENS : len;
+}
+
+/* Query (row i, head h)'s result over span abs_span (acc [D], m, l): its output (acc / l) if the row has
+ * one span, else its partial, at the span's index among the row's. */
+static inline __attribute__((always_inline)) void store_query(const float *acc, float m, float l, const run_t *run,
+                                                              int64_t abs_span, int64_t i, int64_t h, int64_t Hq,
+                                                              const int64_t DV, const int64_t *part_start,
+                                                              float *out, float *part, int64_t span_stride) {
+    const int64_t D = DV * 8;
+    if (part_start[i + 1] == part_start[i]) { /* a row of one span: its output directly */
+        const __m256 inv = _mm256_set1_ps(1.0f / l);
+        for (int64_t d = 0; d < DV; d++)
+            _mm256_storeu_ps(out + (i * Hq + h) * D + 8 * d, _mm256_mul_ps(_mm256_load_ps(acc + 8 * d), inv));
+        return;
+    }
+    float *ph = part + (part_start[i] + abs_span - run->lo / SPAN_TOKENS) * span_stride + h * (D + 2);
+    for (int64_t d = 0; d < D; d++) ph[d] = acc[d];
+    ph[D] = m;
+    ph[D + 1] = l;
+}
+
 /* One task: heads h0..h0 + g - 1 of every row of `run` whose history reaches span `abs_span` (absolute:
  * positions [64 abs_span, 64 abs_span + 64), cut to the run's first key and each row's length). A row
  * of one span writes its output (acc / l) directly; otherwise its span's partial goes to part (per
@@ -361,7 +401,7 @@ static inline __attribute__((always_inline)) void run_task(
     int64_t group, int64_t Hkv, int64_t block_size, const int64_t DV, const int kvt, float scale, float *out,
     float *part, int64_t span_stride) {
     const int64_t D = DV * 8, kvh = h0 / group, row_bytes = kv_row_bytes(kvt, D);
-    const int64_t t_begin = abs_span * SPAN_TOKENS > run->lo ? abs_span * SPAN_TOKENS : run->lo;
+    const int64_t t_begin = span_first(run, abs_span);
     float qs[MAX_QUERIES * MAX_HEAD_DIM] __attribute__((aligned(32)));
     float acc[MAX_QUERIES * MAX_HEAD_DIM] __attribute__((aligned(32)));
     float m[MAX_QUERIES], l[MAX_QUERIES];
@@ -370,7 +410,7 @@ static inline __attribute__((always_inline)) void run_task(
     for (int64_t r = 0; r < run->rows; r++) {
         const int64_t i = run->first + r, len = seq_lens[i];
         if (len <= t_begin) continue; /* an earlier row of the run, whose history ends before this span */
-        const int64_t t_end = (abs_span + 1) * SPAN_TOKENS < len ? (abs_span + 1) * SPAN_TOKENS : len;
+        const int64_t t_end = span_end(abs_span, len);
         for (int64_t h = 0; h < g; h++, nq++) {
             nv[nq] = t_end - t_begin;
             row_of[nq] = i;
@@ -381,19 +421,9 @@ static inline __attribute__((always_inline)) void run_task(
     }
     group_span(qs, k_cache + kvh * row_bytes, v_cache + kvh * row_bytes, table, t_begin, nv, block_size,
                Hkv * row_bytes, DV, kvt, nq, acc, m, l);
-    for (int64_t k = 0; k < nq; k++) {
-        const int64_t i = row_of[k], h = h0 + k % g, spans = part_start[i + 1] - part_start[i];
-        if (spans == 0) { /* a row of one span: its output directly */
-            const __m256 inv = _mm256_set1_ps(1.0f / l[k]);
-            for (int64_t d = 0; d < DV; d++)
-                _mm256_storeu_ps(out + (i * Hq + h) * D + 8 * d, _mm256_mul_ps(_mm256_load_ps(acc + k * D + 8 * d), inv));
-            continue;
-        }
-        float *ph = part + (part_start[i] + abs_span - run->lo / SPAN_TOKENS) * span_stride + h * (D + 2);
-        for (int64_t d = 0; d < D; d++) ph[d] = acc[k * D + d];
-        ph[D] = m[k];
-        ph[D + 1] = l[k];
-    }
+    for (int64_t k = 0; k < nq; k++)
+        store_query(acc + k * D, m[k], l[k], run, abs_span, row_of[k], h0 + k % g, Hq, DV, part_start, out, part,
+                    span_stride);
 }
 
 #if defined(__AVX512VL__)
@@ -405,40 +435,19 @@ static inline __attribute__((always_inline)) void run_heads_task(
     int64_t block_size, const int64_t DV, const int kvt, const int NQ, float scale, float *out, float *part,
     int64_t span_stride) {
     const int64_t D = DV * 8, i = run->first, len = seq_lens[i], token_bytes = Hkv * kv_row_bytes(kvt, D);
-    const int64_t t_begin = abs_span * SPAN_TOKENS > run->lo ? abs_span * SPAN_TOKENS : run->lo;
-    const int64_t t_end = (abs_span + 1) * SPAN_TOKENS < len ? (abs_span + 1) * SPAN_TOKENS : len;
-    const int64_t n = t_end - t_begin;
-    float qs[HEADS_MAX_QUERIES * MAX_HEAD_DIM / 2] __attribute__((aligned(32)));
-    float acc[HEADS_MAX_QUERIES * MAX_HEAD_DIM / 2] __attribute__((aligned(32)));
+    const int64_t t_begin = span_first(run, abs_span), n = span_end(abs_span, len) - t_begin;
+    float qs[HEADS_MAX_FLOATS] __attribute__((aligned(32)));
+    float acc[HEADS_MAX_FLOATS] __attribute__((aligned(32)));
     float m[HEADS_MAX_QUERIES], l[HEADS_MAX_QUERIES];
     int64_t tok[SPAN_TOKENS];
-    int64_t block = t_begin / block_size, offset = t_begin % block_size;
-    for (int64_t j = 0; j < n; j++) {
-        tok[j] = ((int64_t)table[block] * block_size + offset) * token_bytes;
-        if (++offset == block_size) {
-            offset = 0;
-            block++;
-        }
-    }
+    token_offsets(table, t_begin, n, block_size, token_bytes, tok);
     for (int64_t h = 0; h < Hq; h++)
         for (int64_t d = 0; d < DV; d++)
             _mm256_store_ps(qs + h * D + 8 * d,
                             _mm256_mul_ps(_mm256_loadu_ps(q + (i * Hq + h) * D + 8 * d), _mm256_set1_ps(scale)));
     heads_span(qs, k_cache, v_cache, tok, n, Hkv, DV, kvt, NQ, acc, m, l);
-    const int64_t spans = part_start[i + 1] - part_start[i];
-    for (int64_t h = 0; h < Hq; h++) {
-        if (spans == 0) { /* a row of one span: its output directly */
-            const __m256 inv = _mm256_set1_ps(1.0f / l[h]);
-            for (int64_t d = 0; d < DV; d++)
-                _mm256_storeu_ps(out + (i * Hq + h) * D + 8 * d,
-                                 _mm256_mul_ps(_mm256_load_ps(acc + h * D + 8 * d), inv));
-            continue;
-        }
-        float *ph = part + (part_start[i] + abs_span - run->lo / SPAN_TOKENS) * span_stride + h * (D + 2);
-        for (int64_t d = 0; d < D; d++) ph[d] = acc[h * D + d];
-        ph[D] = m[h];
-        ph[D + 1] = l[h];
-    }
+    for (int64_t h = 0; h < Hq; h++)
+        store_query(acc + h * D, m[h], l[h], run, abs_span, i, h, Hq, DV, part_start, out, part, span_stride);
 }
 
 #endif
@@ -460,8 +469,8 @@ static void merge_spans(const float *part, int64_t num_spans, int64_t span_strid
     for (int64_t d = 0; d < D; d++) out[d] *= inv;
 }
 
-/* Tasks of a span for every KV head (heads_span) from this many spans in a call; below, the spans alone
- * would leave threads idle and a task per span and KV head runs instead (the same bits either way). */
+/* Tasks of a span for every KV head from this many spans in a call; below, the spans alone would leave
+ * threads idle and a task per span and group of query heads runs instead (the same bits either way). */
 #define HEADS_MIN_SPANS 8
 #if defined(__AVX512VL__)
 #define HEADS_SPAN 1
@@ -478,11 +487,11 @@ static void prefetch_span(const uint8_t *k_cache, const uint8_t *v_cache, const 
                           int to_l2) {
     const run_t *run = &runs[span_run[c]];
     const int32_t *table = tables + run->first * max_blocks;
-    const int64_t abs_span = run->lo / SPAN_TOKENS + (c - run->span_begin);
+    const int64_t abs_span = abs_span_of(run, c);
     int64_t len = 0;
     for (int64_t r = 0; r < run->rows; r++) len = seq_lens[run->first + r] > len ? seq_lens[run->first + r] : len;
-    const int64_t s0 = abs_span * SPAN_TOKENS > run->lo ? abs_span * SPAN_TOKENS : run->lo;
-    int64_t s1 = (abs_span + 1) * SPAN_TOKENS < len ? (abs_span + 1) * SPAN_TOKENS : len;
+    const int64_t s0 = span_first(run, abs_span);
+    int64_t s1 = span_end(abs_span, len);
     s1 = s1 - s0 > tokens ? s0 + tokens : s1;
     for (int64_t t = s0 + (s1 - s0) * part / parts; t < s0 + (s1 - s0) * (part + 1) / parts; t++) {
         const int64_t off = ((int64_t)table[t / block_size] * block_size + t % block_size) * token_bytes;
@@ -642,53 +651,46 @@ int orca_paged_decode_attention(const float *q, const void *k_cache_, const void
         const int64_t end = r + 1 < num_runs ? runs[r + 1].span_begin : spans;
         for (int64_t c = runs[r].span_begin; c < end; c++) span_run[c] = r;
     }
-    /* Every KV head of a span in one task (heads_span) where the direct path serves them all and the spans
-     * alone keep every thread busy. The tasks are taken one ahead, so that the next one's first rows are
-     * on their way while this one runs. */
+    /* With HEADS_MIN_SPANS spans or more, a task is a span for every KV head: one heads_span where the
+     * direct path serves them all, else the per-group tasks in turn, the next task's rows prefetched
+     * meanwhile (its first rows' K into L1 for heads_span, which prefetches the rest as it goes; all its
+     * rows into L2 a slice per group otherwise: each group still reads pieces a token apart, but from
+     * L2; 16 layers of Llama-3.2-1B's heads from DRAM, batch 32 at 144 tokens: the AVX2 build's 16-bit
+     * cache 1.04-1.07x, a float32 cache 1.05x). Tasks are claimed one ahead, so the next one is known. */
+    const int by_span = spans >= HEADS_MIN_SPANS;
 #if HEADS_SPAN
-    const int all_heads = kv_type != KV_F32 && group <= DIRECT_QUERIES && Hq <= HEADS_MAX_QUERIES &&
-                          Hq * D <= HEADS_MAX_QUERIES * MAX_HEAD_DIM / 2 && num_runs == n && spans >= HEADS_MIN_SPANS;
+    const int all_heads = by_span && kv_type != KV_F32 && group <= DIRECT_QUERIES && Hq <= HEADS_MAX_QUERIES &&
+                          Hq * D <= HEADS_MAX_FLOATS && num_runs == n;
+#else
+    const int all_heads = 0;
 #endif
-    const int span_tasks = spans >= HEADS_MIN_SPANS && groups > 1;
     const int64_t token_bytes = Hkv * kv_row_bytes(kv_type, D);
     int64_t next_task = 0;
 #pragma omp parallel
     {
+        if (all_heads || (by_span && groups > 1)) {
+            int64_t c = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
+            while (c < spans) {
+                const int64_t cn = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
+                const run_t *run = &runs[span_run[c]];
+                const int32_t *table = block_tables + run->first * max_blocks;
+                const int64_t abs_span = abs_span_of(run, c);
 #if HEADS_SPAN
-        if (all_heads) {
-            int64_t c = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
-            while (c < spans) {
-                const int64_t cn = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
-                if (cn < spans) /* its first rows' K */
-                    prefetch_span(k_cache, NULL, block_tables, runs, span_run, seq_lens, cn, max_blocks, block_size,
-                                  token_bytes, RANGE_TOKENS, 0, 1, 0);
-                const run_t *run = &runs[span_run[c]];
-                run_heads_typed(q, k_cache, v_cache, block_tables + run->first * max_blocks, run, seq_lens,
-                                part_start, run->lo / SPAN_TOKENS + (c - run->span_begin), Hq, group, Hkv,
-                                block_size, D, kv_type, scale, out, part, span_stride);
-                c = cn;
-            }
-#pragma omp barrier
-        } else
-#endif
-        if (span_tasks) {
-            /* A span for every group of query heads a task (the buffered or direct path per group, as
-             * below), the next task's rows into L2 a slice per group meanwhile: each group still reads
-             * its pieces a token apart, but from L2. 16 layers of Llama-3.2-1B's heads from DRAM, batch
-             * 32 at 144 tokens: the AVX2 build's 16-bit cache 1.04-1.07x, a float32 cache 1.05x. */
-            int64_t c = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
-            while (c < spans) {
-                const int64_t cn = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
-                const run_t *run = &runs[span_run[c]];
-                const int64_t abs_span = run->lo / SPAN_TOKENS + (c - run->span_begin);
-                for (int64_t i = 0; i < groups; i++) {
+                if (all_heads) {
                     if (cn < spans)
-                        prefetch_span(k_cache, v_cache, block_tables, runs, span_run, seq_lens, cn, max_blocks,
-                                      block_size, token_bytes, SPAN_TOKENS, i, groups, 1);
-                    run_typed(q, k_cache, v_cache, block_tables + run->first * max_blocks, run, seq_lens,
-                              part_start, abs_span, i * g, g, Hq, group, Hkv, block_size, D, kv_type, scale, out,
-                              part, span_stride);
-                }
+                        prefetch_span(k_cache, NULL, block_tables, runs, span_run, seq_lens, cn, max_blocks,
+                                      block_size, token_bytes, RANGE_TOKENS, 0, 1, 0);
+                    run_heads_typed(q, k_cache, v_cache, table, run, seq_lens, part_start, abs_span, Hq, group, Hkv,
+                                    block_size, D, kv_type, scale, out, part, span_stride);
+                } else
+#endif
+                    for (int64_t i = 0; i < groups; i++) {
+                        if (cn < spans)
+                            prefetch_span(k_cache, v_cache, block_tables, runs, span_run, seq_lens, cn, max_blocks,
+                                          block_size, token_bytes, SPAN_TOKENS, i, groups, 1);
+                        run_typed(q, k_cache, v_cache, table, run, seq_lens, part_start, abs_span, i * g, g, Hq,
+                                  group, Hkv, block_size, D, kv_type, scale, out, part, span_stride);
+                    }
                 c = cn;
             }
 #pragma omp barrier
@@ -697,10 +699,9 @@ int orca_paged_decode_attention(const float *q, const void *k_cache_, const void
             for (int64_t task = 0; task < spans * groups; task++) {
                 const int64_t c = task / groups, h0 = task % groups * g;
                 const run_t *run = &runs[span_run[c]];
-                /* This span's 64 absolute positions, cut to the window and each row's history. */
-                const int64_t abs_span = run->lo / SPAN_TOKENS + (c - run->span_begin);
                 run_typed(q, k_cache, v_cache, block_tables + run->first * max_blocks, run, seq_lens, part_start,
-                          abs_span, h0, g, Hq, group, Hkv, block_size, D, kv_type, scale, out, part, span_stride);
+                          abs_span_of(run, c), h0, g, Hq, group, Hkv, block_size, D, kv_type, scale, out, part,
+                          span_stride);
             }
         }
         if (parts) {
