@@ -931,14 +931,13 @@ static inline void tile_pass(const uint8_t *w, int64_t tb, const int_fn *fns, in
     const int64_t passes = (m1 - m0 + mr - 1) / mr, left = (N + TILE_ROWS - 1) / TILE_ROWS - t - nt;
     const int64_t next_lines = left > 0 && nt * tb <= NEXT_TILE_BYTES ? (left < nt ? left : nt) * tb / 64 : 0;
     const uint8_t *next = w + (t + nt) * tb;
-    int64_t pass = 0;
-    for (int64_t m = m0; m < m1; pass++) {
+    for (int64_t pass = 0; pass < passes; pass++) {
+        const int64_t m = m0 + pass * mr;
         const int rows = m1 - m < mr ? (int)(m1 - m) : mr;
         if (pass > 0 && next_lines)
             for (int64_t l = next_lines * (pass - 1) / (passes - 1); l < next_lines * pass / (passes - 1); l++)
                 _mm_prefetch((const char *)(next + 64 * l), _MM_HINT_T0);
         fns[rows - 1](w + t * tb, tb, x, m, y + t * TILE_ROWS, ldy, nvalid);
-        m += rows;
     }
 }
 
