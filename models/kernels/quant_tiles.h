@@ -28,7 +28,8 @@
  *                         (GGUF's 256)
  *   kind RAW (F16 BF16): no header, no scales: a block is its 32 k x 16 rows of 16-bit floats, k-major
  *                         (k's 16 rows together: one vector's conversion to float32), w exact
- *   kind K16 (Q6_K Q3_K Q2_K): header = d [, dmin] as 16 x f16; sub-scales per block: 2 x 16 x s8
+ *   kind K16 (Q6_K Q3_K Q2_K): header = d [, dmin] as 16 x f16 [Q6_K Q3_K: then the code bias as
+ *                         16 x int32, see qf_has_bias]; sub-scales per block: 2 x 16 x s8
  *                         (Q2_K: u8) sc for k 0..15 and 16..31 [+ 2 x 16 x u8 m]; a = d * sc and
  *                         z = -(dmin * m) per 16 k; 8 blocks per super
  * Codes below 8 bits are stored unsigned, as in the file: Q4_0's (0..15) offset by -8, Q3_K's by -4,
@@ -87,7 +88,14 @@ static inline int64_t qf_code_bytes(int f) { return (int64_t)qf_bits(f) * 64; }
 static inline int64_t qf_sub_bytes(int f) {
     return qf_kind(f) == KIND_K ? 16 * (1 + qf_has_min(f)) : qf_kind(f) == KIND_K16 ? 32 * (1 + qf_has_min(f)) : 0;
 }
-static inline int64_t qf_header_bytes(int f) { return qf_kind(f) == KIND_RAW ? 0 : 32 * (1 + qf_has_min(f)); }
+/* The K16 kind without minimums (Q6_K, Q3_K) keeps in its header, after d, each row's code bias over the
+ * super-block: -128 * sum_j sc_j * sum_{k in j} (q_k + offset), as 16 x int32. A kernel that takes x + 128
+ * unsigned against the codes made signed starts its sums there (int_tile_super), and needs no offset
+ * correction over the sums of x. */
+static inline int qf_has_bias(int f) { return qf_kind(f) == KIND_K16 && !qf_has_min(f); }
+static inline int64_t qf_header_bytes(int f) {
+    return qf_kind(f) == KIND_RAW ? 0 : 32 * (1 + qf_has_min(f)) + 64 * qf_has_bias(f);
+}
 static inline int64_t qf_super_bytes(int f) {
     return qf_header_bytes(f) + qf_blocks_per_super(f) * (qf_code_bytes(f) + qf_sub_bytes(f));
 }

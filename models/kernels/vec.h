@@ -32,6 +32,7 @@ typedef __m512i vi;
 #define vi_set1 _mm512_set1_epi32
 #define vi_set1_8 _mm512_set1_epi8
 #define vi_add _mm512_add_epi32
+#define vi_add8 _mm512_add_epi8
 #define vi_sub _mm512_sub_epi32
 #define vi_and _mm512_and_si512
 #define vi_xor _mm512_xor_si512
@@ -142,6 +143,7 @@ typedef __m256i vi;
 #define vi_set1 _mm256_set1_epi32
 #define vi_set1_8 _mm256_set1_epi8
 #define vi_add _mm256_add_epi32
+#define vi_add8 _mm256_add_epi8
 #define vi_sub _mm256_sub_epi32
 #define vi_and _mm256_and_si256
 #define vi_xor _mm256_xor_si256

@@ -17,21 +17,23 @@ The formats (`FORMATS`, ids shared with the C code):
     Q5_1  5-bit           a, z: f16 per 32                                            6.0
     Q4_K  4-bit           d, dmin: f16 per 256; sc, m: u8 per 32; a = d sc, z = -dmin m   4.5 (4.63)
     Q5_K  5-bit           as Q4_K                                                     5.5 (5.63)
-    Q6_K  6-bit, q - 32   d: f16 per 256; sc: s8 per 16; a = d sc                     6.56
+    Q6_K  6-bit, q - 32   d: f16 per 256; sc: s8 per 16; a = d sc; bias: i32 per 256   6.56 (6.69)
     Q2_K  2-bit           d, dmin: f16 per 256; sc, m: u8 per 16; a = d sc, z = -dmin m   2.63 (3.13)
-    Q3_K  3-bit, q - 4    d: f16 per 256; sc: s8 per 16; a = d sc                     3.44 (3.56)
+    Q3_K  3-bit, q - 4    d: f16 per 256; sc: s8 per 16; a = d sc; bias: i32 per 256   3.44 (3.69)
     IQ4_XS 4-bit index    d: f16 per 256; sc: s8 per 32; a = d sc; q = IQ4_NL_VALUES[code]  4.25 (4.31)
     IQ4_NL 4-bit index    a: f16 per 32; q = IQ4_NL_VALUES[code]                       4.5
     F16   the weight      none (the raw kind: 16-bit floats, k-major in a block)       16
     BF16  the weight      none                                                         16
 
 (In brackets: the packed size where it differs from the file's: the K-quants' 4- and 6-bit sub-scales
-and minimums kept a byte each.) Codes below 8 bits are stored unsigned, as in the file, with the
+and minimums kept a byte each; Q6_K's and Q3_K's code bias, `_code_bias`, which lets the int8 kernels
+take x + 128 against signed codes with no offset correction over x's sums.) Codes below 8 bits are stored unsigned, as in the file, with the
 format's offset, in a plane of their low bits (a nibble for 4- to 6-bit codes, 2 bits for 2- and 3-bit
 ones) and, for 5-, 6- and 3-bit codes, a plane of their high bits: so every code costs the file's bits,
 Q6_K's output heads and down projections (a Q4_K_M file's largest 6-bit tensors) 6 bits a weight, a
 Q3_K_M file's Q3_K matrices 3 (they took a nibble each before 2026-11-28: a Llama-3.2-1B Q3_K_M file
-held 776 MB for its 683, a Q2_K file 814 MB for 573; now 698 and 617). The kernels rebuild a vector of
+held 776 MB for its 683, a Q2_K file 814 MB for 573; then 698 and 617, and the code bias has since added
+0.125 bits a Q3_K or Q6_K weight). The kernels rebuild a vector of
 codes from the planes with a load, a shift and a mask per plane (`code_unit`). IQ4_XS's and IQ4_NL's
 codes index a 16-entry int8 codebook; the kernels look a unit of them up with one byte shuffle
 (llama.cpp's route) and multiply the int8 values exactly as 8-bit codes.
@@ -102,7 +104,12 @@ class BlockFormat:
 
     @property
     def header_bytes(self) -> int:
-        return 0 if self.kind == "raw" else 32 * (1 + self.has_min)
+        return 0 if self.kind == "raw" else 32 * (1 + self.has_min) + 64 * self.has_bias
+
+    @property
+    def has_bias(self) -> bool:
+        """The header holds each row's code bias over the super-block (quant_tiles.h: qf_has_bias)."""
+        return self.kind == "k16" and not self.has_min
 
     @property
     def float_dtype(self) -> torch.dtype | None:
@@ -349,6 +356,17 @@ def _high_plane(codes: torch.Tensor, lb: int, hb: int, t: int, g: int) -> torch.
     return plane.reshape(t, g, hb * 64)
 
 
+def _code_bias(c: BlockComponents) -> torch.Tensor:
+    """-128 * sum_j sc_j * sum_{k in j} (q_k + offset) of each row and super-block [N, S] int32: what
+    x + 128 adds to the sub-scaled dot products with the signed codes (quant_tiles.h: qf_has_bias)."""
+    f = c.fmt
+    n, k = c.shape
+    signed = c.codes.view(torch.uint8).to(torch.int64) + f.offset
+    per_group = signed.reshape(n, k // f.sub_group, f.sub_group).sum(-1)  # [N, J]
+    weighed = per_group * c.sub_scale.to(torch.int64)
+    return (-128 * weighed.reshape(n, k // f.super_k, -1).sum(-1)).to(torch.int32)
+
+
 def pack_components(c: BlockComponents, row_start: int = 0) -> PackedSegment:
     """Lay one format's codes and scales out as 16-row tiles (quant_tiles.h)."""
     f = c.fmt
@@ -376,6 +394,8 @@ def pack_components(c: BlockComponents, row_start: int = 0) -> PackedSegment:
         if c.minimum is None:
             raise ValueError(f"{f.name} needs its minimum")
         header.append(_bytes(per_tile(c.minimum.half())))
+    if f.has_bias:
+        header.append(_bytes(per_tile(_code_bias(c))))
     if f.kind != "f16":
         per_block = GROUP_SIZE // f.sub_group  # sub-scales per 32-weight block
 

@@ -85,7 +85,8 @@ def test_blocks_decode_to_gguf_py_values(qtype: str) -> None:
     packed = PackedWeight((pack_components(decode_blocks(qtype, raw, k)),))
     assert torch.equal(packed.dequantize(), expect)
     # Bits per weight as stored (21 rows pad to two 16-row tiles): the file's, but for the K-quants'
-    # 4- and 6-bit sub-scales and minimums kept as bytes (Q4_K, Q5_K, Q2_K, Q3_K).
+    # 4- and 6-bit sub-scales and minimums kept as bytes (Q4_K, Q5_K, Q2_K, Q3_K) and for Q6_K's and
+    # Q3_K's code bias (an int32 per row and 256 weights).
     stored = {
         "Q4_0": 4.5,
         "Q4_1": 5.0,
@@ -94,9 +95,9 @@ def test_blocks_decode_to_gguf_py_values(qtype: str) -> None:
         "Q5_1": 6.0,
         "Q4_K": 4.625,
         "Q5_K": 5.625,
-        "Q6_K": 6.5625,
+        "Q6_K": 6.6875,  # + the code bias
         "Q2_K": 3.125,  # sc and m per 16 as bytes (the file: a nibble each)
-        "Q3_K": 3.5625,  # sc per 16 as bytes (the file: 6 bits)
+        "Q3_K": 3.6875,  # sc per 16 as bytes (the file: 6 bits), + the code bias
         "IQ4_XS": 4.3125,
         "IQ4_NL": 4.5,
     }

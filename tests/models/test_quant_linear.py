@@ -20,9 +20,10 @@ from models.layers.packed_weight import (
 )
 
 # Row counts that cross every blocking of the kernel: the int8 micro-kernels (one per row count up to 8;
-# AVX2: 4), the float ones (12 or 6), AMX's 16-row blocks, and more than one 256-row block. With the
-# row checked beside them, batches of 2..10 rows reach every int8 micro-kernel in one piece.
-ROW_COUNTS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 16, 17, 33, 100, 300]
+# AVX2: 4; AVX-512 VNNI's for Q6_K and Q3_K up to 12), the float ones (12 or 6), AMX's 16-row blocks, and
+# more than one 256-row block. With the row checked beside them, batches of 2..13 rows reach every int8
+# micro-kernel in one piece.
+ROW_COUNTS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 16, 17, 33, 100, 300]
 
 
 def _codes(c: BlockComponents) -> torch.Tensor:
@@ -275,3 +276,31 @@ def test_tile_pairs_at_every_edge(variant: str, fmt: str, n: int) -> None:
         assert torch.equal(kern.quant_linear(x[:m], w, "int8"), got[:m]), f"{m} rows"
     for r in (0, 4, 34):
         assert torch.equal(kern.quant_linear(x[r : r + 1], w, "int8"), got[r : r + 1]), f"row {r} alone"
+
+
+@pytest.mark.parametrize("variant", EVERY_VARIANT)
+@pytest.mark.parametrize("fmt", ["Q6_K", "Q3_K"])
+def test_code_bias_at_its_extremes(variant: str, fmt: str) -> None:
+    """Q6_K and Q3_K take x + 128 against their codes made signed, from the bias packed in the header
+    (quant_tiles.h: qf_has_bias): codes at both ends of their range, sub-scales at both ends of int8,
+    x at +-127 with every sign pattern, at the 12-row kernel's row counts. Each row equals the int8
+    reference, and itself computed alone, bit for bit."""
+    kern = kernels_for(variant)
+    f = FORMATS[fmt]
+    n, k = shape_for(fmt)
+    top = (1 << f.bits) - 1
+    for codes, scale in ((0, -128), (top, -128), (0, 127), (top, 127)):
+        c = random_components(f, n, k, seed=3)
+        c.codes.fill_(codes)
+        c.codes[1::3] = top - codes  # rows of the other extreme beside them
+        c.sub_scale.fill_(scale)
+        w = packed(c)
+        x = torch.ones(14, k)
+        x[1] = -1.0
+        x[2, ::2] = -1.0
+        x[3] = torch.linspace(-1, 1, k).sign() * 2.5
+        x[4:] = torch.randn(10, k, generator=torch.Generator().manual_seed(codes + scale))
+        got = kern.quant_linear(x, w, "int8")
+        torch.testing.assert_close(got.double(), int8_reference(x, c), atol=1e-5 * (k / 16) ** 0.5, rtol=1e-5)
+        for m in (1, 12, 13):
+            assert torch.equal(kern.quant_linear(x[-m:], w, "int8"), got[-m:]), f"{m} rows"
