@@ -227,13 +227,25 @@ static inline __attribute__((always_inline)) vi code_unit(const uint8_t *codes, 
 static inline int sub_groups(const int fmt) { return qf_kind(fmt) == KIND_K16 ? 2 : 1; }
 
 /* Integer dot products of sub-group p of block g (its units), half h, against mr rows of x. The unit
- * loop is unrolled: without it the 8 row pointers and the unit index cost more than the dot products. */
+ * loop is unrolled: without it the 8 row pointers and the unit index cost more than the dot products.
+ * A format with a code bias takes x + 128 (unsigned) against its codes made signed (the offset added),
+ * which together exceed the true dot products by what the bias (the sums' start) takes off. */
 static inline __attribute__((always_inline)) void sub_group_dots(const uint8_t *codes, const int fmt, const qx_t *x,
                                                                  int64_t m0, const int mr, int64_t g, int p, int h,
                                                                  vi is[MR_MAX]) {
     const int64_t K = x->K;
     const int8_t *xq = x->q + m0 * K + g * QBLOCK;
     const int units = 8 / sub_groups(fmt);
+    if (biased(fmt)) {
+        const uint8_t *xu = x->u + m0 * K + g * QBLOCK;
+        for (int m = 0; m < mr; m++) is[m] = vi_zero();
+#pragma GCC unroll 8
+        for (int u = units * p; u < units * (p + 1); u++) {
+            const vi w = vi_add8(code_unit(codes, fmt, u, h), vi_set1_8((char)qf_offset(fmt)));
+            for (int m = 0; m < mr; m++) is[m] = dot_us(is[m], vi_bcast32(xu + m * K + 4 * u), w);
+        }
+        return;
+    }
 #if DOT_US16
     if (qf_small_codes(fmt)) { /* codes of up to 4 bits: 8 units' sums fit 16 bits (vec.h) */
         vi s16[MR_MAX];
@@ -256,22 +268,6 @@ static inline __attribute__((always_inline)) void sub_group_dots(const uint8_t *
         } else {
             for (int m = 0; m < mr; m++) is[m] = dot_us(is[m], w, vi_bcast32(xq + m * K + 4 * u));
         }
-    }
-}
-
-/* sub_group_dots for a format with a code bias: x + 128 (unsigned) against the codes made signed (the
- * offset added), which together exceed the true dot products by what the bias takes off. */
-static inline __attribute__((always_inline)) void biased_dots(const uint8_t *codes, const int fmt, const qx_t *x,
-                                                              int64_t m0, const int mr, int64_t g, int p, int h,
-                                                              vi is[MR_MAX]) {
-    const int64_t K = x->K;
-    const uint8_t *xu = x->u + m0 * K + g * QBLOCK;
-    const int units = 8 / sub_groups(fmt);
-    for (int m = 0; m < mr; m++) is[m] = vi_zero();
-#pragma GCC unroll 8
-    for (int u = units * p; u < units * (p + 1); u++) {
-        const vi w = vi_add8(code_unit(codes, fmt, u, h), vi_set1_8((char)qf_offset(fmt)));
-        for (int m = 0; m < mr; m++) is[m] = dot_us(is[m], vi_bcast32(xu + m * K + 4 * u), w);
     }
 }
 
@@ -360,7 +356,7 @@ static inline __attribute__((always_inline)) void int_tile(const uint8_t *tile, 
  *                                   Q2_K), else sc_j for an integer correction per code: VNNI's +128
  *                                   bias of signed codes (IQ4_XS); none for Q6_K and Q3_K, whose
  *                                   codes' offset (-32, -4) the packed code bias takes care of: isum
- *                                   starts there, over x + 128 and the signed codes (biased_dots))
+ *                                   starts there, over x + 128 and the signed codes (sub_group_dots))
  *   y += float(isum + per_code * corr) * (d * dx)               (the others)
  *   y += float(isum) * (d * dx) + float(corr) * -(dmin * dx)    (minimums)
  * two float steps per super-block and row where per-32 scales of x took three or four per sub-group.
@@ -483,10 +479,7 @@ static inline __attribute__((always_inline)) void int_tile_super(const uint8_t *
             for (int h = 0; h < HALVES; h++) {
                 for (int p = 0; p < sub_groups(fmt); p++) {
                     vi is[MR_MAX];
-                    if (biased(fmt))
-                        biased_dots(blk.codes, fmt, x, m0, mr, g, p, h, is);
-                    else
-                        sub_group_dots(blk.codes, fmt, x, m0, mr, g, p, h, is);
+                    sub_group_dots(blk.codes, fmt, x, m0, mr, g, p, h, is);
                     const vi sc = sub_scale_i(blk.sub, fmt, p, h);
                     for (int m = 0; m < mr; m++) isum[m][h] = vi_add(isum[m][h], vi_mullo(is[m], sc));
                 }
