@@ -29,7 +29,7 @@
 
 #if defined(__AVX512F__)
 #define MR_INT 8  /* rows of x per int8 micro-kernel: 8 isum + 8 acc + 4 work vectors */
-/* Rows per pass for the formats with a code bias (BIASED_X): with no correction pairs to keep, 12 rows'
+/* Rows per pass for the formats with a code bias (biased): with no correction pairs to keep, 12 rows'
  * sums fit the registers, and each unit's unpacking (two planes, the offset: the part of a Q6_K pass
  * that is not dot products) serves half as many rows again. 2-core Zen 5, Q6_K at 32-96 rows against 8:
  * 1.07-1.10x; 16 rows spill (0.69x). */
@@ -94,18 +94,16 @@ typedef struct {
     float *s;       /* [M, G] d * sum(q) over the block (the min term of Q4_1, Q5_1) */
     int16_t *sum16; /* [M, 2G] sum(q) per 16 k (|sum| <= 16 * 127): two neighbours are a vpdpwssd pair */
     int16_t *sum32; /* [M, G] sum(q) per block of 32, in 16 bits likewise */
-    uint8_t *u;     /* [M, K] q + 128 (unsigned), for the formats whose codes carry a bias (BIASED_X), else NULL */
+    uint8_t *u;     /* [M, K] q + 128 (unsigned), for the formats with a code bias (biased), else NULL */
     int64_t K, G;
 } qx_t;
 
-/* Where vpdpbusd takes x + 128 (unsigned) against signed codes for the formats with a code bias in their
- * header (quant_tiles.h: Q6_K, Q3_K): the offset correction over x's sums (8 vpdpwssd a row and
- * super-block, and their broadcasts) becomes the bias the integer sums start from. Bit-identical (the
- * same integers); 2-core Zen 5, Q6_K at 1-96 rows: 1.04-1.07x, a 128k-vocab head at 8 rows 1.2x. */
-#ifndef BIASED_X
-#define BIASED_X 1
-#endif
-static inline int biased(const int fmt) { return BIASED_X && qf_has_bias(fmt); }
+/* The formats with a code bias in their header (quant_tiles.h: Q6_K, Q3_K) take x + 128 (unsigned)
+ * against their codes made signed, and their integer sums start at the bias: the offset correction over
+ * x's sums (8 vpdpwssd a row and super-block, and their broadcasts) is gone. Bit-identical (the same
+ * integers); 2-core Zen 5, against the correction: Q6_K 2048 x 8192 1.06-1.16x at 1-96 rows (with
+ * MR_BIASED's 12 rows a pass), a 128k-vocab head from DRAM 1.15x at 32-64 rows. */
+static inline int biased(const int fmt) { return qf_has_bias(fmt); }
 
 /* Values of x per scale for the K-quants (the K and K16 kinds): one super-block, llama.cpp's Q8_K.
  * With x's scale constant over a super-block, the sub-scales multiply the integer dot products as
@@ -428,7 +426,8 @@ static inline __attribute__((always_inline)) void int_tile_super(const uint8_t *
     for (int64_t s = 0; s < x->G / 8; s++) {
         vi isum[MR_MAX][HALVES];
         for (int h = 0; h < HALVES; h++) {
-            const vi start = biased(fmt) ? vi_loadu(qf_block(tile, fmt, 8 * s).hdr + 32 + 4 * LANES * h) : vi_zero();
+            const uint8_t *bias = qf_block(tile, fmt, 8 * s).hdr + qf_scale_bytes(fmt);
+            const vi start = biased(fmt) ? vi_loadu(bias + 4 * LANES * h) : vi_zero();
             for (int m = 0; m < mr; m++) isum[m][h] = start;
         }
         for (int b = 0; b < 8; b++) {
@@ -451,17 +450,11 @@ static inline __attribute__((always_inline)) void int_tile_super(const uint8_t *
                     for (int u = units * p; u < units * (p + 1); u++) {
                         vi w0 = code_unit(blk.codes, fmt, u, 0), w1 = code_unit(blk.codes, fmt, u, 1);
                         if (biased(fmt)) w0 = vi_add8(w0, off), w1 = vi_add8(w1, off);
-                        for (int m = 0; m < mr; m++) {
-                            const int64_t at = (m0 + m) * x->K + g * QBLOCK + 4 * u;
-                            if (biased(fmt)) {
-                                const vi xb = vi_bcast32(x->u + at);
-                                s16[m][0] = dot_us16(s16[m][0], xb, w0);
-                                s16[m][1] = dot_us16(s16[m][1], xb, w1);
-                            } else {
-                                const vi xb = vi_bcast32(x->q + at);
-                                s16[m][0] = dot_us16(s16[m][0], w0, xb);
-                                s16[m][1] = dot_us16(s16[m][1], w1, xb);
-                            }
+                        const uint8_t *xs = biased(fmt) ? x->u : (const uint8_t *)x->q;
+                        for (int m = 0; m < mr; m++) { /* the unsigned operand first: x + 128, or the codes */
+                            const vi xb = vi_bcast32(xs + (m0 + m) * x->K + g * QBLOCK + 4 * u);
+                            s16[m][0] = biased(fmt) ? dot_us16(s16[m][0], xb, w0) : dot_us16(s16[m][0], w0, xb);
+                            s16[m][1] = biased(fmt) ? dot_us16(s16[m][1], xb, w1) : dot_us16(s16[m][1], w1, xb);
                         }
                     }
                     for (int h = 0; h < 2; h++) {

@@ -93,9 +93,9 @@ static inline int64_t qf_sub_bytes(int f) {
  * unsigned against the codes made signed starts its sums there (int_tile_super), and needs no offset
  * correction over the sums of x. */
 static inline int qf_has_bias(int f) { return qf_kind(f) == KIND_K16 && !qf_has_min(f); }
-static inline int64_t qf_header_bytes(int f) {
-    return qf_kind(f) == KIND_RAW ? 0 : 32 * (1 + qf_has_min(f)) + 64 * qf_has_bias(f);
-}
+/* Bytes of a header's scales (d [, dmin] as 16 x f16): the code bias, where there is one, follows them. */
+static inline int64_t qf_scale_bytes(int f) { return qf_kind(f) == KIND_RAW ? 0 : 32 * (1 + qf_has_min(f)); }
+static inline int64_t qf_header_bytes(int f) { return qf_scale_bytes(f) + 64 * qf_has_bias(f); }
 static inline int64_t qf_super_bytes(int f) {
     return qf_header_bytes(f) + qf_blocks_per_super(f) * (qf_code_bytes(f) + qf_sub_bytes(f));
 }
