@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -113,6 +114,18 @@ class _InFlight:
     kept: list[int] | None = None
     submitted: Sequence[ScheduledSequence] = ()  # the rows as submitted, tokens put in
     duration: float | None = None
+    # Overlapped: resolved (on the event loop) once the loop may apply this step's tokens.
+    ready: asyncio.Future[None] | None = None
+    # Overlapped on an accelerator: the step queued behind this one hands this one's tokens to the
+    # loop once its own forward is launched (IterationLoop._run_step); `worker_done` (this one has
+    # left the worker) and this flag are decided under IterationLoop._handoff.
+    released_by_next: bool = False
+    worker_done: bool = False
+
+
+def _resolve_future(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class IterationLoop:
@@ -158,6 +171,10 @@ class IterationLoop:
         self._restarting = False
         self._restarts = RestartBudget(self.config.max_worker_restarts, self.config.worker_restart_window_s)
         self._num_restarts = 0
+        # Overlapped steps: whether a step's tokens go to the loop only once the next step is launched
+        # (_run_step), and the lock that decides which of the two steps hands them over.
+        self._release_after_next_launch = executor.device_type != "cpu"
+        self._handoff = threading.Lock()
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -419,7 +436,10 @@ class IterationLoop:
                 step = sched.schedule(pending=pending.step if pending is not None else None)
                 self._emit_all(step.released)
                 if step.seqs:
-                    new = _InFlight(step, time.perf_counter(), after=pending)
+                    new = _InFlight(step, time.perf_counter(), after=pending, ready=loop.create_future())
+                    if pending is not None and self._release_after_next_launch:
+                        with self._handoff:
+                            pending.released_by_next = not pending.worker_done
                 elif (step.released or step.preempted) and pending is None:
                     continue
             if pending is None:
@@ -434,15 +454,23 @@ class IterationLoop:
                 pending, running = new, loop.run_in_executor(self._thread, self._run_step, new)
                 continue
             queued = loop.run_in_executor(self._thread, self._run_step, new) if new is not None else None
-            assert running is not None
-            await running
+            assert running is not None and pending.ready is not None
+            await pending.ready
             if pending.kept != []:  # else every row was dropped: nothing ran
                 self._step_done(pending)
             pending, running = new, queued
 
     def _run_step(self, flight: _InFlight) -> None:
         """The worker thread's share of an overlapped step: put the step before's tokens into the
-        carried rows (scheduler/overlap.py), run the step."""
+        carried rows (scheduler/overlap.py), run the step, and hand the tokens to the loop.
+
+        On an accelerator the step before's tokens go to the loop only once this step's forward is
+        launched (submit() queues it on the device and returns): the loop's Python (applying them,
+        detokenizing, sending, scheduling the next step) then runs while the device computes and this
+        thread waits in collect() with the GIL released, instead of competing for the GIL with
+        submit()'s input building while the device idles (measured on an H200 before this: each step
+        0.23-0.27 ms longer in the loop than bare, the time the loop's work took). On a CPU submit()
+        is the forward itself, so each step hands its own tokens over as it ends."""
         flight.started = time.perf_counter()
         before, flight.after = flight.after, None  # the chain of steps must not keep every step alive
         try:
@@ -452,10 +480,30 @@ class IterationLoop:
                 tokens = last_tokens(before.submitted, sampled) if sampled is not None else {}
                 seqs, flight.kept = resolve(seqs, flight.step.requests, tokens)
             flight.submitted = seqs
-            flight.sampled = self._executor.collect(self._executor.submit(seqs)) if seqs else []
+            if seqs:
+                handle = self._executor.submit(seqs)
+                if before is not None and before.released_by_next:
+                    self._release(before)
+                    before = None
+                flight.sampled = self._executor.collect(handle)
+            else:
+                flight.sampled = []
         except Exception as exc:
             flight.error = exc
+        finally:
+            if before is not None and before.released_by_next:
+                self._release(before)
         flight.duration = time.perf_counter() - flight.started
+        with self._handoff:
+            flight.worker_done = True
+            by_next = flight.released_by_next
+        if not by_next:
+            self._release(flight)
+
+    def _release(self, flight: _InFlight) -> None:
+        """From the worker thread: let the loop apply a step's tokens (or its error)."""
+        assert self._loop is not None and flight.ready is not None
+        self._loop.call_soon_threadsafe(_resolve_future, flight.ready)
 
     async def _idle(self) -> None:
         """Sleep until there is work; an executor that can restart is checked meanwhile (IDLE_WATCH_S)."""

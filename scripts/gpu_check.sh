@@ -9,6 +9,8 @@
 #   bash scripts/gpu_check.sh http        # the full experiment of docs/benchmarks.md, shortened
 #   bash scripts/gpu_check.sh profile     # one server under load: per-step times, py-spy of its threads
 #                                         # (PROFILE_NATIVE=1: with C frames, i.e. the GIL waits)
+#   bash scripts/gpu_check.sh tpot        # issue #28 item 2: TPOT at one stream through the iteration
+#                                         # loop against the bare step, overlap off and on, per shape
 #
 # With no phase named it runs them all in turn. Before: scripts/gpu_prepare.sh on a machine with the
 # network fills .whl/ (wheels the GPU image lacks) and .gpu-assets/ (the tokenizer); carry both.
@@ -258,6 +260,25 @@ phase_profile() {
     pack profile
 }
 
+# Issue #28 item 2 on a GPU: TPOT at one stream (TPOT_CONCURRENCY) through the real IterationLoop
+# against engine.bench's bare decode step of the same engine, --overlap-schedule off and on, per shape
+# (TPOT_SHAPES; TPOT_LIMIT seconds each), random bf16 weights. Where the step thread waits in native
+# code while the GPU computes, overlap should hide the loop's CPU work.
+phase_tpot() {
+    local r=$WORK/tpot shape dir tiny=""
+    mkdir -p "$r"
+    [ "${GPU_CHECK_DRY:-0}" = 1 ] && tiny=1
+    for shape in ${TPOT_SHAPES:-smollm2-135m gemma-3-1b qwen3-8b}; do
+        dir=$WORK/shapes/$shape
+        "$PY" -c "import sys; from engine.model_shapes import write_shape; write_shape(sys.argv[1], sys.argv[2], bool(sys.argv[3]))" \
+            "$shape" "$dir" "$tiny"
+        run "${TPOT_LIMIT:-120}" "$PY" -m loadtest.tpot --model "$dir" --load-format dummy --device $DEVICE \
+            --dtype "${TPOT_DTYPE:-bfloat16}" --concurrency "${TPOT_CONCURRENCY:-1}" \
+            --new-tokens "${TPOT_NEW_TOKENS:-128}" --repeats "${TPOT_REPEATS:-3}" --json "$r/tpot-$shape.json"
+        pack tpot
+    done
+}
+
 # The load test starts each server in a session of its own and stops it; if the load test itself was
 # killed at its time limit, its servers (found by the model path only this script uses) are stopped here.
 stop_stray_servers() {
@@ -274,8 +295,8 @@ phases=("$@")
 [ ${#phases[@]} -gt 0 ] || phases=(env tests bench http)
 for phase in "${phases[@]}"; do
     case $phase in
-        env | tests | bench | http | profile) ;;
-        *) echo "unknown phase $phase (env, tests, bench, http, profile)" >&2; exit 2 ;;
+        env | tests | bench | http | profile | tpot) ;;
+        *) echo "unknown phase $phase (env, tests, bench, http, profile, tpot)" >&2; exit 2 ;;
     esac
 done
 setup_python

@@ -341,3 +341,43 @@ def test_greedy_verification_accepts_exactly_the_argmax_run():
     rows = spread([seq])
     (tok,) = accept(rows, Sampler(VOCAB)(logits.clone(), rows.sampling))
     assert tok is not None and [t.token_id for t in tok.tokens] == [1, 3] and tok.num_accepted == 1
+
+
+# ---- on a GPU: verification steps beside CUDA graphs ---------------------------------------------
+
+
+def cuda_engine_config(model: Path, **overrides):
+    """What serving runs on a GPU (the Triton attention, decode steps in CUDA graphs, steps with several
+    tokens a row in piecewise graphs), in float32 so that greedy choices do not tie."""
+    from engine.config import EngineConfig
+
+    fields = {
+        "model": str(model),
+        "dtype": "float32",
+        "device": "cuda",
+        "block_size": BLOCK_SIZE,
+        "num_kv_blocks": 256,
+        "attention_backend": "triton",
+        "max_num_seqs": 8,
+        "max_num_batched_tokens": 256,
+    }
+    return EngineConfig(**{**fields, **overrides})
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+@pytest.mark.parametrize("method", ["ngram", "draft"])
+def test_speculation_on_cuda_keeps_greedy_tokens(method, tiny_llama_dir: Path):
+    """A verification step (several tokens a row) between graph-replayed decode steps, KV rolled back
+    on the GPU, a draft model (the target itself: always right, if its cache follows) on the GPU too:
+    the greedy tokens are those without speculation, and proposals are made and accepted."""
+    extra = {"draft_model": str(tiny_llama_dir)} if method == "draft" else {}
+    executor = LocalExecutor(cuda_engine_config(tiny_llama_dir, **extra))
+    assert executor.runner.use_cuda_graphs
+    requests = [(p, greedy(24 + 2 * i)) for i, p in enumerate(PROMPTS)]
+    for cfg in ({}, {"max_num_batched_tokens": 12}, {"num_kv_blocks": 24}):
+        sched = same_as_without(executor, requests, method, **cfg)
+        stats = sched.stats().speculation
+        assert stats.accepted_tokens > 0
+        if method == "draft":
+            assert stats.accepted_tokens == stats.proposed_tokens

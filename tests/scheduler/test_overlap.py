@@ -22,7 +22,7 @@ from engine.contract import PENDING_TOKEN, SampledToken, SamplingParams
 from scheduler.config import SchedulerConfig
 from scheduler.core import Scheduler
 from scheduler.fake_runner import FakeDetokenizer, FakeRunner, hash_next_token, mostly_right_draft
-from scheduler.loop import IterationLoop
+from scheduler.loop import IterationLoop, new_step_thread
 from scheduler.output_text import start_output
 from scheduler.overlap import CarriedOutputs, last_tokens, resolve
 from scheduler.request import Request
@@ -393,3 +393,64 @@ async def test_auto_on_a_cpu_gives_the_same_tokens_one_stream_or_many():
 
     for streams in (1, 3):
         assert await run(None, streams) == await run(False, streams) == await run(True, streams)
+
+
+class LaunchWatch(FakeRunner):
+    """Notes, as each step's submit() returns, whether the client has its first token yet; the second
+    step's submit() first waits `wait_s` for it, so that a loop handing the tokens over too early is
+    seen doing it."""
+
+    def __init__(self, wait_s: float, **kw) -> None:
+        super().__init__(**kw)
+        self.wait_s = wait_s
+        self.first_token = threading.Event()
+        self.seen_at_submit: list[bool] = []
+
+    def submit(self, batch):
+        handle = super().submit(batch)
+        if len(self.seen_at_submit) == 1:
+            self.first_token.wait(self.wait_s)
+        self.seen_at_submit.append(self.first_token.is_set())
+        return handle
+
+
+@pytest.mark.parametrize("device_type", ["cuda", "cpu"])
+async def test_a_steps_tokens_reach_the_loop_when_the_device_is_free_for_it(device_type):
+    """On an accelerator a step's tokens go to the loop only once the step queued behind it is launched
+    (so the loop's Python runs while the device computes, not while the next step's inputs are built);
+    on a CPU, where submit() is the forward itself, as soon as the step ends (else the loop would sit
+    through the whole next forward). Either way the tokens are those without overlap."""
+    gate = threading.Event()
+    # On a GPU the token must not come while the next step is launched (a second is long enough to see
+    # one that does; the check passes however loaded the machine is); on a CPU it must come.
+    runner = LaunchWatch(wait_s=1.0 if device_type == "cuda" else GUARD_S, gate=gate)
+    runner.device_type = device_type
+    thread = new_step_thread()
+    loop = IterationLoop(
+        runner, SchedulerConfig(overlap_schedule=True, speculative="off"), step_thread=thread
+    )
+    await loop.start()
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+
+    async def client() -> list[int]:
+        tokens: list[int] = []
+        async for delta in loop.generate(prompt(3), params, "r"):
+            tokens += delta.token_ids
+            if tokens:
+                runner.first_token.set()
+        return tokens
+
+    try:
+        task = asyncio.create_task(client())
+        # The prompt's step is held on the worker until the next step (carrying the request) is queued
+        # behind it.
+        await asyncio.wait_for(asyncio.to_thread(runner.step_started.wait, GUARD_S), GUARD_S)
+        await wait_until(lambda: thread._work_queue.qsize() >= 1)
+        gate.set()
+        tokens = await asyncio.wait_for(task, GUARD_S)
+    finally:
+        gate.set()
+        await loop.shutdown()
+        thread.shutdown()
+    assert runner.seen_at_submit[:2] == [False, device_type == "cpu"]
+    assert tokens == (await greedy_through_loop(FakeRunner(), [prompt(3)], 12))[0]
