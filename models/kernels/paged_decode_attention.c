@@ -172,6 +172,7 @@ static inline __attribute__((always_inline)) void prefetch_rows(const uint8_t *c
                                                                 int64_t parts, int to_l2) {
     const int64_t per_token = token_bytes / 64, lines = (j1 - j0) * per_token;
     const int64_t x0 = lines * part / parts, x1 = lines * (part + 1) / parts;
+    if (x0 >= x1) return; /* nothing in this slice; per_token is 0 for rows of all heads under 64 bytes */
     /* One division a call, not one a line: the loop runs for every cache line of the span twice, and
      * a 64-bit divide a line took a quarter of the kernel's time with the rows in cache. */
     int64_t j = j0 + x0 / per_token, l = x0 % per_token;
