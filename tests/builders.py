@@ -211,6 +211,16 @@ def cpu_engine_config(model: Path | str, **overrides):
     )
 
 
+def cuda_engine_config(model: Path | str, **overrides):
+    """The engine's config as serving runs it on a GPU (the Triton attention, decode steps in CUDA graphs
+    of up to 8 rows, steps with prompt chunks in piecewise graphs), in float32 so that it can be held to
+    transformers, or to itself, token for token."""
+    from engine.config import EngineConfig
+
+    fields = {"dtype": "float32", "device": "cuda", "attention_backend": "triton", "max_num_seqs": 8}
+    return EngineConfig(model=str(model), **{**fields, **overrides})
+
+
 def build_hf_model(config, seed: int = 0):
     """A random transformers model for a config, float32, eval mode."""
     import torch

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import cpu_engine_config
+from builders import cpu_engine_config, cuda_engine_config
 
 from engine.config import EngineConfig
 from engine.contract import SamplingParams, ScheduledSequence
@@ -249,16 +249,7 @@ def test_every_family_on_cuda_with_graphs_equals_solo_generate(model_dir: Path):
     the compiled kernel, qwen3's q/k norms and phi3's partial rotary in the fused small ops, the
     mixtures of experts in the fused Triton experts."""
     runner = LocalExecutor(
-        EngineConfig(
-            model=str(model_dir),
-            dtype="float32",
-            device="cuda",
-            block_size=BLOCK_SIZE,
-            num_kv_blocks=128,
-            attention_backend="triton",
-            max_num_seqs=8,
-            max_num_batched_tokens=64,
-        )
+        cuda_engine_config(model_dir, block_size=BLOCK_SIZE, num_kv_blocks=128, max_num_batched_tokens=64)
     )
     assert runner.runner.use_cuda_graphs and runner.runner.piecewise_graphs is not None
     hf = hf_model(model_dir).to("cuda")

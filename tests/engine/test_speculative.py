@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from builders import build_hf_model, cpu_engine_config, tiny_llama_config
+from builders import build_hf_model, cpu_engine_config, cuda_engine_config, tiny_llama_config
 from fakes import run_to_end
 
 from engine.contract import SamplingParams, ScheduledSequence
@@ -346,24 +346,6 @@ def test_greedy_verification_accepts_exactly_the_argmax_run():
 # ---- on a GPU: verification steps beside CUDA graphs ---------------------------------------------
 
 
-def cuda_engine_config(model: Path, **overrides):
-    """What serving runs on a GPU (the Triton attention, decode steps in CUDA graphs, steps with several
-    tokens a row in piecewise graphs), in float32 so that greedy choices do not tie."""
-    from engine.config import EngineConfig
-
-    fields = {
-        "model": str(model),
-        "dtype": "float32",
-        "device": "cuda",
-        "block_size": BLOCK_SIZE,
-        "num_kv_blocks": 256,
-        "attention_backend": "triton",
-        "max_num_seqs": 8,
-        "max_num_batched_tokens": 256,
-    }
-    return EngineConfig(**{**fields, **overrides})
-
-
 @pytest.mark.cuda
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 @pytest.mark.parametrize("method", ["ngram", "draft"])
@@ -372,7 +354,11 @@ def test_speculation_on_cuda_keeps_greedy_tokens(method, tiny_llama_dir: Path):
     on the GPU, a draft model (the target itself: always right, if its cache follows) on the GPU too:
     the greedy tokens are those without speculation, and proposals are made and accepted."""
     extra = {"draft_model": str(tiny_llama_dir)} if method == "draft" else {}
-    executor = LocalExecutor(cuda_engine_config(tiny_llama_dir, **extra))
+    executor = LocalExecutor(
+        cuda_engine_config(
+            tiny_llama_dir, block_size=BLOCK_SIZE, num_kv_blocks=256, max_num_batched_tokens=256, **extra
+        )
+    )
     assert executor.runner.use_cuda_graphs
     requests = [(p, greedy(24 + 2 * i)) for i, p in enumerate(PROMPTS)]
     for cfg in ({}, {"max_num_batched_tokens": 12}, {"num_kv_blocks": 24}):
