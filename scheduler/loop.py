@@ -171,9 +171,10 @@ class IterationLoop:
         self._restarting = False
         self._restarts = RestartBudget(self.config.max_worker_restarts, self.config.worker_restart_window_s)
         self._num_restarts = 0
-        # Overlapped steps: whether a step's tokens go to the loop only once the next step is launched
-        # (_run_step), and the lock that decides which of the two steps hands them over.
-        self._release_after_next_launch = executor.device_type != "cpu"
+        # Steps run on an accelerator: submit() only queues the forward. Overlapped, the loop then
+        # schedules ahead at every step and gets a step's tokens once the next one is launched
+        # (_schedules_ahead, _run_step); the lock decides which of two steps hands them over.
+        self._on_accelerator = executor.device_type != "cpu"
         self._handoff = threading.Lock()
 
     # ---- lifecycle ------------------------------------------------------------------------------
@@ -409,7 +410,7 @@ class IterationLoop:
         chosen = self.config.overlap_schedule
         if chosen is not None:
             return chosen
-        return self._executor.device_type != "cpu" or pending.num_seqs > 1
+        return self._on_accelerator or pending.num_seqs > 1
 
     async def _iterate_overlapped(self) -> None:
         """The loop with overlapped scheduling (one batch at a time on the executor, as at depth 1):
@@ -424,7 +425,6 @@ class IterationLoop:
         loop = asyncio.get_running_loop()
         sched = self._scheduler
         pending: _InFlight | None = None  # queued or running on the worker, not applied
-        running: asyncio.Future[None] | None = None  # its trip to the worker thread
         while pending is not None or not self._stopping:
             self._drain_aborts()
             if pending is None and not self._stopping and self._is_down():
@@ -437,7 +437,7 @@ class IterationLoop:
                 self._emit_all(step.released)
                 if step.seqs:
                     new = _InFlight(step, time.perf_counter(), after=pending, ready=loop.create_future())
-                    if pending is not None and self._release_after_next_launch:
+                    if pending is not None and self._on_accelerator:
                         with self._handoff:
                             pending.released_by_next = not pending.worker_done
                 elif (step.released or step.preempted) and pending is None:
@@ -451,14 +451,16 @@ class IterationLoop:
                         await self._idle()
                     continue
                 # Nothing to overlap with: schedule the step after this one while it runs.
-                pending, running = new, loop.run_in_executor(self._thread, self._run_step, new)
+                pending = new
+                loop.run_in_executor(self._thread, self._run_step, new)
                 continue
-            queued = loop.run_in_executor(self._thread, self._run_step, new) if new is not None else None
-            assert running is not None and pending.ready is not None
+            if new is not None:
+                loop.run_in_executor(self._thread, self._run_step, new)  # _run_step raises nothing
+            assert pending.ready is not None
             await pending.ready
             if pending.kept != []:  # else every row was dropped: nothing ran
                 self._step_done(pending)
-            pending, running = new, queued
+            pending = new
 
     def _run_step(self, flight: _InFlight) -> None:
         """The worker thread's share of an overlapped step: put the step before's tokens into the
@@ -473,6 +475,7 @@ class IterationLoop:
         is the forward itself, so each step hands its own tokens over as it ends."""
         flight.started = time.perf_counter()
         before, flight.after = flight.after, None  # the chain of steps must not keep every step alive
+        handle = None
         try:
             seqs = flight.step.seqs
             if before is not None:
@@ -480,19 +483,16 @@ class IterationLoop:
                 tokens = last_tokens(before.submitted, sampled) if sampled is not None else {}
                 seqs, flight.kept = resolve(seqs, flight.step.requests, tokens)
             flight.submitted = seqs
-            if seqs:
-                handle = self._executor.submit(seqs)
-                if before is not None and before.released_by_next:
-                    self._release(before)
-                    before = None
-                flight.sampled = self._executor.collect(handle)
-            else:
-                flight.sampled = []
+            handle = self._executor.submit(seqs) if seqs else None
         except Exception as exc:
             flight.error = exc
-        finally:
-            if before is not None and before.released_by_next:
-                self._release(before)
+        if before is not None and before.released_by_next:
+            self._release(before)  # this step is launched (or failed): the loop may apply the one before
+        if flight.error is None:
+            try:
+                flight.sampled = self._executor.collect(handle) if handle is not None else []
+            except Exception as exc:
+                flight.error = exc
         flight.duration = time.perf_counter() - flight.started
         with self._handoff:
             flight.worker_done = True
