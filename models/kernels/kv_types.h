@@ -68,6 +68,63 @@ static inline __attribute__((always_inline)) __m256 kv_load8(const uint8_t *row,
     }
 }
 
+#if defined(__AVX512F__)
+/* Values e .. e + 15 of a row (e a multiple of 16) as float32, each lane as kv_load8 widens it. */
+static inline __attribute__((always_inline)) __m512 kv_load16(const uint8_t *row, int64_t e, int type) {
+    switch (type) {
+    case KV_F32:
+        return _mm512_loadu_ps((const float *)row + e);
+    case KV_F16:
+        return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(row + 2 * e)));
+    case KV_BF16:
+        return _mm512_castsi512_ps(
+            _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(row + 2 * e))), 16));
+    default: {
+        const uint8_t *block = row + e / Q8_0_VALUES * Q8_0_BYTES; /* 16 values lie in one 32-value block */
+        uint16_t d;
+        memcpy(&d, block, 2);
+        const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(block + 2 + e % Q8_0_VALUES))));
+        return _mm512_mul_ps(q, _mm512_set1_ps(_cvtsh_ss(d)));
+    }
+    }
+}
+#endif
+
+#if defined(__AVX512DQ__)
+/* Values e .. e + 7 of two rows a and b (e a multiple of 8) as float32, a's in the low half: each lane as
+ * kv_load8 widens it. */
+static inline __attribute__((always_inline)) __m512 kv_load8x2(const uint8_t *a, const uint8_t *b, int64_t e, int type) {
+    switch (type) {
+    case KV_F32:
+        return _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_loadu_ps((const float *)a + e)),
+                                  _mm256_loadu_ps((const float *)b + e), 1);
+    case KV_F16: /* two 256-bit widenings and an insert: 10% faster scores on Zen 5 than one 512-bit
+                  * widening of the two rows inserted as halves */
+        return _mm512_insertf32x8(
+            _mm512_castps256_ps512(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(a + 2 * e)))),
+            _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(b + 2 * e))), 1);
+    case KV_BF16: {
+        const __m256i h = _mm256_inserti128_si256(_mm256_castsi128_si256(_mm_loadu_si128((const __m128i *)(a + 2 * e))),
+                                                  _mm_loadu_si128((const __m128i *)(b + 2 * e)), 1);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    default: {
+        const uint8_t *ba = a + e / Q8_0_VALUES * Q8_0_BYTES, *bb = b + e / Q8_0_VALUES * Q8_0_BYTES;
+        uint16_t da, db;
+        memcpy(&da, ba, 2);
+        memcpy(&db, bb, 2);
+        int64_t ca, cb;
+        memcpy(&ca, ba + 2 + e % Q8_0_VALUES, 8);
+        memcpy(&cb, bb + 2 + e % Q8_0_VALUES, 8);
+        const __m512 q = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_set_epi64x(cb, ca)));
+        const __m512 scale = _mm512_insertf32x8(_mm512_castps256_ps512(_mm256_set1_ps(_cvtsh_ss(da))),
+                                                _mm256_set1_ps(_cvtsh_ss(db)), 1);
+        return _mm512_mul_ps(q, scale);
+    }
+    }
+}
+#endif
+
 /* float32 -> bfloat16 bits, round to nearest even (finite inputs). */
 static inline __m128i bf16_round8(__m256 x) {
     __m256i u = _mm256_castps_si256(x);

@@ -35,10 +35,10 @@
  * head, from HEADS_MIN_SPANS spans a call): the cache puts a token's rows of all KV heads side by side,
  * so a task per KV head reads 128-byte pieces a row apart (1 KB for Llama-3.2-1B's 8 heads of 64), and
  * DRAM delivered those at 6-8 GB/s where block-sized runs come at 25-30. One task per span walks its
- * rows in address order instead: 16 tokens of every head's scores, the next 16 tokens' K rows and
- * these tokens' V rows prefetched a slice per head meanwhile, then the softmaxes, then the weighted V
- * rows likewise, and the next task (taken one ahead) has its first rows on the way. Each head's
- * arithmetic is direct_span's, so the bits do not move. 2-core Zen 5, Llama-3.2-1B's heads, a float16
+ * rows in address order instead: 16 tokens of every head's scores, then the softmaxes, then the
+ * weighted V rows likewise, each row's arithmetic fetching the row 16 tokens on (heads_span), so the
+ * next task (taken one ahead) has its first rows on the way. Each head's arithmetic is direct_span's
+ * (on 512-bit registers, with the 256-bit code's lanes), so the bits do not move. 2-core Zen 5, Llama-3.2-1B's heads, a float16
  * or bfloat16 cache in shuffled blocks, 16 layers from DRAM: batch 32 at 144 tokens 1.19-1.53 ->
  * 0.56-0.62 ms a layer, batch 1 at 4,096 tokens 1.06-1.32 -> 0.46-0.55 ms (6-8 -> 15-18 GB/s).
  */
@@ -56,6 +56,13 @@ static inline __m256 hsum8x8(const __m256 *a) {
     const __m256 u0 = _mm256_hadd_ps(t0, t1), u1 = _mm256_hadd_ps(t2, t3);
     return _mm256_add_ps(_mm256_permute2f128_ps(u0, u1, 0x20), _mm256_permute2f128_ps(u0, u1, 0x31));
 }
+
+/* The direct path and heads_span: AVX-512 (VL for 32 vector registers, DQ for 256-bit halves of 512-bit ones). */
+#if defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define DIRECT_PATH 1
+#else
+#define DIRECT_PATH 0
+#endif
 
 #define MAX_HEAD_DIM 256
 #define MAX_GROUP 8      /* query heads computed together (a larger GQA group is cut into sub-groups) */
@@ -80,7 +87,7 @@ static inline __attribute__((always_inline)) void softmax_row(float *sh, int64_t
     *lh = hsum8(lv);
 }
 
-#if defined(__AVX512VL__)
+#if DIRECT_PATH
 /* The 4 horizontal sums of a[0..3], each summed as hsum8x8 sums it ((l0 + l1) + (l2 + l3)) + ((l4 + l5)
  * + (l6 + l7)), so a score is the same bits from either tile width. */
 static inline __m128 hsum4x8(const __m256 *a) {
@@ -97,53 +104,99 @@ static inline __m128 hsum4x8(const __m256 *a) {
  * arithmetic is the buffered path's, operation for operation (same FMA order, hsum4x8 = hsum8x8 per
  * token, the shared softmax_row; tokens past a query's own are weighted by exactly 0), so a row
  * gives the same bits whichever path its task took. */
-/* The scores of NQ queries (q [NQ, D], scaled) against tokens [j0, j1) of a span of n (j0 a multiple of 4),
- * 4 tokens a tile, into s[h][j] (a short last tile reads token 0 for its missing rows: masked later). */
+/* Lines [from, from + count) of the cache lines a row of `bytes` bytes at `row` touches (those past its
+ * end skipped), on their way into L1. */
+static inline __attribute__((always_inline)) void prefetch_row_lines(const uint8_t *row, int64_t bytes, int64_t from,
+                                                                     int64_t count) {
+    const uintptr_t first = (uintptr_t)row & ~(uintptr_t)63, last = ((uintptr_t)row + bytes - 1) & ~(uintptr_t)63;
+    for (uintptr_t p = first + 64 * (uintptr_t)from; p <= last && count > 0; p += 64, count--)
+        _mm_prefetch((const char *)p, _MM_HINT_T0);
+}
+
+/* The most cache lines a row of `bytes` bytes touches, wherever it starts. */
+static inline int64_t row_lines(int64_t bytes) { return (bytes + 63) / 64 + (bytes % 64 != 0); }
+
+/* The scores of NQ queries (q [NQ, D], scaled) against tokens [j0, j1) of a span of n (j0 a multiple of 8),
+ * 8 tokens a tile, into s[h][j] (a short last tile reads token 0 for its missing rows: masked later).
+ * Two tokens a 512-bit register (the same 8 values of each row side by side) against the query's 8 values
+ * twice, so each token's 8 lanes are the chains a 256-bit register of its own would hold, summed by
+ * hsum4x8: the bits of 256-bit tiles, at half the multiply-adds. 8 tokens, not 4, so that 3-4 queries
+ * keep 12-16 independent chains in flight (4 tokens' 6-8 waited on the multiply-add's latency: no
+ * faster than 256-bit tiles). pf (or NULL): with token j's tile, the row pf[j] (row_bytes, NULL for none)
+ * is fetched into L1. */
 static inline __attribute__((always_inline)) void direct_scores(const float *q, const uint8_t *const *kr, int64_t j0,
                                                                 int64_t j1, int64_t n, const int64_t DV, const int kvt,
-                                                                const int NQ, float (*s)[SPAN_TOKENS]) {
+                                                                const int NQ, float (*s)[SPAN_TOKENS],
+                                                                const uint8_t *const *pf, int64_t row_bytes) {
     const int64_t D = DV * 8;
-    for (int64_t t0 = j0; t0 < j1; t0 += 4) {
-        const uint8_t *kt[4];
-        for (int j = 0; j < 4; j++) kt[j] = kr[t0 + j < n ? t0 + j : 0]; /* a short tile reads token 0 */
-        __m256 dots[DIRECT_QUERIES][4];
+    for (int64_t t0 = j0; t0 < j1; t0 += 8) {
+        const uint8_t *kt[8];
+        for (int j = 0; j < 8; j++) kt[j] = kr[t0 + j < n ? t0 + j : 0]; /* a short tile reads token 0 */
+        if (pf)
+            for (int64_t j = t0; j < t0 + 8 && j < j1; j++)
+                if (pf[j]) prefetch_row_lines(pf[j], row_bytes, 0, row_lines(row_bytes));
+        __m512 dots[DIRECT_QUERIES][4];
         for (int h = 0; h < NQ; h++)
-            for (int j = 0; j < 4; j++) dots[h][j] = _mm256_setzero_ps();
+            for (int p = 0; p < 4; p++) dots[h][p] = _mm512_setzero_ps();
         for (int64_t d = 0; d < DV; d++) {
-            __m256 kv[4];
-            for (int j = 0; j < 4; j++) kv[j] = kv_load8(kt[j], 8 * d, kvt);
+            __m512 kv[4];
+            for (int p = 0; p < 4; p++) kv[p] = kv_load8x2(kt[2 * p], kt[2 * p + 1], 8 * d, kvt);
             for (int h = 0; h < NQ; h++) {
-                const __m256 qd = _mm256_loadu_ps(q + h * D + 8 * d);
-                for (int j = 0; j < 4; j++) dots[h][j] = _mm256_fmadd_ps(qd, kv[j], dots[h][j]);
+                const __m512 qd = _mm512_broadcast_f32x8(_mm256_loadu_ps(q + h * D + 8 * d));
+                for (int p = 0; p < 4; p++) dots[h][p] = _mm512_fmadd_ps(qd, kv[p], dots[h][p]);
             }
         }
-        for (int h = 0; h < NQ; h++) _mm_store_ps(s[h] + t0, hsum4x8(dots[h]));
+        for (int h = 0; h < NQ; h++)
+            for (int p = 0; p < 4; p += 2) {
+                const __m256 tiles[4] = {_mm512_castps512_ps256(dots[h][p]), _mm512_extractf32x8_ps(dots[h][p], 1),
+                                         _mm512_castps512_ps256(dots[h][p + 1]),
+                                         _mm512_extractf32x8_ps(dots[h][p + 1], 1)};
+                _mm_store_ps(s[h] + t0 + 2 * p, hsum4x8(tiles));
+            }
     }
 }
 
 /* acc [NQ, D] (+)= sum over tokens [j0, j1) of s[h][j] v_j, from zero when `first`: per element the same
- * multiply-adds in token order however the span's tokens are cut into ranges. */
+ * multiply-adds in token order however the span's tokens are cut into ranges, and whatever the vector
+ * width (an element's chain is its own lane's), so 512-bit vectors where the row splits into them (16
+ * values each: on Zen 5 as many multiply-adds a cycle as 256-bit ones, each twice the work) give the
+ * bits of 256-bit ones. Chunks of 4 vectors a pass over the tokens, their accumulators in registers.
+ * pf (or NULL): while token j's chunk c is weighted, the row pf[j] (row_bytes) is fetched into L1, its
+ * c-th share of lines a chunk. */
+#define VALUES_PASS(VEC, WIDTH, ZERO, LOADU, STOREU, SET1, FMADD, LOAD_ROW)                                    \
+    do {                                                                                                      \
+        const int64_t DW = DV * 8 / (WIDTH), chunks = (DW + 3) / 4;                                           \
+        const int64_t per_chunk = (row_lines(row_bytes) + chunks - 1) / chunks;                               \
+        for (int64_t d0 = 0; d0 < DW; d0 += 4) {                                                              \
+            const int64_t dn = DW - d0 < 4 ? DW - d0 : 4;                                                     \
+            VEC a[DIRECT_QUERIES][4];                                                                         \
+            for (int h = 0; h < NQ; h++)                                                                      \
+                for (int64_t d = 0; d < 4; d++)                                                               \
+                    a[h][d] = first || d >= dn ? ZERO() : LOADU(acc + h * D + (WIDTH) * (d0 + d));            \
+            for (int64_t j = j0; j < j1; j++) {                                                               \
+                if (pf && pf[j]) prefetch_row_lines(pf[j], row_bytes, d0 / 4 * per_chunk, per_chunk);        \
+                VEC vv[4];                                                                                    \
+                for (int64_t d = 0; d < dn; d++) vv[d] = LOAD_ROW(vr[j], (WIDTH) * (d0 + d), kvt);            \
+                for (int h = 0; h < NQ; h++) {                                                                \
+                    const VEC pj = SET1(s[h][j]);                                                             \
+                    for (int64_t d = 0; d < dn; d++) a[h][d] = FMADD(pj, vv[d], a[h][d]);                     \
+                }                                                                                             \
+            }                                                                                                 \
+            for (int h = 0; h < NQ; h++)                                                                      \
+                for (int64_t d = 0; d < dn; d++) STOREU(acc + h * D + (WIDTH) * (d0 + d), a[h][d]);           \
+        }                                                                                                     \
+    } while (0)
 static inline __attribute__((always_inline)) void direct_values(const float (*s)[SPAN_TOKENS], const uint8_t *const *vr,
                                                                 int64_t j0, int64_t j1, const int64_t DV,
-                                                                const int kvt, const int NQ, int first, float *acc) {
+                                                                const int kvt, const int NQ, int first, float *acc,
+                                                                const uint8_t *const *pf, int64_t row_bytes) {
     const int64_t D = DV * 8;
-    for (int64_t d0 = 0; d0 < DV; d0 += 4) {
-        const int64_t dn = DV - d0 < 4 ? DV - d0 : 4;
-        __m256 a[DIRECT_QUERIES][4];
-        for (int h = 0; h < NQ; h++)
-            for (int64_t d = 0; d < 4; d++)
-                a[h][d] = first || d >= dn ? _mm256_setzero_ps() : _mm256_loadu_ps(acc + h * D + 8 * (d0 + d));
-        for (int64_t j = j0; j < j1; j++) {
-            __m256 vv[4];
-            for (int64_t d = 0; d < dn; d++) vv[d] = kv_load8(vr[j], 8 * (d0 + d), kvt);
-            for (int h = 0; h < NQ; h++) {
-                const __m256 pj = _mm256_set1_ps(s[h][j]);
-                for (int64_t d = 0; d < dn; d++) a[h][d] = _mm256_fmadd_ps(pj, vv[d], a[h][d]);
-            }
-        }
-        for (int h = 0; h < NQ; h++)
-            for (int64_t d = 0; d < dn; d++) _mm256_storeu_ps(acc + h * D + 8 * (d0 + d), a[h][d]);
-    }
+    if (DV % 2 == 0)
+        VALUES_PASS(__m512, 16, _mm512_setzero_ps, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps,
+                    _mm512_fmadd_ps, kv_load16);
+    else
+        VALUES_PASS(__m256, 8, _mm256_setzero_ps, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps,
+                    _mm256_fmadd_ps, kv_load8);
 }
 
 /* The softmax of each query's scores over its nv[h] tokens; tiles past a query's own weighted 0. */
@@ -160,36 +213,17 @@ static inline __attribute__((always_inline)) void direct_span(const float *q, co
                                                               const int64_t *nv, const int64_t DV, const int kvt,
                                                               const int NQ, float *acc, float *m, float *l) {
     float s[DIRECT_QUERIES][SPAN_TOKENS] __attribute__((aligned(32)));
-    direct_scores(q, kr, 0, n, n, DV, kvt, NQ, s);
+    direct_scores(q, kr, 0, n, n, DV, kvt, NQ, s, NULL, 0);
     direct_softmax(s, n, nv, NQ, m, l);
-    direct_values((const float(*)[SPAN_TOKENS])s, vr, 0, n, DV, kvt, NQ, 1, acc);
-}
-
-/* Slice `part` of `parts` of the cache lines of tokens [j0, j1)'s rows (token_bytes each, at tok[j]), on
- * their way into L1 (to_l2: into L2). */
-static inline __attribute__((always_inline)) void prefetch_rows(const uint8_t *cache, const int64_t *tok, int64_t j0,
-                                                                int64_t j1, int64_t token_bytes, int64_t part,
-                                                                int64_t parts, int to_l2) {
-    const int64_t per_token = token_bytes / 64, lines = (j1 - j0) * per_token;
-    const int64_t x0 = lines * part / parts, x1 = lines * (part + 1) / parts;
-    if (x0 >= x1) return; /* nothing in this slice; per_token is 0 for rows of all heads under 64 bytes */
-    /* One division a call, not one a line: the loop runs for every cache line of the span twice, and
-     * a 64-bit divide a line took a quarter of the kernel's time with the rows in cache. */
-    int64_t j = j0 + x0 / per_token, l = x0 % per_token;
-    for (int64_t x = x0; x < x1; x++) {
-        const char *p = (const char *)(cache + tok[j] + 64 * l);
-        if (to_l2)
-            _mm_prefetch(p, _MM_HINT_T1);
-        else
-            _mm_prefetch(p, _MM_HINT_T0);
-        if (++l == per_token) l = 0, j++;
-    }
+    direct_values((const float(*)[SPAN_TOKENS])s, vr, 0, n, DV, kvt, NQ, 1, acc, NULL, 0);
 }
 
 /* Tokens a range of a span that heads_span walks all KV heads over before the next: a block's worth,
- * so that its rows (contiguous in the cache: every head's row of a token side by side) are read together
- * and the next range's are fetched meanwhile. */
+ * so that its rows (contiguous in the cache: every head's row of a token side by side) are read together. */
 #define RANGE_TOKENS 16
+/* How far ahead heads_span fetches rows, in tokens of the same head: one range. (8 tokens lost 20% from
+ * DRAM, 24 tied, 32 lost 3-10%: fetched further ahead, rows are evicted from L1 before they are read.) */
+#define FETCH_AHEAD 16
 #define HEADS_MAX_QUERIES 64 /* query heads heads_span takes */
 #define HEADS_MAX_FLOATS (HEADS_MAX_QUERIES * MAX_HEAD_DIM / 2) /* and their values: Hq x D */
 
@@ -198,38 +232,52 @@ static inline __attribute__((always_inline)) void prefetch_rows(const uint8_t *c
  * then the weighted V rows likewise. Each head's arithmetic is direct_span's, so the bits are the same.
  * Per KV head the rows lie in 128-byte pieces a token apart (row bytes x KV heads); reading one head's
  * pieces over a whole span before the next head's (one task per head) read DRAM at a third of the
- * bandwidth a block-sized run gets. tok [n]: the byte offset of each token's rows in the caches. */
+ * bandwidth a block-sized run gets. tok [n]: the byte offset of each token's rows in the caches.
+ *
+ * Fetching: the rows are read as one stream, K of tokens 0..n-1, V of tokens 0..n-1, then K of the next
+ * task's first tokens (next_tok [next_n], offsets as tok's; none when next_n is 0), and the arithmetic on
+ * one row of the stream fetches the row FETCH_AHEAD tokens after it (same head) into L1: a line a chunk of
+ * weighted V, a row a tile of scores. Spread so, the fetches keep memory busy while the arithmetic runs.
+ * Issued in bursts (a slice of the next range's rows, every head's, before each head's work) they did
+ * not: the burst filled the core's miss buffers and the arithmetic behind it waited for DRAM, so the two
+ * took the sum of their times (2-core Zen 5, 3B's heads from DRAM at batch 32, 160 tokens: 0.87-0.93 ms
+ * a layer; spread 0.67-0.69, with the next task's first rows fetched the same way rather than at its
+ * start; 1B's heads 0.55 -> 0.33 ms, 4,096 tokens at batch 1 0.42 -> 0.26-0.29). */
 static inline __attribute__((always_inline)) void heads_span(const float *qs, const uint8_t *k_cache,
                                                              const uint8_t *v_cache, const int64_t *tok, int64_t n,
-                                                             int64_t Hkv, const int64_t DV, const int kvt,
-                                                             const int NQ, float *acc, float *m, float *l) {
-    const int64_t D = DV * 8, row_bytes = kv_row_bytes(kvt, D), token_bytes = Hkv * row_bytes;
+                                                             const int64_t *next_tok, int64_t next_n, int64_t Hkv,
+                                                             const int64_t DV, const int kvt, const int NQ,
+                                                             float *acc, float *m, float *l) {
+    const int64_t D = DV * 8, row_bytes = kv_row_bytes(kvt, D);
     float s[HEADS_MAX_QUERIES][SPAN_TOKENS] __attribute__((aligned(32)));
-    const uint8_t *kr[SPAN_TOKENS], *vr[SPAN_TOKENS];
+    const uint8_t *kr[SPAN_TOKENS], *vr[SPAN_TOKENS], *ahead[SPAN_TOKENS];
     int64_t nv[DIRECT_QUERIES];
     for (int h = 0; h < NQ; h++) nv[h] = n;
     for (int64_t j0 = 0; j0 < n; j0 += RANGE_TOKENS) {
         const int64_t j1 = j0 + RANGE_TOKENS < n ? j0 + RANGE_TOKENS : n;
-        const int64_t j2 = j1 + RANGE_TOKENS < n ? j1 + RANGE_TOKENS : n;
         for (int64_t kvh = 0; kvh < Hkv; kvh++) {
-            /* A slice of the next range's K rows and of this range's V rows a head: the fetches spread
-             * over the arithmetic rather than queued all at once. */
-            prefetch_rows(k_cache, tok, j1, j2, token_bytes, kvh, Hkv, 0);
-            prefetch_rows(v_cache, tok, j0, j1, token_bytes, kvh, Hkv, 1);
-            kr[0] = k_cache + tok[0] + kvh * row_bytes; /* what a short tile's missing rows read */
-            for (int64_t j = j0; j < j1; j++) kr[j] = k_cache + tok[j] + kvh * row_bytes;
-            direct_scores(qs + kvh * NQ * D, kr, j0, j1, n, DV, kvt, NQ, s + kvh * NQ);
+            const int64_t head = kvh * row_bytes;
+            kr[0] = k_cache + tok[0] + head; /* what a short tile's missing rows read */
+            for (int64_t j = j0; j < j1; j++) {
+                const int64_t a = j + FETCH_AHEAD; /* K rows, then the first V rows */
+                kr[j] = k_cache + tok[j] + head;
+                ahead[j] = a < n ? k_cache + tok[a] + head : a - n < n ? v_cache + tok[a - n] + head : NULL;
+            }
+            direct_scores(qs + kvh * NQ * D, kr, j0, j1, n, DV, kvt, NQ, s + kvh * NQ, ahead, row_bytes);
         }
     }
     for (int64_t kvh = 0; kvh < Hkv; kvh++) direct_softmax(s + kvh * NQ, n, nv, NQ, m + kvh * NQ, l + kvh * NQ);
     for (int64_t j0 = 0; j0 < n; j0 += RANGE_TOKENS) {
         const int64_t j1 = j0 + RANGE_TOKENS < n ? j0 + RANGE_TOKENS : n;
-        const int64_t j2 = j1 + RANGE_TOKENS < n ? j1 + RANGE_TOKENS : n;
         for (int64_t kvh = 0; kvh < Hkv; kvh++) {
-            prefetch_rows(v_cache, tok, j1, j2, token_bytes, kvh, Hkv, 0);
-            for (int64_t j = j0; j < j1; j++) vr[j] = v_cache + tok[j] + kvh * row_bytes;
+            const int64_t head = kvh * row_bytes;
+            for (int64_t j = j0; j < j1; j++) {
+                const int64_t a = j + FETCH_AHEAD; /* V rows, then the next task's first K rows */
+                vr[j] = v_cache + tok[j] + head;
+                ahead[j] = a < n ? v_cache + tok[a] + head : a - n < next_n ? k_cache + next_tok[a - n] + head : NULL;
+            }
             direct_values((const float(*)[SPAN_TOKENS])(s + kvh * NQ), vr, j0, j1, DV, kvt, NQ, j0 == 0,
-                          acc + kvh * NQ * D);
+                          acc + kvh * NQ * D, ahead, row_bytes);
         }
     }
 }
@@ -270,7 +318,7 @@ static inline __attribute__((always_inline)) void group_span(
         kr[j] = k_cache + off[j];
         vr[j] = v_cache + off[j];
     }
-#if defined(__AVX512VL__)
+#if DIRECT_PATH
     if (kvt != KV_F32 && nq <= DIRECT_QUERIES) {
         switch (nq) { /* constant query counts: the accumulators stay in registers */
         case 1: direct_span(q, kr, vr, n, nv, DV, kvt, 1, acc, m, l); return;
@@ -432,14 +480,14 @@ static inline __attribute__((always_inline)) void run_task(
                     span_stride);
 }
 
-#if defined(__AVX512VL__)
+#if DIRECT_PATH
 /* run_task for a one-row run over all query heads at once (heads_span): group (<= DIRECT_QUERIES) query
  * heads a KV head, a 16-bit or q8_0 cache. */
 static inline __attribute__((always_inline)) void run_heads_task(
     const float *q, const uint8_t *k_cache, const uint8_t *v_cache, const int32_t *table, const run_t *run,
     const int32_t *seq_lens, const int64_t *part_start, int64_t abs_span, int64_t Hq, int64_t Hkv,
     int64_t block_size, const int64_t DV, const int kvt, const int NQ, float scale, float *out, float *part,
-    int64_t span_stride) {
+    int64_t span_stride, const int64_t *next_tok, int64_t next_n) {
     const int64_t D = DV * 8, i = run->first, len = seq_lens[i], token_bytes = Hkv * kv_row_bytes(kvt, D);
     const int64_t t_begin = span_first(run, abs_span), n = span_end(abs_span, len) - t_begin;
     float qs[HEADS_MAX_FLOATS] __attribute__((aligned(32)));
@@ -451,7 +499,7 @@ static inline __attribute__((always_inline)) void run_heads_task(
         for (int64_t d = 0; d < DV; d++)
             _mm256_store_ps(qs + h * D + 8 * d,
                             _mm256_mul_ps(_mm256_loadu_ps(q + (i * Hq + h) * D + 8 * d), _mm256_set1_ps(scale)));
-    heads_span(qs, k_cache, v_cache, tok, n, Hkv, DV, kvt, NQ, acc, m, l);
+    heads_span(qs, k_cache, v_cache, tok, n, next_tok, next_n, Hkv, DV, kvt, NQ, acc, m, l);
     for (int64_t h = 0; h < Hq; h++)
         store_query(acc + h * D, m[h], l[h], run, abs_span, i, h, Hq, DV, part_start, out, part, span_stride);
 }
@@ -478,11 +526,26 @@ static void merge_spans(const float *part, int64_t num_spans, int64_t span_strid
 /* Tasks of a span for every KV head from this many spans in a call; below, the spans alone would leave
  * threads idle and a task per span and group of query heads runs instead (the same bits either way). */
 #define HEADS_MIN_SPANS 8
-#if defined(__AVX512VL__)
+#if DIRECT_PATH
 #define HEADS_SPAN 1
 #else
 #define HEADS_SPAN 0 /* the direct path (AVX-512VL's 32 registers) is what it runs */
 #endif
+
+/* off: where span c's first tokens lie (at most `limit` <= SPAN_TOKENS of them, as token_offsets gives
+ * them: the tokens of the span any row of its run reads); returns how many. */
+static int64_t span_token_offsets(const int32_t *tables, const run_t *runs, const int64_t *span_run,
+                                  const int32_t *seq_lens, int64_t c, int64_t max_blocks, int64_t block_size,
+                                  int64_t token_bytes, int64_t limit, int64_t *off) {
+    const run_t *run = &runs[span_run[c]];
+    const int64_t abs_span = abs_span_of(run, c), s0 = span_first(run, abs_span);
+    int64_t len = 0;
+    for (int64_t r = 0; r < run->rows; r++) len = seq_lens[run->first + r] > len ? seq_lens[run->first + r] : len;
+    int64_t n = span_end(abs_span, len) - s0;
+    n = n < limit ? n : limit;
+    token_offsets(tables + run->first * max_blocks, s0, n, block_size, token_bytes, off);
+    return n;
+}
 
 /* Slice `part` of `parts` of the first `tokens` tokens of span c: their rows of every KV head (contiguous:
  * token_bytes a token) in K, and in V unless v_cache is NULL, on their way into L1 (to_l2: L2), in
@@ -491,26 +554,19 @@ static void prefetch_span(const uint8_t *k_cache, const uint8_t *v_cache, const 
                           const int64_t *span_run, const int32_t *seq_lens, int64_t c, int64_t max_blocks,
                           int64_t block_size, int64_t token_bytes, int64_t tokens, int64_t part, int64_t parts,
                           int to_l2) {
-    const run_t *run = &runs[span_run[c]];
-    const int32_t *table = tables + run->first * max_blocks;
-    const int64_t abs_span = abs_span_of(run, c);
-    int64_t len = 0;
-    for (int64_t r = 0; r < run->rows; r++) len = seq_lens[run->first + r] > len ? seq_lens[run->first + r] : len;
-    const int64_t s0 = span_first(run, abs_span);
-    int64_t s1 = span_end(abs_span, len);
-    s1 = s1 - s0 > tokens ? s0 + tokens : s1;
-    for (int64_t t = s0 + (s1 - s0) * part / parts; t < s0 + (s1 - s0) * (part + 1) / parts; t++) {
-        const int64_t off = ((int64_t)table[t / block_size] * block_size + t % block_size) * token_bytes;
+    int64_t off[SPAN_TOKENS];
+    const int64_t n = span_token_offsets(tables, runs, span_run, seq_lens, c, max_blocks, block_size, token_bytes,
+                                         tokens, off);
+    for (int64_t t = n * part / parts; t < n * (part + 1) / parts; t++)
         for (int64_t x = 0; x < token_bytes; x += 64) {
             if (to_l2) {
-                _mm_prefetch((const char *)(k_cache + off + x), _MM_HINT_T1);
-                if (v_cache) _mm_prefetch((const char *)(v_cache + off + x), _MM_HINT_T1);
+                _mm_prefetch((const char *)(k_cache + off[t] + x), _MM_HINT_T1);
+                if (v_cache) _mm_prefetch((const char *)(v_cache + off[t] + x), _MM_HINT_T1);
             } else {
-                _mm_prefetch((const char *)(k_cache + off + x), _MM_HINT_T0);
-                if (v_cache) _mm_prefetch((const char *)(v_cache + off + x), _MM_HINT_T0);
+                _mm_prefetch((const char *)(k_cache + off[t] + x), _MM_HINT_T0);
+                if (v_cache) _mm_prefetch((const char *)(v_cache + off[t] + x), _MM_HINT_T0);
             }
         }
-    }
 }
 
 /* The largest divisor of the GQA group that is at most MAX_GROUP: the heads of one task. */
@@ -562,7 +618,7 @@ static void run_typed(const float *q, const uint8_t *k, const uint8_t *v, const 
 /* run_heads_task specialised on the head size (64, 128 unrolled), the cache's type and the group. */
 #define HEADS_TASK(DV, KVT, NQ)                                                                                \
     run_heads_task(q, k, v, table, run, lens, part_start, abs_span, Hq, Hkv, bs, DV, KVT, NQ, scale, out, part, \
-                   span_stride)
+                   span_stride, next_tok, next_n)
 #define HEADS_NQ(DV, KVT)                                                                                      \
     switch (group) {                                                                                           \
     case 1: HEADS_TASK(DV, KVT, 1); break;                                                                     \
@@ -579,7 +635,8 @@ static void run_typed(const float *q, const uint8_t *k, const uint8_t *v, const 
 static void run_heads_typed(const float *q, const uint8_t *k, const uint8_t *v, const int32_t *table,
                             const run_t *run, const int32_t *lens, const int64_t *part_start, int64_t abs_span,
                             int64_t Hq, int64_t group, int64_t Hkv, int64_t bs, int64_t D, int kvt, float scale,
-                            float *out, float *part, int64_t span_stride) {
+                            float *out, float *part, int64_t span_stride, const int64_t *next_tok,
+                            int64_t next_n) {
     if (D == 64) {
         HEADS_TYPES(8)
     } else if (D == 128) {
@@ -676,6 +733,12 @@ int orca_paged_decode_attention(const float *q, const void *k_cache_, const void
     {
         if (all_heads || (by_span && groups > 1)) {
             int64_t c = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
+#if HEADS_SPAN
+            /* heads_span fetches the next task's first rows as it ends; a thread's first task's are fetched here. */
+            if (all_heads && c < spans)
+                prefetch_span(k_cache, NULL, block_tables, runs, span_run, seq_lens, c, max_blocks, block_size,
+                              token_bytes, FETCH_AHEAD, 0, 1, 0);
+#endif
             while (c < spans) {
                 const int64_t cn = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
                 const run_t *run = &runs[span_run[c]];
@@ -683,11 +746,12 @@ int orca_paged_decode_attention(const float *q, const void *k_cache_, const void
                 const int64_t abs_span = abs_span_of(run, c);
 #if HEADS_SPAN
                 if (all_heads) {
+                    int64_t next_tok[FETCH_AHEAD], next_n = 0;
                     if (cn < spans)
-                        prefetch_span(k_cache, NULL, block_tables, runs, span_run, seq_lens, cn, max_blocks,
-                                      block_size, token_bytes, RANGE_TOKENS, 0, 1, 0);
+                        next_n = span_token_offsets(block_tables, runs, span_run, seq_lens, cn, max_blocks, block_size,
+                                                    token_bytes, FETCH_AHEAD, next_tok);
                     run_heads_typed(q, k_cache, v_cache, table, run, seq_lens, part_start, abs_span, Hq, group, Hkv,
-                                    block_size, D, kv_type, scale, out, part, span_stride);
+                                    block_size, D, kv_type, scale, out, part, span_stride, next_tok, next_n);
                 } else
 #endif
                     for (int64_t i = 0; i < groups; i++) {

@@ -12,6 +12,7 @@ from paged_cache import reference_attention, step_metadata
 from test_cpu_kernels import assert_batch_invariant, paged_case, reference
 
 from models.kernels import cpu as cpu_kernels
+from models.kernels.isa import supported_variants
 from models.layers.attention_backends import BatchedDecodeBackend, SdpaBackend
 from models.layers.kv_format import (
     Q8_0_BYTES,
@@ -244,3 +245,27 @@ def test_tasks_over_every_kv_head_match_tasks_per_head(
         assert torch.equal(alone[0], got[i]), f"sequence {i} changed with its batch"
     same_values = kern.paged_decode_attention(q, widened(k, d), widened(v, d), tables, lens, 0.125, window)
     assert torch.equal(got, same_values)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16", "q8_0"])
+@pytest.mark.parametrize(("hq", "hkv", "d"), [(24, 8, 128), (9, 3, 64), (4, 1, 96), (8, 4, 32)])
+def test_every_variant_gives_the_same_bits(dtype: str, hq: int, hkv: int, d: int) -> None:
+    """The AVX-512 builds hold two 8-lane chains a 512-bit register (two tokens' K values, 16 values of a
+    V row) where the AVX2 build holds one: the same chains, so a batch's outputs are the same bits on
+    every variant this CPU runs, both through tasks over every KV head (many spans) and alone."""
+    runnable = [v.name for v in supported_variants()]
+    if len(runnable) < 2:
+        pytest.skip("one kernel variant runs on this CPU")
+    seq_lens = [1, 63, 64, 65, 129, 200, 300, 17, 520]
+    q, k32, v32, tables, lens = paged_case(seq_lens, hq, hkv, d, 16, seed=hq * d)
+    k, v = stored(k32, dtype), stored(v32, dtype)
+    outputs = {}
+    for name in runnable:
+        kern = kernels_for(name)
+        batch = kern.paged_decode_attention(q, k, v, tables, lens, 0.125)
+        alone = kern.paged_decode_attention(q[-1:], k, v, tables[-1:], lens[-1:], 0.125)
+        outputs[name] = (batch, alone)
+    first, (batch, alone) = next(iter(outputs.items()))
+    for name, (b, a) in outputs.items():
+        assert torch.equal(b, batch), f"{name} differs from {first} in a batch"
+        assert torch.equal(a, alone), f"{name} differs from {first} alone"
