@@ -526,11 +526,6 @@ static void merge_spans(const float *part, int64_t num_spans, int64_t span_strid
 /* Tasks of a span for every KV head from this many spans in a call; below, the spans alone would leave
  * threads idle and a task per span and group of query heads runs instead (the same bits either way). */
 #define HEADS_MIN_SPANS 8
-#if DIRECT_PATH
-#define HEADS_SPAN 1
-#else
-#define HEADS_SPAN 0 /* the direct path (AVX-512VL's 32 registers) is what it runs */
-#endif
 
 /* off: where span c's first tokens lie (at most `limit` <= SPAN_TOKENS of them, as token_offsets gives
  * them: the tokens of the span any row of its run reads); returns how many. */
@@ -614,7 +609,7 @@ static void run_typed(const float *q, const uint8_t *k, const uint8_t *v, const 
     }
 }
 
-#if HEADS_SPAN
+#if DIRECT_PATH /* heads_span is the direct path's */
 /* run_heads_task specialised on the head size (64, 128 unrolled), the cache's type and the group. */
 #define HEADS_TASK(DV, KVT, NQ)                                                                                \
     run_heads_task(q, k, v, table, run, lens, part_start, abs_span, Hq, Hkv, bs, DV, KVT, NQ, scale, out, part, \
@@ -721,7 +716,7 @@ int orca_paged_decode_attention(const float *q, const void *k_cache_, const void
      * L2; 16 layers of Llama-3.2-1B's heads from DRAM, batch 32 at 144 tokens: the AVX2 build's 16-bit
      * cache 1.04-1.07x, a float32 cache 1.05x). Tasks are claimed one ahead, so the next one is known. */
     const int by_span = spans >= HEADS_MIN_SPANS;
-#if HEADS_SPAN
+#if DIRECT_PATH
     const int all_heads = by_span && kv_type != KV_F32 && group <= DIRECT_QUERIES && Hq <= HEADS_MAX_QUERIES &&
                           Hq * D <= HEADS_MAX_FLOATS && num_runs == n;
 #else
@@ -733,7 +728,7 @@ int orca_paged_decode_attention(const float *q, const void *k_cache_, const void
     {
         if (all_heads || (by_span && groups > 1)) {
             int64_t c = __atomic_fetch_add(&next_task, 1, __ATOMIC_RELAXED);
-#if HEADS_SPAN
+#if DIRECT_PATH
             /* heads_span fetches the next task's first rows as it ends; a thread's first task's are fetched here. */
             if (all_heads && c < spans)
                 prefetch_span(k_cache, NULL, block_tables, runs, span_run, seq_lens, c, max_blocks, block_size,
@@ -744,7 +739,7 @@ int orca_paged_decode_attention(const float *q, const void *k_cache_, const void
                 const run_t *run = &runs[span_run[c]];
                 const int32_t *table = block_tables + run->first * max_blocks;
                 const int64_t abs_span = abs_span_of(run, c);
-#if HEADS_SPAN
+#if DIRECT_PATH
                 if (all_heads) {
                     int64_t next_tok[FETCH_AHEAD], next_n = 0;
                     if (cn < spans)
