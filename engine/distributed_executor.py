@@ -184,6 +184,22 @@ def run_torchrun_worker(config: EngineConfig) -> None:
 # ---- the driver ---------------------------------------------------------------------------------------
 
 
+def _destroy_group_within(timeout_s: float) -> bool:
+    """destroy_process_group, bounded: a collective backend may wait on a dead peer. True when this
+    process belongs to no group afterwards."""
+
+    def destroy() -> None:
+        try:
+            dist.destroy_process_group()
+        except Exception:  # a broken group may fail to tear down; what matters is that it is gone
+            logger.debug("destroy_process_group failed", exc_info=True)
+
+    leaving = threading.Thread(target=destroy, name="orca-leave-group", daemon=True)
+    leaving.start()
+    leaving.join(timeout_s)
+    return not leaving.is_alive() and not dist.is_initialized()
+
+
 class DistributedExecutor(ExecutorBase):
     """engine.contract.Executor over tensor_parallel_size x pipeline_parallel_size ranks."""
 
@@ -243,6 +259,10 @@ class DistributedExecutor(ExecutorBase):
             return ModelRunner(config, model_path, device, self._groups, agree=self._watching_workers)
         except BaseException:
             self._kill_workers()
+            # Leave the half-made group too: this process could start no other parallel engine (the
+            # server's restart, a second attempt) while it belongs to one.
+            if dist.is_initialized():
+                _destroy_group_within(LEAVE_GROUP_TIMEOUT_S)
             raise
 
     def _spawn_workers(self, config: EngineConfig, model_path: Path, init_method: str, world: int) -> None:
@@ -427,19 +447,9 @@ class DistributedExecutor(ExecutorBase):
         logger.warning("the parallel engine's workers are back after %.1f s", time.monotonic() - t0)
 
     def _leave_group(self) -> None:
-        """destroy_process_group on a group a rank left broken; bounded, since a collective backend
-        may wait on the dead peer (a default group that cannot be left means no new one can start)."""
-
-        def destroy() -> None:
-            try:
-                dist.destroy_process_group()
-            except Exception:  # a broken group may fail to tear down; what matters is that it is gone
-                logger.debug("destroy_process_group failed", exc_info=True)
-
-        leaving = threading.Thread(target=destroy, name="orca-leave-group", daemon=True)
-        leaving.start()
-        leaving.join(LEAVE_GROUP_TIMEOUT_S)
-        if leaving.is_alive() or dist.is_initialized():
+        """destroy_process_group on a group a rank left broken (a default group that cannot be left
+        means no new one can start)."""
+        if not _destroy_group_within(LEAVE_GROUP_TIMEOUT_S):
             self._dead_reason = "the broken process group could not be left"
             raise WorkerDiedError(self._dead_reason)
 

@@ -157,3 +157,22 @@ def both_overlap_modes(request, monkeypatch) -> bool:
 
     monkeypatch.setattr(IterationLoop, "__init__", with_mode)
     return request.param
+
+
+@pytest.fixture
+def fresh_model_cache(tmp_path: Path, monkeypatch) -> Path:
+    """An empty orca-serve cache ($ORCA_CACHE_DIR) for converted models, whose kernels/ is the
+    directory this process loaded its native kernels from: a spawned rank finds them built, where with
+    an empty kernels/ it would compile them first and could outlast a test's short distributed
+    timeout on a loaded machine."""
+    from models.kernels.cpu import kernels
+    from models.options import cache_root
+
+    loaded = kernels()
+    built = Path(loaded.lib._name).parent if loaded is not None else cache_root() / "kernels"
+    built.mkdir(parents=True, exist_ok=True)
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "kernels").symlink_to(built, target_is_directory=True)
+    monkeypatch.setenv("ORCA_CACHE_DIR", str(cache))
+    return cache

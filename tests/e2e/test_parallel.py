@@ -426,16 +426,47 @@ async def test_dead_worker_without_restarts_makes_server_unhealthy(uneven_llama_
         runner.close()
 
 
+def test_a_failed_start_leaves_the_group_and_the_next_engine_starts(
+    uneven_llama_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Rank 0 fails to load after the rendezvous: the engine raises that error, its worker is gone,
+    and this process belongs to no group, so the next parallel engine (a retry, the server's
+    restart) starts; before, every later engine in the process was refused."""
+    import engine.distributed_executor as executor_module
+
+    spawned: list[DistributedExecutor] = []
+    real_spawn = DistributedExecutor._spawn_workers
+
+    def spawn_and_remember(self: DistributedExecutor, *args: Any) -> None:
+        spawned.append(self)
+        real_spawn(self, *args)
+
+    def cannot_load(*args: Any, **kwargs: Any) -> None:
+        raise RuntimeError("rank 0 could not load its shard")
+
+    monkeypatch.setattr(DistributedExecutor, "_spawn_workers", spawn_and_remember)
+    monkeypatch.setattr(executor_module, "ModelRunner", cannot_load)
+    with pytest.raises(RuntimeError, match="could not load its shard"):
+        DistributedExecutor(engine_config(uneven_llama_dir, pp=2))
+    assert not torch.distributed.is_initialized()
+    assert [p.is_alive() for p in spawned[0]._procs] == [False]
+
+    monkeypatch.undo()
+    runner = DistributedExecutor(engine_config(uneven_llama_dir, pp=2))
+    runner.close()
+
+
 @needs_native_kernels
 @pytest.mark.parametrize("arch", ["qwen3", "phi3"])
-async def test_new_families_from_gguf_tp2_equal_one_process(arch: str, tmp_path: Path, monkeypatch) -> None:
+async def test_new_families_from_gguf_tp2_equal_one_process(
+    arch: str, tmp_path: Path, fresh_model_cache: Path
+) -> None:
     """Qwen3 (q/k norms on each rank's heads) and Phi-3 (fused qkv and gate/up cut into q/k/v and
     gate/up first, then by rank) GGUF files under TP=2: every rank packs its shards of the decoder
     layers' blocks (8 heads of 64: o_proj's 256 input columns per rank are whole super-blocks), and
     greedy tokens equal one process's."""
     from models.loader import resolve_model
 
-    monkeypatch.setenv("ORCA_CACHE_DIR", str(tmp_path / "cache"))
     gguf = tmp_path / f"{arch}.gguf"
     shape = dict(hidden=256, head_dim=64) if arch == "qwen3" else dict(hidden=512)
     write_tiny_gguf(
