@@ -38,8 +38,8 @@
  * rows in address order instead: 16 tokens of every head's scores, then the softmaxes, then the
  * weighted V rows likewise, each row's arithmetic fetching the row 16 tokens on (heads_span), so the
  * next task (taken one ahead) has its first rows on the way. Each head's arithmetic is direct_span's
- * (on 512-bit registers, with the 256-bit code's lanes), so the bits do not move. 2-core Zen 5, Llama-3.2-1B's heads, a float16
- * or bfloat16 cache in shuffled blocks, 16 layers from DRAM: batch 32 at 144 tokens 1.19-1.53 ->
+ * (on 512-bit registers, with the 256-bit code's lanes), so the bits do not move. 2-core Zen 5,
+ * Llama-3.2-1B's heads, a float16 or bfloat16 cache in shuffled blocks, 16 layers from DRAM: batch 32 at 144 tokens 1.19-1.53 ->
  * 0.56-0.62 ms a layer, batch 1 at 4,096 tokens 1.06-1.32 -> 0.46-0.55 ms (6-8 -> 15-18 GB/s).
  */
 #include <math.h>

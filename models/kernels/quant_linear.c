@@ -528,11 +528,11 @@ static inline __attribute__((always_inline)) void pair_block_dots(const uint8_t 
         for (int i = 0; i < lines; i++) _mm_prefetch((const char *)(codes[t] + PREFETCH_AHEAD + 64 * i), _MM_HINT_T0);
     /* Cheap codes (one plane: Q4_0, Q4_1, Q4_K; bytes: Q8_0) sum odd units apart from even ones: 4 rows
      * x 2 tiles are 8 chains of dependent vpdpbusd, and at its ~5-cycle latency a core issuing two a
-     * cycle needs 10 (an 8-chain loop alone ran at 83% of the peak). 2-core
-     * Zen 5, 16-64 rows: Q4_K 1.03-1.05x (Llama-3.2-3B's decode step at 32 streams 205 -> 196 ms), Q4_1
-     * 1.03-1.05x, Q8_0 and Q4_0 0.97-1.04x (noise); the codes that take more unpacking (Q5_K, IQ4_XS)
-     * lost 3-4% with the registers it takes, and keep one chain (so did Q6_K's biased passes of 8 rows:
-     * 0.76-0.94x). Six rows a pass in one chain each (12 chains) gained less than this (1.0-1.03x). */
+     * cycle needs 10 (an 8-chain loop alone ran at 83% of the peak). 2-core Zen 5, 16-64 rows: Q4_K
+     * 1.03-1.05x (Llama-3.2-3B's decode step at 32 streams 205 -> 196 ms), Q4_1 1.03-1.05x, Q8_0 and
+     * Q4_0 0.97-1.04x (noise). The codes that take more unpacking (Q5_K, IQ4_XS) lost 3-4% with the
+     * registers it takes and keep one chain, as do Q6_K's biased passes (split at 8 rows: 0.76-0.94x).
+     * Six rows a pass in one chain each (12 chains) gained less than this (1.0-1.03x). */
     const int split = cheap_codes(fmt);
     vi odd[PAIR_ROWS][2];
     for (int m = 0; m < mr; m++) is[m][0] = is[m][1] = odd[m][0] = odd[m][1] = vi_zero();
