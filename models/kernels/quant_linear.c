@@ -42,7 +42,10 @@
 #else
 #define MR_INT 4 /* 4-bit codes: 2 x 4 16-bit sums + 2 weight vectors + x (the 8 float accumulators wait in L1) */
 #define MR_FLT 6 /* the BLIS-style 6 x 16: 12 accumulators */
-#define MR_BIASED MR_INT
+/* The formats with a code bias (biased: Q6_K, Q3_K): each unit's unpacking (two planes, the offset) serves
+ * 8 rows (8 sums in 16 bits, 8 in 32; the 32-bit ones spill, touched once a chunk of units). 2-core Zen 3,
+ * Q6_K 8192 x 2048 at 8-128 rows 1.14-1.21x; Q3_K (the other biased format) even. */
+#define MR_BIASED 8
 #endif
 #define MR_MAX (MR_BIASED > MR_INT ? MR_BIASED : MR_INT)
 /* Rows of x from which tiles go in pairs (pair_tile, pair_tile_super: AVX-512 VNNI): PAIR_MIN_ROWS, or
@@ -79,6 +82,11 @@
  * 16% at two, Q3_K 3-11% faster at one row but 11-17% slower at two. */
 #ifndef PREFETCH_MIN_ROWS
 #define PREFETCH_MIN_ROWS 3
+#endif
+/* Rows of x from which the AVX2 kernels pin their 16-bit sums after each unit (vec.h's vi_keep). At one
+ * row GCC's own schedule is as fast. */
+#ifndef KEEP_MIN_ROWS
+#define KEEP_MIN_ROWS 2
 #endif
 /* Codes that take one or two instructions a unit to unpack: one plane of 2 or 4 bits, or bytes. */
 static inline int cheap_codes(const int fmt) {
@@ -225,6 +233,18 @@ static inline __attribute__((always_inline)) vi code_unit(const uint8_t *codes, 
 /* Sub-groups per block: K16's two halves of 16 k, or the K kind's whole block. */
 static inline int sub_groups(const int fmt) { return qf_kind(fmt) == KIND_K16 ? 2 : 1; }
 
+/* Units whose vpmaddubsw products one 16-bit sum holds exactly (AVX2's dot_us16; 1 where there is no
+ * such sum, or for signed units, whose products reach 2 * 128 * 127). A product lane is at most
+ * 2 * max|unsigned operand| * max|signed operand|: 5-bit codes (0..31) against int8 x 7874, so 4 units;
+ * Q6_K's codes made signed (-32..31) against x + 128 (0..255) 16320, so 2. */
+static inline int us16_units(const int fmt) {
+    if (!DOT_US16 || qf_signed_units(fmt)) return 1;
+    const int lane = biased(fmt) ? 2 * 255 * -qf_offset(fmt) : 2 * ((1 << qf_bits(fmt)) - 1) * 127;
+    int n = 1;
+    while (2 * n * lane <= 32767) n *= 2;
+    return n;
+}
+
 /* Integer dot products of sub-group p of block g (its units), half h, against mr rows of x. The unit
  * loop is unrolled: without it the 8 row pointers and the unit index cost more than the dot products.
  * A format with a code bias takes x + 128 (unsigned) against its codes made signed (the offset added),
@@ -235,6 +255,30 @@ static inline __attribute__((always_inline)) void sub_group_dots(const uint8_t *
     const int64_t K = x->K;
     const int8_t *xq = x->q + m0 * K + g * QBLOCK;
     const int units = 8 / sub_groups(fmt);
+#if DOT_US16
+    const int chunk = us16_units(fmt) < units ? us16_units(fmt) : units;
+    if (chunk > 1) { /* AVX2: the units' products summed chunk by chunk in 16 bits, each sum widened once */
+        const uint8_t *xs = biased(fmt) ? x->u + m0 * K + g * QBLOCK : (const uint8_t *)xq;
+        for (int m = 0; m < mr; m++) is[m] = vi_zero();
+#pragma GCC unroll 8
+        for (int c = units * p; c < units * (p + 1); c += chunk) {
+            vi s16[MR_MAX];
+            for (int m = 0; m < mr; m++) s16[m] = vi_zero();
+            for (int u = c; u < c + chunk; u++) {
+                vi w = code_unit(codes, fmt, u, h);
+                if (biased(fmt)) w = vi_add8(w, vi_set1_8((char)qf_offset(fmt)));
+                for (int m = 0; m < mr; m++) { /* the unsigned operand first: x + 128, or the codes */
+                    const vi xb = vi_bcast32(xs + m * K + 4 * u);
+                    s16[m] = biased(fmt) ? dot_us16(s16[m], xb, w) : dot_us16(s16[m], w, xb);
+                }
+                if (mr >= KEEP_MIN_ROWS)
+                    for (int m = 0; m < mr; m++) vi_keep(&s16[m]);
+            }
+            for (int m = 0; m < mr; m++) is[m] = vi_add(is[m], widen_us16(s16[m]));
+        }
+        return;
+    }
+#endif
     if (biased(fmt)) {
         const uint8_t *xu = x->u + m0 * K + g * QBLOCK;
         for (int m = 0; m < mr; m++) is[m] = vi_zero();
@@ -245,18 +289,6 @@ static inline __attribute__((always_inline)) void sub_group_dots(const uint8_t *
         }
         return;
     }
-#if DOT_US16
-    if (qf_small_codes(fmt)) { /* codes of up to 4 bits: 8 units' sums fit 16 bits (vec.h) */
-        vi s16[MR_MAX];
-        for (int m = 0; m < mr; m++) s16[m] = vi_zero();
-        for (int u = units * p; u < units * (p + 1); u++) {
-            const vi w = code_unit(codes, fmt, u, h);
-            for (int m = 0; m < mr; m++) s16[m] = dot_us16(s16[m], w, vi_bcast32(xq + m * K + 4 * u));
-        }
-        for (int m = 0; m < mr; m++) is[m] = widen_us16(s16[m]);
-        return;
-    }
-#endif
     for (int m = 0; m < mr; m++) is[m] = vi_zero();
 #pragma GCC unroll 8
     for (int u = units * p; u < units * (p + 1); u++) {
@@ -321,6 +353,8 @@ static inline __attribute__((always_inline)) void int_tile(const uint8_t *tile, 
                     s16[m][0] = dot_us16(s16[m][0], w0, xb);
                     s16[m][1] = dot_us16(s16[m][1], w1, xb);
                 }
+                if (mr >= KEEP_MIN_ROWS)
+                    for (int m = 0; m < mr; m++) vi_keep(&s16[m][0]), vi_keep(&s16[m][1]);
             }
             for (int h = 0; h < 2; h++)
                 for (int m = 0; m < mr; m++)
@@ -448,6 +482,7 @@ static inline __attribute__((always_inline)) void int_tile_super(const uint8_t *
                 for (int p = 0; p < sub_groups(fmt); p++) {
                     vi s16[MR_MAX][2];
                     for (int m = 0; m < mr; m++) s16[m][0] = s16[m][1] = vi_zero();
+#pragma GCC unroll 8
                     for (int u = units * p; u < units * (p + 1); u++) {
                         vi w0 = code_unit(blk.codes, fmt, u, 0), w1 = code_unit(blk.codes, fmt, u, 1);
                         if (biased(fmt)) w0 = vi_add8(w0, off), w1 = vi_add8(w1, off);
@@ -457,6 +492,8 @@ static inline __attribute__((always_inline)) void int_tile_super(const uint8_t *
                             s16[m][0] = biased(fmt) ? dot_us16(s16[m][0], xb, w0) : dot_us16(s16[m][0], w0, xb);
                             s16[m][1] = biased(fmt) ? dot_us16(s16[m][1], xb, w1) : dot_us16(s16[m][1], w1, xb);
                         }
+                        if (mr >= KEEP_MIN_ROWS)
+                            for (int m = 0; m < mr; m++) vi_keep(&s16[m][0]), vi_keep(&s16[m][1]);
                     }
                     for (int h = 0; h < 2; h++) {
                         const vi sc = sub_scale_i(blk.sub, fmt, p, h);
@@ -730,6 +767,10 @@ typedef void (*ftile_fn)(const float *, int64_t, const float *, int64_t, float *
 #define BIASED_ROW(F)                                                                                         \
     {int_##F##_1, int_##F##_2, int_##F##_3, int_##F##_4,  int_##F##_5,  int_##F##_6,                          \
      int_##F##_7, int_##F##_8, int_##F##_9, int_##F##_10, int_##F##_11, int_##F##_12}
+#elif MR_BIASED == 8 && MR_INT == 4 /* AVX2 */
+#define BIASED_FNS(F) INT_FNS(F) INT_FN(F, 5) INT_FN(F, 6) INT_FN(F, 7) INT_FN(F, 8)
+#define BIASED_ROW(F) \
+    {int_##F##_1, int_##F##_2, int_##F##_3, int_##F##_4, int_##F##_5, int_##F##_6, int_##F##_7, int_##F##_8}
 #else
 #define BIASED_FNS(F) INT_FNS(F)
 #define BIASED_ROW(F) INT_ROW(F)

@@ -20,7 +20,7 @@ from models.layers.packed_weight import (
 )
 
 # Row counts that cross every blocking of the kernel: the int8 micro-kernels (one per row count up to 8;
-# AVX2: 4; AVX-512 VNNI's for Q6_K and Q3_K up to 12), the float ones (12 or 6), AMX's 16-row blocks, and
+# AVX2: 4, and 8 for Q6_K and Q3_K; AVX-512 VNNI's for Q6_K and Q3_K up to 12), the float ones (12 or 6), AMX's 16-row blocks, and
 # more than one 256-row block. With the row checked beside them, batches of 2..13 rows reach every int8
 # micro-kernel in one piece.
 ROW_COUNTS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 16, 17, 33, 100, 300]
@@ -241,13 +241,14 @@ def test_wrappers_refuse_what_the_c_code_would_misread() -> None:
 
 
 @pytest.mark.parametrize("variant", EVERY_VARIANT)
-@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q4_K"])
+@pytest.mark.parametrize("fmt", ["Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K"])
 def test_int8_sums_at_their_largest(variant: str, fmt: str) -> None:
-    """Every 4-bit code 15 against x quantized to +-127 everywhere: the largest integer sums a block
-    can have (the AVX2 build adds a block's products in 16 bits: 16 x 15 x 127 = 30480 must not wrap)."""
+    """Every code at its top (15, 31) against x quantized to +-127 everywhere: the largest integer sums
+    a block can have (the AVX2 build adds products in 16 bits: a block's of 4-bit codes, 16 x 15 x 127 =
+    30480, and 4 units' of 5-bit ones, 8 x 31 x 127 = 31496, must not wrap)."""
     n, k = shape_for(fmt)
     c = random_components(FORMATS[fmt], n, k, seed=7)
-    c.codes.fill_(15)
+    c.codes.fill_((1 << FORMATS[fmt].bits) - 1)
     w = packed(c)
     x = torch.ones(4, k)
     x[1] = -1.0
