@@ -245,6 +245,37 @@ static inline int us16_units(const int fmt) {
     return n;
 }
 
+#if DOT_US16
+/* AVX2: sub_group_dots' integer dot products, each weighed by its output row's weight (w16: the weight in
+ * both int16 halves of the row's lane; the sub-scale, or 1), added to acc. The units' products are summed
+ * chunk by chunk in 16 bits (us16_units), and one vpmaddwd widens and weighs each chunk's sums: where a
+ * sum widened by vpmaddwd against ones and then weighed by vpmulld took two multiplies. Exact: |16-bit
+ * sum| * |weight| * 2 < 2^23. */
+static inline __attribute__((always_inline)) void weighed_dots16(const uint8_t *codes, const int fmt, const qx_t *x,
+                                                                 int64_t m0, const int mr, int64_t g, int p, int h,
+                                                                 vi w16, vi acc[MR_MAX]) {
+    const int64_t K = x->K;
+    const uint8_t *xs = (biased(fmt) ? x->u : (const uint8_t *)x->q) + m0 * K + g * QBLOCK;
+    const int units = 8 / sub_groups(fmt), chunk = us16_units(fmt) < units ? us16_units(fmt) : units;
+#pragma GCC unroll 8
+    for (int c = units * p; c < units * (p + 1); c += chunk) {
+        vi s16[MR_MAX];
+        for (int m = 0; m < mr; m++) s16[m] = vi_zero();
+        for (int u = c; u < c + chunk; u++) {
+            vi w = code_unit(codes, fmt, u, h);
+            if (biased(fmt)) w = vi_add8(w, vi_set1_8((char)qf_offset(fmt)));
+            for (int m = 0; m < mr; m++) { /* the unsigned operand first: x + 128, or the codes */
+                const vi xb = vi_bcast32(xs + m * K + 4 * u);
+                s16[m] = biased(fmt) ? dot_us16(s16[m], xb, w) : dot_us16(s16[m], w, xb);
+            }
+            if (mr >= KEEP_MIN_ROWS)
+                for (int m = 0; m < mr; m++) vi_keep(&s16[m]);
+        }
+        for (int m = 0; m < mr; m++) acc[m] = dot_pairs16(acc[m], s16[m], w16);
+    }
+}
+#endif
+
 /* Integer dot products of sub-group p of block g (its units), half h, against mr rows of x. The unit
  * loop is unrolled: without it the 8 row pointers and the unit index cost more than the dot products.
  * A format with a code bias takes x + 128 (unsigned) against its codes made signed (the offset added),
@@ -256,26 +287,9 @@ static inline __attribute__((always_inline)) void sub_group_dots(const uint8_t *
     const int8_t *xq = x->q + m0 * K + g * QBLOCK;
     const int units = 8 / sub_groups(fmt);
 #if DOT_US16
-    const int chunk = us16_units(fmt) < units ? us16_units(fmt) : units;
-    if (chunk > 1) { /* AVX2: the units' products summed chunk by chunk in 16 bits, each sum widened once */
-        const uint8_t *xs = biased(fmt) ? x->u + m0 * K + g * QBLOCK : (const uint8_t *)xq;
+    if (us16_units(fmt) > 1) { /* AVX2 */
         for (int m = 0; m < mr; m++) is[m] = vi_zero();
-#pragma GCC unroll 8
-        for (int c = units * p; c < units * (p + 1); c += chunk) {
-            vi s16[MR_MAX];
-            for (int m = 0; m < mr; m++) s16[m] = vi_zero();
-            for (int u = c; u < c + chunk; u++) {
-                vi w = code_unit(codes, fmt, u, h);
-                if (biased(fmt)) w = vi_add8(w, vi_set1_8((char)qf_offset(fmt)));
-                for (int m = 0; m < mr; m++) { /* the unsigned operand first: x + 128, or the codes */
-                    const vi xb = vi_bcast32(xs + m * K + 4 * u);
-                    s16[m] = biased(fmt) ? dot_us16(s16[m], xb, w) : dot_us16(s16[m], w, xb);
-                }
-                if (mr >= KEEP_MIN_ROWS)
-                    for (int m = 0; m < mr; m++) vi_keep(&s16[m]);
-            }
-            for (int m = 0; m < mr; m++) is[m] = vi_add(is[m], widen_us16(s16[m]));
-        }
+        weighed_dots16(codes, fmt, x, m0, mr, g, p, h, vi_set1(0x00010001), is);
         return;
     }
 #endif
@@ -495,10 +509,9 @@ static inline __attribute__((always_inline)) void int_tile_super(const uint8_t *
                         if (mr >= KEEP_MIN_ROWS)
                             for (int m = 0; m < mr; m++) vi_keep(&s16[m][0]), vi_keep(&s16[m][1]);
                     }
-                    for (int h = 0; h < 2; h++) {
-                        const vi sc = sub_scale_i(blk.sub, fmt, p, h);
-                        for (int m = 0; m < mr; m++)
-                            isum[m][h] = vi_add(isum[m][h], vi_mullo(widen_us16(s16[m][h]), sc));
+                    for (int h = 0; h < 2; h++) { /* weighed by the sub-scale as weighed_dots16 does */
+                        const vi sc = sub_scale_i(blk.sub, fmt, p, h), sc2 = pair16(sc, sc);
+                        for (int m = 0; m < mr; m++) isum[m][h] = dot_pairs16(isum[m][h], s16[m][h], sc2);
                     }
                 }
                 for (int h = 0; h < 2; h++)
@@ -509,9 +522,18 @@ static inline __attribute__((always_inline)) void int_tile_super(const uint8_t *
 #endif
             for (int h = 0; h < HALVES; h++) {
                 for (int p = 0; p < sub_groups(fmt); p++) {
+                    const vi sc = sub_scale_i(blk.sub, fmt, p, h);
+#if DOT_US16
+                    if (us16_units(fmt) > 1) {
+                        vi col[MR_MAX];
+                        for (int m = 0; m < mr; m++) col[m] = isum[m][h];
+                        weighed_dots16(blk.codes, fmt, x, m0, mr, g, p, h, pair16(sc, sc), col);
+                        for (int m = 0; m < mr; m++) isum[m][h] = col[m];
+                        continue;
+                    }
+#endif
                     vi is[MR_MAX];
                     sub_group_dots(blk.codes, fmt, x, m0, mr, g, p, h, is);
-                    const vi sc = sub_scale_i(blk.sub, fmt, p, h);
                     for (int m = 0; m < mr; m++) isum[m][h] = vi_add(isum[m][h], vi_mullo(is[m], sc));
                 }
                 if (need_corr && (sub_groups(fmt) == 2 || b % 2 == 0))
