@@ -313,6 +313,10 @@ static inline __attribute__((always_inline)) void sub_group_dots(const uint8_t *
         } else {
             for (int m = 0; m < mr; m++) is[m] = dot_us(is[m], w, vi_bcast32(xq + m * K + 4 * u));
         }
+#if DOT_US16
+        if (mr >= KEEP_MIN_ROWS)
+            for (int m = 0; m < mr; m++) vi_keep(&is[m]);
+#endif
     }
 }
 
