@@ -83,8 +83,8 @@
 #ifndef PREFETCH_MIN_ROWS
 #define PREFETCH_MIN_ROWS 3
 #endif
-/* Rows of x from which the AVX2 kernels pin their 16-bit sums after each unit (vec.h's vi_keep). At one
- * row GCC's own schedule is as fast. */
+/* Rows of x from which the AVX2 kernels pin their integer sums (16- or 32-bit) after each unit (vec.h's
+ * vi_keep). At one row GCC's own schedule is as fast. */
 #ifndef KEEP_MIN_ROWS
 #define KEEP_MIN_ROWS 2
 #endif

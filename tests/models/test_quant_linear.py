@@ -20,9 +20,9 @@ from models.layers.packed_weight import (
 )
 
 # Row counts that cross every blocking of the kernel: the int8 micro-kernels (one per row count up to 8;
-# AVX2: 4, and 8 for Q6_K and Q3_K; AVX-512 VNNI's for Q6_K and Q3_K up to 12), the float ones (12 or 6), AMX's 16-row blocks, and
-# more than one 256-row block. With the row checked beside them, batches of 2..13 rows reach every int8
-# micro-kernel in one piece.
+# AVX2: 4, and 8 for Q6_K and Q3_K; AVX-512 VNNI's for Q6_K and Q3_K up to 12), the float ones (12 or
+# 6), AMX's 16-row blocks, and more than one 256-row block. With the row checked beside them, batches of
+# 2..13 rows reach every int8 micro-kernel in one piece.
 ROW_COUNTS = [1, 2, 3, 4, 5, 6, 7, 8, 9, 11, 12, 13, 16, 17, 33, 100, 300]
 
 
