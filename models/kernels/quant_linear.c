@@ -98,13 +98,15 @@ static inline int prefetches(const int fmt, const int mr) { return mr >= PREFETC
  * The activations, quantized. */
 
 typedef struct {
-    int8_t *q;      /* [M, K] */
+    int8_t *q;      /* [M, K], rows ld bytes apart */
     float *d;       /* [M, G] the scale of each block's values (with SUPER_GROUP: its super-block's) */
     float *s;       /* [M, G] d * sum(q) over the block (the min term of Q4_1, Q5_1) */
     int16_t *sum16; /* [M, 2G] sum(q) per 16 k (|sum| <= 16 * 127): two neighbours are a vpdpwssd pair */
     int16_t *sum32; /* [M, G] sum(q) per block of 32, in 16 bits likewise */
-    uint8_t *u;     /* [M, K] q + 128 (unsigned), for the formats with a code bias (biased), else NULL */
+    uint8_t *u;     /* [M, K] q + 128 (unsigned), for the formats with a code bias (biased), else NULL; rows ld
+                       bytes apart */
     int64_t K, G;
+    int64_t ld; /* x_row_bytes(K) */
 } qx_t;
 
 /* The formats with a code bias in their header (quant_tiles.h: Q6_K, Q3_K) take x + 128 (unsigned)
@@ -119,6 +121,16 @@ static inline int biased(const int fmt) { return qf_has_bias(fmt); }
  * integers and one float step per super-block remains (int_tile_super), where a scale per 32 values
  * took three or four float steps per sub-group and row. */
 #define SUPER_GROUP 256
+
+/* Bytes between rows of the int8 x: K, made an odd multiple of 64 where it is not. A micro-kernel
+ * broadcasts 4 bytes from each of its rows in turn, at the same offset; with rows a power of two apart
+ * (K 2048, 4096, 8192: most hidden and intermediate sizes) those loads conflict in the L1 (2-core Zen 3,
+ * 8 rows' vpbroadcastd + vpmaddubsw from a C loop: rows 2048 or 8192 bytes apart 2-3x slower than 2112
+ * or 8256, 4096 3-5x slower than 4160). */
+static inline int64_t x_row_bytes(int64_t K) {
+    const int64_t ld = (K + 63) / 64 * 64;
+    return ld / 64 % 2 ? ld : ld + 64;
+}
 
 static void quantize_row(const float *x, int64_t K, int group, int8_t *q, float *d, float *s, int16_t *sum16,
                          int16_t *sum32) {
@@ -150,23 +162,25 @@ static void quantize_row(const float *x, int64_t K, int group, int8_t *q, float 
 
 static int quantize_x(const float *x, int64_t M, int64_t K, int group, int unsigned_too, qx_t *out) {
     const int64_t G = K / QBLOCK;
-    char *buf = malloc((size_t)((1 + unsigned_too) * M * K + M * G * (2 * sizeof(float) + 3 * sizeof(int16_t)) + 64));
+    const int64_t ld = x_row_bytes(K);
+    char *buf = malloc((size_t)((1 + unsigned_too) * M * ld + M * G * (2 * sizeof(float) + 3 * sizeof(int16_t)) + 64));
     if (!buf) return 1;
     out->K = K;
     out->G = G;
+    out->ld = ld;
     out->d = (float *)buf;
     out->s = out->d + M * G;
     out->sum16 = (int16_t *)(out->s + M * G);
     out->sum32 = out->sum16 + 2 * M * G;
     out->q = (int8_t *)(out->sum32 + M * G);
-    out->u = unsigned_too ? (uint8_t *)(out->q + M * K) : NULL;
+    out->u = unsigned_too ? (uint8_t *)(out->q + M * ld) : NULL;
 #pragma omp parallel for schedule(static) if (M * K >= PARALLEL_MIN_WORK)
     for (int64_t m = 0; m < M; m++) {
-        quantize_row(x + m * K, K, group, out->q + m * K, out->d + m * G, out->s + m * G, out->sum16 + 2 * m * G,
+        quantize_row(x + m * K, K, group, out->q + m * ld, out->d + m * G, out->s + m * G, out->sum16 + 2 * m * G,
                      out->sum32 + m * G);
         if (unsigned_too) /* q + 128 = q ^ 0x80 as bytes */
             for (int64_t k = 0; k < K; k += UNIT_BYTES)
-                vi_storeu(out->u + m * K + k, vi_xor(vi_loadu(out->q + m * K + k), vi_set1_8((char)0x80)));
+                vi_storeu(out->u + m * ld + k, vi_xor(vi_loadu(out->q + m * ld + k), vi_set1_8((char)0x80)));
     }
     return 0;
 }
@@ -254,8 +268,8 @@ static inline int us16_units(const int fmt) {
 static inline __attribute__((always_inline)) void weighed_dots16(const uint8_t *codes, const int fmt, const qx_t *x,
                                                                  int64_t m0, const int mr, int64_t g, int p, int h,
                                                                  vi w16, vi acc[MR_MAX]) {
-    const int64_t K = x->K;
-    const uint8_t *xs = (biased(fmt) ? x->u : (const uint8_t *)x->q) + m0 * K + g * QBLOCK;
+    const int64_t ld = x->ld;
+    const uint8_t *xs = (biased(fmt) ? x->u : (const uint8_t *)x->q) + m0 * ld + g * QBLOCK;
     const int units = 8 / sub_groups(fmt), chunk = us16_units(fmt) < units ? us16_units(fmt) : units;
 #pragma GCC unroll 8
     for (int c = units * p; c < units * (p + 1); c += chunk) {
@@ -265,7 +279,7 @@ static inline __attribute__((always_inline)) void weighed_dots16(const uint8_t *
             vi w = code_unit(codes, fmt, u, h);
             if (biased(fmt)) w = vi_add8(w, vi_set1_8((char)qf_offset(fmt)));
             for (int m = 0; m < mr; m++) { /* the unsigned operand first: x + 128, or the codes */
-                const vi xb = vi_bcast32(xs + m * K + 4 * u);
+                const vi xb = vi_bcast32(xs + m * ld + 4 * u);
                 s16[m] = biased(fmt) ? dot_us16(s16[m], xb, w) : dot_us16(s16[m], w, xb);
             }
             if (mr >= KEEP_MIN_ROWS)
@@ -283,8 +297,8 @@ static inline __attribute__((always_inline)) void weighed_dots16(const uint8_t *
 static inline __attribute__((always_inline)) void sub_group_dots(const uint8_t *codes, const int fmt, const qx_t *x,
                                                                  int64_t m0, const int mr, int64_t g, int p, int h,
                                                                  vi is[MR_MAX]) {
-    const int64_t K = x->K;
-    const int8_t *xq = x->q + m0 * K + g * QBLOCK;
+    const int64_t ld = x->ld;
+    const int8_t *xq = x->q + m0 * ld + g * QBLOCK;
     const int units = 8 / sub_groups(fmt);
 #if DOT_US16
     if (us16_units(fmt) > 1) { /* AVX2 */
@@ -294,12 +308,12 @@ static inline __attribute__((always_inline)) void sub_group_dots(const uint8_t *
     }
 #endif
     if (biased(fmt)) {
-        const uint8_t *xu = x->u + m0 * K + g * QBLOCK;
+        const uint8_t *xu = x->u + m0 * ld + g * QBLOCK;
         for (int m = 0; m < mr; m++) is[m] = vi_zero();
 #pragma GCC unroll 8
         for (int u = units * p; u < units * (p + 1); u++) {
             const vi w = vi_add8(code_unit(codes, fmt, u, h), vi_set1_8((char)qf_offset(fmt)));
-            for (int m = 0; m < mr; m++) is[m] = dot_us(is[m], vi_bcast32(xu + m * K + 4 * u), w);
+            for (int m = 0; m < mr; m++) is[m] = dot_us(is[m], vi_bcast32(xu + m * ld + 4 * u), w);
         }
         return;
     }
@@ -309,9 +323,9 @@ static inline __attribute__((always_inline)) void sub_group_dots(const uint8_t *
         const vi w = code_unit(codes, fmt, u, h);
         if (qf_signed_units(fmt)) {
             const sunit su = prep_signed(w);
-            for (int m = 0; m < mr; m++) is[m] = dot_ss(is[m], su, vi_bcast32(xq + m * K + 4 * u));
+            for (int m = 0; m < mr; m++) is[m] = dot_ss(is[m], su, vi_bcast32(xq + m * ld + 4 * u));
         } else {
-            for (int m = 0; m < mr; m++) is[m] = dot_us(is[m], w, vi_bcast32(xq + m * K + 4 * u));
+            for (int m = 0; m < mr; m++) is[m] = dot_us(is[m], w, vi_bcast32(xq + m * ld + 4 * u));
         }
 #if DOT_US16
         if (mr >= KEEP_MIN_ROWS)
@@ -360,14 +374,14 @@ static inline __attribute__((always_inline)) void int_tile(const uint8_t *tile, 
         if (qf_small_codes(fmt)) { /* one broadcast of x feeds both halves; codes of up to 4 bits keep 8
                                       units' sums within 16 bits (vec.h) */
             const bscale sc[2] = {block_scales(hdr, sub, fmt, 0), block_scales(hdr, sub, fmt, 1)};
-            const int64_t K = x->K;
+            const int64_t ld = x->ld;
             vi s16[MR_INT][2];
             for (int m = 0; m < mr; m++) s16[m][0] = s16[m][1] = vi_zero();
 #pragma GCC unroll 8
             for (int u = 0; u < 8; u++) {
                 const vi w0 = code_unit(codes, fmt, u, 0), w1 = code_unit(codes, fmt, u, 1);
                 for (int m = 0; m < mr; m++) {
-                    const vi xb = vi_bcast32(x->q + (m0 + m) * K + g * QBLOCK + 4 * u);
+                    const vi xb = vi_bcast32(x->q + (m0 + m) * ld + g * QBLOCK + 4 * u);
                     s16[m][0] = dot_us16(s16[m][0], w0, xb);
                     s16[m][1] = dot_us16(s16[m][1], w1, xb);
                 }
@@ -467,6 +481,53 @@ static inline __attribute__((always_inline)) vf super_epilogue(vf acc, vi isum, 
     return vf_fma(vi_to_f(t), vf_mul(d, vf_set1(dx)), acc);
 }
 
+#if DOT_US16
+/* AVX2, a biased format with chunks of units (Q6_K): super-block s's weighed integer sums for mr rows of
+ * x, one half of the tile at a time, into isum (which holds the code bias they start from). Rows go
+ * inside each chunk: a row's chunk is summed in a temporary 16-bit vector and weighed into its 32-bit
+ * sum right away, so the mr 32-bit sums stay in registers through the super-block (where the unit-major
+ * order of weighed_dots16 keeps mr 16-bit sums there and spills the 32-bit ones, a load and a store a
+ * row and chunk). */
+static inline __attribute__((always_inline)) void biased_super16(const uint8_t *tile, const int fmt, const qx_t *x,
+                                                                 int64_t m0, const int mr, int64_t s,
+                                                                 vi isum[MR_MAX][HALVES]) {
+    const int chunk = us16_units(fmt), units = 8 / sub_groups(fmt);
+    const vi off = vi_set1_8((char)qf_offset(fmt));
+    const uint8_t *xr[MR_MAX];
+    for (int m = 0; m < mr; m++) xr[m] = x->u + (m0 + m) * x->ld + 8 * s * QBLOCK;
+    for (int h = 0; h < HALVES; h++) {
+        vi is[MR_MAX];
+        for (int m = 0; m < mr; m++) is[m] = isum[m][h];
+        for (int b = 0; b < 8; b++) {
+            const qblock blk = qf_block(tile, fmt, 8 * s + b);
+#if PREFETCH_AHEAD
+            if (h == 0)
+                for (const uint8_t *pf = blk.codes + PREFETCH_AHEAD; pf < blk.sub + qf_sub_bytes(fmt) + PREFETCH_AHEAD;
+                     pf += 64)
+                    _mm_prefetch((const char *)pf, _MM_HINT_T0);
+#endif
+#pragma GCC unroll 2
+            for (int p = 0; p < sub_groups(fmt); p++) {
+                const vi sc = sub_scale_i(blk.sub, fmt, p, h), w16 = pair16(sc, sc);
+#pragma GCC unroll 8
+                for (int c = units * p; c < units * (p + 1); c += chunk) {
+                    vi w[8];
+                    for (int u = 0; u < chunk; u++) w[u] = vi_add8(code_unit(blk.codes, fmt, c + u, h), off);
+                    for (int m = 0; m < mr; m++) { /* x + 128 (unsigned) first */
+                        const uint8_t *xb = xr[m] + b * QBLOCK + 4 * c;
+                        vi t = _mm256_maddubs_epi16(vi_bcast32(xb), w[0]);
+                        for (int u = 1; u < chunk; u++) t = dot_us16(t, vi_bcast32(xb + 4 * u), w[u]);
+                        is[m] = dot_pairs16(is[m], t, w16);
+                        if (mr >= KEEP_MIN_ROWS) vi_keep(&is[m]);
+                    }
+                }
+            }
+        }
+        for (int m = 0; m < mr; m++) isum[m][h] = is[m];
+    }
+}
+#endif
+
 static inline __attribute__((always_inline)) void int_tile_super(const uint8_t *tile, const int fmt, const qx_t *x,
                                                                  int64_t m0, const int mr, float *y, int64_t ldy,
                                                                  int nvalid) {
@@ -483,6 +544,11 @@ static inline __attribute__((always_inline)) void int_tile_super(const uint8_t *
             const vi start = biased(fmt) ? vi_loadu(bias + 4 * LANES * h) : vi_zero();
             for (int m = 0; m < mr; m++) isum[m][h] = start;
         }
+#if DOT_US16
+        if (biased(fmt) && !qf_small_codes(fmt)) {
+            biased_super16(tile, fmt, x, m0, mr, s, isum);
+        } else
+#endif
         for (int b = 0; b < 8; b++) {
             const int64_t g = 8 * s + b;
             const qblock blk = qf_block(tile, fmt, g);
@@ -506,7 +572,7 @@ static inline __attribute__((always_inline)) void int_tile_super(const uint8_t *
                         if (biased(fmt)) w0 = vi_add8(w0, off), w1 = vi_add8(w1, off);
                         const uint8_t *xs = biased(fmt) ? x->u : (const uint8_t *)x->q;
                         for (int m = 0; m < mr; m++) { /* the unsigned operand first: x + 128, or the codes */
-                            const vi xb = vi_bcast32(xs + (m0 + m) * x->K + g * QBLOCK + 4 * u);
+                            const vi xb = vi_bcast32(xs + (m0 + m) * x->ld + g * QBLOCK + 4 * u);
                             s16[m][0] = biased(fmt) ? dot_us16(s16[m][0], xb, w0) : dot_us16(s16[m][0], w0, xb);
                             s16[m][1] = biased(fmt) ? dot_us16(s16[m][1], xb, w1) : dot_us16(s16[m][1], w1, xb);
                         }
@@ -568,7 +634,7 @@ typedef void (*int_fn)(const uint8_t *tile, int64_t tb, const qx_t *x, int64_t m
 #if defined(__AVX512VNNI__) && LANES == 16
 /* Two neighbouring tiles (tile + tb) a pass against mr (<= PAIR_ROWS) rows of x, for a core that issues
  * two vpdpbusd a cycle (Zen 5), where one tile a pass waits on its loads: each broadcast of x feeds both
- * tiles, and each row's broadcasts come from a pointer of its own (addresses recomputed from m * K cost a
+ * tiles, and each row's broadcasts come from a pointer of its own (addresses recomputed from m * ld cost a
  * stack load a broadcast). pair_tile_super has int_tile_super's integer sums (exact in any order) and
  * float steps (super_epilogue), pair_tile int_tile's (group_epilogue): the results are theirs to the bit.
  * 2-core Zen 5, weights in cache, against one tile a pass at 3 to 512 rows (PAIR_MIN_ROWS says where
@@ -627,7 +693,7 @@ static inline __attribute__((always_inline)) void pair_tile_super(const uint8_t 
     const int32_t per_code = qf_signed_units(fmt) ? -SIGNED_BIAS : qf_offset(fmt);
     const int need_corr = qf_has_min(fmt) || per_code;
     const int8_t *xrow[PAIR_ROWS];
-    for (int m = 0; m < mr; m++) xrow[m] = x->q + (m0 + m) * x->K;
+    for (int m = 0; m < mr; m++) xrow[m] = x->q + (m0 + m) * x->ld;
     float acc[PAIR_ROWS][2][16] __attribute__((aligned(64)));
     int32_t cp[2][4 * LANES] __attribute__((aligned(64)));
     for (int m = 0; m < mr; m++)
@@ -666,7 +732,7 @@ static inline __attribute__((always_inline)) void pair_tile(const uint8_t *tile,
                                                             int64_t ldy, const int nvalid[2]) {
     const int32_t per_sum = qf_signed_units(fmt) ? -SIGNED_BIAS : qf_offset(fmt);
     const int8_t *xrow[PAIR_ROWS];
-    for (int m = 0; m < mr; m++) xrow[m] = x->q + (m0 + m) * x->K;
+    for (int m = 0; m < mr; m++) xrow[m] = x->q + (m0 + m) * x->ld;
     vf acc[PAIR_ROWS][2];
     for (int m = 0; m < mr; m++) acc[m][0] = acc[m][1] = vf_zero();
     for (int64_t g = 0; g < x->G; g++) {
@@ -956,15 +1022,15 @@ static inline __attribute__((always_inline)) void amx_tile(const uint8_t *tile, 
                                                            const float *zbuf, int32_t *cbuf, float *y, int64_t ldy,
                                                            int nvalid) {
     const int k16 = qf_kind(fmt) == KIND_K16, sgn = qf_signed_units(fmt);
-    const int64_t K = x->K, J = k16 ? 2 * x->G : x->G, gs = k16 ? 16 : 32;
-    const int8_t *xa = x->q + m0 * K;
+    const int64_t ld = x->ld, J = k16 ? 2 * x->G : x->G, gs = k16 ? 16 : 32;
+    const int8_t *xa = x->q + m0 * ld;
     int64_t j = 0;
     for (; j + 1 < J; j += 2) {
         _tile_zero(0);
         _tile_zero(1);
-        _tile_loadd(2, xa + j * gs, K);
+        _tile_loadd(2, xa + j * gs, ld);
         _tile_loadd(3, amx_b(tile, bbuf, fmt, j), 64);
-        _tile_loadd(4, xa + (j + 1) * gs, K);
+        _tile_loadd(4, xa + (j + 1) * gs, ld);
         _tile_loadd(5, amx_b(tile, bbuf, fmt, j + 1), 64);
         AMX_DP(0, 2, 3, sgn);
         AMX_DP(1, 4, 5, sgn);
@@ -973,7 +1039,7 @@ static inline __attribute__((always_inline)) void amx_tile(const uint8_t *tile, 
     }
     if (j < J) {
         _tile_zero(0);
-        _tile_loadd(2, xa + j * gs, K);
+        _tile_loadd(2, xa + j * gs, ld);
         _tile_loadd(3, amx_b(tile, bbuf, fmt, j), 64);
         AMX_DP(0, 2, 3, sgn);
         _tile_stored(0, cbuf + j * 256, 64);
