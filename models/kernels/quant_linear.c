@@ -126,7 +126,8 @@ static inline int biased(const int fmt) { return qf_has_bias(fmt); }
  * broadcasts 4 bytes from each of its rows in turn, at the same offset; with rows a power of two apart
  * (K 2048, 4096, 8192: most hidden and intermediate sizes) those loads conflict in the L1 (2-core Zen 3,
  * 8 rows' vpbroadcastd + vpmaddubsw from a C loop: rows 2048 or 8192 bytes apart 2-3x slower than 2112
- * or 8256, 4096 3-5x slower than 4160). */
+ * or 8256, 4096 3-4x slower than 4160; the kernels, whose loops do more beside: Q4_K and Q6_K 2048 x 8192
+ * 1.04-1.08x at 8-128 rows, even at K 2048). */
 static inline int64_t x_row_bytes(int64_t K) {
     const int64_t ld = (K + 63) / 64 * 64;
     return ld / 64 % 2 ? ld : ld + 64;
@@ -482,22 +483,25 @@ static inline __attribute__((always_inline)) vf super_epilogue(vf acc, vi isum, 
 }
 
 #if DOT_US16
-/* AVX2, a biased format with chunks of units (Q6_K): super-block s's weighed integer sums for mr rows of
- * x, one half of the tile at a time, into isum (which holds the code bias they start from). Rows go
+/* AVX2, a biased format with chunks of units (Q6_K): super-block s for mr rows of x, one half of the tile
+ * at a time, added to acc as int_tile_super does (the same integers and super_epilogue). Rows go
  * inside each chunk: a row's chunk is summed in a temporary 16-bit vector and weighed into its 32-bit
  * sum right away, so the mr 32-bit sums stay in registers through the super-block (where the unit-major
  * order of weighed_dots16 keeps mr 16-bit sums there and spills the 32-bit ones, a load and a store a
- * row and chunk). */
+ * row and chunk), and every unit's position is a constant. 2-core Zen 3, bit-identical: Q6_K 1.03-1.19x at
+ * 8-128 rows (the 128k-vocab head 1.15-1.17x at 8-32), 1.2-1.5x at 1-2 rows from cache. */
 static inline __attribute__((always_inline)) void biased_super16(const uint8_t *tile, const int fmt, const qx_t *x,
                                                                  int64_t m0, const int mr, int64_t s,
-                                                                 vi isum[MR_MAX][HALVES]) {
+                                                                 float acc[MR_MAX][16]) {
     const int chunk = us16_units(fmt), units = 8 / sub_groups(fmt);
     const vi off = vi_set1_8((char)qf_offset(fmt));
     const uint8_t *xr[MR_MAX];
     for (int m = 0; m < mr; m++) xr[m] = x->u + (m0 + m) * x->ld + 8 * s * QBLOCK;
+    const uint8_t *hdr = qf_block(tile, fmt, 8 * s).hdr;
     for (int h = 0; h < HALVES; h++) {
         vi is[MR_MAX];
-        for (int m = 0; m < mr; m++) is[m] = isum[m][h];
+        const vi start = vi_loadu(hdr + qf_scale_bytes(fmt) + 4 * LANES * h); /* the code bias */
+        for (int m = 0; m < mr; m++) is[m] = start;
         for (int b = 0; b < 8; b++) {
             const qblock blk = qf_block(tile, fmt, 8 * s + b);
 #if PREFETCH_AHEAD
@@ -523,9 +527,29 @@ static inline __attribute__((always_inline)) void biased_super16(const uint8_t *
                 }
             }
         }
-        for (int m = 0; m < mr; m++) isum[m][h] = is[m];
+        const vf d = load_f16(hdr, h);
+        for (int m = 0; m < mr; m++)
+            vf_store(acc[m] + h * LANES, super_epilogue(vf_load(acc[m] + h * LANES), is[m], vi_zero(), d, vf_zero(), fmt,
+                                                        0, x, m0 + m, s));
     }
 }
+
+/* int_tile_super for those formats (kept apart: a branch to it inside int_tile_super, even where it folds
+ * away, changed the register allocation of the other formats' kernels). */
+static inline __attribute__((always_inline)) void int_tile_rows_inside(const uint8_t *tile, const int fmt,
+                                                                       const qx_t *x, int64_t m0, const int mr,
+                                                                       float *y, int64_t ldy, int nvalid) {
+    float acc[MR_MAX][16] __attribute__((aligned(64)));
+    for (int m = 0; m < mr; m++)
+        for (int h = 0; h < HALVES; h++) vf_store(acc[m] + h * LANES, vf_zero());
+    for (int64_t s = 0; s < x->G / 8; s++) biased_super16(tile, fmt, x, m0, mr, s, acc);
+    for (int m = 0; m < mr; m++)
+        for (int h = 0; h < HALVES; h++)
+            vf_store_upto(y + (m0 + m) * ldy + h * LANES, vf_load(acc[m] + h * LANES), nvalid - h * LANES);
+}
+#define ROWS_INSIDE(fmt) (biased(fmt) && !qf_small_codes(fmt))
+#else
+#define ROWS_INSIDE(fmt) 0
 #endif
 
 static inline __attribute__((always_inline)) void int_tile_super(const uint8_t *tile, const int fmt, const qx_t *x,
@@ -544,11 +568,6 @@ static inline __attribute__((always_inline)) void int_tile_super(const uint8_t *
             const vi start = biased(fmt) ? vi_loadu(bias + 4 * LANES * h) : vi_zero();
             for (int m = 0; m < mr; m++) isum[m][h] = start;
         }
-#if DOT_US16
-        if (biased(fmt) && !qf_small_codes(fmt)) {
-            biased_super16(tile, fmt, x, m0, mr, s, isum);
-        } else
-#endif
         for (int b = 0; b < 8; b++) {
             const int64_t g = 8 * s + b;
             const qblock blk = qf_block(tile, fmt, g);
@@ -841,7 +860,9 @@ typedef void (*ftile_fn)(const float *, int64_t, const float *, int64_t, float *
     static void int_##F##_##R(const uint8_t *t, int64_t tb, const qx_t *x, int64_t m0, float *y, int64_t ldy, \
                               const int *nv) {                                                           \
         (void)tb;                                                                                        \
-        if (qf_kind(F) != KIND_F16)                                                                      \
+        if (ROWS_INSIDE(F))                                                                              \
+            int_tile_rows_inside(t, F, x, m0, R, y, ldy, nv[0]);                                         \
+        else if (qf_kind(F) != KIND_F16)                                                                 \
             int_tile_super(t, F, x, m0, R, y, ldy, nv[0]);                                               \
         else                                                                                             \
             int_tile(t, F, x, m0, R, y, ldy, nv[0]);                                                     \
