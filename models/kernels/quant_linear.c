@@ -43,7 +43,7 @@
 #define MR_INT 4 /* 4-bit codes: 2 x 4 16-bit sums + 2 weight vectors + x (the 8 float accumulators wait in L1) */
 #define MR_FLT 6 /* the BLIS-style 6 x 16: 12 accumulators */
 /* The formats with a code bias (biased: Q6_K, Q3_K): each unit's unpacking (two planes, the offset) serves
- * 8 rows (8 sums in 16 bits, 8 in 32; the 32-bit ones spill, touched once a chunk of units). 2-core Zen 3,
+ * 8 rows (Q6_K: 8 sums in 32 bits and a 16-bit temporary, biased_super16). 2-core Zen 3, against 4 rows,
  * Q6_K 8192 x 2048 at 8-128 rows 1.14-1.21x; Q3_K (the other biased format) even. */
 #define MR_BIASED 8
 #endif
@@ -93,6 +93,15 @@ static inline int cheap_codes(const int fmt) {
     return qf_bits(fmt) == 8 || (qf_bits(fmt) == qf_low_bits(fmt) && !qf_codebook(fmt));
 }
 static inline int prefetches(const int fmt, const int mr) { return mr >= PREFETCH_MIN_ROWS || !cheap_codes(fmt); }
+/* A block's codes and sub-scales PREFETCH_AHEAD bytes on, into L1. */
+static inline __attribute__((always_inline)) void prefetch_ahead(const qblock blk, const int fmt) {
+#if PREFETCH_AHEAD
+    for (const uint8_t *pf = blk.codes + PREFETCH_AHEAD; pf < blk.sub + qf_sub_bytes(fmt) + PREFETCH_AHEAD; pf += 64)
+        _mm_prefetch((const char *)pf, _MM_HINT_T0);
+#else
+    (void)blk, (void)fmt;
+#endif
+}
 
 /* ------------------------------------------------------------------------------------------------
  * The activations, quantized. */
@@ -265,24 +274,21 @@ static inline int us16_units(const int fmt) {
  * both int16 halves of the row's lane; the sub-scale, or 1), added to acc. The units' products are summed
  * chunk by chunk in 16 bits (us16_units), and one vpmaddwd widens and weighs each chunk's sums: where a
  * sum widened by vpmaddwd against ones and then weighed by vpmulld took two multiplies. Exact: |16-bit
- * sum| * |weight| * 2 < 2^23. */
+ * sum| * |weight| * 2 < 2^23. The formats with a code bias never come here on AVX2 (Q3_K's small codes take
+ * their own branch, Q6_K biased_super16). */
 static inline __attribute__((always_inline)) void weighed_dots16(const uint8_t *codes, const int fmt, const qx_t *x,
                                                                  int64_t m0, const int mr, int64_t g, int p, int h,
                                                                  vi w16, vi acc[MR_MAX]) {
     const int64_t ld = x->ld;
-    const uint8_t *xs = (biased(fmt) ? x->u : (const uint8_t *)x->q) + m0 * ld + g * QBLOCK;
+    const int8_t *xs = x->q + m0 * ld + g * QBLOCK;
     const int units = 8 / sub_groups(fmt), chunk = us16_units(fmt) < units ? us16_units(fmt) : units;
 #pragma GCC unroll 8
     for (int c = units * p; c < units * (p + 1); c += chunk) {
         vi s16[MR_MAX];
         for (int m = 0; m < mr; m++) s16[m] = vi_zero();
         for (int u = c; u < c + chunk; u++) {
-            vi w = code_unit(codes, fmt, u, h);
-            if (biased(fmt)) w = vi_add8(w, vi_set1_8((char)qf_offset(fmt)));
-            for (int m = 0; m < mr; m++) { /* the unsigned operand first: x + 128, or the codes */
-                const vi xb = vi_bcast32(xs + m * ld + 4 * u);
-                s16[m] = biased(fmt) ? dot_us16(s16[m], xb, w) : dot_us16(s16[m], w, xb);
-            }
+            const vi w = code_unit(codes, fmt, u, h);
+            for (int m = 0; m < mr; m++) s16[m] = dot_us16(s16[m], w, vi_bcast32(xs + m * ld + 4 * u));
             if (mr >= KEEP_MIN_ROWS)
                 for (int m = 0; m < mr; m++) vi_keep(&s16[m]);
         }
@@ -366,11 +372,7 @@ static inline __attribute__((always_inline)) void int_tile(const uint8_t *tile, 
     for (int64_t g = 0; g < G; g++) {
         const qblock blk = qf_block(tile, fmt, g);
         const uint8_t *hdr = blk.hdr, *codes = blk.codes, *sub = blk.sub;
-#if PREFETCH_AHEAD
-        if (prefetches(fmt, mr))
-            for (const uint8_t *pf = codes + PREFETCH_AHEAD; pf < sub + qf_sub_bytes(fmt) + PREFETCH_AHEAD; pf += 64)
-                _mm_prefetch((const char *)pf, _MM_HINT_T0);
-#endif
+        if (prefetches(fmt, mr)) prefetch_ahead(blk, fmt);
 #if DOT_US16 && HALVES == 2
         if (qf_small_codes(fmt)) { /* one broadcast of x feeds both halves; codes of up to 4 bits keep 8
                                       units' sums within 16 bits (vec.h) */
@@ -504,12 +506,7 @@ static inline __attribute__((always_inline)) void biased_super16(const uint8_t *
         for (int m = 0; m < mr; m++) is[m] = start;
         for (int b = 0; b < 8; b++) {
             const qblock blk = qf_block(tile, fmt, 8 * s + b);
-#if PREFETCH_AHEAD
-            if (h == 0)
-                for (const uint8_t *pf = blk.codes + PREFETCH_AHEAD; pf < blk.sub + qf_sub_bytes(fmt) + PREFETCH_AHEAD;
-                     pf += 64)
-                    _mm_prefetch((const char *)pf, _MM_HINT_T0);
-#endif
+            if (h == 0) prefetch_ahead(blk, fmt);
 #pragma GCC unroll 2
             for (int p = 0; p < sub_groups(fmt); p++) {
                 const vi sc = sub_scale_i(blk.sub, fmt, p, h), w16 = pair16(sc, sc);
@@ -571,12 +568,7 @@ static inline __attribute__((always_inline)) void int_tile_super(const uint8_t *
         for (int b = 0; b < 8; b++) {
             const int64_t g = 8 * s + b;
             const qblock blk = qf_block(tile, fmt, g);
-#if PREFETCH_AHEAD
-            if (prefetches(fmt, mr))
-                for (const uint8_t *pf = blk.codes + PREFETCH_AHEAD; pf < blk.sub + qf_sub_bytes(fmt) + PREFETCH_AHEAD;
-                     pf += 64)
-                    _mm_prefetch((const char *)pf, _MM_HINT_T0);
-#endif
+            if (prefetches(fmt, mr)) prefetch_ahead(blk, fmt);
 #if DOT_US16 && HALVES == 2
             if (qf_small_codes(fmt)) { /* AVX2: one broadcast of x feeds both halves (Q3_K biased: x + 128
                                              against codes of -4..3, 4 units' sums within 16 bits too) */
