@@ -14,6 +14,7 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.mark.slow  # a server start and a timed run (~12 s): in `make test-slow`
 def test_short_run_against_the_real_server(tmp_path, tiny_llama_dir):
     out = tmp_path / "real.json"
     rc = cli.main(

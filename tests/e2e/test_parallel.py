@@ -492,7 +492,10 @@ async def test_new_families_from_gguf_tp2_equal_one_process(
         runner.close()
 
 
-@pytest.mark.parametrize(("tp", "pp"), [(2, 1), (1, 2)], ids=["tp2", "pp2"])
+# pp2's restart runs in the slow target: the restart path is the same for both, and tp2 keeps it in `make test`.
+@pytest.mark.parametrize(
+    ("tp", "pp"), [(2, 1), pytest.param(1, 2, marks=pytest.mark.slow)], ids=["tp2", "pp2"]
+)
 async def test_a_killed_worker_is_restarted_and_the_server_serves_again(
     tp: int, pp: int, uneven_llama_dir: Path, reference_texts: list[str]
 ) -> None:

@@ -30,6 +30,7 @@ def test_quoting_tasks_are_fixed_by_the_seed_and_quote_a_passage(tokenizer):
     assert sum("```python" in t.prompt for t in tasks) == 12  # half code, half prose
 
 
+@pytest.mark.slow  # two server starts and two timed runs (~30 s): in `make test-slow`
 @pytest.mark.timeout(300)
 def test_the_benchmark_compares_speculation_on_and_off(tiny_llama_dir: Path, tmp_path: Path, capsys):
     server = f"{sys.executable} -m server --model {tiny_llama_dir} --dtype float32 --device cpu --num-kv-blocks 512"
