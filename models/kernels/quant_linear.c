@@ -491,7 +491,11 @@ static inline __attribute__((always_inline)) vf super_epilogue(vf acc, vi isum, 
  * sum right away, so the mr 32-bit sums stay in registers through the super-block (where the unit-major
  * order of weighed_dots16 keeps mr 16-bit sums there and spills the 32-bit ones, a load and a store a
  * row and chunk), and every unit's position is a constant. 2-core Zen 3, bit-identical: Q6_K 1.03-1.19x at
- * 8-128 rows (the 128k-vocab head 1.15-1.17x at 8-32), 1.2-1.5x at 1-2 rows from cache. */
+ * 8-128 rows (the 128k-vocab head 1.15-1.17x at 8-32), 1.2-1.5x at 1-2 rows from cache. The 32-bit sums
+ * are not pinned (vi_keep) as the other AVX2 kernels' sums are: a row's chunk is one product chain into
+ * a temporary, so there is nothing for GCC to reassociate, and the pin made it keep a copy of each sum
+ * on the stack (105 stack operands in the loop over one half of a block, against 62). Without it,
+ * bit-identical: Q6_K 1.19-1.29x at 8-128 rows, the head from DRAM 1.28-1.38x at 8-32. */
 static inline __attribute__((always_inline)) void biased_super16(const uint8_t *tile, const int fmt, const qx_t *x,
                                                                  int64_t m0, const int mr, int64_t s,
                                                                  float acc[MR_MAX][16]) {
@@ -519,7 +523,6 @@ static inline __attribute__((always_inline)) void biased_super16(const uint8_t *
                         vi t = _mm256_maddubs_epi16(vi_bcast32(xb), w[0]);
                         for (int u = 1; u < chunk; u++) t = dot_us16(t, vi_bcast32(xb + 4 * u), w[u]);
                         is[m] = dot_pairs16(is[m], t, w16);
-                        if (mr >= KEEP_MIN_ROWS) vi_keep(&is[m]);
                     }
                 }
             }
