@@ -1,9 +1,9 @@
 #include <immintrin.h>
 #include <stdio.h>
 #include <stdint.h>
-#include <time.h>
 #include <stdlib.h>
-static double now(){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t.tv_sec+t.tv_nsec*1e-9;}
+
+#include "now.h"
 #ifndef MR
 #define MR 6
 #endif

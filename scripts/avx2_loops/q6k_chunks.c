@@ -1,9 +1,9 @@
 #include <immintrin.h>
 #include <stdio.h>
 #include <stdint.h>
-#include <time.h>
 #include <stdlib.h>
-static double now(){struct timespec t;clock_gettime(CLOCK_MONOTONIC,&t);return t.tv_sec+t.tv_nsec*1e-9;}
+
+#include "now.h"
 #define KEEP(v) __asm__("" : "+x"(v))
 #define U _Pragma("GCC unroll 16")
 /* Q6_K's chunk loop of the AVX2 kernel's shape (biased_super16): chunks of 2 units summed in 16 bits, each

@@ -6,22 +6,9 @@ set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
-cat > "$out/clock.c" <<'C'
-#include <stdio.h>
-#include <time.h>
-/* Four dependent adds an iteration: one a cycle, so iterations x 4 / seconds is the clock. */
-int main(void) {
-    long n = 1000000000, a = 1;
-    struct timespec t0, t1;
-    clock_gettime(CLOCK_MONOTONIC, &t0);
-    for (long i = 0; i < n; i++) __asm__ volatile("add $1, %0\n\tadd $1, %0\n\tadd $1, %0\n\tadd $1, %0" : "+r"(a));
-    clock_gettime(CLOCK_MONOTONIC, &t1);
-    printf("clock ~ %.2f GHz (%ld)\n", 4.0 * n / (t1.tv_sec - t0.tv_sec + (t1.tv_nsec - t0.tv_nsec) * 1e-9) / 1e9, a);
-}
-C
 # This machine's speed moves from run to run (a VM): each loop runs 5 times, its fastest run is printed.
 best() { for _ in 1 2 3 4 5; do "$@"; done | sort -t: -k2 -g | tail -1; }
-gcc -O2 "$out/clock.c" -o "$out/clock" && best "$out/clock"
+gcc -O2 "$here/clock.c" -o "$out/clock" && best "$out/clock"
 for mode in 1 2 0 6 3 4 5 7; do
     gcc -O2 -mavx2 -DMODE=$mode "$here/loops.c" -o "$out/loops" && best "$out/loops"
 done
