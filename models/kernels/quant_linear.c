@@ -73,15 +73,22 @@
 #ifndef PREFETCH_AHEAD
 #define PREFETCH_AHEAD 2048
 #endif
-/* Rows of x from which the int8 micro-kernels prefetch codes held in one plane (2- and 4-bit) or as
- * bytes (8-bit). At one or two rows their loop does little but read the tile, and the hardware
- * prefetcher alone streams it faster: with the software prefetches a Q4_K GEMM over weights from
- * memory ran 10-27% slower at one row and 5-10% at two, Q8_0 1-4% and 12-16% (2-core Zen 4). Codes
- * that take more work a byte to unpack (two planes: 3, 5 and 6 bits; a codebook's) want the
- * prefetches at every row count: without them Q6_K ran 9-12% slower at one row, 23-28% at two, IQ4_XS
- * 16% at two, Q3_K 3-11% faster at one row but 11-17% slower at two. */
+/* Rows of x from which the int8 micro-kernels prefetch codes that the hardware prefetcher alone
+ * streams faster at fewer rows (hw_streamed). At one or two rows such a loop does little but read the
+ * tile: on the AVX-512 kernels (2-core Zen 4) the software prefetches made a Q4_K GEMM over weights from
+ * memory 10-27% slower at one row and 5-10% at two, Q8_0 1-4% and 12-16%. Codes that take more work a
+ * byte to unpack (two planes: 3, 5 and 6 bits; a codebook's) want the prefetches at every row count:
+ * without them Q6_K ran 9-12% slower at one row, 23-28% at two, IQ4_XS 16% at two, Q3_K 3-11% faster at
+ * one row but 11-17% slower at two. The AVX2 kernels (2-core Zen 3, weights from memory, in-process A/B,
+ * fastest of 20-25 interleaved rounds, bit-identical) want them for 4-bit codes too: with them Q4_K ran
+ * 1.11-1.30x faster at one row and 1.19-1.49x at two (K 2048 and 14336), Q4_0 and Q4_1 1.05x and
+ * 1.17-1.25x; bytes from two rows (Q8_0 0.92-0.93x at one row, 1.14-1.28x at two). */
 #ifndef PREFETCH_MIN_ROWS
+#if DOT_US16
+#define PREFETCH_MIN_ROWS 2
+#else
 #define PREFETCH_MIN_ROWS 3
+#endif
 #endif
 /* Rows of x from which the AVX2 kernels pin their integer sums (16- or 32-bit) after each unit (vec.h's
  * vi_keep). At one row GCC's own schedule is as fast. */
@@ -92,7 +99,9 @@
 static inline int cheap_codes(const int fmt) {
     return qf_bits(fmt) == 8 || (qf_bits(fmt) == qf_low_bits(fmt) && !qf_codebook(fmt));
 }
-static inline int prefetches(const int fmt, const int mr) { return mr >= PREFETCH_MIN_ROWS || !cheap_codes(fmt); }
+/* Codes that the hardware prefetcher streams faster alone below PREFETCH_MIN_ROWS rows (above). */
+static inline int hw_streamed(const int fmt) { return DOT_US16 ? qf_bits(fmt) == 8 : cheap_codes(fmt); }
+static inline int prefetches(const int fmt, const int mr) { return mr >= PREFETCH_MIN_ROWS || !hw_streamed(fmt); }
 /* A block's codes and sub-scales PREFETCH_AHEAD bytes on, into L1. */
 static inline __attribute__((always_inline)) void prefetch_ahead(const qblock blk, const int fmt) {
 #if PREFETCH_AHEAD
