@@ -40,7 +40,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Concatenate, Literal, ParamSpec, Protocol, TypeVar
@@ -100,7 +100,9 @@ BUILD_ISA = {
 }
 
 
-def _build(target: Path, variant: Variant) -> None:
+def _build(
+    target: Path, variant: Variant, sources: Sequence[Path] = SOURCES, extra_cflags: Sequence[str] = ()
+) -> None:
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
         raise RuntimeError("no C compiler (cc/gcc) on PATH")
@@ -109,7 +111,7 @@ def _build(target: Path, variant: Variant) -> None:
     os.close(fd)
     try:
         done = subprocess.run(
-            [compiler, *CFLAGS, *variant.cflags, *map(str, SOURCES), "-o", tmp, *LIBS],
+            [compiler, *CFLAGS, *variant.cflags, *extra_cflags, *map(str, sources), "-o", tmp, *LIBS],
             capture_output=True,
             text=True,
             timeout=300,
@@ -175,12 +177,43 @@ def _declare(lib: ctypes.CDLL) -> None:
 def for_variant(name: str) -> Kernels:
     """The kernels of one variant, built and loaded (tests and comparisons run every variant the CPU
     supports). Raises RuntimeError when this CPU or machine cannot run it."""
+    variant = _runnable(name)
+    return _load(lambda: build(variant), variant)
+
+
+def for_sources(src: Path, name: str, extra_cflags: Sequence[str] = ()) -> Kernels:
+    """The kernels of one variant built from another copy of this directory's sources (src: e.g. a git
+    worktree's models/kernels) with extra compiler flags: the two sides of `python -m engine.kernel_ab`.
+    Built now, every call (a comparison wants the tree as it is), into a file removed once loaded."""
+    variant = _runnable(name)
+    sources = tuple(sorted(Path(src).glob("*.c")))
+    if not sources:
+        raise RuntimeError(f"no kernel sources (*.c) in {src}")
+
+    with tempfile.TemporaryDirectory(prefix="orca-kernel-ab-") as tmp:
+        target = Path(tmp) / f"orca_cpu_kernels-{name}.so"
+
+        def built() -> Path:
+            _build(target, variant, sources, extra_cflags)
+            return target
+
+        return _load(built, variant)  # once loaded, the file can go
+
+
+def _runnable(name: str) -> Variant:
+    """The variant called `name`; RuntimeError when this CPU cannot run it."""
     variant = variant_named(name)
     if not variant.supported():
         missing = sorted(set(variant.cpu_flags) - cpu_flags())
         raise RuntimeError(f"this CPU cannot run the {name} kernels (lacks {', '.join(missing)})")
+    return variant
+
+
+def _load(built: Callable[[], Path], variant: Variant) -> Kernels:
+    """A built library of `variant`, loaded, declared and checked (its ISA, its AMX tile state)."""
+    name = variant.name
     try:
-        lib = ctypes.CDLL(str(build(variant)))
+        lib = ctypes.CDLL(str(built()))
     except (OSError, subprocess.SubprocessError) as e:
         raise RuntimeError(f"the {name} kernels did not build or load: {e}") from None
     _declare(lib)
