@@ -18,7 +18,7 @@ __attribute__((noinline)) void pass(const uint8_t *bb, const __m256i *w16, const
     __m256i s[MR][2];
 #pragma GCC unroll 8
     for (int u = 0; u < 8; u++) {
-      #ifdef PACKED
+#ifdef PACKED
       const __m256i p0 = _mm256_load_si256((const __m256i *)(wb + 64 * (u % 4))), p1 = _mm256_load_si256((const __m256i *)(wb + 64 * (u % 4) + 32));
       const __m256i mk = _mm256_set1_epi8(15);
       const __m256i w0 = _mm256_and_si256(u >= 4 ? _mm256_srli_epi16(p0, 4) : p0, mk), w1 = _mm256_and_si256(u >= 4 ? _mm256_srli_epi16(p1, 4) : p1, mk);

@@ -12,6 +12,7 @@ out=$(mktemp -d)
 trap 'rm -rf "$out"' EXIT
 # This machine's speed moves from run to run (a VM): each loop runs 5 times, its fastest run is printed.
 best() { for _ in 1 2 3 4 5; do "$@"; done | sort -t: -k2 -g | tail -1; }
+on() { local cpu=$1; shift; best taskset -c "$cpu" "$@"; } # on CPU PROGRAM: pinned, the fastest of 5
 build() { local name=$1; shift; gcc -O2 "$@" -o "$out/$name"; }
 build clock "$here/clock.c"
 for mode in 1 2 0 6 3 4 5 7; do build "loops$mode" -mavx2 -DMODE=$mode "$here/loops.c"; done
@@ -23,13 +24,12 @@ build q6k8 -mavx2 -DMODE=0 -DMR=8 "$here/q6k_chunks.c"
 build q6k4 -mavx2 -DMODE=1 -DMR=4 "$here/q6k_chunks.c"
 for cpu in $(seq 0 $(($(nproc) - 1))); do
     echo "== cpu $cpu"
-    on() { best taskset -c "$cpu" "$@"; }
-    on "$out/clock"
-    for mode in 1 2 0 6 3 4 5 7; do on "$out/loops$mode"; done
+    on "$cpu" "$out/clock"
+    for mode in 1 2 0 6 3 4 5 7; do on "$cpu" "$out/loops$mode"; done
     for mr in 4 5; do
-        on "$out/q4k$mr"
-        echo -n "codes unpacked in the loop, " && on "$out/q4k_packed$mr"
+        on "$cpu" "$out/q4k$mr"
+        echo -n "codes unpacked in the loop, " && on "$cpu" "$out/q4k_packed$mr"
     done
-    on "$out/q6k8"
-    on "$out/q6k4"
+    on "$cpu" "$out/q6k8"
+    on "$cpu" "$out/q6k4"
 done
