@@ -129,7 +129,7 @@ def failure_notes(scenario: str, results: BenchmarkResults) -> list[str]:
         if failed:
             kinds = ", ".join(f"{kind} {n}" for kind, n in s.errors.items())
             notes.append(
-                f"**{scenario}, {run.label}: {failed} of {failed + s.completed} requests failed ({kinds})**; "
+                f"**{scenario}, {run.label}: {failed} of {s.num_requests} requests failed ({kinds})**; "
                 "its figures count only the completed ones (a timeout: raise --request-timeout)."
             )
     return notes
