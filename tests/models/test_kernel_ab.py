@@ -27,8 +27,7 @@ def test_a_tree_with_other_flags_matches_the_installed_kernels() -> None:
     assert all(ta > 0 and tb > 0 for _, ta, tb, _ in results)
 
 
+@needs_native_kernels
 def test_sources_without_kernels_are_refused(tmp_path) -> None:
-    if not cpu_kernels.available():
-        pytest.skip("native CPU kernels not built here")
     with pytest.raises(RuntimeError, match="no kernel sources"):
         cpu_kernels.for_sources(tmp_path, "avx2")
