@@ -112,9 +112,12 @@ def run_and_publish(
         out = a.output_dir / file_of(s)
         print(f"== {s.name}: {a.duration:g} s per server", flush=True)
         rc = cli.main(args_of(s, out))
-        results = BenchmarkResults.load(out) if rc == 0 and out.is_file() else None
-        rows.append((s, figures_of(results) if results is not None else {}))
-        notes += failure_notes(s.name, results) if results is not None else []
+        if rc == 0 and out.is_file():
+            results = BenchmarkResults.load(out)
+            rows.append((s, figures_of(results)))
+            notes += failure_notes(s.name, results)
+        else:
+            rows.append((s, {}))
     footnotes = "".join(f"\n\n{n}" for n in notes)
     publish(f"{intro} CPU ISA: {isa_text()}.\n\n{table_of(rows)}{footnotes}", a.output_dir / report_name)
 
