@@ -75,11 +75,20 @@ class SamplingParams:
     def needs_penalties(self) -> bool:
         return self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
 
+    @property
+    def reads_outputs(self) -> bool:
+        """Whether sampling reads the output tokens themselves (penalties, a grammar), not only how many
+        there are (min_tokens, a seed's draw): such a row cannot run before its last token is known on
+        the host (DeviceCarry)."""
+        return self.needs_penalties or self.grammar is not None
+
 
 # Overlapped scheduling (scheduler/overlap.py): the token id of a decode row scheduled while the step
 # that samples its token is still running. The loop replaces it with that token before the row is
-# submitted: an executor never sees it.
+# submitted, or with CARRIED_PLACEHOLDER and names the row in a DeviceCarry: the executor puts the
+# token in on the device. An executor never sees PENDING_TOKEN.
 PENDING_TOKEN = -1
+CARRIED_PLACEHOLDER = 0  # a valid id: what the host's copy of the inputs holds until then
 
 
 @dataclass
@@ -194,6 +203,20 @@ class SampledToken:
         return len(self.following) if self.num_verified else 0
 
 
+def is_carried(seq: ScheduledSequence) -> bool:
+    """A decode row whose token the step before is sampling (PENDING_TOKEN)."""
+    return len(seq.token_ids) == 1 and seq.token_ids[0] == PENDING_TOKEN
+
+
+@dataclass(frozen=True)
+class DeviceCarry:
+    """Overlapped scheduling on an accelerator: rows of a batch whose token is the one the step before
+    sampled, still on the device (Executor.carries, submit(batch, carry))."""
+
+    handle: Any  # the step before's, from submit(), not yet collected
+    rows: list[int]  # indices into the batch of the carried rows (token id CARRIED_PLACEHOLDER)
+
+
 # One result per batch entry: the sampled token, PromptLogprobs for a prompt chunk that scored tokens
 # but samples nothing, PooledState for an embedding request's chunk, or None.
 StepResult = SampledToken | PromptLogprobs | PooledState | None
@@ -256,7 +279,13 @@ class Executor(Protocol):
         ...
 
     def submit(self, batch: Sequence[ScheduledSequence]) -> Any:
-        """Start a step; raises FatalRunnerError when the executor is down."""
+        """Start a step; raises FatalRunnerError when the executor is down.
+
+        Optional, for executors whose submit() returns before the step's tokens exist (a GPU's): a
+        `carries(handle, batch) -> bool` method, true when `batch`'s carried rows can take their tokens
+        from the not yet collected step `handle` on the device, and then `submit(batch, carry=
+        DeviceCarry(handle, rows))`, which queues the step behind that one without waiting for it
+        (engine.executor.LocalExecutor; the loop checks for the method)."""
         ...
 
     def collect(self, handle: Any) -> list[StepResult]:

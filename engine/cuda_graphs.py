@@ -382,6 +382,8 @@ class DecodeGraphs(CapturedSizes):
         sample, a view of the shared output buffer valid until the next replay."""
         assert self.buffers is not None and self.logits is not None
         self.buffers.load(self._pad(host, size))
+        if host.carried is not None:
+            host.carried.write(self.buffers.inputs(size)[0])
         self.graphs[size].replay()
         logits = self.logits[: host.num_seqs]
         if len(host.sample_rows) == host.num_seqs:

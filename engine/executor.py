@@ -18,16 +18,25 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from engine.config import EngineConfig, resolve_device, resolve_model_path
-from engine.contract import FatalRunnerError, PooledState, PromptLogprobs, ScheduledSequence, StepResult
-from engine.inputs import HostStepInputs, PoolSpan
+from engine.contract import (
+    DeviceCarry,
+    FatalRunnerError,
+    PooledState,
+    PromptLogprobs,
+    ScheduledSequence,
+    StepResult,
+    is_carried,
+)
+from engine.inputs import CarriedTokens, HostStepInputs, PoolSpan, to_device
 from engine.model_runner import ModelRunner
-from engine.sampler import Sampler, score_prompt_tokens
+from engine.sampler import SampledOnDevice, Sampler, score_prompt_tokens
 from engine.speculative import StepRows, accept, spread
 from engine.token_mask import PendingMask, TokenMasker
 
@@ -56,6 +65,10 @@ class PendingStep:
     sends: list[Any] = field(default_factory=list)  # dist.Work of the isends to stage 1
     keep: list[torch.Tensor] = field(default_factory=list)  # tensors the isends read from
     mask: PendingMask | None = None  # grammar masks of the constrained rows, computed meanwhile
+    # Sampled in submit() (ExecutorBase.samples_ahead): the draws, still on the device, and each
+    # sampling row's index among them by request id (what a carried row of the next step reads).
+    ahead: SampledOnDevice | None = None
+    sample_index: dict[str, int] = field(default_factory=dict)
 
 
 class ExecutorBase(ABC):
@@ -126,16 +139,19 @@ class ExecutorBase(ABC):
         if pending.logits is None or rows is None:
             return out
         logits = pending.logits
-        with torch.inference_mode():
-            if pending.scored:  # before sampling, which changes its rows in place
-                for r, scored in score_prompt_tokens(logits, rows.rows, pending.scored):
-                    out[rows.entry_of_row[r]] = scored
-                logits = logits[pending.sample_logit_rows]
-            if not pending.sample_rows:
-                return out
-            sampled = self.sampler(
-                logits, rows.sampling, pending.mask, rows.drafts if rows.has_drafts else None
-            )
+        if pending.ahead is not None:
+            sampled = pending.ahead.result()
+        else:
+            with torch.inference_mode():
+                if pending.scored:  # before sampling, which changes its rows in place
+                    for r, scored in score_prompt_tokens(logits, rows.rows, pending.scored):
+                        out[rows.entry_of_row[r]] = scored
+                    logits = logits[pending.sample_logit_rows]
+                if not pending.sample_rows:
+                    return out
+                sampled = self.sampler(
+                    logits, rows.sampling, pending.mask, rows.drafts if rows.has_drafts else None
+                )
         for i, tok in enumerate(accept(rows, sampled)):
             if tok is None:
                 continue
@@ -168,6 +184,23 @@ class ExecutorBase(ABC):
         )
         pending.mask = self.masker.start(rows.sampling)
         return pending, host
+
+    def _sample_ahead(self, pending: PendingStep) -> None:
+        """Sample a submitted step now (samples_ahead) unless its sampling needs the host or a prompt's
+        scores first: a grammar mask still being filled, prompt logprobs, proposals to verify."""
+        rows = pending.rows
+        if (
+            pending.logits is None
+            or rows is None
+            or not pending.sample_rows
+            or pending.mask is not None
+            or pending.scored
+            or rows.has_drafts
+        ):
+            return
+        with torch.inference_mode():
+            pending.ahead = self.sampler.start(pending.logits, rows.sampling)
+        pending.sample_index = {rows.rows[r].request_id: j for j, r in enumerate(pending.sample_rows)}
 
     def step(self, batch: Sequence[ScheduledSequence]) -> list[StepResult]:
         """One whole step: the batch's tokens, None for entries that do not sample."""
@@ -226,6 +259,11 @@ class LocalExecutor(ExecutorBase):
             from engine.draft_proposer import DraftProposer
 
             self.proposer = DraftProposer(config, runner)
+        # Whether submit() samples the steps it can right after their forward rather than in collect(),
+        # so that the next step's carried rows can take their tokens on the device (carries()): where
+        # submit() only queues the work, on a GPU. On a CPU submit() is the forward itself and sampling
+        # stays in collect(); tests turn this on there to run the same path.
+        self.samples_ahead = self.device.type != "cpu"
         off = cuda_graphs_off_reason(config, runner)
         if off is None:
             assert config.max_num_seqs is not None
@@ -239,11 +277,51 @@ class LocalExecutor(ExecutorBase):
         elif runner.device.type == "cuda":
             logger.info("CUDA graphs off: %s; every step runs eagerly", off)
 
-    def submit(self, batch: Sequence[ScheduledSequence]) -> PendingStep:
+    def submit(self, batch: Sequence[ScheduledSequence], carry: DeviceCarry | None = None) -> PendingStep:
+        """Start a step (on a GPU: queue it). With `carry` (see `carries`), the carried rows' tokens
+        are read on the device from the step before, which need not have been collected."""
         if not batch:
             return PendingStep(batch)
         pending, host = self._begin_step(batch)
+        if carry is not None:
+            host.carried = self._carried_tokens(carry, pending, host)
         out = self.runner.run_step(host)
         pending.logits = out.logits  # [R, vocab]; None without logits rows
         pending.pooled = out.pooled  # [P, hidden]; None without embedding entries
+        if self.samples_ahead:
+            self._sample_ahead(pending)
         return pending
+
+    def carries(self, handle: PendingStep, batch: Sequence[ScheduledSequence]) -> bool:
+        """Whether `batch`'s carried rows can take their tokens from `handle`'s step on the device
+        (submit(batch, DeviceCarry(handle, rows))): that step sampled them in submit(), and no carried
+        row's sampling reads its outputs (the last of which the host does not know yet)."""
+        if handle.ahead is None:
+            return False
+        index = handle.sample_index
+        return all(
+            seq.request_id in index and not seq.sampling.reads_outputs for seq in batch if is_carried(seq)
+        )
+
+    def _carried_tokens(
+        self, carry: DeviceCarry, pending: PendingStep, host: HostStepInputs
+    ) -> CarriedTokens:
+        """The carried rows' tokens, gathered on the device from the step before's draws, and where they
+        go in this step's flat tokens (over CARRIED_PLACEHOLDER)."""
+        before: PendingStep = carry.handle
+        assert before.ahead is not None and pending.rows is not None
+        batch, rows = pending.batch, pending.rows
+        if len(rows.rows) == len(batch):  # no verification spread over rows: row i is entry i
+            row_of = carry.rows
+        else:
+            first: dict[int, int] = {}
+            for r, e in enumerate(rows.entry_of_row):
+                first.setdefault(e, r)
+            row_of = [first[i] for i in carry.rows]
+        starts = [0, *accumulate(host.query_lens)]
+        flat = [starts[r] for r in row_of]
+        src = [before.sample_index[batch[i].request_id] for i in carry.rows]
+        tokens = before.ahead.tokens.index_select(
+            0, to_device(torch.tensor(src, dtype=torch.int64), self.device)
+        )
+        return CarriedTokens(flat, tokens)

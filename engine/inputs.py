@@ -63,6 +63,20 @@ class InputLimits:
     vocab_size: int
 
 
+@dataclass(frozen=True)
+class CarriedTokens:
+    """Token ids that are on the device already (overlapped scheduling on an accelerator: what the step
+    before sampled for the rows this one carries, engine.contract.DeviceCarry): written over the
+    step's input ids once those are on the device, in the same stream, so behind that step."""
+
+    flat_indices: list[int]  # [C] where in the step's flat tokens each one goes
+    token_ids: torch.Tensor  # [C] int64 on the device
+
+    def write(self, input_ids: torch.Tensor) -> None:
+        dst = to_device(torch.tensor(self.flat_indices, dtype=torch.int64), input_ids.device)
+        input_ids.index_copy_(0, dst, self.token_ids)
+
+
 @dataclass
 class HostStepInputs:
     """A step's inputs on the host (CPU tensors and their Python lists), before any device copy: what
@@ -82,6 +96,8 @@ class HostStepInputs:
     scored: list[tuple[int, int, int]] = field(default_factory=list)  # see StepInputs
     sample_logit_rows: list[int] | None = None
     pools: list[PoolSpan] = field(default_factory=list)  # see StepInputs
+    # Tokens that input_ids holds only a placeholder for (DeviceCarry).
+    carried: CarriedTokens | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -114,6 +130,10 @@ class HostStepInputs:
             ids, positions, slots, logits_indices, qsl, ssl, seq_lens, tables = self._staged_on(
                 device, query_start_loc, seq_start_loc
             )
+        if self.carried is not None:
+            if device.type == "cpu":
+                ids = ids.clone()  # the host tensor is the input itself on a CPU: keep it as built
+            self.carried.write(ids)
         metadata = AttentionMetadata(
             slot_mapping=slots,
             query_start_loc=qsl,

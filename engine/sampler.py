@@ -30,6 +30,7 @@ Order of processing, per row (each step only for the rows that ask for it):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
@@ -53,16 +54,51 @@ def _tensor(values: Sequence, device: torch.device, dtype: torch.dtype | None = 
     return to_device(torch.tensor(values, dtype=dtype), device)
 
 
-def _to_host(*tensors: torch.Tensor) -> list[list]:
-    """Each tensor's .tolist(), for the price of one synchronisation: on CUDA, non-blocking copies into
-    pinned memory and one wait for the stream (a .tolist() each would wait once each)."""
-    if not tensors or tensors[0].device.type == "cpu":
-        return [t.tolist() for t in tensors]
-    host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
-    for h, t in zip(host, tensors, strict=True):
-        h.copy_(t, non_blocking=True)
-    torch.cuda.current_stream(tensors[0].device).synchronize()
-    return [h.tolist() for h in host]
+class HostCopies:
+    """Device tensors on their way to the host. On CUDA: non-blocking copies into pinned memory, then an
+    event, so that reading them (`tolist`) waits for this step's work only and not for a step queued
+    behind it on the same stream (overlapped scheduling on an accelerator), and for one synchronisation
+    however many tensors there are (a .tolist() each would wait once each)."""
+
+    def __init__(self, *tensors: torch.Tensor) -> None:
+        self._event: torch.cuda.Event | None = None
+        if not tensors or tensors[0].device.type == "cpu":
+            self._host = list(tensors)
+            return
+        self._host = [torch.empty(t.shape, dtype=t.dtype, pin_memory=True) for t in tensors]
+        for h, t in zip(self._host, tensors, strict=True):
+            h.copy_(t, non_blocking=True)
+        self._event = torch.cuda.Event()
+        self._event.record(torch.cuda.current_stream(tensors[0].device))
+
+    def tolist(self) -> list[list]:
+        if self._event is not None:
+            self._event.synchronize()
+        return [h.tolist() for h in self._host]
+
+
+@dataclass
+class SampledOnDevice:
+    """A step's draws before the host has read them (Sampler.start): the tokens stay on the device,
+    where the next step's carried rows can read them (engine.contract.DeviceCarry), while their copies
+    to the host, and those of the logprobs asked for, are under way."""
+
+    tokens: torch.Tensor  # [S] int64: each sampling row's token, on the logits' device
+    copies: HostCopies  # tokens, then (with logprobs) the chosen logprobs, the top values and ids
+    # Per row that asked for logprobs: its index among the S rows and how many top logprobs it wants.
+    logprob_rows: list[tuple[int, int]] = field(default_factory=list)
+
+    def result(self) -> list[SampledToken]:
+        """Wait for this step's copies (not for any step queued after it) and make the tokens."""
+        if not self.logprob_rows:
+            (token_list,) = self.copies.tolist()
+            return [SampledToken(t) for t in token_list]
+        token_list, chosen_lp, top_vals, top_ids = self.copies.tolist()
+        out = [SampledToken(t) for t in token_list]
+        for j, (i, n) in enumerate(self.logprob_rows):
+            out[i].logprob = chosen_lp[j]
+            out[i].top_logprobs = list(zip(top_ids[j][:n], top_vals[j][:n], strict=True))
+        return out
 
 
 def score_prompt_tokens(
@@ -201,10 +237,22 @@ class Sampler:
         mask: PendingMask | None = None,
         drafts: Sequence[DraftChoice | None] | None = None,
     ) -> list[SampledToken]:
-        """Pick one token per row. `logits` is [B, vocab] float32 and is modified in place. `mask`: the
-        grammar masks of the constrained rows (TokenMasker.start on the same rows), None without any.
-        `drafts[i]`: the proposal row i verifies and the draft distribution it came from; only a
-        sampled row with a distribution draws differently (module docstring, step 8)."""
+        """Pick one token per row (`start`, then its result)."""
+        return self.start(logits, rows, mask, drafts).result()
+
+    def start(
+        self,
+        logits: torch.Tensor,
+        rows: Sequence[SamplingRow],
+        mask: PendingMask | None = None,
+        drafts: Sequence[DraftChoice | None] | None = None,
+    ) -> SampledOnDevice:
+        """Pick one token per row on the logits' device; the host reads the draws from the result. On
+        CUDA nothing here waits for the device unless a row needs the host meanwhile (a grammar mask
+        being filled, a draft's rejection step). `logits` is [B, vocab] float32 and is modified in
+        place. `mask`: the grammar masks of the constrained rows (TokenMasker.start on the same rows),
+        None without any. `drafts[i]`: the proposal row i verifies and the draft distribution it came
+        from; only a sampled row with a distribution draws differently (module docstring, step 8)."""
         if mask is not None:
             mask.apply(logits)
         params = [r.sampling for r in rows]
@@ -219,7 +267,8 @@ class Sampler:
         )
         if plain:
             # The common serving case: greedy, nothing to process, one kernel and one sync.
-            return [SampledToken(t) for t in row_argmax(logits).tolist()]
+            tokens = row_argmax(logits)
+            return SampledOnDevice(tokens, HostCopies(tokens))
 
         self._ban_stop_tokens(logits, params, num_out)
         self._apply_logit_bias(logits, params)
@@ -257,7 +306,7 @@ class Sampler:
             )
 
         if logprobs is None:
-            return [SampledToken(t) for t in tokens.tolist()]
+            return SampledOnDevice(tokens, HostCopies(tokens))
         return self._with_logprobs(tokens, logprobs, lp_idx, logprob_rows, params)
 
     # --- processing -----------------------------------------------------------------------------
@@ -461,7 +510,7 @@ class Sampler:
         lp_idx: torch.Tensor,  # [L]: the rows that asked for logprobs
         logprob_rows: list[int],
         params: list[SamplingParams],
-    ) -> list[SampledToken]:
+    ) -> SampledOnDevice:
         # A banned token (min_tokens' stop tokens) has logprob -inf, which JSON cannot carry: report
         # it as vLLM does, as a finite floor.
         logprobs = logprobs.clamp(min=LOGPROB_FLOOR)
@@ -469,10 +518,6 @@ class Sampler:
         n_max = max(params[i].logprobs or 0 for i in logprob_rows)
         top = logprobs.topk(min(max(n_max, 1), logprobs.shape[-1]), dim=-1)  # [L, n]
         # Tokens, chosen logprobs and top lists come to the host together: one synchronisation.
-        token_list, chosen_lp, top_vals, top_ids = _to_host(tokens, chosen, top.values, top.indices)
-        out = [SampledToken(t) for t in token_list]
-        for j, i in enumerate(logprob_rows):
-            n = params[i].logprobs or 0
-            out[i].logprob = chosen_lp[j]
-            out[i].top_logprobs = list(zip(top_ids[j][:n], top_vals[j][:n], strict=True))
-        return out
+        copies = HostCopies(tokens, chosen, top.values, top.indices)
+        wanted = [(i, params[i].logprobs or 0) for i in logprob_rows]
+        return SampledOnDevice(tokens, copies, wanted)

@@ -26,6 +26,7 @@ import asyncio
 import json
 import statistics
 import time
+from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
@@ -60,23 +61,25 @@ class ModeRuns:
 
 
 class StepClock:
-    """The executor, noting when each step starts (submit) and ends (collect returns)."""
+    """The executor, noting when each step starts (submit) and ends (collect returns). Steps are
+    collected in the order they were submitted; on an accelerator the next one may be submitted before
+    the one before is collected (scheduler.loop.IterationLoop._run_queued)."""
 
     def __init__(self, executor: Any) -> None:
         self._executor = executor
         self.spans: list[tuple[float, float]] = []
-        self._start = 0.0
+        self._starts: deque[float] = deque()
 
-    def __getattr__(self, name: str) -> Any:  # every other attribute is the executor's
+    def __getattr__(self, name: str) -> Any:  # every other attribute is the executor's (carries, ...)
         return getattr(self._executor, name)
 
-    def submit(self, batch: Sequence[ScheduledSequence]) -> Any:
-        self._start = time.perf_counter()
-        return self._executor.submit(batch)
+    def submit(self, batch: Sequence[ScheduledSequence], **kwargs: Any) -> Any:
+        self._starts.append(time.perf_counter())
+        return self._executor.submit(batch, **kwargs)
 
     def collect(self, handle: Any) -> list[StepResult]:
         out = self._executor.collect(handle)
-        self.spans.append((self._start, time.perf_counter()))
+        self.spans.append((self._starts.popleft(), time.perf_counter()))
         return out
 
     def durations(self) -> list[float]:
@@ -84,7 +87,8 @@ class StepClock:
         return [end - start for start, end in self.spans]
 
     def idle_gaps(self) -> list[float]:
-        """Seconds between each step's end and the next one's start."""
+        """Seconds between each step's end and the next one's start (negative where the next was queued
+        before this one ended)."""
         return [b[0] - a[1] for a, b in zip(self.spans, self.spans[1:], strict=False)]
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import threading
 import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -31,6 +30,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from engine.contract import (
+    DeviceCarry,
     Executor,
     FatalRunnerError,
     Pooling,
@@ -43,7 +43,7 @@ from scheduler.config import SchedulerConfig
 from scheduler.core import ScheduledStep, Scheduler
 from scheduler.output_text import Detokenizer, OutputText, start_output
 from scheduler.outputs import FinishReason, RequestDelta, SchedulerStats, StepReport
-from scheduler.overlap import kept_rows, last_tokens, resolve
+from scheduler.overlap import kept_rows, last_tokens, resolve, resolve_on_device
 from scheduler.request import Request
 
 logger = logging.getLogger(__name__)
@@ -116,11 +116,6 @@ class _InFlight:
     duration: float | None = None
     # Overlapped: resolved (on the event loop) once the loop may apply this step's tokens.
     ready: asyncio.Future[None] | None = None
-    # Overlapped on an accelerator: the step queued behind this one hands this one's tokens to the
-    # loop once its own forward is launched (IterationLoop._run_step); `worker_done` (this one has
-    # left the worker) and this flag are decided under IterationLoop._handoff.
-    released_by_next: bool = False
-    worker_done: bool = False
 
 
 def _resolve_future(future: asyncio.Future[None]) -> None:
@@ -172,10 +167,13 @@ class IterationLoop:
         self._restarts = RestartBudget(self.config.max_worker_restarts, self.config.worker_restart_window_s)
         self._num_restarts = 0
         # Steps run on an accelerator: submit() only queues the forward. Overlapped, the loop then
-        # schedules ahead at every step and gets a step's tokens once the next one is launched
-        # (_schedules_ahead, _run_step); the lock decides which of two steps hands them over.
+        # schedules ahead at every step, and a step is collected once the next one is queued
+        # (_schedules_ahead, _run_queued); so does an executor that samples in submit() (tests).
         self._on_accelerator = executor.device_type != "cpu"
-        self._handoff = threading.Lock()
+        self._collects_late = self._on_accelerator or bool(getattr(executor, "samples_ahead", False))
+        self._carries: Callable[[Any, Sequence[ScheduledSequence]], bool] | None = getattr(
+            executor, "carries", None
+        )
 
     # ---- lifecycle ------------------------------------------------------------------------------
 
@@ -437,9 +435,6 @@ class IterationLoop:
                 self._emit_all(step.released)
                 if step.seqs:
                     new = _InFlight(step, time.perf_counter(), after=pending, ready=loop.create_future())
-                    if pending is not None and self._on_accelerator:
-                        with self._handoff:
-                            pending.released_by_next = not pending.worker_done
                 elif (step.released or step.preempted) and pending is None:
                     continue
             if pending is None:
@@ -452,53 +447,108 @@ class IterationLoop:
                     continue
                 # Nothing to overlap with: schedule the step after this one while it runs.
                 pending = new
-                loop.run_in_executor(self._thread, self._run_step, new)
+                loop.run_in_executor(self._thread, self._worker_step, new)
                 continue
             if new is not None:
-                loop.run_in_executor(self._thread, self._run_step, new)  # _run_step raises nothing
+                loop.run_in_executor(self._thread, self._worker_step, new)  # raises nothing
+            elif self._collects_late:
+                loop.run_in_executor(self._thread, self._collect_queued, pending)  # nothing behind it
             assert pending.ready is not None
             await pending.ready
             if pending.kept != []:  # else every row was dropped: nothing ran
                 self._step_done(pending)
             pending = new
 
-    def _run_step(self, flight: _InFlight) -> None:
-        """The worker thread's share of an overlapped step: put the step before's tokens into the
-        carried rows (scheduler/overlap.py), run the step, and hand the tokens to the loop.
+    def _worker_step(self, flight: _InFlight) -> None:
+        """The worker thread's share of an overlapped step (_run_queued or _run_step)."""
+        if self._collects_late:
+            self._run_queued(flight)
+        else:
+            self._run_step(flight)
 
-        On an accelerator the step before's tokens go to the loop only once this step's forward is
-        launched (submit() queues it on the device and returns): the loop's Python (applying them,
-        detokenizing, sending, scheduling the next step) then runs while the device computes and this
-        thread waits in collect() with the GIL released, instead of competing for the GIL with
-        submit()'s input building while the device idles (measured on an H200 before this: each step
-        0.23-0.27 ms longer in the loop than bare, the time the loop's work took). On a CPU submit()
-        is the forward itself, so each step hands its own tokens over as it ends."""
+    def _run_step(self, flight: _InFlight) -> None:
+        """An overlapped step on a CPU, where submit() is the forward itself: put the step before's
+        tokens into the carried rows (scheduler/overlap.py), run the step, collect it and hand its
+        tokens to the loop."""
         flight.started = time.perf_counter()
         before, flight.after = flight.after, None  # the chain of steps must not keep every step alive
-        handle = None
         try:
             seqs = flight.step.seqs
             if before is not None:
-                sampled = before.sampled if before.error is None else None
-                tokens = last_tokens(before.submitted, sampled) if sampled is not None else {}
-                seqs, flight.kept = resolve(seqs, flight.step.requests, tokens)
+                seqs, flight.kept = resolve(seqs, flight.step.requests, self._tokens_of(before))
             flight.submitted = seqs
             handle = self._executor.submit(seqs) if seqs else None
+            flight.sampled = self._executor.collect(handle) if handle is not None else []
         except Exception as exc:
             flight.error = exc
-        if before is not None and before.released_by_next:
-            self._release(before)  # this step is launched (or failed): the loop may apply the one before
-        if flight.error is None:
-            try:
-                flight.sampled = self._executor.collect(handle) if handle is not None else []
-            except Exception as exc:
-                flight.error = exc
         flight.duration = time.perf_counter() - flight.started
-        with self._handoff:
-            flight.worker_done = True
-            by_next = flight.released_by_next
-        if not by_next:
-            self._release(flight)
+        self._release(flight)
+
+    def _run_queued(self, flight: _InFlight) -> None:
+        """An overlapped step where submit() only queues it (an accelerator): submit it, then collect
+        the step before and hand that one's tokens to the loop; this one is collected by the step queued
+        behind it, or by _collect_queued when the loop queues none.
+
+        Where the executor `carries` them, the carried rows take the step before's tokens on the device
+        (engine.contract.DeviceCarry), so this step is queued while that one still runs and the device
+        goes from one to the next without waiting for the host: reading the tokens back, putting them in
+        and building this step's inputs all happen meanwhile. Otherwise the step before is collected
+        first and its tokens put in on the host (scheduler/overlap.py), and this step starts once its
+        inputs are built. Either way the step before's tokens reach the loop only once this step is
+        queued: the loop's Python (applying them, detokenizing, sending, scheduling the next step)
+        runs while the device computes, instead of competing for the GIL with the input building
+        while the device idles (measured on an H200 before that: each step 0.23-0.27 ms longer in the
+        loop than bare, the time the loop's work took)."""
+        flight.started = time.perf_counter()
+        before, flight.after = flight.after, None  # the chain of steps must not keep every step alive
+        executor = self._executor
+        try:
+            seqs = flight.step.seqs
+            carry = None
+            if before is not None and self._can_carry(before, seqs):
+                seqs, flight.kept, rows = resolve_on_device(seqs, flight.step.requests)
+                carry = DeviceCarry(before.handle, rows) if rows else None
+            elif before is not None:
+                self._collect(before)
+                seqs, flight.kept = resolve(seqs, flight.step.requests, self._tokens_of(before))
+            flight.submitted = seqs
+            if seqs:
+                flight.handle = executor.submit(seqs, carry=carry) if carry else executor.submit(seqs)
+        except Exception as exc:
+            flight.error = exc
+        if before is not None:
+            self._collect(before)
+            self._release(before)
+
+    def _can_carry(self, before: _InFlight, seqs: Sequence[ScheduledSequence]) -> bool:
+        """Whether `seqs`' carried rows can take their tokens from `before` on the device: it is
+        submitted, not collected, and the executor `carries` them."""
+        if self._carries is None or before.handle is None:
+            return False
+        return before.sampled is None and before.error is None and self._carries(before.handle, seqs)
+
+    def _collect_queued(self, flight: _InFlight) -> None:
+        """On the worker thread: collect a queued step that no step was queued behind (_run_queued)."""
+        self._collect(flight)
+        self._release(flight)
+
+    def _collect(self, flight: _InFlight) -> None:
+        """Wait for a submitted step's tokens (once; a step that failed has none)."""
+        if flight.sampled is not None or flight.error is not None:
+            return
+        try:
+            handle = flight.handle
+            flight.sampled = self._executor.collect(handle) if handle is not None else []
+        except Exception as exc:
+            flight.error = exc
+        flight.duration = time.perf_counter() - flight.started
+
+    @staticmethod
+    def _tokens_of(before: _InFlight) -> dict[str, int]:
+        """The step before's last token of each request it sampled for (none if it failed)."""
+        if before.error is not None or before.sampled is None:
+            return {}
+        return last_tokens(before.submitted, before.sampled)
 
     def _release(self, flight: _InFlight) -> None:
         """From the worker thread: let the loop apply a step's tokens (or its error)."""

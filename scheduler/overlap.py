@@ -19,7 +19,14 @@ from dataclasses import replace
 from itertools import islice
 from typing import overload
 
-from engine.contract import PENDING_TOKEN, SampledToken, ScheduledSequence, StepResult
+from engine.contract import (
+    CARRIED_PLACEHOLDER,
+    PENDING_TOKEN,
+    SampledToken,
+    ScheduledSequence,
+    StepResult,
+    is_carried,
+)
 from scheduler.core import ScheduledStep
 from scheduler.request import Request
 
@@ -63,10 +70,6 @@ class CarriedOutputs(Sequence[int]):
         return self._last if i == self._n else self._base[i]
 
 
-def is_carried(seq: ScheduledSequence) -> bool:
-    return len(seq.token_ids) == 1 and seq.token_ids[0] == PENDING_TOKEN
-
-
 def last_tokens(seqs: Sequence[ScheduledSequence], results: Sequence[StepResult]) -> dict[str, int]:
     """Each sampling row's last token (the one the request's next row runs), by request id."""
     out: dict[str, int] = {}
@@ -88,22 +91,50 @@ def resolve(
             tok = tokens.get(seq.request_id)
             if tok is None or req.is_finished:
                 continue
-            n = seq.start_position - len(seq.prompt_token_ids)  # outputs before the pending token
-            # Made whole rather than by dataclasses.replace (7x slower): this runs between two forwards.
-            # A carried row is a plain sampled decode: no prompt logprobs, no proposals.
-            seq = ScheduledSequence(
-                seq.request_id,
-                (tok,),
-                seq.start_position,
-                seq.block_table,
-                True,
-                seq.sampling,
-                seq.prompt_token_ids,
-                CarriedOutputs(seq.output_token_ids, n, tok),
-            )
+            seq = _with_token(seq, tok)
         out.append(seq)
         kept.append(i)
     return out, (kept if len(kept) < len(seqs) else None)
+
+
+def resolve_on_device(
+    seqs: Sequence[ScheduledSequence], requests: Sequence[Request]
+) -> tuple[list[ScheduledSequence], list[int] | None, list[int]]:
+    """`resolve` for a step submitted before the step before has been collected (DeviceCarry): the
+    carried rows hold CARRIED_PLACEHOLDER, whose token the executor puts in on the device, and their
+    outputs end with PENDING_TOKEN (only their count is read: Executor.carries). Returns the rows to
+    submit, the indices into `seqs` of those kept (None: all) and the indices into the rows to submit
+    of the carried ones."""
+    out: list[ScheduledSequence] = []
+    kept: list[int] = []
+    carried: list[int] = []
+    for i, (seq, req) in enumerate(zip(seqs, requests, strict=True)):
+        if is_carried(seq):
+            if req.is_finished:
+                continue
+            carried.append(len(out))
+            seq = _with_token(seq, CARRIED_PLACEHOLDER, PENDING_TOKEN)
+        out.append(seq)
+        kept.append(i)
+    return out, (kept if len(kept) < len(seqs) else None), carried
+
+
+def _with_token(seq: ScheduledSequence, tok: int, last_output: int | None = None) -> ScheduledSequence:
+    """A carried row with its token `tok`, also at the end of its outputs (CarriedOutputs) unless
+    `last_output` is given."""
+    n = seq.start_position - len(seq.prompt_token_ids)  # outputs before the pending token
+    # Made whole rather than by dataclasses.replace (7x slower): this runs between two forwards.
+    # A carried row is a plain sampled decode: no prompt logprobs, no proposals.
+    return ScheduledSequence(
+        seq.request_id,
+        (tok,),
+        seq.start_position,
+        seq.block_table,
+        True,
+        seq.sampling,
+        seq.prompt_token_ids,
+        CarriedOutputs(seq.output_token_ids, n, tok if last_output is None else last_output),
+    )
 
 
 def kept_rows(step: ScheduledStep, kept: Sequence[int]) -> ScheduledStep:

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from builders import cpu_engine_config
+from waiting import wait_until
 
 from engine.contract import SamplingParams
 from engine.executor import LocalExecutor
@@ -130,6 +131,85 @@ async def test_the_same_output_with_overlap_on_and_off(runners, tokenizer, runne
     assert by_id["plain"][0] == plain and by_id["stop id"][0] == plain[:stop_at] and stop_at < len(plain)
     assert all(r[2] is None for r in sync)
     assert by_id["schema"][1] is FinishReason.STOP and json.loads(tokenizer.decode(by_id["schema"][0]))
+
+
+@pytest.mark.parametrize("carriable_only", [True, False], ids=["carriable", "mixed"])
+async def test_tokens_carried_on_the_device_give_the_same_output(
+    runners, tokenizer, monkeypatch, carriable_only
+):
+    """As on a GPU: the executor samples in submit() (samples_ahead, turned on here on a CPU), the loop
+    queues each step before collecting the one before, and carried rows read their tokens from that
+    step's draws on the device (engine.contract.DeviceCarry). Rows that read their outputs (penalties,
+    grammars) are not carried that way: their steps put the tokens in on the host. The output is the
+    synchronous loop's, request for request."""
+    runner = runners["roomy"]
+    config = SchedulerConfig(speculative="off")
+    compiler = GrammarCompiler(tokenizer.hf, runner.vocab_size, sorted(runner.eos_token_ids))
+    stop_id = 20
+
+    def batch():
+        grammars = [
+            SamplingParams(temperature=0.0, max_tokens=40, grammar=compiler.compile(spec).new_matcher())
+            for spec in (GrammarSpec.choice(["alpha", "beta"]), GrammarSpec.json_schema(SCHEMA))
+        ]
+        specs = mixed_batch(stop_id, (grammars[0], grammars[1]))
+        if carriable_only:
+            specs = [s for s in specs if not s[2].reads_outputs]
+        return specs
+
+    sync = await run(runner, replace(config, overlap_schedule=False), batch())
+    carried: list[int] = []
+    submit = runner.submit
+
+    def counting_submit(seqs, carry=None):
+        if carry is None:
+            return submit(seqs)
+        carried.append(len(carry.rows))
+        return submit(seqs, carry=carry)
+
+    monkeypatch.setattr(runner, "samples_ahead", True)
+    monkeypatch.setattr(runner, "submit", counting_submit)
+    overlapped = await run(runner, replace(config, overlap_schedule=True), batch())
+    assert [o[:3] for o in overlapped] == [o[:3] for o in sync]
+    for got, want in zip(overlapped, sync, strict=True):
+        assert [t for t, _ in got[3]] == [t for t, _ in want[3]]
+        assert [lp for _, lp in got[3]] == pytest.approx([lp for _, lp in want[3]], abs=1e-5)
+    if carriable_only:
+        # Most steps carried their decodes, most of the batch at once (a request that its next token
+        # ends by max_tokens waits for it instead).
+        assert len(carried) >= 10 and max(carried) >= len(batch()) - 2
+
+
+async def test_a_client_that_leaves_while_its_tokens_are_carried_frees_its_blocks(runners, monkeypatch):
+    """Tokens carried on the device, and the client of one request leaves mid-stream: its rows already
+    queued run for nothing, its blocks come back, and the other request's tokens are its own."""
+    runner = runners["roomy"]
+    config = SchedulerConfig(speculative="off", overlap_schedule=True)
+    params = SamplingParams(temperature=0.0, max_tokens=24, ignore_eos=True)
+    (alone,) = await run(runner, replace(config, overlap_schedule=False), [("staying", prompt(9, 1), params)])
+    monkeypatch.setattr(runner, "samples_ahead", True)
+    loop = IterationLoop(runner, config)
+    await loop.start()
+    try:
+        leaving = loop.generate(prompt(7, 0), params, "leaving")
+        staying = loop.generate(prompt(9, 1), params, "staying")
+
+        async def leave() -> None:
+            got = 0
+            async for delta in leaving:
+                got += len(delta.token_ids)
+                if got >= 3:
+                    break
+            await leaving.aclose()
+
+        async def stay() -> list[int]:
+            return [t async for d in staying for t in d.token_ids]
+
+        _, tokens = await asyncio.wait_for(asyncio.gather(leave(), stay()), GUARD_S)
+        await wait_until(lambda: loop.stats().kv_blocks_used == 0 and loop.stats().running == 0)
+    finally:
+        await loop.shutdown()
+    assert tokens == alone[0]
 
 
 def test_the_tpot_tool_prints_the_bare_step_and_both_modes(tiny_llama_dir: Path, tmp_path: Path, capsys):
