@@ -159,16 +159,24 @@ async def test_tokens_carried_on_the_device_give_the_same_output(
 
     sync = await run(runner, replace(config, overlap_schedule=False), batch())
     carried: list[int] = []
-    submit = runner.submit
+    collected: list = []  # the handles themselves: an id could be reused once one is freed
+    submit, collect = runner.submit, runner.collect
 
     def counting_submit(seqs, carry=None):
         if carry is None:
             return submit(seqs)
+        # Queued behind a step that is not collected yet: what lets a GPU go on without the host.
+        assert not any(h is carry.handle for h in collected)
         carried.append(len(carry.rows))
         return submit(seqs, carry=carry)
 
+    def noting_collect(handle):
+        collected.append(handle)
+        return collect(handle)
+
     monkeypatch.setattr(runner, "samples_ahead", True)
     monkeypatch.setattr(runner, "submit", counting_submit)
+    monkeypatch.setattr(runner, "collect", noting_collect)
     overlapped = await run(runner, replace(config, overlap_schedule=True), batch())
     assert [o[:3] for o in overlapped] == [o[:3] for o in sync]
     for got, want in zip(overlapped, sync, strict=True):
