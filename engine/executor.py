@@ -36,7 +36,7 @@ from engine.contract import (
 )
 from engine.inputs import CarriedTokens, HostStepInputs, PoolSpan, to_device
 from engine.model_runner import ModelRunner
-from engine.sampler import SampledOnDevice, Sampler, score_prompt_tokens
+from engine.sampler import HostCopies, SampledOnDevice, Sampler, score_prompt_tokens
 from engine.speculative import StepRows, accept, spread
 from engine.token_mask import PendingMask, TokenMasker
 
@@ -61,6 +61,7 @@ class PendingStep:
     # Embedding entries (engine/pooling.py): their spans, and their pooled rows [P, hidden] float32.
     pools: list[PoolSpan] = field(default_factory=list)
     pooled: torch.Tensor | None = None
+    pooled_copy: HostCopies | None = None  # on its way to the host (samples_ahead)
     recvs: list[Any] = field(default_factory=list)  # dist.Work of the irecvs of logits and pooled rows
     sends: list[Any] = field(default_factory=list)  # dist.Work of the isends to stage 1
     keep: list[torch.Tensor] = field(default_factory=list)  # tensors the isends read from
@@ -134,7 +135,10 @@ class ExecutorBase(ABC):
         out: list[StepResult] = [None] * len(pending.batch)
         rows = pending.rows
         if pending.pooled is not None and rows is not None:
-            for span, values in zip(pending.pools, pending.pooled.tolist(), strict=True):
+            # Copied in submit() where the next step may be queued before this one is collected: a
+            # .tolist() here would wait for that one too.
+            pooled = pending.pooled_copy.tolist()[0] if pending.pooled_copy else pending.pooled.tolist()
+            for span, values in zip(pending.pools, pooled, strict=True):
                 out[rows.entry_of_row[span.entry]] = PooledState(values, span.num_tokens)
         if pending.logits is None or rows is None:
             return out
@@ -290,6 +294,8 @@ class LocalExecutor(ExecutorBase):
         pending.pooled = out.pooled  # [P, hidden]; None without embedding entries
         if self.samples_ahead:
             self._sample_ahead(pending)
+            if pending.pooled is not None:
+                pending.pooled_copy = HostCopies(pending.pooled)
         return pending
 
     def carries(self, handle: PendingStep, batch: Sequence[ScheduledSequence]) -> bool:

@@ -168,3 +168,18 @@ def test_a_carried_step_is_queued_without_waiting_for_the_step_before(tiny_llama
     assert syncs == 0, "submitting the carried step waited for the device"
     got = ex.collect(first), ex.collect(second)
     assert [[t.token_id for t in r] for r in got] == [[t.token_id for t in r] for r in want]
+
+
+def test_an_embedding_entry_in_a_step_sampled_ahead_pools_the_same(tiny_llama_dir: Path):
+    """Its pooled rows are copied to the host in submit() too (collect() must not wait for a step queued
+    behind): the same values as a step sampled in collect()."""
+    results = []
+    for ahead in (True, False):
+        ex = executor(tiny_llama_dir)
+        ex.samples_ahead = ahead
+        embedding = ScheduledSequence("e", LATE_PROMPT, 0, table(3), False, pooling="mean")
+        handle = ex.submit([*prompts(GREEDY), embedding])
+        assert (handle.pooled_copy is not None) is ahead
+        results.append(ex.collect(handle))
+    assert results[0] == results[1]
+    assert results[0][-1].values and results[0][-1].num_tokens == len(LATE_PROMPT)
