@@ -9,7 +9,9 @@ ModelRunner (rank 0), the grammar masker and the sampler; they differ only in wh
 verifications spread over rows, the inputs prepared, which rows sample and score, the grammar masks
 started) and runs (or, with pipeline stages, starts) the step through `ModelRunner.run_step`;
 `collect` waits for the logits rows (and the embedding entries' pooled rows), scores prompt tokens,
-samples and reads back what each verification accepted, here on the driver.
+samples and reads back what each verification accepted, here on the driver. On a GPU the local
+executor samples in `submit` instead where it can (`samples_ahead`), so that the next step may be
+queued with its carried rows' tokens read on the device (`carries`, engine.contract.DeviceCarry).
 """
 
 from __future__ import annotations
@@ -66,7 +68,7 @@ class PendingStep:
     sends: list[Any] = field(default_factory=list)  # dist.Work of the isends to stage 1
     keep: list[torch.Tensor] = field(default_factory=list)  # tensors the isends read from
     mask: PendingMask | None = None  # grammar masks of the constrained rows, computed meanwhile
-    # Sampled in submit() (ExecutorBase.samples_ahead): the draws, still on the device, and each
+    # Sampled in submit() (LocalExecutor.samples_ahead): the draws, still on the device, and each
     # sampling row's index among them by request id (what a carried row of the next step reads).
     ahead: SampledOnDevice | None = None
     sample_index: dict[str, int] = field(default_factory=dict)
@@ -189,23 +191,6 @@ class ExecutorBase(ABC):
         pending.mask = self.masker.start(rows.sampling)
         return pending, host
 
-    def _sample_ahead(self, pending: PendingStep) -> None:
-        """Sample a submitted step now (samples_ahead) unless its sampling needs the host or a prompt's
-        scores first: a grammar mask still being filled, prompt logprobs, proposals to verify."""
-        rows = pending.rows
-        if (
-            pending.logits is None
-            or rows is None
-            or not pending.sample_rows
-            or pending.mask is not None
-            or pending.scored
-            or rows.has_drafts
-        ):
-            return
-        with torch.inference_mode():
-            pending.ahead = self.sampler.start(pending.logits, rows.sampling)
-        pending.sample_index = {rows.rows[r].request_id: j for j, r in enumerate(pending.sample_rows)}
-
     def step(self, batch: Sequence[ScheduledSequence]) -> list[StepResult]:
         """One whole step: the batch's tokens, None for entries that do not sample."""
         return self.collect(self.submit(batch))
@@ -297,6 +282,23 @@ class LocalExecutor(ExecutorBase):
             if pending.pooled is not None:
                 pending.pooled_copy = HostCopies(pending.pooled)
         return pending
+
+    def _sample_ahead(self, pending: PendingStep) -> None:
+        """Sample a submitted step now (samples_ahead) unless its sampling needs the host or a prompt's
+        scores first: a grammar mask still being filled, prompt logprobs, proposals to verify."""
+        rows = pending.rows
+        if (
+            pending.logits is None
+            or rows is None
+            or not pending.sample_rows
+            or pending.mask is not None
+            or pending.scored
+            or rows.has_drafts
+        ):
+            return
+        with torch.inference_mode():
+            pending.ahead = self.sampler.start(pending.logits, rows.sampling)
+        pending.sample_index = {rows.rows[r].request_id: j for j, r in enumerate(pending.sample_rows)}
 
     def carries(self, handle: PendingStep, batch: Sequence[ScheduledSequence]) -> bool:
         """Whether `batch`'s carried rows can take their tokens from `handle`'s step on the device
