@@ -32,11 +32,11 @@ from typing import Any
 from engine.contract import (
     DeviceCarry,
     SampledToken,
-    SamplingParams,
     ScheduledSequence,
     StepResult,
     is_carried,
 )
+from loadtest.tpot import one_stream
 from scheduler.config import SchedulerConfig
 from scheduler.fake_runner import FakeRunner
 from scheduler.loop import IterationLoop
@@ -137,32 +137,22 @@ class SimRow:
     idle_ms: float  # the device's median idle time between two decode steps
 
 
-async def _stream(loop: IterationLoop, prompt: list[int], new_tokens: int, rid: str) -> float:
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
-    first = last = 0.0
-    tokens = 0
-    async for delta in loop.generate(prompt, params, rid):
-        if delta.token_ids:
-            last = time.perf_counter()
-            first = first or last
-            tokens += len(delta.token_ids)
-    return (last - first) / (tokens - 1)
-
-
 async def measure(carry: bool, streams: int, step_s: float, new_tokens: int) -> SimRow:
     device = SimulatedDevice(step_s, carry)
     loop = IterationLoop(device, SchedulerConfig(overlap_schedule=True, speculative="off", max_num_seqs=256))
     await loop.start()
     try:
         prompts = [[100 + i, 200 + i, 300 + i, 400 + i] for i in range(streams)]
-        tpots = await asyncio.gather(*(_stream(loop, p, new_tokens, f"s{i}") for i, p in enumerate(prompts)))
+        runs = await asyncio.gather(
+            *(one_stream(loop, p, new_tokens, f"s{i}") for i, p in enumerate(prompts))
+        )
     finally:
         await loop.shutdown()
         device.close()
     spans = device.busy[2:]  # after the prompts' step and the first decode
     idle = [b[0] - a[1] for a, b in zip(spans, spans[1:], strict=False)]
     step = statistics.median(end - start for start, end in spans)
-    tpot = statistics.mean(tpots)
+    tpot = statistics.mean(t for t, _ in runs)
     return SimRow(
         "carried on the device" if carry else "put in on the host",
         streams,
