@@ -6,7 +6,7 @@ and returns one `SampledToken` (or None) per entry, in the same order.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
@@ -206,6 +206,13 @@ class SampledToken:
 def is_carried(seq: ScheduledSequence) -> bool:
     """A decode row whose token the step before is sampling (PENDING_TOKEN)."""
     return len(seq.token_ids) == 1 and seq.token_ids[0] == PENDING_TOKEN
+
+
+def carriable_on_device(batch: Sequence[ScheduledSequence], sampled: Container[str]) -> bool:
+    """Whether `batch`'s carried rows can take their tokens on the device from a step that sampled for
+    the requests `sampled`: each carried row's request is among them, and none reads its outputs (the
+    last of which the host does not know yet). What Executor.carries answers for such a step."""
+    return all(s.request_id in sampled and not s.sampling.reads_outputs for s in batch if is_carried(s))
 
 
 @dataclass(frozen=True)

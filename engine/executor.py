@@ -20,6 +20,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import cached_property
 from itertools import accumulate
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,7 +35,7 @@ from engine.contract import (
     PromptLogprobs,
     ScheduledSequence,
     StepResult,
-    is_carried,
+    carriable_on_device,
 )
 from engine.inputs import CarriedTokens, HostStepInputs, PoolSpan, to_device
 from engine.model_runner import ModelRunner
@@ -68,10 +69,15 @@ class PendingStep:
     sends: list[Any] = field(default_factory=list)  # dist.Work of the isends to stage 1
     keep: list[torch.Tensor] = field(default_factory=list)  # tensors the isends read from
     mask: PendingMask | None = None  # grammar masks of the constrained rows, computed meanwhile
-    # Sampled in submit() (LocalExecutor.samples_ahead): the draws, still on the device, and each
-    # sampling row's index among them by request id (what a carried row of the next step reads).
+    # Sampled in submit() (LocalExecutor.samples_ahead): the draws, still on the device.
     ahead: SampledOnDevice | None = None
-    sample_index: dict[str, int] = field(default_factory=dict)
+
+    @cached_property
+    def sample_index(self) -> dict[str, int]:
+        """Each sampling row's index among the draws, by request id (what a carried row of the next
+        step reads)."""
+        assert self.rows is not None
+        return {self.rows.rows[r].request_id: j for j, r in enumerate(self.sample_rows)}
 
 
 class ExecutorBase(ABC):
@@ -298,18 +304,12 @@ class LocalExecutor(ExecutorBase):
             return
         with torch.inference_mode():
             pending.ahead = self.sampler.start(pending.logits, rows.sampling)
-        pending.sample_index = {rows.rows[r].request_id: j for j, r in enumerate(pending.sample_rows)}
 
     def carries(self, handle: PendingStep, batch: Sequence[ScheduledSequence]) -> bool:
         """Whether `batch`'s carried rows can take their tokens from `handle`'s step on the device
-        (submit(batch, DeviceCarry(handle, rows))): that step sampled them in submit(), and no carried
-        row's sampling reads its outputs (the last of which the host does not know yet)."""
-        if handle.ahead is None:
-            return False
-        index = handle.sample_index
-        return all(
-            seq.request_id in index and not seq.sampling.reads_outputs for seq in batch if is_carried(seq)
-        )
+        (submit(batch, DeviceCarry(handle, rows))): that step sampled in submit(), and
+        carriable_on_device."""
+        return handle.ahead is not None and carriable_on_device(batch, handle.sample_index)
 
     def _carried_tokens(
         self, carry: DeviceCarry, pending: PendingStep, host: HostStepInputs

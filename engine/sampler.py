@@ -90,11 +90,11 @@ class SampledOnDevice:
 
     def result(self) -> list[SampledToken]:
         """Wait for this step's copies (not for any step queued after it) and make the tokens."""
-        if not self.logprob_rows:
-            (token_list,) = self.copies.tolist()
-            return [SampledToken(t) for t in token_list]
-        token_list, chosen_lp, top_vals, top_ids = self.copies.tolist()
+        token_list, *logprobs = self.copies.tolist()
         out = [SampledToken(t) for t in token_list]
+        if not self.logprob_rows:
+            return out
+        chosen_lp, top_vals, top_ids = logprobs
         for j, (i, n) in enumerate(self.logprob_rows):
             out[i].logprob = chosen_lp[j]
             out[i].top_logprobs = list(zip(top_ids[j][:n], top_vals[j][:n], strict=True))

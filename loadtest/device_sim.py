@@ -29,17 +29,12 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from engine.contract import (
-    DeviceCarry,
-    SampledToken,
-    ScheduledSequence,
-    StepResult,
-    is_carried,
-)
+from engine.contract import DeviceCarry, ScheduledSequence, StepResult, carriable_on_device
 from loadtest.tpot import one_stream
 from scheduler.config import SchedulerConfig
 from scheduler.fake_runner import FakeRunner
 from scheduler.loop import IterationLoop
+from scheduler.overlap import last_tokens
 
 
 @dataclass
@@ -63,8 +58,7 @@ class SimulatedDevice(FakeRunner):
         super().__init__(simulate_kv=False, **kw)
         self.device_type = "sim"  # not "cpu": the loop overlaps as on an accelerator
         self.step_s = step_s
-        self.carry = carry
-        self.samples_ahead = carry
+        self.samples_ahead = carry  # the draws are "on the device" for the next step to read
         self.busy: list[tuple[float, float]] = []  # (start, end) of each step on the device
         self._queue: queue.Queue[_Job | None] = queue.Queue()
         self._thread = threading.Thread(target=self._run, name="simulated-device", daemon=True)
@@ -88,11 +82,9 @@ class SimulatedDevice(FakeRunner):
         return handle.results
 
     def carries(self, handle: _Job, batch: Sequence[ScheduledSequence]) -> bool:
-        """Every carried row's request sampled in `handle`'s step, and none reads its outputs."""
-        if not self.carry:
-            return False
+        """Whether the draws are kept for the next step and its carried rows can read them."""
         sampled = {s.request_id for s in handle.batch if s.sample}
-        return all(s.request_id in sampled and not s.sampling.reads_outputs for s in batch if is_carried(s))
+        return self.samples_ahead and carriable_on_device(batch, sampled)
 
     def _run(self) -> None:
         while (job := self._queue.get()) is not None:
@@ -113,11 +105,7 @@ class SimulatedDevice(FakeRunner):
             return list(job.batch)
         before: _Job = job.carry.handle
         assert before.results is not None, "a carried step ran before the step it reads from"
-        tokens = {
-            s.request_id: r.token_id
-            for s, r in zip(before.batch, before.results, strict=True)
-            if isinstance(r, SampledToken)
-        }
+        tokens = last_tokens(before.batch, before.results)
         batch = list(job.batch)
         for i in job.carry.rows:
             seq = batch[i]

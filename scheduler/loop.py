@@ -171,6 +171,8 @@ class IterationLoop:
         # (_schedules_ahead, _run_queued); so does an executor that samples in submit() (tests).
         self._on_accelerator = executor.device_type != "cpu"
         self._collects_late = self._on_accelerator or bool(getattr(executor, "samples_ahead", False))
+        # The worker thread's share of an overlapped step.
+        self._worker_step = self._run_queued if self._collects_late else self._run_step
         self._carries: Callable[[Any, Sequence[ScheduledSequence]], bool] | None = getattr(
             executor, "carries", None
         )
@@ -458,13 +460,6 @@ class IterationLoop:
             if pending.kept != []:  # else every row was dropped: nothing ran
                 self._step_done(pending)
             pending = new
-
-    def _worker_step(self, flight: _InFlight) -> None:
-        """The worker thread's share of an overlapped step (_run_queued or _run_step)."""
-        if self._collects_late:
-            self._run_queued(flight)
-        else:
-            self._run_step(flight)
 
     def _run_step(self, flight: _InFlight) -> None:
         """An overlapped step on a CPU, where submit() is the forward itself: put the step before's
