@@ -15,6 +15,9 @@ from tests.kernel_marks import kernels_for, needs_native_kernels
 KERNEL_SOURCES = Path(cpu_kernels.__file__).parent
 
 
+# Slow: compiling a second kernel tree takes ~30 s on a 2-core machine, the largest single cost of `make
+# test` (2026-12-02), for a benchmarking tool rather than the server.
+@pytest.mark.slow
 @needs_native_kernels
 def test_a_tree_with_other_flags_matches_the_installed_kernels() -> None:
     installed = kernels_for("avx2")
