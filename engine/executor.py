@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 from abc import ABC, abstractmethod
+from bisect import bisect_left
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
@@ -318,16 +319,10 @@ class LocalExecutor(ExecutorBase):
         go in this step's flat tokens (over CARRIED_PLACEHOLDER)."""
         before: PendingStep = carry.handle
         assert before.ahead is not None and pending.rows is not None
-        batch, rows = pending.batch, pending.rows
-        if len(rows.rows) == len(batch):  # no verification spread over rows: row i is entry i
-            row_of = carry.rows
-        else:
-            first: dict[int, int] = {}
-            for r, e in enumerate(rows.entry_of_row):
-                first.setdefault(e, r)
-            row_of = [first[i] for i in carry.rows]
+        batch, entry_of_row = pending.batch, pending.rows.entry_of_row
         starts = [0, *accumulate(host.query_lens)]
-        flat = [starts[r] for r in row_of]
+        # A carried row is its entry's first (only) row; rows are in batch order (spread).
+        flat = [starts[bisect_left(entry_of_row, i)] for i in carry.rows]
         src = [before.sample_index[batch[i].request_id] for i in carry.rows]
         tokens = before.ahead.tokens.index_select(
             0, to_device(torch.tensor(src, dtype=torch.int64), self.device)
